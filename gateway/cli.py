@@ -1,0 +1,194 @@
+"""The `streamgate` command: `serve`, `run` and `tools`.
+
+Every `serve` flag can also be set with a `STREAMGATE_*` variable (shown in `--help`).
+`run` exits 0 with the result on stdout, 1 on an `error` event, 2 when the
+server refuses the request before streaming, 3 when the server cannot be
+reached or the stream breaks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+import click
+
+from gateway.config import Settings
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+_D = Settings()  # the defaults, shown in --help
+
+
+def _option(name: str, **kwargs: Any) -> Any:
+    env = "STREAMGATE_" + name.lstrip("-").replace("-", "_").upper()
+    return click.option(name, envvar=env, show_envvar=True, show_default=True, **kwargs)
+
+
+@click.group()
+@click.version_option(package_name="streamgate")
+def main() -> None:
+    """streamgate: long-running model tools behind one streaming endpoint each."""
+
+
+@main.command()
+@_option("--host", default=_D.host, help="Interface to listen on.")
+@_option("--port", default=_D.port, type=int)
+@_option("--model", default=None, help="Local folder, .gguf file or Hugging Face id. Default: the bundled SmolLM2-135M-Instruct.")
+@_option("--device", default=None, help="cuda, cuda:1, mps or cpu. Default: the best available.")
+@_option("--dtype", default=None, help="float32, float16 or bfloat16. Default: bfloat16 on CUDA, else float32.")
+@_option("--cache-dir", default=None, help="Where converted models are kept. Default: the user cache folder.")
+@_option("--tools", multiple=True, help="Import a module of user tools (repeatable).")
+@_option("--queue-size", default=_D.queue_size, type=click.IntRange(min=1), help="Jobs that may wait; more get 429 queue_full.")
+@_option("--max-prompts", default=_D.max_prompts, type=click.IntRange(min=1), help="Most prompts in one job.")
+@_option("--max-tokens", default=_D.max_tokens, type=click.IntRange(min=1), help="Most tokens one generate job may ask for.")
+@_option("--max-body-bytes", default=_D.max_body_bytes, type=click.IntRange(min=1))
+@_option("--ping-interval", default=_D.ping_interval, type=click.FloatRange(min=0), help="Seconds of quiet before a ': ping' comment (0: none).")
+@_option("--retry-ms", default=_D.retry_ms, type=click.IntRange(min=0), help="The reconnect delay sent to EventSource clients.")
+@_option("--log-level", default=_D.log_level, type=click.Choice(["debug", "info", "warning", "error"]))
+@_option("--debug", is_flag=True, default=False, help="Put tracebacks in tool_error messages.")
+def serve(**options: Any) -> None:
+    """Start the gateway with the local backend."""
+    import uvicorn
+
+    from backends.local import LocalBackend
+    from backends.model import ModelError
+    from gateway.app import create_app
+    from gateway.tools import builtin_tools, collect, load_module
+
+    options["tools"] = list(options["tools"])
+    settings = Settings(**options)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        tools = collect(builtin_tools() + [t for name in settings.tools for t in load_module(name)])
+        backend = LocalBackend(
+            tools,
+            model=settings.model,
+            device=settings.device,
+            dtype=settings.dtype,
+            cache_dir=settings.cache_dir,
+            queue_size=settings.queue_size,
+            debug=settings.debug,
+        )
+    except (ValueError, ModelError) as exc:
+        raise click.ClickException(str(exc)) from None
+    app = create_app(backend, settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+
+
+def _params_from_pairs(pairs: tuple[str, ...]) -> list[tuple[str, str]]:
+    query = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.UsageError(f"expected key=value, got {pair!r}")
+        query.append((key, value))
+    return query
+
+
+@main.command()
+@click.argument("tool")
+@click.argument("pairs", nargs=-1, metavar="[KEY=VALUE]...")
+@click.option("--json", "params_json", default=None, help="All params as one JSON object.")
+@_option("--url", default=DEFAULT_URL, help="The gateway's address.")
+@click.option("--quiet", "-q", is_flag=True, help="Print only the result.")
+def run(tool: str, pairs: tuple[str, ...], params_json: str | None, url: str, quiet: bool) -> None:
+    """Run TOOL and print its result as JSON.
+
+    KEY=VALUE pairs use the server's query form (repeat a key for a list:
+    prompts=a prompts=b); --json sends a JSON body instead.
+    """
+    import httpx
+    from tqdm import tqdm
+
+    from gateway.client import Client, HttpError, JobError, StreamEndedError
+
+    if params_json is not None and pairs:
+        raise click.UsageError("give KEY=VALUE pairs or --json, not both")
+    params, query = None, None
+    if params_json is not None:
+        try:
+            params = json.loads(params_json)
+        except json.JSONDecodeError as exc:
+            raise click.UsageError(f"--json is not valid JSON: {exc}") from None
+    else:
+        query = _params_from_pairs(pairs)
+
+    bar: tqdm | None = None
+    err = click.get_text_stream("stderr")
+
+    def on_status(frame: dict[str, Any]) -> None:
+        nonlocal bar
+        if quiet:
+            return
+        progress = frame.get("progress")
+        if progress:
+            if bar is None:
+                bar = tqdm(total=progress.get("total"), unit=progress.get("unit") or "it", file=err, leave=False)
+            bar.n = progress["done"]
+            bar.refresh()
+            return
+        line = frame["status"]
+        if frame.get("position") is not None:
+            line += f" (position {frame['position']} of {frame.get('queue_size', '?')})"
+        if frame.get("message"):
+            line += f": {frame['message']}"
+        click.echo(line, err=True)
+
+    def on_log(frame: dict[str, Any]) -> None:
+        if not quiet:
+            click.echo(f"[{frame['level']}] {frame['message']}", err=True)
+
+    def on_partial(data: Any) -> None:
+        if not quiet and isinstance(data, dict) and isinstance(data.get("text"), str) and bar is None:
+            err.write(data["text"])
+            err.flush()
+
+    try:
+        with Client(url) as client:
+            result = client.run(
+                tool, params, query=query, on_status=on_status, on_log=on_log, on_partial=on_partial
+            )
+    except HttpError as exc:
+        click.echo(f"error: {exc}" + (f" (field: {exc.field})" if exc.field else ""), err=True)
+        sys.exit(2)
+    except JobError as exc:
+        click.echo(f"\njob failed: {exc}", err=True)
+        sys.exit(1)
+    except (httpx.HTTPError, StreamEndedError) as exc:
+        click.echo(f"error: cannot get a result from {url}: {exc}", err=True)
+        sys.exit(3)
+    finally:
+        if bar is not None:
+            bar.close()
+    click.echo(json.dumps(result, ensure_ascii=False, indent=2))
+
+
+@main.command()
+@_option("--url", default=DEFAULT_URL, help="The gateway's address.")
+@click.option("--json", "as_json", is_flag=True, help="Print the full descriptions with JSON Schema.")
+def tools(url: str, as_json: bool) -> None:
+    """List the tools a gateway serves."""
+    import httpx
+
+    from gateway.client import Client, HttpError
+
+    try:
+        with Client(url) as client:
+            listed = client.tools()
+    except HttpError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except httpx.HTTPError as exc:
+        click.echo(f"error: cannot reach {url}: {exc}", err=True)
+        sys.exit(3)
+    if as_json:
+        click.echo(json.dumps(listed, indent=2))
+        return
+    width = max((len(t["name"]) for t in listed), default=0)
+    for t in listed:
+        summary = (t["description"].splitlines() or [""])[0]
+        click.echo(f"{t['name']:<{width}}  {summary}")

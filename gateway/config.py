@@ -1,0 +1,27 @@
+"""Server settings: one Struct, filled from `streamgate serve` flags or `STREAMGATE_*` variables."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Settings(msgspec.Struct, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    cache_dir: str | None = None
+    tools: list[str] = msgspec.field(default_factory=list)
+    queue_size: int = 64
+    max_prompts: int = 32
+    max_tokens: int = 512
+    max_body_bytes: int = 1 << 20
+    ping_interval: float = 15.0
+    retry_ms: int = 3000
+    debug: bool = False
+    log_level: str = "info"
+
+    def limits(self) -> dict[str, int]:
+        """Server limits that tools bind their fields to through `Tool.caps`."""
+        return {"max_prompts": self.max_prompts, "max_tokens": self.max_tokens}

@@ -1,0 +1,184 @@
+"""The job lifecycle: one job, its numbered event log, and the one terminal event.
+
+A `Job` lives on the event loop. Everything that happens to it is appended to
+its log as an encoded `Event` with the next `seq`; followers read the log from
+any point and wait for more. The terminal invariant is enforced here and
+nowhere else: the first `data` or `error` closes the log, and anything emitted
+after it is dropped.
+
+Run functions execute on worker threads; they reach their job through a
+`JobContext`, which hops onto the loop with `call_soon_threadsafe`. That keeps
+the order in which a tool emits frames, and the terminal event (set after the
+worker's future resolves) always lands after them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from typing import Any
+
+import msgspec
+
+from gateway.protocol import (
+    RETRYABLE,
+    Code,
+    ErrorFrame,
+    ErrorInfo,
+    Event,
+    EventType,
+    LogFrame,
+    Progress,
+    Status,
+    StatusFrame,
+    encode,
+    now,
+)
+from gateway.tools.base import Cancelled
+
+PROGRESS_INTERVAL_S = 0.1  # RUNNING frames are coalesced to at most ~10/s per job
+
+
+class Job:
+    """One run of one tool, from RECEIVED to its terminal event."""
+
+    def __init__(self, tool: str, params: Any, job_id: str | None = None) -> None:
+        self.id = job_id or uuid.uuid4().hex
+        self.tool = tool
+        self.params = params
+        self.created = now()
+        self.started: float | None = None
+        self.finished: float | None = None
+        self.status = Status.RECEIVED
+        self.position: int | None = None
+        self.events: list[Event] = []
+        self.terminal: Event | None = None
+        # Read by worker threads between steps, hence a threading.Event.
+        self.cancel_requested = threading.Event()
+        self._loop = asyncio.get_running_loop()
+        self._changed = asyncio.Event()
+        self._pending_progress: Progress | None = None
+        self._progress_timer: asyncio.TimerHandle | None = None
+        self._last_progress = 0.0
+        self.set_status(Status.RECEIVED)
+
+    # -- emitting (event loop only) ------------------------------------------
+
+    def _append(self, type: EventType, data: bytes) -> Event | None:
+        if self.terminal is not None:
+            return None
+        event = Event(self.id, len(self.events) + 1, type, data)
+        self.events.append(event)
+        if event.terminal:
+            self.terminal = event
+            self.finished = now()
+            self._drop_pending_progress()
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        return event
+
+    def next_seq(self) -> int:
+        return len(self.events) + 1
+
+    def set_status(self, status: Status, **fields: Any) -> None:
+        """Move to `status` and send a status frame (QUEUED again when the position moves)."""
+        if self.terminal is not None:
+            return
+        self._flush_progress()
+        self.status = status
+        if status is Status.RUNNING and self.started is None:
+            self.started = now()
+        if status is Status.QUEUED:
+            self.position = fields.get("position")
+        frame = StatusFrame(self.id, self.next_seq(), status, now(), **fields)
+        self._append(EventType.STATUS, encode(frame))
+
+    def progress(self, done: int, total: int | None = None, unit: str | None = None) -> None:
+        if self.terminal is not None:
+            return
+        self._pending_progress = Progress(done, total, unit)
+        wait = self._last_progress + PROGRESS_INTERVAL_S - self._loop.time()
+        if wait <= 0:
+            self._flush_progress()
+        elif self._progress_timer is None:
+            self._progress_timer = self._loop.call_later(wait, self._flush_progress)
+
+    def _flush_progress(self) -> None:
+        progress, self._pending_progress = self._pending_progress, None
+        self._drop_pending_progress()
+        if progress is None or self.terminal is not None:
+            return
+        self._last_progress = self._loop.time()
+        frame = StatusFrame(self.id, self.next_seq(), Status.RUNNING, now(), progress=progress)
+        self._append(EventType.STATUS, encode(frame))
+
+    def _drop_pending_progress(self) -> None:
+        if self._progress_timer is not None:
+            self._progress_timer.cancel()
+            self._progress_timer = None
+
+    def log(self, message: str, level: str = "info") -> None:
+        self._flush_progress()
+        frame = LogFrame(self.id, self.next_seq(), now(), level, message)
+        self._append(EventType.LOG, encode(frame))
+
+    def partial(self, obj: Any) -> None:
+        self._flush_progress()
+        self._append(EventType.PARTIAL, encode(obj))
+
+    def succeed(self, result: Any) -> None:
+        self._flush_progress()
+        self._append(EventType.DATA, encode(result))
+
+    def fail(self, code: Code, message: str) -> None:
+        """End with an `error` event (no-op if the job already ended)."""
+        info = ErrorInfo(code=code, message=message, retryable=code in RETRYABLE)
+        self._append(EventType.ERROR, encode(ErrorFrame(self.id, self.next_seq(), info)))
+
+    def cancel(self) -> None:
+        """Ask the work to stop. A queued job is failed by its queue; a running one by its worker."""
+        self.cancel_requested.set()
+
+    @property
+    def done(self) -> bool:
+        return self.terminal is not None
+
+    # -- following ------------------------------------------------------------
+
+    async def wait_events(self, after: int, timeout: float | None = None) -> list[Event]:
+        """Events with seq > `after`, waiting up to `timeout` for one; [] on timeout."""
+        if len(self.events) <= after and self.terminal is None:
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), timeout)
+            except TimeoutError:
+                return []
+        return self.events[after:]
+
+
+class JobContext:
+    """The `Context` a run function gets: thread-safe, forwards onto the job's loop."""
+
+    def __init__(self, job: Job) -> None:
+        self.job_id = job.id
+        self._job = job
+        self._call = job._loop.call_soon_threadsafe
+
+    def progress(self, done: int, total: int | None = None, unit: str | None = None) -> None:
+        self._call(self._job.progress, done, total, unit)
+
+    def log(self, message: str, level: str = "info") -> None:
+        self._call(self._job.log, str(message), level)
+
+    def partial(self, obj: Any) -> None:
+        # Encode now, on the worker thread: the tool may reuse `obj` afterwards.
+        self._call(self._job.partial, msgspec.Raw(encode(obj)))
+
+    @property
+    def cancelled(self) -> bool:
+        return self._job.cancel_requested.is_set()
+
+    def raise_if_cancelled(self) -> None:
+        if self.cancelled:
+            raise Cancelled()

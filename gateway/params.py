@@ -1,0 +1,124 @@
+"""From a request to a tool's params Struct, and from the Struct to JSON Schema.
+
+Both request forms go through the same Struct: a POST body is decoded straight
+into it; the GET form used by `EventSource` maps flat query keys onto fields
+(repeat a key for a list) and lets msgspec coerce the strings. Server limits
+named in a tool's `caps` are applied to validation and schema alike, so what
+`GET /tools` advertises is exactly what is enforced.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+from starlette.datastructures import QueryParams
+
+from gateway.errors import ApiError, ParamError, from_validation_error
+from gateway.protocol import Code
+from gateway.tools.base import Tool
+
+
+def decode_body(tool: Tool, body: bytes) -> Any:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(Code.BAD_REQUEST, "the body is not UTF-8") from None
+    try:
+        return msgspec.json.decode(body, type=tool.params)
+    except msgspec.ValidationError as exc:
+        if " - at `$" not in str(exc) and str(exc).startswith("Expected `object`"):
+            raise ApiError(Code.BAD_REQUEST, "the body must be a JSON object of params") from None
+        raise from_validation_error(exc) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(Code.BAD_REQUEST, f"the body is not valid JSON: {exc}") from None
+
+
+def decode_query(tool: Tool, query: QueryParams) -> Any:
+    """Params from a query string: `params=<JSON>`, or one key per field."""
+    if "params" in query and "params" not in _fields(tool):
+        if len(query) > 1:
+            raise ApiError(
+                Code.BAD_REQUEST, "give either params=<JSON> or flat keys, not both"
+            )
+        return decode_body(tool, query["params"].encode())
+    lists = _list_fields(tool)
+    obj: dict[str, Any] = {}
+    for key in query.keys():
+        values = query.getlist(key)
+        if key in lists:
+            obj[key] = values
+        elif len(values) > 1:
+            raise ParamError(key, "given more than once; it takes one value")
+        else:
+            obj[key] = values[0]
+    try:
+        return msgspec.convert(obj, tool.params, strict=False)
+    except msgspec.ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def apply_caps(tool: Tool, params: Any, limits: Mapping[str, int]) -> None:
+    for name, limit_name in tool.caps.items():
+        value = getattr(params, name, None)
+        if value is None:
+            continue
+        limit = limits[limit_name]
+        if isinstance(value, (list, tuple, str, dict)):
+            if len(value) > limit:
+                raise ParamError(name, f"at most {limit} allowed, got {len(value)}")
+        elif value > limit:
+            raise ParamError(name, f"must be <= {limit} (the server's limit), got {value}")
+
+
+def schema(tp: Any, caps: Mapping[str, str] | None = None, limits: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """A self-contained JSON Schema for `tp`: its own object at the top, `$defs` for the rest."""
+    (ref,), components = msgspec.json.schema_components([tp], ref_template="#/$defs/{name}")
+    if "$ref" in ref:
+        top = copy.deepcopy(components.pop(ref["$ref"].rsplit("/", 1)[1]))
+    else:
+        top = dict(ref)
+    if components:
+        top["$defs"] = components
+    for name, limit_name in (caps or {}).items():
+        prop = top.get("properties", {}).get(name)
+        if prop is None or limits is None:
+            continue
+        for variant in prop.get("anyOf", [prop]):
+            kind = variant.get("type")
+            key = {"array": "maxItems", "string": "maxLength", "object": "maxProperties"}.get(
+                kind, "maximum"
+            )
+            if kind != "null":
+                variant[key] = min(variant.get(key, limits[limit_name]), limits[limit_name])
+    return top
+
+
+def _fields(tool: Tool) -> frozenset[str]:
+    return frozenset(f.encode_name for f in _info(tool.params).fields)
+
+
+_SEQUENCES = (
+    msgspec.inspect.ListType,
+    msgspec.inspect.TupleType,
+    msgspec.inspect.VarTupleType,
+    msgspec.inspect.SetType,
+    msgspec.inspect.FrozenSetType,
+)
+
+
+@functools.cache
+def _info(tp: type) -> Any:
+    return msgspec.inspect.type_info(tp)
+
+
+def _list_fields(tool: Tool) -> set[str]:
+    names = set()
+    for f in _info(tool.params).fields:
+        types = f.type.types if isinstance(f.type, msgspec.inspect.UnionType) else (f.type,)
+        if any(isinstance(t, _SEQUENCES) for t in types):
+            names.add(f.encode_name)
+    return names

@@ -1,0 +1,181 @@
+"""The wire protocol: frames, error codes and their encoding as Server-Sent Events.
+
+Every frame is a msgspec Struct, so the same definitions validate, encode and
+produce JSON Schema. Events are encoded once, when they happen, and kept as
+bytes: a job's event log is replayed verbatim to every client that follows it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import msgspec
+
+
+class Status(str, enum.Enum):
+    RECEIVED = "RECEIVED"
+    QUEUED = "QUEUED"
+    DISPATCHED = "DISPATCHED"
+    RUNNING = "RUNNING"
+
+
+class EventType(str, enum.Enum):
+    STATUS = "status"
+    LOG = "log"
+    PARTIAL = "partial"
+    DATA = "data"
+    ERROR = "error"
+
+
+TERMINAL = frozenset({EventType.DATA, EventType.ERROR})
+
+
+class Code(str, enum.Enum):
+    """Error codes, both before the stream (HTTP) and inside it (`error` events)."""
+
+    BAD_REQUEST = "bad_request"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    UNKNOWN_TOOL = "unknown_tool"
+    TOO_LARGE = "too_large"
+    TOO_LONG = "too_long"
+    INVALID_PARAMS = "invalid_params"
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    QUEUE_FULL = "queue_full"
+    RATE_LIMITED = "rate_limited"
+    NOT_READY = "not_ready"
+    SHUTTING_DOWN = "shutting_down"
+    # In-stream only.
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    TOOL_ERROR = "tool_error"
+    REMOTE_ERROR = "remote_error"
+    BACKEND_UNAVAILABLE = "backend_unavailable"
+    INTERNAL = "internal"
+
+
+RETRYABLE = frozenset(
+    {
+        Code.QUEUE_FULL,
+        Code.RATE_LIMITED,
+        Code.NOT_READY,
+        Code.SHUTTING_DOWN,
+        Code.BACKEND_UNAVAILABLE,
+        Code.TIMEOUT,
+    }
+)
+
+
+class Progress(msgspec.Struct, omit_defaults=True):
+    done: int
+    total: int | None = None
+    unit: str | None = None
+
+
+class StatusFrame(msgspec.Struct, omit_defaults=True):
+    job_id: str
+    seq: int
+    status: Status
+    ts: float
+    message: str | None = None
+    position: int | None = None
+    queue_size: int | None = None
+    eta_s: float | None = None
+    progress: Progress | None = None
+
+
+class LogFrame(msgspec.Struct):
+    job_id: str
+    seq: int
+    ts: float
+    level: str
+    message: str
+
+
+class ErrorInfo(msgspec.Struct, omit_defaults=True):
+    code: Code
+    message: str
+    retryable: bool
+    field: str | None = None
+
+
+class ErrorFrame(msgspec.Struct):
+    """The terminal `error` event. `seq` repeats the event id's sequence number."""
+
+    job_id: str
+    seq: int
+    error: ErrorInfo
+
+
+class ErrorBody(msgspec.Struct):
+    """The JSON body of every HTTP error answered before a stream opens."""
+
+    error: ErrorInfo
+
+
+class ToolInfo(msgspec.Struct):
+    """One entry of `GET /tools`."""
+
+    name: str
+    description: str
+    params_schema: dict[str, Any]
+    result_schema: dict[str, Any]
+    streams_partial: bool
+    partial_schema: dict[str, Any] | None = None
+
+
+class Event(msgspec.Struct, frozen=True):
+    """One event of a job, encoded: `id` is `<job_id>:<seq>`, `data` is JSON."""
+
+    job_id: str
+    seq: int
+    type: EventType
+    data: bytes
+
+    @property
+    def id(self) -> str:
+        return f"{self.job_id}:{self.seq}"
+
+    @property
+    def terminal(self) -> bool:
+        return self.type in TERMINAL
+
+    def sse(self) -> bytes:
+        # JSON from msgspec never contains a raw newline, so one `data:` line
+        # always carries the whole payload.
+        return b"id: %s\nevent: %s\ndata: %s\n\n" % (
+            self.id.encode(),
+            self.type.value.encode(),
+            self.data,
+        )
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def now() -> float:
+    return round(time.time(), 3)
+
+
+def retry_line(ms: int) -> bytes:
+    return b"retry: %d\n\n" % ms
+
+
+PING = b": ping\n\n"
+
+
+def parse_event_id(value: str | None) -> tuple[str, int] | None:
+    """Split a `Last-Event-ID` of the form `<job_id>:<seq>`; None if malformed."""
+    if not value:
+        return None
+    job_id, sep, seq = value.strip().rpartition(":")
+    if not sep or not job_id or not seq.isdigit():
+        return None
+    return job_id, int(seq)

@@ -1,0 +1,55 @@
+"""A job's events as a Server-Sent Events response.
+
+Built on sse-starlette's `EventSourceResponse`, with two deliberate choices:
+
+- Keep-alive comments come from this generator, not from sse-starlette's ping
+  task: a `: ping` is written only after `ping_interval` seconds in which
+  nothing else was, instead of on a fixed clock alongside the data.
+- Events are encoded once, when they happen (`Event.sse()`), and written as
+  bytes; everything that arrived together goes out as one chunk.
+
+The generator follows the job's log until the terminal event and then returns,
+which ends the response. If the client goes away first, the job is cancelled:
+nobody is left to read its result.
+"""
+
+from __future__ import annotations
+
+from sse_starlette import EventSourceResponse
+
+from backends.base import Backend
+from gateway.jobs import Job
+from gateway.protocol import PING, retry_line
+
+
+def job_response(
+    job: Job,
+    backend: Backend,
+    *,
+    ping_interval: float = 15.0,
+    retry_ms: int = 3000,
+    after: int = 0,
+) -> EventSourceResponse:
+    async def events():
+        seen = after
+        try:
+            yield retry_line(retry_ms)
+            while True:
+                batch = await job.wait_events(seen, timeout=ping_interval or None)
+                if not batch:
+                    yield PING
+                    continue
+                seen = batch[-1].seq
+                yield b"".join(event.sse() for event in batch)
+                if job.terminal is not None and seen >= job.terminal.seq:
+                    return
+        finally:
+            if not job.done:
+                backend.cancel(job)
+
+    return EventSourceResponse(
+        events(),
+        ping=0,
+        sep="\n",
+        headers={"Cache-Control": "no-cache", "X-Job-Id": job.id},
+    )

@@ -1,0 +1,161 @@
+"""The tool API: what a tool is, what it is given, and how it talks back.
+
+A tool is a name, a description, a params Struct, a result Struct and a run
+function `run(model, params, ctx) -> result`. The run function is ordinary
+blocking code: it runs on the device's worker thread, never on the event loop,
+so it may call torch freely. Through `ctx` it reports progress, logs and
+partial output, and learns it was cancelled.
+
+    import msgspec
+    from gateway.tools import Context, Model, tool
+
+    class EchoParams(msgspec.Struct):
+        text: str
+
+    class EchoResult(msgspec.Struct):
+        text: str
+
+    @tool
+    def echo(model: Model, params: EchoParams, ctx: Context) -> EchoResult:
+        "Return the text unchanged."
+        return EchoResult(params.text)
+
+Load a module of tools with `streamgate serve --tools mypkg.tools`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from gateway.errors import TooLong
+
+
+class Cancelled(Exception):
+    """Raised inside a run function when its job was cancelled; ends it with `cancelled`."""
+
+
+class Context(Protocol):
+    """What a run function can tell its job, and learn from it. Safe to call from any thread."""
+
+    job_id: str
+
+    def progress(self, done: int, total: int | None = None, unit: str | None = None) -> None:
+        """Report progress; frames are coalesced to about ten a second."""
+
+    def log(self, message: str, level: str = "info") -> None:
+        """Send a `log` event. It never changes the job's status."""
+
+    def partial(self, obj: Any) -> None:
+        """Send a `partial` event carrying `obj` (a Struct, dict or list)."""
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the job was cancelled; the tool should stop at its next step."""
+
+    def raise_if_cancelled(self) -> None:
+        """Raise `Cancelled` if the job was cancelled."""
+
+
+@dataclass(eq=False)
+class Model:
+    """A loaded causal language model and its tokenizer, as tools see it."""
+
+    name: str
+    module: Any  # a transformers PreTrainedModel, in eval mode, on `device`
+    tokenizer: Any
+    device: Any
+    dtype: Any
+    context_length: int
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt, with the tokenizer's special tokens, never empty."""
+        ids = list(self.tokenizer(text)["input_ids"])
+        if not ids:
+            # A model needs at least one token to predict from.
+            start = self.tokenizer.bos_token_id
+            ids = [start if start is not None else self.tokenizer.eos_token_id]
+        return ids
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of text that follows a prompt: no special tokens."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+
+    def fit(self, n_tokens: int, field: str, what: str = "input") -> None:
+        """Raise `TooLong` (413) if `n_tokens` exceed the model's context."""
+        if n_tokens > self.context_length:
+            raise TooLong(
+                field,
+                f"{what} needs {n_tokens} tokens; the model's context is {self.context_length}",
+            )
+
+
+RunFn = Callable[[Model, Any, Context], Any]
+CheckFn = Callable[[Model, Any], None]
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A model tool served at `POST /{name}/run`.
+
+    `check(model, params)` runs before the job is queued, off the event loop, for
+    rules that need the model (context length): raise `ParamError` or `TooLong`.
+    `caps` binds a field to a server limit by name (`{"max_tokens": "max_tokens"}`):
+    the limit bounds the field's value, or its length for lists and strings, both
+    in validation and in the JSON Schema that `GET /tools` serves.
+    """
+
+    name: str
+    description: str
+    params: type[msgspec.Struct]
+    result: type[Any]
+    run: RunFn
+    partial: type[Any] | None = None
+    check: CheckFn | None = None
+    caps: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def streams_partial(self) -> bool:
+        return self.partial is not None
+
+
+def tool(
+    fn: RunFn | None = None,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    partial: type[Any] | None = None,
+    check: CheckFn | None = None,
+    caps: Mapping[str, str] | None = None,
+) -> Any:
+    """Make a `Tool` from a run function, reading params and result types from its annotations."""
+
+    def make(run: RunFn) -> Tool:
+        hints = typing.get_type_hints(run)
+        params_type = list(inspect.signature(run).parameters)[1]
+        return Tool(
+            name=name or run.__name__,
+            description=description or inspect.getdoc(run) or "",
+            params=hints[params_type],
+            result=hints["return"],
+            run=run,
+            partial=partial,
+            check=check,
+            caps=dict(caps or {}),
+        )
+
+    return make(fn) if fn is not None else make
