@@ -115,10 +115,18 @@ def _info(tp: type) -> Any:
     return msgspec.inspect.type_info(tp)
 
 
+def _alternatives(t: Any) -> list[Any]:
+    """The types a field may take, with `Annotated` metadata and unions unwrapped."""
+    while isinstance(t, msgspec.inspect.Metadata):
+        t = t.type
+    if isinstance(t, msgspec.inspect.UnionType):
+        return [a for member in t.types for a in _alternatives(member)]
+    return [t]
+
+
 def _list_fields(tool: Tool) -> set[str]:
     names = set()
     for f in _info(tool.params).fields:
-        types = f.type.types if isinstance(f.type, msgspec.inspect.UnionType) else (f.type,)
-        if any(isinstance(t, _SEQUENCES) for t in types):
+        if any(isinstance(t, _SEQUENCES) for t in _alternatives(f.type)):
             names.add(f.encode_name)
     return names

@@ -26,6 +26,7 @@ Load a module of tools with `streamgate serve --tools mypkg.tools`.
 from __future__ import annotations
 
 import inspect
+import re
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -104,6 +105,8 @@ class Model:
             )
 
 
+_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
 RunFn = Callable[[Model, Any, Context], Any]
 CheckFn = Callable[[Model, Any], None]
 
@@ -127,6 +130,12 @@ class Tool:
     partial: type[Any] | None = None
     check: CheckFn | None = None
     caps: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise ValueError(f"tool name {self.name!r}: use letters, digits, '_' and '-' only")
+        if not (isinstance(self.params, type) and issubclass(self.params, msgspec.Struct)):
+            raise TypeError(f"tool {self.name!r}: params must be a msgspec.Struct type")
 
     @property
     def streams_partial(self) -> bool:
