@@ -134,6 +134,7 @@ class Job:
     def fail(self, code: Code, message: str) -> None:
         """End with an `error` event (no-op if the job already ended)."""
         info = ErrorInfo(code=code, message=message, retryable=code in RETRYABLE)
+        self._flush_progress()
         self._append(EventType.ERROR, encode(ErrorFrame(self.id, self.next_seq(), info)))
 
     def cancel(self) -> None:

@@ -1,0 +1,59 @@
+"""The bundled default model, SmolLM2-135M-Instruct, converted once from its GGUF file and cached."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backends import model as models
+from tests.conftest import make_server, run_stream
+
+pytestmark = pytest.mark.default_model
+
+
+@pytest.fixture(scope="module")
+def smol():
+    server = make_server(None, ready=False)
+    server.wait_ready(timeout=300)
+    yield server
+    server.stop()
+
+
+def test_the_documented_curl_session(smol):
+    s = run_stream(smol.url, "generate", {"prompts": ["The capital of France is"], "max_tokens": 8})
+    statuses = [e["data"]["status"] for e in s.of("status")]
+    assert statuses[:3] == ["RECEIVED", "QUEUED", "RUNNING"]
+    result = s.terminal["data"]
+    assert s.terminal["event"] == "data"
+    assert "Paris" in result["completions"][0]
+    assert "".join(p["data"]["text"] for p in s.of("partial")) == result["completions"][0]
+    assert result["usage"]["completion_tokens"] == 8
+
+
+def test_predict_and_loglikelihood_know_paris(smol):
+    top = run_stream(smol.url, "predict", {"prompt": "The capital of France is", "top_k": 3}).terminal["data"]
+    assert top["predictions"][0]["text"] == " Paris"
+    ll = run_stream(
+        smol.url,
+        "loglikelihood",
+        {"prompts": ["The capital of France is"] * 2, "continuations": [" Paris", " Berlin"]},
+    ).terminal["data"]
+    assert ll["ll"][0] > ll["ll"][1]
+    assert ll["is_greedy"] == [True, False]
+
+
+def test_the_conversion_is_cached_as_plain_safetensors(smol, monkeypatch):
+    spec = models.resolve(None)
+    cached = models.converted_path(spec, models.cache_root())
+    assert (cached / "model.safetensors").is_file()
+    config = json.loads((cached / "config.json").read_text())
+    assert "quantization_config" not in config
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("a cached model was converted again")
+
+    monkeypatch.setattr(models, "convert_gguf", no_conversion)
+    loaded = models.load(spec, device="cpu")
+    assert loaded.context_length == 8192
+    assert loaded.name == "SmolLM2-135M-Instruct"
