@@ -10,16 +10,22 @@ Built on sse-starlette's `EventSourceResponse`, with two deliberate choices:
 
 The generator follows the job's log until the terminal event and then returns,
 which ends the response. If the client goes away first, the job is cancelled:
-nobody is left to read its result.
+nobody is left to read its result. If the server shuts down first, the job is
+stopped and ends with `error` `shutting_down`, which the client still receives.
 """
 
 from __future__ import annotations
 
+import asyncio
+
+import anyio
 from sse_starlette import EventSourceResponse
 
 from backends.base import Backend
 from gateway.jobs import Job
-from gateway.protocol import PING, retry_line
+from gateway.protocol import PING, Code, retry_line
+
+SHUTDOWN_GRACE_S = 2.0  # time for the terminal event to reach the client on shutdown
 
 
 def job_response(
@@ -30,8 +36,17 @@ def job_response(
     retry_ms: int = 3000,
     after: int = 0,
 ) -> EventSourceResponse:
+    shutdown = anyio.Event()
+
+    async def end_on_shutdown() -> None:
+        await shutdown.wait()
+        if not job.done:
+            backend.cancel(job)
+            job.fail(Code.SHUTTING_DOWN, "the server is shutting down")
+
     async def events():
         seen = after
+        watcher = asyncio.create_task(end_on_shutdown())
         try:
             yield retry_line(retry_ms)
             while True:
@@ -44,6 +59,7 @@ def job_response(
                 if job.terminal is not None and seen >= job.terminal.seq:
                     return
         finally:
+            watcher.cancel()
             if not job.done:
                 backend.cancel(job)
 
@@ -52,4 +68,6 @@ def job_response(
         ping=0,
         sep="\n",
         headers={"Cache-Control": "no-cache", "X-Job-Id": job.id},
+        shutdown_event=shutdown,
+        shutdown_grace_period=SHUTDOWN_GRACE_S,
     )
