@@ -6,7 +6,9 @@ import abc
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.errors import ApiError
 from gateway.jobs import Job
+from gateway.protocol import Code
 from gateway.tools.base import Tool
 
 
@@ -26,6 +28,10 @@ class Backend(abc.ABC):
     @property
     def not_ready_reason(self) -> str:
         return "the backend is not ready"
+
+    def not_ready_error(self) -> ApiError:
+        """The 503 a request gets while the backend is not ready."""
+        return ApiError(Code.NOT_READY, self.not_ready_reason, retry_after=5)
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -66,6 +66,12 @@ class LocalBackend(Backend):
             return f"the model failed to load: {self.error}"
         return f"the model {self.spec.name} is still loading"
 
+    def not_ready_error(self) -> ApiError:
+        """503 `not_ready`: retryable while loading; not once loading has failed."""
+        if self.error:
+            return ApiError(Code.NOT_READY, self.not_ready_reason, retryable=False)
+        return ApiError(Code.NOT_READY, self.not_ready_reason, retry_after=5)
+
     async def start(self) -> None:
         self.queue = JobQueue(self.queue_size, eta=self._eta)
         self._loading = asyncio.create_task(self._load(), name="load model")
@@ -107,13 +113,13 @@ class LocalBackend(Backend):
         if tool.check is None:
             return
         if self.model is None:
-            raise ApiError(Code.NOT_READY, self.not_ready_reason, retry_after=5)
+            raise self.not_ready_error()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._checks, tool.check, self.model, params)
 
     def submit(self, job: Job) -> None:
         if not self.ready or self.queue is None:
-            raise ApiError(Code.NOT_READY, self.not_ready_reason, retry_after=5)
+            raise self.not_ready_error()
         self.queue.put(job, retry_after=self._eta(len(self.queue) + 1))
 
     def cancel(self, job: Job) -> None:

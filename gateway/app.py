@@ -70,7 +70,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             params = params_mod.decode_query(tool, request.query_params)
         params_mod.apply_caps(tool, params, limits)
         if not backend.ready:
-            raise ApiError(Code.NOT_READY, backend.not_ready_reason, retry_after=5)
+            raise backend.not_ready_error()
         await backend.check(tool, params)
         job = Job(tool.name, params)
         backend.submit(job)
@@ -93,7 +93,9 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status_code, Code.BAD_REQUEST)
-        return ApiError(code, exc.detail, status=exc.status_code).response()
+        response = ApiError(code, exc.detail, status=exc.status_code).response()
+        response.headers.update(exc.headers or {})  # e.g. the `Allow` a 405 must carry
+        return response
 
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)

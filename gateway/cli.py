@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -58,6 +59,10 @@ def serve(**options: Any) -> None:
     from gateway.tools import builtin_tools, collect, load_module
 
     options["tools"] = list(options["tools"])
+    # Like `python -m` and uvicorn: `--tools mypkg.tools` finds ./mypkg; a console
+    # script's sys.path starts at its own bin folder, not the working directory.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     settings = Settings(**options)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -114,6 +119,8 @@ def run(tool: str, pairs: tuple[str, ...], params_json: str | None, url: str, qu
             params = json.loads(params_json)
         except json.JSONDecodeError as exc:
             raise click.UsageError(f"--json is not valid JSON: {exc}") from None
+        if not isinstance(params, dict):
+            raise click.UsageError("--json must be a JSON object of params")
     else:
         query = _params_from_pairs(pairs)
 

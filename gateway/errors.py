@@ -45,6 +45,7 @@ class ApiError(Exception):
         field: str | None = None,
         retry_after: float | None = None,
         status: int | None = None,
+        retryable: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -52,10 +53,11 @@ class ApiError(Exception):
         self.field = field
         self.retry_after = retry_after
         self.status = status or STATUS_OF[code]
+        self.retryable = code in RETRYABLE if retryable is None else retryable
 
     def info(self) -> ErrorInfo:
         return ErrorInfo(
-            code=self.code, message=self.message, retryable=self.code in RETRYABLE, field=self.field
+            code=self.code, message=self.message, retryable=self.retryable, field=self.field
         )
 
     def response(self) -> Response:

@@ -85,7 +85,6 @@ class Job:
         """Move to `status` and send a status frame (QUEUED again when the position moves)."""
         if self.terminal is not None:
             return
-        self._flush_progress()
         self.status = status
         if status is Status.RUNNING and self.started is None:
             self.started = now()
@@ -95,6 +94,12 @@ class Job:
         self._append(EventType.STATUS, encode(frame))
 
     def progress(self, done: int, total: int | None = None, unit: str | None = None) -> None:
+        """Coalesce: at most one RUNNING frame per PROGRESS_INTERVAL_S, the newest update wins.
+
+        A pending update waits for its slot even when other events go out first, so a
+        progress frame may follow a log or partial emitted after it; the last pending
+        update is sent just before the terminal event.
+        """
         if self.terminal is not None:
             return
         self._pending_progress = Progress(done, total, unit)
@@ -119,12 +124,10 @@ class Job:
             self._progress_timer = None
 
     def log(self, message: str, level: str = "info") -> None:
-        self._flush_progress()
         frame = LogFrame(self.id, self.next_seq(), now(), level, message)
         self._append(EventType.LOG, encode(frame))
 
     def partial(self, obj: Any) -> None:
-        self._flush_progress()
         self._append(EventType.PARTIAL, encode(obj))
 
     def succeed(self, result: Any) -> None:

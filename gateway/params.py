@@ -22,19 +22,26 @@ from gateway.protocol import Code
 from gateway.tools.base import Tool
 
 
-def decode_body(tool: Tool, body: bytes) -> Any:
+def decode_body(tool: Tool, body: bytes, what: str = "the body") -> Any:
+    """Decode a JSON object of params (`what` names it in error messages)."""
     try:
         body.decode("utf-8")
     except UnicodeDecodeError:
-        raise ApiError(Code.BAD_REQUEST, "the body is not UTF-8") from None
+        raise ApiError(Code.BAD_REQUEST, f"{what} is not UTF-8") from None
     try:
         return msgspec.json.decode(body, type=tool.params)
     except msgspec.ValidationError as exc:
+        # msgspec stops at the first error, which may come before the JSON breaks:
+        # a body that is not JSON at all is a 400 whatever it would have failed first.
+        try:
+            msgspec.json.decode(body)
+        except msgspec.DecodeError as bad:
+            raise ApiError(Code.BAD_REQUEST, f"{what} is not valid JSON: {bad}") from None
         if " - at `$" not in str(exc) and str(exc).startswith("Expected `object`"):
-            raise ApiError(Code.BAD_REQUEST, "the body must be a JSON object of params") from None
+            raise ApiError(Code.BAD_REQUEST, f"{what} must be a JSON object of params") from None
         raise from_validation_error(exc) from None
     except msgspec.DecodeError as exc:
-        raise ApiError(Code.BAD_REQUEST, f"the body is not valid JSON: {exc}") from None
+        raise ApiError(Code.BAD_REQUEST, f"{what} is not valid JSON: {exc}") from None
 
 
 def decode_query(tool: Tool, query: QueryParams) -> Any:
@@ -44,7 +51,7 @@ def decode_query(tool: Tool, query: QueryParams) -> Any:
             raise ApiError(
                 Code.BAD_REQUEST, "give either params=<JSON> or flat keys, not both"
             )
-        return decode_body(tool, query["params"].encode())
+        return decode_body(tool, query["params"].encode(), "the params= value")
     lists = _list_fields(tool)
     obj: dict[str, Any] = {}
     for key in query.keys():

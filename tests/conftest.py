@@ -6,7 +6,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,3 +226,24 @@ def open_stream(url: str, tool: str, params: Any) -> Iterator[httpx.Response]:
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{url}/{tool}/run", json=params) as response:
             yield response
+
+
+def track_jobs(server: Server) -> dict[str, Any]:
+    """Record every job the backend accepts, by id (the gateway keeps no registry)."""
+    jobs: dict[str, Any] = {}
+    submit = server.backend.submit
+
+    def recording_submit(job: Any) -> None:
+        submit(job)
+        jobs[job.id] = job
+
+    server.backend.submit = recording_submit
+    return jobs
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)

@@ -155,7 +155,9 @@ def generate(model: Model, params: GenerateParams, ctx: Context) -> GenerateResu
             if row.finish is not None:
                 continue
             text = row.add(token, model)
-            if text:
+            # A finished row sends its last tokens even without text (EOS), so the
+            # partials' token_ids always add up to the completion's tokens.
+            if text or (row.finish is not None and row.unsent):
                 ctx.partial(GeneratePartial(index, text, row.unsent))
                 row.unsent = []
         ctx.progress(step + 1, params.max_tokens, "tokens")
@@ -168,7 +170,7 @@ def generate(model: Model, params: GenerateParams, ctx: Context) -> GenerateResu
     for index, row in enumerate(rows):
         if row.finish is None:
             tail = row.end("length", model.decode(row.tokens))
-            if tail:
+            if tail or row.unsent:
                 ctx.partial(GeneratePartial(index, tail, row.unsent))
     prompt_tokens = sum(len(ids) for ids in encoded)
     completion_tokens = sum(len(row.tokens) for row in rows)

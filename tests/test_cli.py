@@ -1,0 +1,365 @@
+"""The `streamgate` command as a user runs it: real subprocesses against a real server.
+
+`streamgate serve` runs from the repository root with `--tools tests.user_tools`
+and no PYTHONPATH, the way a user serves `--tools mypkg.tools` from their own
+project folder. `run` exits 0 with the result on stdout, 1 on an `error` event,
+2 when the server refuses the request, 3 when it cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import httpx
+import pytest
+
+from gateway.cli import serve as serve_command
+
+ROOT = Path(__file__).resolve().parents[1]
+STREAMGATE = Path(sys.executable).parent / "streamgate"
+START_TIMEOUT = 180  # importing torch and loading the model on a slow, busy machine
+CLI_TIMEOUT = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment without PYTHONPATH or any STREAMGATE_* setting, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMGATE_") and k != "PYTHONPATH"}
+    env.update(extra)
+    return env
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(STREAMGATE), *args],
+        cwd=ROOT,
+        env=env if env is not None else clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@dataclass
+class ServeProcess:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"serve did not become ready:\n{self.output()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+
+def start_serve(args: list[str], env: dict[str, str], port: int, log: Path) -> ServeProcess:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(STREAMGATE), "serve", *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    server = ServeProcess(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    assert STREAMGATE.exists(), f"no console script at {STREAMGATE}: pip install -e ."
+    port = free_port()
+    args = ["--model", str(tiny_model_path), "--port", str(port), "--tools", "tests.user_tools",
+            "--device", "cpu", "--log-level", "warning"]
+    server = start_serve(args, clean_env(), port, tmp_path_factory.mktemp("cli") / "serve.log")
+    yield server
+    server.stop()
+
+
+def result_of(proc: subprocess.CompletedProcess[str]) -> Any:
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+# -- tools ---------------------------------------------------------------------
+
+
+def test_tools_lists_builtin_and_user_tools(gateway):
+    proc = cli("tools", "--url", gateway.url)
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+    assert set(lines) == {"generate", "loglikelihood", "predict", "echo", "fail"}
+    # Each with the first line of its description.
+    assert "Return the text, repeated" in lines["echo"]
+    assert "Always raises" in lines["fail"]
+    assert "Complete each prompt" in lines["generate"]
+
+
+def test_tools_json_gives_the_schemas(gateway):
+    listed = result_of(cli("tools", "--json", "--url", gateway.url))
+    by_name = {t["name"]: t for t in listed}
+    assert set(by_name["echo"]["params_schema"]["properties"]) == {"text", "repeat", "delay"}
+    assert by_name["echo"]["params_schema"]["required"] == ["text"]
+    assert set(by_name["echo"]["result_schema"]["properties"]) == {"text", "tokens"}
+    assert by_name["generate"]["streams_partial"] is True
+    assert listed == httpx.get(gateway.url + "/tools", timeout=30).json()
+
+
+def test_url_can_come_from_the_environment(gateway):
+    env = clean_env(STREAMGATE_URL=gateway.url)
+    assert "echo" in cli("tools", env=env).stdout
+    assert result_of(cli("run", "echo", "text=env", env=env))["text"] == "env"
+
+
+# -- run: exit 0 -----------------------------------------------------------------
+
+
+def test_run_prints_the_result_json_on_stdout(gateway):
+    proc = cli("run", "echo", "text=hi", "--url", gateway.url)
+    assert result_of(proc) == {"text": "hi", "tokens": 3}  # BOS + one token per byte
+    # Status and logs go to stderr, never stdout.
+    assert "RECEIVED" in proc.stderr
+    assert "[info] echoing 'hi'" in proc.stderr
+
+
+def test_run_key_value_pairs_are_coerced(gateway):
+    proc = cli("run", "echo", "text=ab", "repeat=3", "--url", gateway.url)
+    assert result_of(proc) == {"text": "ababab", "tokens": 3}
+
+
+def test_run_quiet_prints_only_the_result(gateway):
+    proc = cli("run", "echo", "text=q", "--quiet", "--url", gateway.url)
+    assert result_of(proc) == {"text": "q", "tokens": 2}
+    assert proc.stderr.strip() == ""
+
+
+def test_run_json_form(gateway):
+    proc = cli("run", "echo", "--json", '{"text": "j\u00e9", "repeat": 2}', "--url", gateway.url)
+    assert result_of(proc) == {"text": "j\u00e9j\u00e9", "tokens": 4}
+
+
+def test_run_generate_with_a_list_matches_the_http_api(gateway):
+    proc = cli("run", "generate", "prompts=ab", "prompts=cd", "max_tokens=4", "--url", gateway.url)
+    out = result_of(proc)
+    direct = httpx.post(
+        gateway.url + "/generate/run", json={"prompts": ["ab", "cd"], "max_tokens": 4}, timeout=60
+    )
+    data = [json.loads(line[5:]) for line in direct.text.splitlines() if line.startswith("data:")]
+    assert out == data[-1]
+    assert len(out["completions"]) == 2
+    assert out["usage"]["completion_tokens"] == 8
+    as_json = result_of(cli("run", "generate", "--json", '{"prompts": ["ab", "cd"], "max_tokens": 4}',
+                            "--url", gateway.url))
+    assert as_json == out
+
+
+# -- run: exit 1, 2, 3 -----------------------------------------------------------
+
+
+def test_an_error_event_exits_1(gateway):
+    proc = cli("run", "fail", "message=kaputt", "--url", gateway.url)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert proc.stdout == ""
+    assert "tool_error" in proc.stderr
+    assert "RuntimeError: kaputt" in proc.stderr
+    assert "[warning] about to fail" in proc.stderr
+    assert "Traceback" not in proc.stderr  # no server traceback without --debug
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["generate", "prompts=hi", "max_tokens=0"], ["422 invalid_params", "(field: max_tokens)"]),
+        (["generate", "--json", '{"prompts": ["hi"], "max_tokens": 0}'], ["422 invalid_params", "field: max_tokens"]),
+        (["echo", "text=x", "nonsense=1"], ["422 invalid_params", "(field: nonsense)"]),
+        (["predict", "prompt=" + "a" * 300], ["413 too_long", "(field: prompt)"]),
+        (["nosuchtool", "x=1"], ["404 unknown_tool", "generate"]),
+    ],
+)
+def test_a_refused_request_exits_2_with_the_message_on_stderr(gateway, args, expected):
+    proc = cli("run", *args, "--url", gateway.url)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stdout == ""
+    for text in expected:
+        assert text in proc.stderr
+
+
+def test_usage_errors_exit_2_without_contacting_anything():
+    unreachable = f"http://127.0.0.1:{free_port()}"
+    both = cli("run", "echo", "text=x", "--json", "{}", "--url", unreachable)
+    assert both.returncode == 2 and "not both" in both.stderr
+    bad_json = cli("run", "echo", "--json", "{nope", "--url", unreachable)
+    assert bad_json.returncode == 2 and "not valid JSON" in bad_json.stderr
+    for not_object in ("[1]", "null", '"text"'):
+        proc = cli("run", "echo", "--json", not_object, "--url", unreachable)
+        assert proc.returncode == 2 and "JSON object" in proc.stderr, proc.stderr
+    bad_pair = cli("run", "echo", "justtext", "--url", unreachable)
+    assert bad_pair.returncode == 2 and "key=value" in bad_pair.stderr
+
+
+def test_an_unreachable_server_exits_3():
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = cli("run", "echo", "text=hi", "--url", url)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert proc.stdout == ""
+    assert url in proc.stderr
+    proc = cli("tools", "--url", url)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert url in proc.stderr
+
+
+# -- serve: errors and STREAMGATE_* ------------------------------------------------
+
+
+def test_serve_refuses_a_model_path_that_does_not_exist(tmp_path):
+    proc = cli("serve", "--model", str(tmp_path / "no" / "such" / "model"), "--port", str(free_port()))
+    assert proc.returncode == 1
+    assert "not a model folder" in proc.stderr
+
+
+def test_serve_refuses_a_tools_module_it_cannot_import(tiny_model_path):
+    proc = cli("serve", "--model", str(tiny_model_path), "--tools", "tests.no_such_module",
+               "--port", str(free_port()))
+    assert proc.returncode == 1
+    assert "cannot import" in proc.stderr and "tests.no_such_module" in proc.stderr
+
+
+def test_every_serve_flag_has_a_streamgate_variable():
+    options = [p for p in serve_command.params if isinstance(p, click.Option)]
+    assert len(options) >= 15
+    help_text = cli("serve", "--help").stdout
+    for option in options:
+        want = "STREAMGATE_" + option.name.upper()
+        assert option.envvar == want, option.name
+        assert want in help_text, option.name
+
+
+def _read_until(lines: Iterator[str], predicate, limit: int = 200) -> list[str]:
+    seen = []
+    for line in lines:
+        seen.append(line)
+        if predicate(line) or len(seen) > limit:
+            break
+    return seen
+
+
+def test_serve_is_configured_entirely_by_streamgate_variables(tiny_model_path, tmp_path):
+    port = free_port()
+    env = clean_env(
+        STREAMGATE_HOST="127.0.0.1",
+        STREAMGATE_PORT=str(port),
+        STREAMGATE_MODEL=str(tiny_model_path),
+        STREAMGATE_TOOLS="tests.user_tools",
+        STREAMGATE_DEVICE="cpu",
+        STREAMGATE_DTYPE="bfloat16",
+        STREAMGATE_CACHE_DIR=str(tmp_path / "cache"),
+        STREAMGATE_QUEUE_SIZE="1",
+        STREAMGATE_MAX_PROMPTS="2",
+        STREAMGATE_MAX_TOKENS="7",
+        STREAMGATE_MAX_BODY_BYTES="300",
+        STREAMGATE_PING_INTERVAL="0.2",
+        STREAMGATE_RETRY_MS="1234",
+        STREAMGATE_LOG_LEVEL="warning",
+        STREAMGATE_DEBUG="1",
+    )
+    server = start_serve([], env, port, tmp_path / "serve.log")  # no flags at all
+    url = server.url
+    try:
+        ready = httpx.get(url + "/readyz", timeout=30).json()
+        assert ready["device"] == "cpu"
+        assert ready["dtype"] == "bfloat16"
+        assert ready["model"] == Path(tiny_model_path).name
+
+        tools = {t["name"]: t for t in httpx.get(url + "/tools", timeout=30).json()}
+        assert {"echo", "fail"} <= set(tools)  # STREAMGATE_TOOLS
+        props = tools["generate"]["params_schema"]["properties"]
+        assert props["max_tokens"]["maximum"] == 7
+        assert props["prompts"]["maxItems"] == 2
+        r = httpx.post(url + "/generate/run", json={"prompts": ["a"], "max_tokens": 8}, timeout=30)
+        assert r.status_code == 422 and r.json()["error"]["field"] == "max_tokens"
+        r = httpx.post(url + "/generate/run", json={"prompts": ["a", "b", "c"]}, timeout=30)
+        assert r.status_code == 422 and r.json()["error"]["field"] == "prompts"
+        r = httpx.post(url + "/echo/run", json={"text": "x" * 400}, timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
+
+        # STREAMGATE_DEBUG: tool errors carry the traceback.
+        proc = cli("run", "fail", "--url", url)
+        assert proc.returncode == 1 and "Traceback" in proc.stderr
+
+        # STREAMGATE_RETRY_MS and STREAMGATE_PING_INTERVAL, on a job that takes a while.
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", url + "/echo/run", json={"text": "p", "repeat": 2, "delay": 1.0}) as r:
+                raw = r.read()
+        assert raw.startswith(b"retry: 1234\n\n")
+        assert b": ping\n\n" in raw
+        assert b"event: data" in raw
+
+        # STREAMGATE_QUEUE_SIZE=1: one job running, one waiting, the next refused.
+        slow = {"text": "s", "repeat": 600, "delay": 0.1}  # a minute at most; cancelled below
+        with httpx.Client(timeout=60) as a, httpx.Client(timeout=60) as b:
+            # Keep the line iterators referenced: a collected one closes its connection,
+            # and a client that goes away cancels its job.
+            with a.stream("POST", url + "/echo/run", json=slow) as running:
+                running_lines = running.iter_lines()
+                seen = _read_until(running_lines, lambda line: '"status":"RUNNING"' in line)
+                assert any('"status":"RUNNING"' in line for line in seen)
+                with b.stream("POST", url + "/echo/run", json=slow) as queued:
+                    queued_lines = queued.iter_lines()
+                    seen = _read_until(queued_lines, lambda line: '"status":"QUEUED"' in line)
+                    assert any('"status":"QUEUED"' in line for line in seen)
+                    r = httpx.post(url + "/echo/run", json={"text": "no"}, timeout=30)
+                    assert r.status_code == 429, r.text
+                    assert r.json()["error"]["code"] == "queue_full"
+                    assert r.headers["retry-after"].isdigit()
+                    del queued_lines
+                del running_lines
+        # Closing those streams cancelled both jobs; the queue frees up.
+        deadline = time.monotonic() + 60
+        while True:
+            ready = httpx.get(url + "/readyz", timeout=30).json()
+            if ready["queued"] == 0 and ready["running"] == 0:
+                break
+            assert time.monotonic() < deadline, ready
+            time.sleep(0.1)
+        assert result_of(cli("run", "echo", "text=done", "--url", url))["text"] == "done"
+    finally:
+        server.stop()
+    # STREAMGATE_LOG_LEVEL=warning: uvicorn's info lines (e.g. its access log) stay quiet.
+    assert "GET /readyz" not in server.output()

@@ -1,0 +1,537 @@
+"""Errors found before the stream opens: status, JSON body, the field at fault, and headers.
+
+Every refusal is an ordinary HTTP response whose body is exactly
+`{"error": {"code", "message", "retryable", "field"?}}` (PROTOCOL.md §1), and a
+refused request leaves nothing behind: the server goes on serving good ones.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+import backends.model
+from backends.model import ModelError
+from gateway.tools import Context, Model, tool
+from tests.conftest import make_server, run_stream, wait_until
+
+MAX_BODY = 4096
+MAX_PROMPTS = 4
+MAX_TOKENS = 100
+CONTEXT = 256  # the tiny model's context, in tokens (one per byte, plus BOS)
+TIMEOUT = 60
+
+_ABSENT = object()
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model_path: Path):
+    s = make_server(
+        tiny_model_path, max_body_bytes=MAX_BODY, max_prompts=MAX_PROMPTS, max_tokens=MAX_TOKENS
+    )
+    yield s
+    s.stop()
+
+
+def post(url: str, path: str, *, json_body: Any = _ABSENT, content: Any = None, **kwargs: Any) -> httpx.Response:
+    if json_body is not _ABSENT:
+        kwargs["json"] = json_body
+    else:
+        kwargs["content"] = content
+    return httpx.post(url + path, timeout=TIMEOUT, **kwargs)
+
+
+def assert_error(
+    r: httpx.Response,
+    status: int,
+    code: str,
+    *,
+    field: Any = _ABSENT,
+    retryable: bool | None = False,
+) -> dict[str, Any]:
+    """The protocol's error shape; `field` absent unless one field is at fault."""
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) <= {"code", "message", "retryable", "field"}, error
+    assert {"code", "message", "retryable"} <= set(error), error
+    assert error["code"] == code, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert isinstance(error["retryable"], bool)
+    if retryable is not None:
+        assert error["retryable"] is retryable, error
+    if field is _ABSENT:
+        assert "field" not in error, error
+    else:
+        assert error.get("field") == field, error
+        # The message names the field and the rule.
+        assert error["message"].startswith(f"{field}: "), error
+    return error
+
+
+def assert_serves(url: str) -> None:
+    s = run_stream(url, "generate", {"prompts": ["ok"], "max_tokens": 3})
+    assert s.status == 200
+    assert s.terminal["event"] == "data", s.events
+    assert s.terminal["data"]["usage"]["completion_tokens"] == 3
+
+
+# -- 400 bad_request ---------------------------------------------------------
+
+BAD_BODIES = [
+    pytest.param(b"nope", id="not-json"),
+    pytest.param(b"", id="empty"),
+    pytest.param(b'{"prompts": ["a"]', id="truncated"),
+    pytest.param(b"[1]", id="array"),
+    pytest.param(b'"prompts"', id="string"),
+    pytest.param(b"null", id="null"),
+    pytest.param(b"42", id="number"),
+    pytest.param(b'{"prompts": ["\xff\xfe"]}', id="not-utf8"),
+    pytest.param(b'{"prompts": ["caf\xe9"]}', id="latin1"),
+]
+
+
+@pytest.mark.parametrize("content", BAD_BODIES)
+@pytest.mark.parametrize("tool_name", ["generate", "loglikelihood", "predict"])
+def test_unreadable_body_is_400(srv, tool_name, content):
+    r = post(srv.url, f"/{tool_name}/run", content=content, headers={"content-type": "application/json"})
+    assert_error(r, 400, "bad_request")
+
+
+def test_not_utf8_says_so(srv):
+    r = post(srv.url, "/generate/run", content=b'{"prompts": ["\xff"]}')
+    assert "UTF-8" in assert_error(r, 400, "bad_request")["message"]
+
+
+def test_not_an_object_says_so(srv):
+    r = post(srv.url, "/generate/run", content=b"[1]")
+    assert "object" in assert_error(r, 400, "bad_request")["message"]
+
+
+BAD_QUERIES = [
+    pytest.param({"params": json.dumps({"prompts": ["a"]}), "max_tokens": "3"}, id="params-and-flat"),
+    pytest.param({"params": "[1]"}, id="params-not-object"),
+    pytest.param({"params": "{nope"}, id="params-not-json"),
+]
+
+
+@pytest.mark.parametrize("query", BAD_QUERIES)
+def test_bad_get_query_is_400(srv, query):
+    r = httpx.get(srv.url + "/generate/run", params=query, timeout=TIMEOUT)
+    assert_error(r, 400, "bad_request")
+
+
+def test_get_with_params_and_flat_keys_names_the_rule(srv):
+    r = httpx.get(
+        srv.url + "/generate/run",
+        params={"params": json.dumps({"prompts": ["a"]}), "prompts": "b"},
+        timeout=TIMEOUT,
+    )
+    assert "not both" in assert_error(r, 400, "bad_request")["message"]
+
+
+# -- 404 / 405 ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["POST", "GET"])
+def test_unknown_tool_is_404_and_lists_the_tools(srv, method):
+    r = httpx.request(method, srv.url + "/nosuchtool/run", json={"prompts": ["a"]}, timeout=TIMEOUT)
+    error = assert_error(r, 404, "unknown_tool")
+    assert "nosuchtool" in error["message"]
+    for name in ("generate", "loglikelihood", "predict"):
+        assert name in error["message"]
+
+
+def test_unknown_tool_wins_over_a_bad_body(srv):
+    # The documented order of checks: the tool first, then the body.
+    r = post(srv.url, "/nosuchtool/run", content=b"not json at all")
+    assert_error(r, 404, "unknown_tool")
+
+
+@pytest.mark.parametrize("path", ["/nothing", "/generate", "/generate/run/extra", "/jobs/x/y/z"])
+def test_unknown_route_is_404_with_the_json_shape(srv, path):
+    r = httpx.get(srv.url + path, timeout=TIMEOUT)
+    assert_error(r, 404, "not_found")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("DELETE", "/generate/run", {"GET", "POST"}),
+        ("PUT", "/predict/run", {"GET", "POST"}),
+        ("POST", "/tools", {"GET"}),
+        ("DELETE", "/readyz", {"GET"}),
+        ("PATCH", "/healthz", {"GET"}),
+    ],
+)
+def test_wrong_method_is_405_with_the_json_shape_and_allow(srv, method, path, allowed):
+    r = httpx.request(method, srv.url + path, timeout=TIMEOUT)
+    assert_error(r, 405, "method_not_allowed")
+    # RFC 9110 §15.5.6: a 405 must say which methods the resource takes.
+    allow = {m.strip() for m in r.headers.get("allow", "").split(",") if m.strip()}
+    assert allowed <= allow, r.headers
+    assert method not in allow
+
+
+# -- 413 too_large / too_long ------------------------------------------------
+
+
+def _body_of_size(size: int) -> bytes:
+    """A valid generate body of exactly `size` bytes (padded with whitespace)."""
+    body = json.dumps({"prompts": ["hi"], "max_tokens": 2}).encode()
+    assert len(body) <= size
+    return body[:-1] + b" " * (size - len(body)) + b"}"
+
+
+def test_body_at_the_limit_is_accepted(srv):
+    s = run_stream(srv.url, "generate", content=_body_of_size(MAX_BODY))
+    assert s.status == 200
+    assert s.terminal["event"] == "data"
+
+
+def test_body_over_the_limit_is_413_too_large(srv):
+    r = post(srv.url, "/generate/run", content=_body_of_size(MAX_BODY + 1))
+    error = assert_error(r, 413, "too_large")
+    assert str(MAX_BODY) in error["message"]
+
+
+def test_body_far_over_the_limit_is_413_too_large(srv):
+    r = post(srv.url, "/loglikelihood/run", json_body={"prompts": ["a" * (4 * MAX_BODY)], "continuations": ["b"]})
+    assert_error(r, 413, "too_large")
+
+
+def test_chunked_body_without_content_length_is_counted(srv):
+    sent_chunks = []
+
+    def chunks():
+        yield b'{"prompts": ["'
+        for _ in range(MAX_BODY // 512 + 2):
+            sent_chunks.append(1)
+            yield b"a" * 512
+        yield b'"]}'
+
+    with httpx.Client(timeout=TIMEOUT) as client:
+        request = client.build_request("POST", srv.url + "/generate/run", content=chunks())
+        assert "content-length" not in request.headers
+        assert request.headers["transfer-encoding"] == "chunked"
+        r = client.send(request)
+    assert_error(r, 413, "too_large")
+
+
+def test_chunked_body_under_the_limit_is_fine(srv):
+    def chunks():
+        yield b'{"prompts": '
+        yield b'["chunk'
+        yield b'ed"], "max_tokens": 2}'
+
+    s = run_stream(srv.url, "generate", content=chunks())  # type: ignore[arg-type]
+    assert s.status == 200
+    assert s.terminal["data"]["usage"]["completion_tokens"] == 2
+
+
+TOO_LONG = [
+    # generate: prompt tokens (bytes + BOS) + max_tokens must fit the context.
+    pytest.param("generate", {"prompts": ["hi", "a" * 200], "max_tokens": 56}, "prompts[1]", id="generate"),
+    pytest.param("generate", {"prompts": ["a" * 240]}, "prompts[0]", id="generate-default-max-tokens"),
+    # Tokens, not characters: "é" is two bytes, so two tokens.
+    pytest.param("generate", {"prompts": ["é" * 100], "max_tokens": 56}, "prompts[0]", id="generate-multibyte"),
+    pytest.param(
+        "loglikelihood",
+        {"prompts": ["a", "b" * 200, "c"], "continuations": ["x", "y" * 56, "z"]},
+        "prompts[1]",
+        id="loglikelihood",
+    ),
+    pytest.param("predict", {"prompt": "a" * 256}, "prompt", id="predict"),
+]
+
+
+@pytest.mark.parametrize(("tool_name", "body", "field"), TOO_LONG)
+def test_input_longer_than_the_context_is_413_too_long(srv, tool_name, body, field):
+    r = post(srv.url, f"/{tool_name}/run", json_body=body)
+    error = assert_error(r, 413, "too_long", field=field)
+    assert str(CONTEXT) in error["message"]
+    assert "257" in error["message"]  # the tokens it would need
+
+
+FITS_EXACTLY = [
+    pytest.param("generate", {"prompts": ["hi", "a" * 200], "max_tokens": 55}, id="generate"),
+    pytest.param("generate", {"prompts": ["e" * 100], "max_tokens": 56}, id="generate-ascii"),
+    pytest.param(
+        "loglikelihood", {"prompts": ["a", "b" * 200], "continuations": ["x", "y" * 55]}, id="loglikelihood"
+    ),
+    pytest.param("predict", {"prompt": "a" * 255}, id="predict"),
+]
+
+
+@pytest.mark.parametrize(("tool_name", "body"), FITS_EXACTLY)
+def test_input_that_just_fits_runs(srv, tool_name, body):
+    s = run_stream(srv.url, tool_name, body, timeout=120)
+    assert s.status == 200, s.raw
+    assert s.terminal["event"] == "data", s.terminal
+
+
+# -- 422 invalid_params ------------------------------------------------------
+
+INVALID = [
+    ("generate", {"prompts": ["a"], "max_tokens": 0}, "max_tokens"),
+    ("generate", {"prompts": ["a"], "max_tokens": -3}, "max_tokens"),
+    ("generate", {"prompts": ["a"], "max_tokens": MAX_TOKENS + 1}, "max_tokens"),
+    ("generate", {"prompts": ["a"], "max_tokens": 1.5}, "max_tokens"),
+    ("generate", {"prompts": ["a"], "max_tokens": "3"}, "max_tokens"),
+    ("generate", {"prompts": ["a"], "temperature": 2.5}, "temperature"),
+    ("generate", {"prompts": ["a"], "temperature": -0.1}, "temperature"),
+    ("generate", {"prompts": ["a"], "temperature": "hot"}, "temperature"),
+    ("generate", {"prompts": ["a"], "top_p": 0}, "top_p"),
+    ("generate", {"prompts": ["a"], "top_p": 1.01}, "top_p"),
+    ("generate", {"prompts": ["a"], "top_k": 0}, "top_k"),
+    ("generate", {"prompts": ["a"], "top_k": 10_000}, "top_k"),  # over the vocabulary (259)
+    ("generate", {"prompts": ["a"], "seed": -1}, "seed"),
+    ("generate", {"prompts": ["a"], "stop": [""]}, "stop[0]"),
+    ("generate", {"prompts": ["a"], "stop": ["x", 3]}, "stop[1]"),
+    ("generate", {"prompts": ["a"], "stop": ["s"] * 17}, "stop"),
+    ("generate", {"prompts": ["a"], "stop": "x"}, "stop"),
+    ("generate", {"prompts": []}, "prompts"),
+    ("generate", {"prompts": ["a"] * (MAX_PROMPTS + 1)}, "prompts"),
+    ("generate", {"prompts": "a"}, "prompts"),
+    ("generate", {"prompts": ["a", 1]}, "prompts[1]"),
+    ("generate", {"prompts": None}, "prompts"),
+    ("generate", {"prompts": ["a"], "bogus": 1}, "bogus"),
+    ("generate", {"max_tokens": 3}, "prompts"),
+    ("generate", {}, "prompts"),
+    ("loglikelihood", {"prompts": ["a"], "continuations": ["b", "c"]}, "continuations"),
+    ("loglikelihood", {"prompts": ["a", "b"], "continuations": ["c"]}, "continuations"),
+    ("loglikelihood", {"prompts": ["a"], "continuations": [""]}, "continuations[0]"),
+    ("loglikelihood", {"prompts": ["a", "b"], "continuations": ["c", ""]}, "continuations[1]"),
+    ("loglikelihood", {"prompts": ["a"]}, "continuations"),
+    ("loglikelihood", {"continuations": ["a"]}, "prompts"),
+    ("loglikelihood", {"prompts": [], "continuations": []}, "prompts"),
+    ("loglikelihood", {"prompts": ["a"] * 5, "continuations": ["b"] * 5}, "prompts"),
+    ("loglikelihood", {"prompts": ["a"], "continuations": [7]}, "continuations[0]"),
+    ("loglikelihood", {"prompts": ["a"], "continuations": ["b"], "extra": True}, "extra"),
+    ("predict", {"prompt": "a", "top_k": 0}, "top_k"),
+    ("predict", {"prompt": "a", "top_k": 500}, "top_k"),  # over the vocabulary (259)
+    ("predict", {"prompt": "a", "top_k": 1001}, "top_k"),
+    ("predict", {"prompt": 1}, "prompt"),
+    ("predict", {"prompt": ["a"]}, "prompt"),
+    ("predict", {}, "prompt"),
+    ("predict", {"prompt": "a", "prompts": ["a"]}, "prompts"),
+]
+
+
+@pytest.mark.parametrize(
+    ("tool_name", "body", "field"),
+    [pytest.param(t, b, f, id=f"{t}-{i}-{f}") for i, (t, b, f) in enumerate(INVALID)],
+)
+def test_invalid_params_is_422_naming_the_field(srv, tool_name, body, field):
+    r = post(srv.url, f"/{tool_name}/run", json_body=body)
+    assert_error(r, 422, "invalid_params", field=field)
+
+
+INVALID_QUERIES = [
+    ([("prompts", "a"), ("max_tokens", "0")], "max_tokens"),
+    ([("prompts", "a"), ("max_tokens", "x")], "max_tokens"),
+    ([("prompts", "a"), ("max_tokens", "1"), ("max_tokens", "2")], "max_tokens"),
+    ([("prompts", "a"), ("max_tokens", str(MAX_TOKENS + 1))], "max_tokens"),
+    ([("prompts", "a")] * (MAX_PROMPTS + 1), "prompts"),
+    ([("prompts", "a"), ("zzz", "1")], "zzz"),
+    ([("max_tokens", "3")], "prompts"),
+    ([("params", json.dumps({"prompts": ["a"], "max_tokens": 0}))], "max_tokens"),
+]
+
+
+@pytest.mark.parametrize(("query", "field"), INVALID_QUERIES)
+def test_invalid_get_query_is_422_naming_the_field(srv, query, field):
+    r = httpx.get(srv.url + "/generate/run", params=query, timeout=TIMEOUT)
+    assert_error(r, 422, "invalid_params", field=field)
+
+
+def test_schema_advertises_the_caps_that_are_enforced(srv):
+    tools = {t["name"]: t for t in httpx.get(srv.url + "/tools", timeout=TIMEOUT).json()}
+    props = tools["generate"]["params_schema"]["properties"]
+    assert props["max_tokens"]["maximum"] == MAX_TOKENS
+    assert props["prompts"]["maxItems"] == MAX_PROMPTS
+    # ... and exactly the cap is accepted.
+    s = run_stream(srv.url, "generate", {"prompts": ["a"] * MAX_PROMPTS, "max_tokens": 1})
+    assert s.terminal["event"] == "data"
+
+
+# -- 429 queue_full ----------------------------------------------------------
+
+GATE = threading.Event()
+
+
+class HoldParams(msgspec.Struct):
+    tag: str = ""
+
+
+class HoldResult(msgspec.Struct):
+    tag: str
+    released: bool
+
+
+@tool
+def hold(model: Model, params: HoldParams, ctx: Context) -> HoldResult:
+    """Block the worker until the test opens the gate (a minute at most)."""
+    return HoldResult(params.tag, GATE.wait(timeout=TIMEOUT))
+
+
+def test_full_queue_is_429_with_retry_after(serve):
+    GATE.clear()
+    s = serve(tools=[hold], queue_size=1)
+    backend = s.backend
+    results: dict[str, Any] = {}
+
+    def run(tag: str) -> None:
+        results[tag] = run_stream(s.url, "hold", {"tag": tag}, timeout=120)
+
+    threads = [threading.Thread(target=run, args=("running",), daemon=True)]
+    threads[0].start()
+    try:
+        wait_until(lambda: backend.workers[0].current is not None, what="the first job to run")
+        threads.append(threading.Thread(target=run, args=("queued",), daemon=True))
+        threads[1].start()
+        wait_until(lambda: len(backend.queue) == 1, what="the second job to queue")
+
+        r = post(s.url, "/hold/run", json_body={"tag": "refused"})
+        error = assert_error(r, 429, "queue_full", retryable=True)
+        assert "full" in error["message"]
+        retry_after = r.headers.get("retry-after")
+        assert retry_after is not None and retry_after.isdigit() and int(retry_after) >= 1
+        # The GET form meets the same queue.
+        r = httpx.get(s.url + "/hold/run", params={"tag": "refused"}, timeout=TIMEOUT)
+        assert_error(r, 429, "queue_full", retryable=True)
+        assert r.headers["retry-after"].isdigit()
+        # A bad request is still judged on its own merits before the queue.
+        r = post(s.url, "/hold/run", json_body={"tag": 1})
+        assert_error(r, 422, "invalid_params", field="tag")
+    finally:
+        GATE.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert results["running"].terminal["data"] == {"tag": "running", "released": True}
+    assert results["queued"].terminal["data"] == {"tag": "queued", "released": True}
+    # The refused job never existed; the queue has room again.
+    after = run_stream(s.url, "hold", {"tag": "after"})
+    assert after.terminal["data"] == {"tag": "after", "released": True}
+
+
+# -- 503 not_ready -----------------------------------------------------------
+
+
+def test_not_ready_while_the_model_loads(tiny_model_path, monkeypatch):
+    release, loading = threading.Event(), threading.Event()
+    real_load = backends.model.load
+
+    def slow_load(*args: Any, **kwargs: Any) -> Any:
+        loading.set()
+        if not release.wait(timeout=120):
+            raise RuntimeError("the test never released the load")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(backends.model, "load", slow_load)
+    s = make_server(tiny_model_path, ready=False)
+    try:
+        assert loading.wait(timeout=TIMEOUT)
+        assert httpx.get(s.url + "/healthz", timeout=TIMEOUT).status_code == 200
+
+        r = httpx.get(s.url + "/readyz", timeout=TIMEOUT)
+        assert r.status_code == 503
+        assert r.json()["ready"] is False
+        assert "loading" in r.json()["reason"]
+
+        r = post(s.url, "/generate/run", json_body={"prompts": ["a"], "max_tokens": 2})
+        error = assert_error(r, 503, "not_ready", retryable=True)
+        assert "loading" in error["message"]
+        assert r.headers["retry-after"] == "5"
+        r = httpx.get(s.url + "/predict/run", params={"prompt": "a"}, timeout=TIMEOUT)
+        assert_error(r, 503, "not_ready", retryable=True)
+        assert r.headers["retry-after"].isdigit()
+
+        # Checks that need no model still answer first, in the documented order.
+        assert_error(post(s.url, "/nosuchtool/run", json_body={}), 404, "unknown_tool")
+        assert_error(post(s.url, "/generate/run", content=b"[1]"), 400, "bad_request")
+        assert_error(
+            post(s.url, "/generate/run", json_body={"prompts": ["a"], "max_tokens": 0}),
+            422, "invalid_params", field="max_tokens",
+        )
+        assert httpx.get(s.url + "/tools", timeout=TIMEOUT).status_code == 200
+
+        release.set()
+        s.wait_ready(timeout=120)
+        r = httpx.get(s.url + "/readyz", timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["ready"] is True
+        assert_serves(s.url)
+    finally:
+        release.set()
+        s.stop()
+
+
+def test_not_ready_when_the_model_failed_to_load(tmp_path):
+    # A folder that exists but holds no model: construction accepts it, loading fails.
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    s = make_server(empty, ready=False)
+    try:
+        def failed() -> bool:
+            r = httpx.get(s.url + "/readyz", timeout=TIMEOUT)
+            assert r.status_code == 503, r.text
+            return "failed to load" in r.json().get("reason", "")
+
+        wait_until(failed, timeout=120, what="the load to fail")
+        assert httpx.get(s.url + "/healthz", timeout=TIMEOUT).status_code == 200
+        r = post(s.url, "/generate/run", json_body={"prompts": ["a"], "max_tokens": 2})
+        # A failed load does not heal by waiting: not retryable, no Retry-After.
+        error = assert_error(r, 503, "not_ready", retryable=False)
+        assert "failed to load" in error["message"]
+        assert "retry-after" not in r.headers
+        r = post(s.url, "/predict/run", json_body={"prompt": "a"})
+        assert_error(r, 503, "not_ready", retryable=False)
+    finally:
+        s.stop()
+
+
+def test_nonexistent_model_path_is_refused_at_construction(tmp_path):
+    with pytest.raises(ModelError, match="not a model folder"):
+        make_server(tmp_path / "does" / "not" / "exist", ready=False)
+
+
+# -- nothing is left behind --------------------------------------------------
+
+
+def test_server_still_serves_after_every_bad_request(srv):
+    for param in BAD_BODIES:
+        (content,) = param.values
+        assert post(srv.url, "/generate/run", content=content).status_code == 400
+    for param in BAD_QUERIES:
+        (query,) = param.values
+        assert httpx.get(srv.url + "/generate/run", params=query, timeout=TIMEOUT).status_code == 400
+    assert post(srv.url, "/nosuchtool/run", json_body={}).status_code == 404
+    assert httpx.get(srv.url + "/nothing", timeout=TIMEOUT).status_code == 404
+    assert httpx.delete(srv.url + "/generate/run", timeout=TIMEOUT).status_code == 405
+    assert post(srv.url, "/generate/run", content=_body_of_size(MAX_BODY + 1)).status_code == 413
+    for param in TOO_LONG:
+        tool_name, body, _ = param.values
+        assert post(srv.url, f"/{tool_name}/run", json_body=body).status_code == 413
+    for tool_name, body, _ in INVALID:
+        assert post(srv.url, f"/{tool_name}/run", json_body=body).status_code == 422
+    for query, _ in INVALID_QUERIES:
+        assert httpx.get(srv.url + "/generate/run", params=query, timeout=TIMEOUT).status_code == 422
+
+    # No refused request queued or started anything ...
+    ready = httpx.get(srv.url + "/readyz", timeout=TIMEOUT).json()
+    assert ready["ready"] is True
+    assert ready["queued"] == 0 and ready["running"] == 0
+    # ... and good requests of every tool still run.
+    assert_serves(srv.url)
+    ll = run_stream(srv.url, "loglikelihood", {"prompts": ["a"], "continuations": ["b"]})
+    assert ll.terminal["event"] == "data"
+    pr = run_stream(srv.url, "predict", {"prompt": "a", "top_k": 3})
+    assert len(pr.terminal["data"]["predictions"]) == 3
