@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from gateway.cli import serve as serve_command
+from gateway.tools import builtin_tools
 
 ROOT = Path(__file__).resolve().parents[1]
 STREAMGATE = Path(sys.executable).parent / "streamgate"
@@ -125,7 +126,9 @@ def test_tools_lists_builtin_and_user_tools(gateway):
     proc = cli("tools", "--url", gateway.url)
     assert proc.returncode == 0, proc.stderr
     lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
-    assert set(lines) == {"generate", "loglikelihood", "predict", "echo", "fail"}
+    builtin = {t.name for t in builtin_tools()}
+    assert {"generate", "loglikelihood", "predict", "logit_lens", "embed"} <= builtin
+    assert set(lines) == builtin | {"echo", "fail"}
     # Each with the first line of its description.
     assert "Return the text, repeated" in lines["echo"]
     assert "Always raises" in lines["fail"]

@@ -22,11 +22,14 @@ __all__ = [
 
 
 def builtin_tools() -> list[Tool]:
+    from gateway.tools.activation_patching import activation_patching
+    from gateway.tools.embed import embed
     from gateway.tools.generate import generate
+    from gateway.tools.logit_lens import lens_grid, lens_line, logit_lens
     from gateway.tools.loglikelihood import loglikelihood
     from gateway.tools.predict import predict
 
-    return [generate, loglikelihood, predict]
+    return [generate, loglikelihood, predict, logit_lens, lens_line, lens_grid, activation_patching, embed]
 
 
 def load_module(name: str) -> list[Tool]:

@@ -74,6 +74,8 @@ class Model:
     dtype: Any
     context_length: int
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # What tools work out once per model and reuse (e.g. where its layers are).
+    memo: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt, with the tokenizer's special tokens, never empty."""
