@@ -101,7 +101,7 @@ def _params_from_pairs(pairs: tuple[str, ...]) -> list[tuple[str, str]]:
 @_option("--url", default=DEFAULT_URL, help="The gateway's address.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the result.")
 def run(tool: str, pairs: tuple[str, ...], params_json: str | None, url: str, quiet: bool) -> None:
-    """Run TOOL and print its result as JSON.
+    """Run TOOL and print its result as JSON (and, on stderr, a view of it).
 
     KEY=VALUE pairs use the server's query form (repeat a key for a list:
     prompts=a prompts=b); --json sends a JSON body instead.
@@ -172,6 +172,12 @@ def run(tool: str, pairs: tuple[str, ...], params_json: str | None, url: str, qu
         if bar is not None:
             bar.close()
     click.echo(json.dumps(result, ensure_ascii=False, indent=2))
+    if not quiet:
+        from gateway.render import view
+
+        shown = view(tool, result)
+        if shown:
+            click.echo(shown, err=True)
 
 
 @main.command()

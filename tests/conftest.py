@@ -16,7 +16,7 @@ import pytest
 import torch
 import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from backends.local import LocalBackend
 from gateway.app import create_app
@@ -26,12 +26,13 @@ from gateway.tools import Tool, builtin_tools, collect
 TINY_CONTEXT = 256
 
 
-def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
-    """A 2-layer Llama with a byte-level tokenizer (one token per byte), saved at `path`.
+# The families `build_tiny_model` can make, each from a tiny config; see `_tiny_config`.
+FAMILIES = ("llama", "gpt2", "gpt_neox", "qwen2", "gemma", "gemma2")
+TINY_SOFTCAP = 5.0  # gemma2's final_logit_softcapping: small, so that it changes the numbers
 
-    Its EOS row of the output head is zero, so greedy decoding never ends early by
-    chance: tests that need EOS say which token it is.
-    """
+
+def byte_tokenizer() -> tuple[PreTrainedTokenizerFast, dict[str, int]]:
+    """A byte-level tokenizer (one token per byte, then <s> </s> <pad>) that prepends <s>."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     for special in ("<s>", "</s>", "<pad>"):
@@ -46,23 +47,67 @@ def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
-    config = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=TINY_CONTEXT,
-        bos_token_id=vocab["<s>"],
-        eos_token_id=vocab["</s>"],
-        pad_token_id=vocab["<pad>"],
-        tie_word_embeddings=False,
+    return tokenizer, vocab
+
+
+def _tiny_config(family: str, vocab: dict[str, int], layers: int, init: float | None) -> tuple[Any, type]:
+    """A tiny config of `family` (hidden 32, 4 heads, context TINY_CONTEXT) and its causal-LM class.
+
+    Heads are tied to the input embeddings in gpt2, gemma and gemma2 (as in those
+    families' real checkpoints) and separate in llama, gpt_neox and qwen2.
+    """
+    import transformers as tf
+
+    ids = {"bos_token_id": vocab["<s>"], "eos_token_id": vocab["</s>"], "pad_token_id": vocab["<pad>"]}
+    extra: dict[str, Any] = {} if init is None else {"initializer_range": init}
+    common = dict(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, max_position_embeddings=TINY_CONTEXT, **ids, **extra,
     )
+    if family == "llama":
+        return tf.LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=False), tf.LlamaForCausalLM
+    if family == "gpt2":
+        config = tf.GPT2Config(
+            vocab_size=len(vocab), n_embd=32, n_inner=64, n_layer=layers, n_head=4, n_positions=TINY_CONTEXT,
+            tie_word_embeddings=True, **ids, **extra,
+        )
+        return config, tf.GPT2LMHeadModel
+    if family == "gpt_neox":
+        # Parallel attention + MLP residual and partial rotary, as in Pythia.
+        return tf.GPTNeoXConfig(**common, tie_word_embeddings=False, use_parallel_residual=True), tf.GPTNeoXForCausalLM
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=False), tf.Qwen2ForCausalLM
+    if family == "gemma":
+        return tf.GemmaConfig(**common, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True), tf.GemmaForCausalLM
+    if family == "gemma2":
+        config = tf.Gemma2Config(
+            **common, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, tie_word_embeddings=True,
+            final_logit_softcapping=TINY_SOFTCAP,
+        )
+        return config, tf.Gemma2ForCausalLM
+    raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
+
+
+def build_tiny_model(
+    path: Path, *, seed: int = 0, family: str = "llama", layers: int = 2, init: float | None = None
+) -> Path:
+    """A tiny random causal LM with a byte-level tokenizer (one token per byte), saved at `path`.
+
+    By default a 2-layer Llama; `family` picks another of FAMILIES (same tokenizer,
+    hidden size 32, context TINY_CONTEXT), `layers` its depth and `init` its
+    `initializer_range` (larger weights: peakier, less tie-prone distributions).
+
+    Its EOS row of the output head is zero, so greedy decoding never ends early by
+    chance: tests that need EOS say which token it is. Where the head is tied to the
+    input embeddings (gpt2, gemma, gemma2) the shared row is zeroed, which also
+    zeroes EOS's input embedding; no prompt ever contains EOS, so only its logit changes.
+    """
+    tokenizer, vocab = byte_tokenizer()
+    config, model_class = _tiny_config(family, vocab, layers, init)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     with torch.no_grad():
-        model.lm_head.weight[vocab["</s>"]] = 0
+        model.get_output_embeddings().weight[vocab["</s>"]] = 0
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -71,6 +116,14 @@ def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def arch_model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model of each family in FAMILIES, built once per session (init 0.2, 2 layers; gemma2 3)."""
+    family = request.param
+    layers = 3 if family == "gemma2" else 2  # gemma2: sliding and global attention layers both
+    return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family=family, layers=layers, init=0.2)
 
 
 @dataclass

@@ -173,6 +173,29 @@ def test_run_quiet_prints_only_the_result(gateway):
     assert proc.stderr.strip() == ""
 
 
+def test_run_shows_the_lens_as_a_table_after_the_json(gateway):
+    proc = cli("run", "logit_lens", "prompt=Hi there", "layers=0", "layers=-1", "--url", gateway.url)
+    result = result_of(proc)
+    assert result["layers"] == [0, 1]
+    table = proc.stderr[proc.stderr.index("Top token at each layer"):].splitlines()
+    header, rows = table[1], table[2:]
+    # One column per token (this tokenizer: one per byte), spaces made visible.
+    assert header.split() == ["layer", "<s>", "H", "i", "␣", "t", "h", "e", "r", "e"]
+    assert [row.split()[0] for row in rows] == ["0", "1"]
+    # Each cell is that layer's top-1 token from the JSON result.
+    first = result["topk"][1][-1][0]["text"].replace(" ", "␣")
+    assert rows[1].split()[-1] == first[:9]
+
+
+def test_run_shows_predictions_as_bars(gateway):
+    proc = cli("run", "predict", "prompt=Hi", "top_k=3", "--url", gateway.url)
+    predictions = result_of(proc)["predictions"]
+    bars = [line for line in proc.stderr.splitlines() if "%" in line and "█" in line]
+    assert len(bars) == 3
+    assert bars[0].count("█") == 30  # the most likely token gets the full bar
+    assert f"{predictions[0]['prob']:.2%}" in bars[0]
+
+
 def test_run_json_form(gateway):
     proc = cli("run", "echo", "--json", '{"text": "j\u00e9", "repeat": 2}', "--url", gateway.url)
     assert result_of(proc) == {"text": "j\u00e9j\u00e9", "tokens": 4}
