@@ -106,7 +106,9 @@ def activation_patching(model: Model, params: PatchingParams, ctx: Context) -> P
     prob_diff, ranks = [], []
     for done, layer in enumerate(layers, 1):
         ctx.raise_if_cancelled()
-        src_hidden = source.pop(layer)[0]
+        src_hidden = source[layer][0]
+        if layer not in layers[done:]:  # a layer may be asked for twice (`[1, -1]`)
+            del source[layer]
         row_diff, row_rank = [], []
         for start in range(0, len(tgt_pos), PATCH_BATCH):
             t_pos = tgt_pos[start : start + PATCH_BATCH]
@@ -133,8 +135,8 @@ def activation_patching(model: Model, params: PatchingParams, ctx: Context) -> P
         src_positions=src_pos,
         labels=[f"{model.token_text(src_ids[s])}→{model.token_text(tgt_ids[t])}" for s, t in zip(src_pos, tgt_pos)],
         target_tokens=[model.token_text(t) for t in targets],
-        clean_prob=float(clean),
-        source_prob=float(src_probs[target_index].sum()),
+        clean_prob=floats(clean),
+        source_prob=floats(src_probs[target_index].sum()),
         prob_diff=prob_diff,
         rank=ranks,
     )

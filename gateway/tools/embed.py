@@ -1,8 +1,9 @@
 """`embed`: hidden-state embeddings of texts, pooled per text or per token.
 
 `layer` indexes the model's hidden states the way transformers numbers them
-(`output_hidden_states=True`): 0 is the token embeddings, i the output of
-block i, and -1 the last, after the model's final norm. Texts are right-padded
+(`output_hidden_states=True`): 0 is the token embeddings, i ≥ 1 the output of
+the i-th block (the lens tools' layer i − 1), and -1 the last, after the
+model's final norm. Texts are right-padded
 into batches; pooling reads only real tokens.
 """
 
@@ -32,7 +33,7 @@ class EmbedParams(msgspec.Struct, forbid_unknown_fields=True):
     texts: Annotated[list[str], msgspec.Meta(min_length=1)]
     layer: Annotated[
         int,
-        msgspec.Meta(description="Hidden state index: 0 = token embeddings, i = after block i, -1 = the last (after the final norm)."),
+        msgspec.Meta(description="Hidden state index: 0 = token embeddings, i = after the i-th block, -1 = the last (after the final norm)."),
     ] = -1
     pooling: Annotated[
         Pooling, msgspec.Meta(description="mean or last token per text, or none: one vector per token.")

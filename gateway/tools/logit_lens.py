@@ -23,6 +23,7 @@ from typing import Annotated
 import msgspec
 import torch
 
+from gateway.errors import ParamError
 from gateway.tools.anatomy import anatomy, resolve_layers, resolve_positions, single_token
 from gateway.tools.base import Context, Model, tool
 from gateway.tools.numbers import floats
@@ -127,7 +128,9 @@ def lens(
     index = torch.tensor(positions, device=model.device)
     for done, layer in enumerate(layers, 1):
         ctx.raise_if_cancelled()
-        hidden = captured.pop(layer)[0].index_select(0, index)
+        hidden = captured[layer][0].index_select(0, index)
+        if layer not in layers[done:]:  # a layer may be asked for twice (`[1, -1]`)
+            del captured[layer]
         yield layer, body.logits(hidden).softmax(dim=-1)
         ctx.progress(done, len(layers), "layers")
 
@@ -187,9 +190,16 @@ def logit_lens(model: Model, params: LogitLensParams, ctx: Context) -> LogitLens
     )
 
 
+def _position(n_tokens: int, position: int) -> int:
+    """lens_line's one position, negatives from the end; a 422 naming `position` (a scalar, not a list)."""
+    if not -n_tokens <= position < n_tokens:
+        raise ParamError("position", f"position {position} is past the prompt, which has {n_tokens} tokens")
+    return position % n_tokens
+
+
 def check_line(model: Model, params: LensLineParams) -> None:
     ids, _, _ = _prepare(model, params.prompt, params.layers, None)
-    resolve_positions(len(ids), [params.position], "position")
+    _position(len(ids), params.position)
     if params.token is not None:
         single_token(model, params.token, "token")
 
@@ -198,7 +208,7 @@ def check_line(model: Model, params: LensLineParams) -> None:
 def lens_line(model: Model, params: LensLineParams, ctx: Context) -> LensLineResult:
     """One token's probability or rank, or the entropy, across layers at one position: a line chart."""
     ids, layers, _ = _prepare(model, params.prompt, params.layers, None)
-    (position,) = resolve_positions(len(ids), [params.position], "position")
+    position = _position(len(ids), params.position)
     if params.token is not None:
         token = single_token(model, params.token, "token")
     else:

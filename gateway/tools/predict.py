@@ -9,6 +9,7 @@ import torch
 
 from gateway.errors import ParamError
 from gateway.tools.base import Context, Model, tool
+from gateway.tools.numbers import floats
 
 
 class PredictParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -41,6 +42,6 @@ def predict(model: Model, params: PredictParams, ctx: Context) -> PredictResult:
     return PredictResult(
         [
             TokenProb(id=i, text=model.token_text(i), prob=p)
-            for p, i in zip(top.values.tolist(), top.indices.tolist())
+            for p, i in zip(floats(top.values), top.indices.tolist())
         ]
     )
