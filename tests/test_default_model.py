@@ -57,3 +57,16 @@ def test_the_conversion_is_cached_as_plain_safetensors(smol, monkeypatch):
     loaded = models.load(spec, device="cpu")
     assert loaded.context_length == 8192
     assert loaded.name == "SmolLM2-135M-Instruct"
+
+
+def test_the_lens_finds_paris_in_the_last_layers(smol):
+    lens = run_stream(
+        smol.url, "logit_lens",
+        {"prompt": "The Eiffel Tower is in the city of", "top_k": 1, "positions": [-1], "track": [" Paris"]},
+    ).terminal["data"]
+    assert len(lens["layers"]) == 30
+    tops = [layer[0][0]["text"] for layer in lens["topk"]]
+    assert tops[-1] == " Paris"  # the last layer's lens is the model's own prediction
+    assert " Paris" not in tops[:10]  # early layers have not got there yet
+    paris = [row[0] for row in lens["tracked"][" Paris"]]
+    assert paris[-1] > 0.5 and max(paris[:20]) < 0.01
