@@ -45,8 +45,8 @@ class Backend(abc.ABC):
         """Model-dependent validation before queueing; raises `ApiError` (413, 422)."""
 
     @abc.abstractmethod
-    def submit(self, job: Job) -> None:
-        """Accept `job` (it gets QUEUED frames), or raise `ApiError` (429 `queue_full`)."""
+    async def submit(self, job: Job) -> None:
+        """Accept `job` (it gets QUEUED frames), or raise `ApiError` (429 `queue_full`, …)."""
 
     @abc.abstractmethod
     def cancel(self, job: Job) -> None:

@@ -6,8 +6,8 @@ service: there is no second copy of the queue, the worker or the tool call.
 A worker owns one device and one thread. Its coroutine takes the next job from
 the shared queue and hands the tool's run function to that thread, so model
 work never touches the event loop and runs one job at a time per device.
-Results are encoded on the worker thread too: a large result costs the loop
-nothing.
+Results are encoded on the worker thread too, as JSON for a gateway's clients
+or msgpack for an executor's: a large result costs the loop nothing.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from typing import Any
 import msgspec
 import torch
 
+from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job, JobContext
-from gateway.protocol import Code, Status, encode
+from gateway.protocol import Code, Status
 from gateway.tools.base import Cancelled, Model, Tool
 
 log = logging.getLogger("streamgate.worker")
@@ -87,7 +88,9 @@ class JobQueue:
                 job.set_status(Status.QUEUED, **fields)
 
 
-def execute(tool: Tool, model: Model, params: Any, ctx: JobContext) -> msgspec.Raw:
+def execute(
+    tool: Tool, model: Model, params: Any, ctx: JobContext, encode: Callable[[Any], bytes]
+) -> msgspec.Raw:
     """Run one tool call on the current thread and encode its result."""
     ctx.raise_if_cancelled()
     # Inference mode is per thread, so it is set here, on the worker's thread.
@@ -105,9 +108,11 @@ class Worker:
         queue: JobQueue,
         tools: Mapping[str, Tool],
         *,
+        encode: Callable[[Any], bytes] = to_json,
         debug: bool = False,
     ) -> None:
         self.model = model
+        self.encode = encode
         self.queue = queue
         self.tools = tools
         self.debug = debug
@@ -148,7 +153,7 @@ class Worker:
         started = loop.time()
         try:
             result = await loop.run_in_executor(
-                self._thread, execute, tool, self.model, job.params, JobContext(job)
+                self._thread, execute, tool, self.model, job.params, JobContext(job), self.encode
             )
         except Cancelled:
             job.fail(Code.CANCELLED, "the job was cancelled")

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from backends import model as models
 from backends.base import Backend
 from backends.execution import JobQueue, Worker
+from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.protocol import Code
@@ -37,6 +38,7 @@ class LocalBackend(Backend):
         cache_dir: str | Path | None = None,
         queue_size: int = 64,
         debug: bool = False,
+        encode: Callable[[Any], bytes] = to_json,
     ) -> None:
         self._tools = dict(tools)
         self.spec = models.resolve(model)
@@ -44,6 +46,7 @@ class LocalBackend(Backend):
         self._dtype = dtype
         self._cache_dir = Path(cache_dir) if cache_dir else None
         self._debug = debug
+        self._encode = encode
         self.queue_size = queue_size
         self.model: Model | None = None
         self.error: str | None = None
@@ -87,7 +90,7 @@ class LocalBackend(Backend):
             return
         self.model = loaded
         assert self.queue is not None
-        worker = Worker(loaded, self.queue, self._tools, debug=self._debug)
+        worker = Worker(loaded, self.queue, self._tools, encode=self._encode, debug=self._debug)
         worker.start()
         self.workers = [worker]
 
@@ -117,7 +120,7 @@ class LocalBackend(Backend):
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._checks, tool.check, self.model, params)
 
-    def submit(self, job: Job) -> None:
+    async def submit(self, job: Job) -> None:
         if not self.ready or self.queue is None:
             raise self.not_ready_error()
         self.queue.put(job, retry_after=self._eta(len(self.queue) + 1))

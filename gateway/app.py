@@ -73,7 +73,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             raise backend.not_ready_error()
         await backend.check(tool, params)
         job = Job(tool.name, params)
-        backend.submit(job)
+        await backend.submit(job)
         return job_response(
             job, backend, ping_interval=settings.ping_interval, retry_ms=settings.retry_ms
         )

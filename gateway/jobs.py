@@ -35,6 +35,7 @@ from gateway.protocol import (
     encode,
     now,
 )
+from gateway.encoding import to_json
 from gateway.tools.base import Cancelled
 
 PROGRESS_INTERVAL_S = 0.1  # RUNNING frames are coalesced to at most ~10/s per job
@@ -177,7 +178,7 @@ class JobContext:
 
     def partial(self, obj: Any) -> None:
         # Encode now, on the worker thread: the tool may reuse `obj` afterwards.
-        self._call(self._job.partial, msgspec.Raw(encode(obj)))
+        self._call(self._job.partial, msgspec.Raw(to_json(obj)))
 
     @property
     def cancelled(self) -> bool:

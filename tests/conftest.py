@@ -286,8 +286,8 @@ def track_jobs(server: Server) -> dict[str, Any]:
     jobs: dict[str, Any] = {}
     submit = server.backend.submit
 
-    def recording_submit(job: Any) -> None:
-        submit(job)
+    async def recording_submit(job: Any) -> None:
+        await submit(job)
         jobs[job.id] = job
 
     server.backend.submit = recording_submit

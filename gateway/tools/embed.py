@@ -1,5 +1,8 @@
 """`embed`: hidden-state embeddings of texts, pooled per text or per token.
 
+Embeddings are returned as numpy arrays: clients get JSON numbers in
+float32's shortest form, executors send the raw buffers (see `encoding.py`).
+
 `layer` indexes the model's hidden states the way transformers numbers them
 (`output_hidden_states=True`): 0 is the token embeddings, i ≥ 1 the output of
 the i-th block (the lens tools' layer i − 1), and -1 the last, after the
@@ -13,12 +16,12 @@ import enum
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 import torch
 
 from gateway.errors import ParamError
 from gateway.tools.anatomy import anatomy
 from gateway.tools.base import Context, Model, tool
-from gateway.tools.numbers import floats
 
 EMBED_BATCH = 16  # texts per forward pass
 
@@ -69,6 +72,12 @@ class EmbedResult(msgspec.Struct, omit_defaults=True):
     """With pooling none: each text's tokens, one per vector."""
 
 
+def _array(t: torch.Tensor, precision: int | None) -> np.ndarray:
+    """float32 as computed; float64 rounded to `precision` decimals when asked."""
+    array = t.detach().to("cpu", torch.float32).numpy()
+    return array if precision is None else np.round(array.astype(np.float64), precision)
+
+
 def _n_states(model: Model) -> int:
     return anatomy(model).n_layers + 1
 
@@ -115,11 +124,11 @@ def embed(model: Model, params: EmbedParams, ctx: Context) -> EmbedResult:
                 vectors = states[row, : len(ids)]
                 if params.normalize:
                     vectors = torch.nn.functional.normalize(vectors, dim=-1)
-                out.append(floats(vectors, params.precision))
+                out.append(_array(vectors, params.precision))
         else:
             if params.normalize:
                 pooled = torch.nn.functional.normalize(pooled, dim=-1)
-            out.extend(floats(pooled, params.precision))
+            out.extend(_array(pooled, params.precision))
         ctx.progress(min(start + EMBED_BATCH, len(encoded)), len(encoded), "texts")
     return EmbedResult(
         dim=model.module.config.hidden_size if hasattr(model.module.config, "hidden_size") else len(out[0][0]),

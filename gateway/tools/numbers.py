@@ -19,6 +19,11 @@ def floats(tensor: torch.Tensor, precision: int | None = None) -> Any:
     t = tensor.detach().to("cpu", torch.float32)
     if precision is not None:
         return torch.round(t.double(), decimals=precision).tolist()
+    return shortest(t.numpy())
+
+
+def shortest(array: np.ndarray) -> Any:
+    """A float32 array as (nested) Python floats that print in float32's shortest form."""
     # numpy prints float32 in its shortest round-tripping form; parsing that text
     # as float64 gives a value msgspec prints in the same few digits.
-    return t.numpy().astype(str).astype(np.float64).tolist()
+    return array.astype(str).astype(np.float64).tolist()
