@@ -8,6 +8,7 @@ from typing import Any
 
 from gateway.errors import ApiError
 from gateway.jobs import Job
+from gateway.params import apply_caps
 from gateway.protocol import Code
 from gateway.tools.base import Tool
 
@@ -43,6 +44,21 @@ class Backend(abc.ABC):
 
     async def check(self, tool: Tool, params: Any) -> None:
         """Model-dependent validation before queueing; raises `ApiError` (413, 422)."""
+
+    def tool(self, name: str) -> Tool:
+        """The tool called `name`, or 404 `unknown_tool` listing the tools there are."""
+        found = self.tools.get(name)
+        if found is None:
+            known = ", ".join(sorted(self.tools)) or "none"
+            raise ApiError(Code.UNKNOWN_TOOL, f"no tool named {name!r}; tools: {known}")
+        return found
+
+    async def admit(self, tool: Tool, params: Any, limits: Mapping[str, int]) -> None:
+        """The checks after decoding, in order: server caps, readiness, the tool's own check."""
+        apply_caps(tool, params, limits)
+        if not self.ready:
+            raise self.not_ready_error()
+        await self.check(tool, params)
 
     @abc.abstractmethod
     async def submit(self, job: Job) -> None:

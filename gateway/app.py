@@ -24,7 +24,7 @@ from gateway import params as params_mod
 from gateway.config import Settings
 from gateway.errors import ApiError, api_error_handler
 from gateway.jobs import Job
-from gateway.protocol import Code, ToolInfo, encode
+from gateway.protocol import Code, encode
 from gateway.stream import job_response
 
 log = logging.getLogger("streamgate.app")
@@ -33,53 +33,27 @@ log = logging.getLogger("streamgate.app")
 def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     limits = settings.limits()
-    tool_list = encode(
-        [
-            ToolInfo(
-                name=t.name,
-                description=t.description,
-                params_schema=params_mod.schema(t.params, t.caps, limits),
-                result_schema=params_mod.schema(t.result),
-                streams_partial=t.streams_partial,
-                partial_schema=params_mod.schema(t.partial) if t.partial else None,
-            )
-            for t in backend.tools.values()
-        ]
-    )
-
-    async def read_body(request: Request) -> bytes:
-        # Counted while reading, so a missing or untrue Content-Length changes nothing.
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > settings.max_body_bytes:
-                raise ApiError(
-                    Code.TOO_LARGE, f"the body is over the limit of {settings.max_body_bytes} bytes"
-                )
-        return bytes(body)
-
     async def run(request: Request) -> Response:
-        name = request.path_params["tool"]
-        tool = backend.tools.get(name)
-        if tool is None:
-            known = ", ".join(sorted(backend.tools)) or "none"
-            raise ApiError(Code.UNKNOWN_TOOL, f"no tool named {name!r}; tools: {known}")
+        tool = backend.tool(request.path_params["tool"])
         if request.method == "POST":
-            params = params_mod.decode_body(tool, await read_body(request))
+            params = params_mod.decode_body(tool, await params_mod.read_body(request, settings.max_body_bytes))
         else:
             params = params_mod.decode_query(tool, request.query_params)
-        params_mod.apply_caps(tool, params, limits)
-        if not backend.ready:
-            raise backend.not_ready_error()
-        await backend.check(tool, params)
+        await backend.admit(tool, params, limits)
         job = Job(tool.name, params)
         await backend.submit(job)
         return job_response(
             job, backend, ping_interval=settings.ping_interval, retry_ms=settings.retry_ms
         )
 
+    described: list[object] = [None, b""]  # the tools mapping last described, and its JSON
+
     async def tools(request: Request) -> Response:
-        return Response(tool_list, media_type="application/json")
+        # A remote backend learns its tools after start-up; describe each set once.
+        current = backend.tools
+        if described[0] is not current:
+            described[:] = [current, encode(params_mod.describe(current.values(), limits))]
+        return Response(described[1], media_type="application/json")
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})

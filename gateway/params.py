@@ -11,15 +11,43 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
 from starlette.datastructures import QueryParams
+from starlette.requests import Request
 
 from gateway.errors import ApiError, ParamError, from_validation_error
-from gateway.protocol import Code
+from gateway.protocol import Code, ToolInfo
 from gateway.tools.base import Tool
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 `too_large` as soon as it passes `limit` bytes."""
+    # Counted while reading, so a missing or untrue Content-Length changes nothing.
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(Code.TOO_LARGE, f"the body is over the limit of {limit} bytes")
+    return bytes(body)
+
+
+def describe(tools: Iterable[Tool], limits: Mapping[str, int]) -> list[ToolInfo]:
+    """The `GET /tools` entries: JSON Schema generated from each tool's Structs, caps applied."""
+    return [
+        t.info
+        or ToolInfo(
+            name=t.name,
+            description=t.description,
+            params_schema=schema(t.params, t.caps, limits),
+            result_schema=schema(t.result),
+            streams_partial=t.streams_partial,
+            partial_schema=schema(t.partial) if t.partial else None,
+        )
+        for t in tools
+    ]
 
 
 def decode_body(tool: Tool, body: bytes, what: str = "the body") -> Any:

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import msgspec
 
 from gateway.errors import TooLong
+from gateway.protocol import ToolInfo
 
 
 class Cancelled(Exception):
@@ -132,6 +133,8 @@ class Tool:
     partial: type[Any] | None = None
     check: CheckFn | None = None
     caps: Mapping[str, str] = field(default_factory=dict)
+    # Published schemas, for a tool known only from another service's `GET /tools`.
+    info: ToolInfo | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
