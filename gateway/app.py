@@ -22,7 +22,7 @@ from starlette.routing import Route
 from backends.base import Backend
 from gateway import params as params_mod
 from gateway.config import Settings
-from gateway.errors import ApiError, api_error_handler
+from gateway.errors import ApiError, api_error_handler, http_error_handler
 from gateway.jobs import Job
 from gateway.protocol import Code, encode
 from gateway.stream import job_response
@@ -64,12 +64,6 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             body["reason"] = backend.not_ready_reason
         return JSONResponse(body, status_code=200 if backend.ready else 503)
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status_code, Code.BAD_REQUEST)
-        response = ApiError(code, exc.detail, status=exc.status_code).response()
-        response.headers.update(exc.headers or {})  # e.g. the `Allow` a 405 must carry
-        return response
 
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
@@ -92,7 +86,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         ],
         exception_handlers={
             ApiError: api_error_handler,
-            HTTPException: http_error,
+            HTTPException: http_error_handler,
             Exception: unexpected,
         },
         lifespan=lifespan,

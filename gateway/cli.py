@@ -1,6 +1,6 @@
-"""The `streamgate` command: `serve`, `run` and `tools`.
+"""The `streamgate` command: `serve`, `executor`, `run` and `tools`.
 
-Every `serve` flag can also be set with a `STREAMGATE_*` variable (shown in `--help`).
+Every `serve` and `executor` flag can also be set with a `STREAMGATE_*` variable (shown in `--help`).
 `run` exits 0 with the result on stdout, 1 on an `error` event, 2 when the
 server refuses the request before streaming, 3 when the server cannot be
 reached or the stream breaks.
@@ -22,9 +22,9 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 _D = Settings()  # the defaults, shown in --help
 
 
-def _option(name: str, **kwargs: Any) -> Any:
+def _option(name: str, *decls: str, **kwargs: Any) -> Any:
     env = "STREAMGATE_" + name.lstrip("-").replace("-", "_").upper()
-    return click.option(name, envvar=env, show_envvar=True, show_default=True, **kwargs)
+    return click.option(name, *decls, envvar=env, show_envvar=True, show_default=True, **kwargs)
 
 
 @click.group()
@@ -33,32 +33,31 @@ def main() -> None:
     """streamgate: long-running model tools behind one streaming endpoint each."""
 
 
-@main.command()
-@_option("--host", default=_D.host, help="Interface to listen on.")
-@_option("--port", default=_D.port, type=int)
-@_option("--model", default=None, help="Local folder, .gguf file or Hugging Face id. Default: the bundled SmolLM2-135M-Instruct.")
-@_option("--device", default=None, help="cuda, cuda:1, mps or cpu. Default: the best available.")
-@_option("--dtype", default=None, help="float32, float16 or bfloat16. Default: bfloat16 on CUDA, else float32.")
-@_option("--cache-dir", default=None, help="Where converted models are kept. Default: the user cache folder.")
-@_option("--tools", multiple=True, help="Import a module of user tools (repeatable).")
-@_option("--queue-size", default=_D.queue_size, type=click.IntRange(min=1), help="Jobs that may wait; more get 429 queue_full.")
-@_option("--max-prompts", default=_D.max_prompts, type=click.IntRange(min=1), help="Most prompts in one job.")
-@_option("--max-tokens", default=_D.max_tokens, type=click.IntRange(min=1), help="Most tokens one generate job may ask for.")
-@_option("--max-body-bytes", default=_D.max_body_bytes, type=click.IntRange(min=1))
-@_option("--ping-interval", default=_D.ping_interval, type=click.FloatRange(min=0), help="Seconds of quiet before a ': ping' comment (0: none).")
-@_option("--retry-ms", default=_D.retry_ms, type=click.IntRange(min=0), help="The reconnect delay sent to EventSource clients.")
-@_option("--log-level", default=_D.log_level, type=click.Choice(["debug", "info", "warning", "error"]))
-@_option("--debug", is_flag=True, default=False, help="Put tracebacks in tool_error messages.")
-def serve(**options: Any) -> None:
-    """Start the gateway with the local backend."""
-    import uvicorn
+def _model_options(command: Any) -> Any:
+    """The options of a process that loads the model and runs tools: `serve` and `executor`."""
+    options = [
+        _option("--model", default=None, help="Local folder, .gguf file or Hugging Face id. Default: the bundled SmolLM2-135M-Instruct."),
+        _option("--device", default=None, help="cuda, cuda:1, mps or cpu. Default: the best available."),
+        _option("--dtype", default=None, help="float32, float16 or bfloat16. Default: bfloat16 on CUDA, else float32."),
+        _option("--cache-dir", default=None, help="Where converted models are kept. Default: the user cache folder."),
+        _option("--tools", multiple=True, help="Import a module of user tools (repeatable)."),
+        _option("--queue-size", default=_D.queue_size, type=click.IntRange(min=1), help="Jobs that may wait; more get 429 queue_full."),
+        _option("--max-prompts", default=_D.max_prompts, type=click.IntRange(min=1), help="Most prompts in one job."),
+        _option("--max-tokens", default=_D.max_tokens, type=click.IntRange(min=1), help="Most tokens one generate job may ask for."),
+        _option("--max-body-bytes", default=_D.max_body_bytes, type=click.IntRange(min=1)),
+        _option("--log-level", default=_D.log_level, type=click.Choice(["debug", "info", "warning", "error"])),
+        _option("--debug", is_flag=True, default=False, help="Put tracebacks in tool_error messages."),
+        _option("--executor-token", default=None, help="The bearer token shared by gateways and executors."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
-    from backends.local import LocalBackend
-    from backends.model import ModelError
-    from gateway.app import create_app
-    from gateway.tools import builtin_tools, collect, load_module
 
-    options["tools"] = list(options["tools"])
+def _settings(options: dict[str, Any]) -> Settings:
+    options["tools"] = list(options.get("tools", ()))
+    if "executors" in options:
+        options["executors"] = list(options["executors"])
     # Like `python -m` and uvicorn: `--tools mypkg.tools` finds ./mypkg; a console
     # script's sys.path starts at its own bin folder, not the working directory.
     if os.getcwd() not in sys.path and "" not in sys.path:
@@ -67,9 +66,28 @@ def serve(**options: Any) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # A remote gateway polls each executor every second: keep those out of the logs.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("uvicorn.access").addFilter(_HealthChecks())
+    return settings
+
+
+class _HealthChecks(logging.Filter):
+    """Drops access-log lines of successful health and readiness probes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) >= 5 and args[2] in ("/healthz", "/readyz") and args[4] == 200)
+
+
+def _local_backend(settings: Settings, **kwargs: Any) -> Any:
+    from backends.local import LocalBackend
+    from backends.model import ModelError
+    from gateway.tools import builtin_tools, collect, load_module
+
     try:
         tools = collect(builtin_tools() + [t for name in settings.tools for t in load_module(name)])
-        backend = LocalBackend(
+        return LocalBackend(
             tools,
             model=settings.model,
             device=settings.device,
@@ -77,11 +95,71 @@ def serve(**options: Any) -> None:
             cache_dir=settings.cache_dir,
             queue_size=settings.queue_size,
             debug=settings.debug,
+            **kwargs,
         )
     except (ValueError, ModelError) as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@_option("--host", default=_D.host, help="Interface to listen on.")
+@_option("--port", default=_D.port, type=int)
+@_model_options
+@_option("--backend", default=_D.backend, type=click.Choice(["local", "remote"]), help="Run tools in this process, or on executors.")
+@_option("--executor", "executors", multiple=True, help="An executor's URL, for --backend remote (repeatable).")
+@_option("--executor-deadline", default=_D.executor_deadline, type=click.FloatRange(min=0), help="Seconds an executor may be unreachable before its jobs end with backend_unavailable.")
+@_option("--ping-interval", default=_D.ping_interval, type=click.FloatRange(min=0), help="Seconds of quiet before a ': ping' comment (0: none).")
+@_option("--retry-ms", default=_D.retry_ms, type=click.IntRange(min=0), help="The reconnect delay sent to EventSource clients.")
+def serve(**options: Any) -> None:
+    """Start the gateway, with the model in this process or on executors."""
+    import uvicorn
+
+    from gateway.app import create_app
+
+    settings = _settings(options)
+    if settings.backend == "remote":
+        from backends.remote import RemoteBackend
+
+        if not settings.executors:
+            raise click.UsageError("--backend remote needs at least one --executor URL")
+        backend: Any = RemoteBackend(
+            settings.executors, token=settings.executor_token, deadline=settings.executor_deadline
+        )
+    else:
+        backend = _local_backend(settings)
     app = create_app(backend, settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+
+
+@main.command()
+@_option("--host", default=_D.host, help="Interface to listen on.")
+@_option("--port", default=9000, type=int)
+@_model_options
+@_option("--result-ttl", default=_D.result_ttl, type=click.FloatRange(min=0), help="Seconds a finished job's result is kept if nobody fetches it.")
+@_option("--session-grace", default=_D.session_grace, type=click.FloatRange(min=0), help="Seconds a gateway's jobs run on without its socket before they are cancelled.")
+def executor(**options: Any) -> None:
+    """Start an executor: runs tools on this machine for remote gateways."""
+    import uvicorn
+
+    from backends.executor import Executor, create_executor_app
+    from gateway.encoding import to_msgpack
+
+    settings = _settings(options)
+    if not settings.executor_token and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("streamgate").warning(
+            "the executor listens on %s without --executor-token: anyone who reaches it can run jobs",
+            settings.host,
+        )
+    service = Executor(
+        _local_backend(settings, encode=to_msgpack),
+        token=settings.executor_token,
+        max_body_bytes=settings.max_body_bytes,
+        limits=settings.limits(),
+        result_ttl=settings.result_ttl,
+        session_grace=settings.session_grace,
+    )
+    app = create_executor_app(service)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, ws="websockets")
 
 
 def _params_from_pairs(pairs: tuple[str, ...]) -> list[tuple[str, str]]:

@@ -21,6 +21,13 @@ class Settings(msgspec.Struct, kw_only=True):
     retry_ms: int = 3000
     debug: bool = False
     log_level: str = "info"
+    backend: str = "local"
+    executors: list[str] = msgspec.field(default_factory=list)
+    executor_token: str | None = None
+    executor_deadline: float = 30.0
+    # The executor's own settings.
+    result_ttl: float = 600.0
+    session_grace: float = 30.0
 
     def limits(self) -> dict[str, int]:
         """Server limits that tools bind their fields to through `Tool.caps`."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import msgspec
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -105,3 +106,12 @@ def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) ->
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     return exc.response()
+
+
+async def http_error_handler(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 and 405, in the protocol's error body."""
+    assert isinstance(exc, HTTPException)
+    code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status_code, Code.BAD_REQUEST)
+    response = ApiError(code, exc.detail, status=exc.status_code).response()
+    response.headers.update(exc.headers or {})  # e.g. the `Allow` a 405 must carry
+    return response

@@ -97,16 +97,26 @@ def decode_query(tool: Tool, query: QueryParams) -> Any:
 
 
 def apply_caps(tool: Tool, params: Any, limits: Mapping[str, int]) -> None:
+    """Enforce the server limits bound by `tool.caps`.
+
+    The messages are msgspec's own for the same bound, so a request gets the same
+    answer whether the cap is checked here or by a Struct rebuilt from the schema
+    that advertises it (a remote gateway's).
+    """
     for name, limit_name in tool.caps.items():
         value = getattr(params, name, None)
         if value is None:
             continue
         limit = limits[limit_name]
+        kind = _JSON_KIND.get(type(value), "int" if isinstance(value, int) else "float")
         if isinstance(value, (list, tuple, str, dict)):
             if len(value) > limit:
-                raise ParamError(name, f"at most {limit} allowed, got {len(value)}")
+                raise ParamError(name, f"expected `{kind}` of length <= {limit}")
         elif value > limit:
-            raise ParamError(name, f"must be <= {limit} (the server's limit), got {value}")
+            raise ParamError(name, f"expected `{kind}` <= {limit}")
+
+
+_JSON_KIND = {list: "array", tuple: "array", str: "str", dict: "object"}
 
 
 def schema(tp: Any, caps: Mapping[str, str] | None = None, limits: Mapping[str, int] | None = None) -> dict[str, Any]:

@@ -179,3 +179,73 @@ def parse_event_id(value: str | None) -> tuple[str, int] | None:
     if not sep or not job_id or not seq.isdigit():
         return None
     return job_id, int(seq)
+
+
+# -- Section 5: gateway ⇄ executor ---------------------------------------------
+
+
+class RemoteKind(str, enum.Enum):
+    STATUS = "status"
+    LOG = "log"
+    PARTIAL = "partial"
+    COMPLETED = "completed"
+    ERROR = "error"
+
+
+class RemoteFrame(msgspec.Struct):
+    """One event of a job, executor → gateway on the session socket.
+
+    `seq` is the executor's sequence number for the job (what `resume` counts
+    from); `data` is the event's JSON (a status, log, partial or error frame).
+    `completed` carries `null`: the result is fetched from `GET /jobs/{id}/result`.
+    """
+
+    job_id: str
+    seq: int
+    kind: RemoteKind
+    data: msgspec.Raw
+
+
+class Resume(msgspec.Struct, tag_field="op", tag="resume"):
+    """Gateway → executor: send this job's events after `after_seq`."""
+
+    job_id: str
+    after_seq: int = 0
+
+
+class Cancel(msgspec.Struct, tag_field="op", tag="cancel"):
+    """Gateway → executor: cancel this job."""
+
+    job_id: str
+
+
+SessionOp = Resume | Cancel
+
+
+class SubmitRequest(msgspec.Struct):
+    """`POST /jobs` on an executor."""
+
+    tool: str
+    params: msgspec.Raw
+    job_id: str
+
+
+class SubmitResponse(msgspec.Struct):
+    job_id: str
+    status: Status = Status.RECEIVED
+
+
+REMOTE_KIND = {
+    EventType.STATUS: RemoteKind.STATUS,
+    EventType.LOG: RemoteKind.LOG,
+    EventType.PARTIAL: RemoteKind.PARTIAL,
+    EventType.DATA: RemoteKind.COMPLETED,
+    EventType.ERROR: RemoteKind.ERROR,
+}
+
+
+def remote_frame(event: Event) -> RemoteFrame:
+    """An executor job's event as a session frame (results stay behind, to be fetched)."""
+    kind = REMOTE_KIND[event.type]
+    data = msgspec.Raw(b"null" if kind is RemoteKind.COMPLETED else event.data)
+    return RemoteFrame(event.job_id, event.seq, kind, data)

@@ -292,7 +292,9 @@ def test_every_serve_flag_has_a_streamgate_variable():
     assert len(options) >= 15
     help_text = cli("serve", "--help").stdout
     for option in options:
-        want = "STREAMGATE_" + option.name.upper()
+        # Named after the flag: --executor (repeatable) is STREAMGATE_EXECUTOR.
+        flag = max(option.opts, key=len).lstrip("-")
+        want = "STREAMGATE_" + flag.replace("-", "_").upper()
         assert option.envvar == want, option.name
         assert want in help_text, option.name
 

@@ -1,0 +1,339 @@
+"""The executor service: runs jobs on this machine's devices for remote gateways.
+
+It is a local backend behind a different front: the same tools, queue and
+workers (`backends/execution.py`), with results encoded as msgpack instead of
+JSON. What it adds is the session, which fixes what goes wrong in designs that
+open a socket per job or lose track of jobs when a socket drops:
+
+- A gateway opens one WebSocket, `WS /session?id=<session id>`, and every job
+  it submits with `X-Session-Id` reports on it (`RemoteFrame`s, multiplexed).
+- Jobs belong to the session, not to the socket: when the socket drops, they
+  run on. When the gateway reconnects with the same id it says `resume` for
+  each job with the last `seq` it saw, and gets exactly the frames after it.
+- A session left without a socket for `session_grace` seconds is abandoned:
+  its jobs are cancelled, so no worker computes for nobody.
+- Results are kept until the gateway deletes the job after fetching it, or
+  `result_ttl` after the job ended.
+
+Every call, the socket included, needs the shared bearer token when one is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from backends.local import LocalBackend
+from gateway import params as params_mod
+from gateway.errors import ApiError, api_error_handler, http_error_handler
+from gateway.jobs import Job
+from gateway.protocol import (
+    Code,
+    EventType,
+    ErrorFrame,
+    ErrorInfo,
+    RemoteFrame,
+    RemoteKind,
+    Resume,
+    SessionOp,
+    SubmitRequest,
+    SubmitResponse,
+    encode,
+    remote_frame,
+)
+
+log = logging.getLogger("streamgate.executor")
+
+RESULT_CHUNK = 1 << 16
+SWEEP_INTERVAL_S = 1.0
+
+
+@dataclass(eq=False)
+class Session:
+    """One gateway's jobs, and the socket (if any) their frames go out on."""
+
+    id: str
+    jobs: dict[str, Job] = field(default_factory=dict)
+    socket: WebSocket | None = None
+    detached_since: float | None = field(default_factory=time.monotonic)
+    followers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def follow(self, job: Job, after: int) -> None:
+        """(Re)start sending `job`'s frames after `after`; replaces any follower it had."""
+        old = self.followers.pop(job.id, None)
+        if old is not None:
+            old.cancel()
+        if self.socket is not None:
+            self.followers[job.id] = asyncio.create_task(self._follow(self.socket, job, after))
+
+    async def _follow(self, socket: WebSocket, job: Job, after: int) -> None:
+        seen = after
+        while True:
+            batch = await job.wait_events(seen)
+            for event in batch:
+                await self.send(socket, encode(remote_frame(event)))
+                seen = event.seq
+            if job.terminal is not None and seen >= job.terminal.seq:
+                self.followers.pop(job.id, None)
+                return
+
+    async def send(self, socket: WebSocket, data: bytes) -> None:
+        # Many followers share the socket; frames must not interleave.
+        async with self.send_lock:
+            await socket.send_text(data.decode())
+
+    def detach(self, socket: WebSocket) -> None:
+        if self.socket is not socket:
+            return
+        self.socket = None
+        self.detached_since = time.monotonic()
+        for task in self.followers.values():
+            task.cancel()
+        self.followers.clear()
+
+
+@dataclass(eq=False)
+class Entry:
+    job: Job
+    session: Session
+    ended: float | None = None
+
+
+class Executor:
+    """The executor's state: its backend, sessions, and the jobs it holds results for."""
+
+    def __init__(
+        self,
+        backend: LocalBackend,
+        *,
+        token: str | None = None,
+        max_body_bytes: int = 1 << 20,
+        limits: Mapping[str, int] | None = None,
+        result_ttl: float = 600.0,
+        session_grace: float = 30.0,
+    ) -> None:
+        self.backend = backend
+        self.token = token
+        self.max_body_bytes = max_body_bytes
+        self.limits = dict(limits or {"max_prompts": 32, "max_tokens": 512})
+        self.result_ttl = result_ttl
+        self.session_grace = session_grace
+        self.sessions: dict[str, Session] = {}
+        self.entries: dict[str, Entry] = {}
+
+    def authorize(self, conn: HTTPConnection) -> None:
+        if not self.token:
+            return
+        scheme, _, given = conn.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token.encode()):
+            raise ApiError(Code.UNAUTHORIZED, "a valid executor token is required (Authorization: Bearer …)")
+
+    def session(self, session_id: str) -> Session:
+        found = self.sessions.get(session_id)
+        if found is None:
+            found = self.sessions[session_id] = Session(session_id)
+        return found
+
+    async def submit(self, request: Request) -> Response:
+        self.authorize(request)
+        session_id = request.headers.get("x-session-id")
+        if not session_id:
+            raise ApiError(Code.BAD_REQUEST, "the X-Session-Id header is required")
+        body = await params_mod.read_body(request, self.max_body_bytes)
+        try:
+            submitted = msgspec.json.decode(body, type=SubmitRequest)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise ApiError(Code.BAD_REQUEST, f"a job is {{tool, params, job_id}}: {exc}") from None
+        existing = self.entries.get(submitted.job_id)
+        if existing is not None:
+            if existing.session.id != session_id:
+                raise ApiError(Code.BAD_REQUEST, f"job {submitted.job_id} belongs to another session")
+            return self._accepted(existing.job)  # a retried submit: the same job
+        tool = self.backend.tool(submitted.tool)
+        params = params_mod.decode_body(tool, bytes(submitted.params), "params")
+        await self.backend.admit(tool, params, self.limits)
+        job = Job(tool.name, params, job_id=submitted.job_id)
+        session = self.session(session_id)
+        await self.backend.submit(job)
+        self.entries[job.id] = Entry(job, session)
+        session.jobs[job.id] = job
+        session.follow(job, 0)
+        return self._accepted(job)
+
+    @staticmethod
+    def _accepted(job: Job) -> Response:
+        return Response(encode(SubmitResponse(job.id)), status_code=202, media_type="application/json")
+
+    async def result(self, request: Request) -> Response:
+        self.authorize(request)
+        entry = self._entry(request.path_params["job_id"])
+        terminal = entry.job.terminal
+        if terminal is None:
+            raise ApiError(Code.BAD_REQUEST, "the job has not finished", status=409)
+        if terminal.type is not EventType.DATA:
+            raise ApiError(Code.NOT_FOUND, "the job ended with an error; it has no result")
+        data = terminal.data
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for start in range(0, len(data), RESULT_CHUNK):
+                yield data[start : start + RESULT_CHUNK]
+
+        headers = {"Content-Length": str(len(data)), "X-Content-SHA256": hashlib.sha256(data).hexdigest()}
+        return StreamingResponse(chunks(), media_type="application/msgpack", headers=headers)
+
+    async def delete(self, request: Request) -> Response:
+        """Cancel the job if it still runs, and forget it and its result."""
+        self.authorize(request)
+        entry = self._entry(request.path_params["job_id"])
+        running = not entry.job.done
+        if running:
+            self.backend.cancel(entry.job)
+        self._forget(entry)
+        return JSONResponse({"job_id": entry.job.id, "cancelled": running})
+
+    def _entry(self, job_id: str) -> Entry:
+        entry = self.entries.get(job_id)
+        if entry is None:
+            raise ApiError(Code.NOT_FOUND, f"no job {job_id} here (unknown, deleted or expired)")
+        return entry
+
+    def _forget(self, entry: Entry) -> None:
+        self.entries.pop(entry.job.id, None)
+        entry.session.jobs.pop(entry.job.id, None)
+        task = entry.session.followers.pop(entry.job.id, None)
+        if task is not None:
+            task.cancel()
+
+    async def session_socket(self, websocket: WebSocket) -> None:
+        try:
+            self.authorize(websocket)
+        except ApiError as exc:
+            await websocket.send_denial_response(exc.response())
+            return
+        session_id = websocket.query_params.get("id")
+        if not session_id:
+            await websocket.send_denial_response(
+                ApiError(Code.BAD_REQUEST, "the session id is required: /session?id=…").response()
+            )
+            return
+        await websocket.accept()
+        session = self.session(session_id)
+        if session.socket is not None:
+            # The gateway reconnected before the old socket was seen to drop.
+            old = session.socket
+            session.detach(old)
+            with contextlib.suppress(Exception):
+                await old.close()
+        session.socket = websocket
+        session.detached_since = None
+        decoder = msgspec.json.Decoder(SessionOp)
+        try:
+            while True:
+                message = await websocket.receive_text()
+                try:
+                    op = decoder.decode(message)
+                except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                    log.warning("session %s: bad message %r: %s", session_id, message[:200], exc)
+                    continue
+                job = session.jobs.get(op.job_id)
+                if job is None:
+                    await session.send(websocket, encode(_lost(op.job_id)))
+                elif isinstance(op, Resume):
+                    session.follow(job, op.after_seq)
+                else:
+                    self.backend.cancel(job)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            session.detach(websocket)
+
+    async def sweep(self) -> None:
+        """Drop expired results; cancel the jobs of sessions abandoned past their grace."""
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            now = time.monotonic()
+            for entry in list(self.entries.values()):
+                if entry.job.done and entry.ended is None:
+                    entry.ended = now
+                if entry.ended is not None and now - entry.ended > self.result_ttl:
+                    self._forget(entry)
+            for session in list(self.sessions.values()):
+                if session.socket is not None or session.detached_since is None:
+                    continue
+                if now - session.detached_since > self.session_grace:
+                    for job in list(session.jobs.values()):
+                        if not job.done:
+                            log.info("session %s abandoned: cancelling job %s", session.id, job.id)
+                            self.backend.cancel(job)
+                    if not session.jobs:
+                        del self.sessions[session.id]
+
+
+def _lost(job_id: str) -> RemoteFrame:
+    """The answer to a resume or cancel for a job this executor does not have."""
+    info = ErrorInfo(Code.BACKEND_UNAVAILABLE, "the executor no longer has this job", retryable=True)
+    return RemoteFrame(job_id, 0, RemoteKind.ERROR, msgspec.Raw(encode(ErrorFrame(job_id, 0, info))))
+
+
+def create_executor_app(executor: Executor) -> Starlette:
+    backend = executor.backend
+    described: list[object] = [None, b""]
+
+    async def tools(request: Request) -> Response:
+        executor.authorize(request)
+        if described[0] is not backend.tools:
+            described[:] = [backend.tools, encode(params_mod.describe(backend.tools.values(), executor.limits))]
+        return Response(described[1], media_type="application/json")
+
+    async def healthz(request: Request) -> Response:
+        executor.authorize(request)
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        executor.authorize(request)
+        body = {"ready": backend.ready, **backend.describe(), "sessions": len(executor.sessions)}
+        if not backend.ready:
+            body["reason"] = backend.not_ready_reason
+        return JSONResponse(body, status_code=200 if backend.ready else 503)
+
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await backend.start()
+        sweeper = asyncio.create_task(executor.sweep())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            await backend.stop()
+
+    app = Starlette(
+        routes=[
+            WebSocketRoute("/session", executor.session_socket),
+            Route("/jobs", executor.submit, methods=["POST"]),
+            Route("/jobs/{job_id}/result", executor.result, methods=["GET"]),
+            Route("/jobs/{job_id}", executor.delete, methods=["DELETE"]),
+            Route("/tools", tools, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+        ],
+        exception_handlers={ApiError: api_error_handler, HTTPException: http_error_handler},
+        lifespan=lifespan,
+    )
+    app.state.executor = executor
+    return app
