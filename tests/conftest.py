@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from backends.local import LocalBackend
+from backends.remote import RemoteBackend
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.tools import Tool, builtin_tools, collect
@@ -182,6 +183,15 @@ def make_server(
         cache_dir=settings_obj.cache_dir,
     )
     server = Server(create_app(backend, settings_obj)).start()
+    return server.wait_ready() if ready else server
+
+
+def make_remote_server(
+    executors: list[str], *, token: str | None = None, deadline: float = 30.0, ready: bool = True, **settings: Any
+) -> Server:
+    """A gateway with the remote backend, in this process, driving real executor processes."""
+    backend = RemoteBackend(executors, token=token, deadline=deadline, poll_interval=0.2)
+    server = Server(create_app(backend, Settings(backend="remote", executors=executors, **settings))).start()
     return server.wait_ready() if ready else server
 
 

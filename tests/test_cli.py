@@ -9,14 +9,9 @@ project folder. `run` exits 0 with the result on stdout, 1 on an `error` event,
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,24 +21,9 @@ import pytest
 
 from gateway.cli import serve as serve_command
 from gateway.tools import builtin_tools
+from tests.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
 
-ROOT = Path(__file__).resolve().parents[1]
-STREAMGATE = Path(sys.executable).parent / "streamgate"
-START_TIMEOUT = 180  # importing torch and loading the model on a slow, busy machine
 CLI_TIMEOUT = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The environment without PYTHONPATH or any STREAMGATE_* setting, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMGATE_") and k != "PYTHONPATH"}
-    env.update(extra)
-    return env
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
@@ -55,52 +35,6 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = CLI_TIME
         text=True,
         timeout=timeout,
     )
-
-
-@dataclass
-class ServeProcess:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"serve did not become ready:\n{self.output()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-
-
-def start_serve(args: list[str], env: dict[str, str], port: int, log: Path) -> ServeProcess:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [str(STREAMGATE), "serve", *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
-        )
-    server = ServeProcess(proc, f"http://127.0.0.1:{port}", log)
-    try:
-        server.wait_ready()
-    except BaseException:
-        server.stop()
-        raise
-    return server
 
 
 @pytest.fixture(scope="module")
