@@ -67,7 +67,8 @@ log = logging.getLogger("streamgate.remote")
 DOWNLOAD_TRIES = 4
 BACKOFF_MAX_S = 2.0
 
-# Executor error codes that keep their meaning at the gateway; any other is the tool's failure.
+# Executor error codes that keep their meaning at the gateway; any other, a tool that
+# raised included, becomes `remote_error` with the executor's message.
 PASSED_THROUGH = {Code.CANCELLED, Code.TIMEOUT, Code.BACKEND_UNAVAILABLE}
 
 
@@ -118,7 +119,9 @@ class RemoteJob:
         if frame.kind is RemoteKind.STATUS:
             status = msgspec.json.decode(data, type=StatusFrame)
             if status.progress is not None:
-                job.progress(status.progress.done, status.progress.total, status.progress.unit)
+                # Relayed as sent, not through `job.progress`: the executor already coalesced
+                # them, and coalescing again would drop the ones a resume replays at once.
+                job.set_status(Status.RUNNING, progress=status.progress)
             elif status.status is Status.QUEUED:
                 job.set_status(
                     Status.QUEUED, position=status.position, queue_size=status.queue_size, eta_s=status.eta_s
@@ -164,6 +167,8 @@ class Link:
         self.connected = False
         self.epoch = 0
         self.problem = "not contacted yet"
+        self.refused = False  # the executor answers 401 to our token: waiting will not help
+        self.abandoned: set[str] = set()  # jobs given up on while unreachable, to delete there
         self.down_since = time.monotonic()
         self._socket: ClientConnection | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -200,16 +205,20 @@ class Link:
         while True:
             try:
                 ready = await self.http.get("/readyz", timeout=5.0)
-                was_healthy, self.healthy = self.healthy, ready.status_code == 200
-                if ready.status_code == 401:
+                healthy = ready.status_code == 200
+                self.refused = ready.status_code == 401
+                if self.refused:
                     self.problem = "the executor refused the token"
-                elif not self.healthy:
+                elif not healthy:
                     self.problem = ready.json().get("reason", f"/readyz answered {ready.status_code}")
-                if self.healthy and (not was_healthy or not self.tools):
+                if healthy and (not self.healthy or not self.tools):
+                    # Tools first, healthy after: a gateway must not say ready while it
+                    # would still answer its tools' runs with not_ready.
                     listed = await self.http.get("/tools", timeout=5.0)
                     listed.raise_for_status()
                     self.tools = msgspec.json.decode(listed.content, type=list[ToolInfo])
                     self._on_tools()
+                self.healthy = healthy
             except (httpx.HTTPError, ValueError, msgspec.DecodeError) as exc:
                 self.healthy = False
                 self.problem = f"unreachable: {exc or type(exc).__name__}"
@@ -249,10 +258,14 @@ class Link:
                     for remote in list(self.jobs.values()):
                         if remote.accepted:
                             self.resume(remote)
+                    for job_id in self.abandoned:
+                        self.spawn(self._forget(job_id))
+                    self.abandoned.clear()
                     async for message in socket:
                         self._on_message(message)
             except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
-                self.problem = f"session socket: {exc or type(exc).__name__}"
+                if not self.refused:
+                    self.problem = f"session socket: {exc or type(exc).__name__}"
             finally:
                 if self.connected:
                     self.down_since = time.monotonic()
@@ -311,7 +324,7 @@ class Link:
                 await asyncio.sleep(0.2 * 2**attempt)
             try:
                 data = await self._download(job_id)
-                result = await asyncio.to_thread(lambda: msgspec.Raw(to_json(from_msgpack(data))))
+                result = await asyncio.to_thread(_as_json, data)
             except _Retry as exc:
                 problem = str(exc)
                 log.warning("job %s: result download failed (%s), try %d", job_id, exc, attempt + 1)
@@ -339,9 +352,11 @@ class Link:
         except httpx.HTTPError as exc:
             raise _Retry(f"{type(exc).__name__}: {exc}") from None
         data = b"".join(chunks)
-        if expected_size is not None and len(data) != int(expected_size):
+        if expected_size is None or expected_hash is None:
+            raise _Retry("the answer lacks Content-Length or X-Content-SHA256, so it cannot be checked")
+        if len(data) != int(expected_size):
             raise _Retry(f"truncated: {len(data)} of {expected_size} bytes")
-        if expected_hash is not None and hashlib.sha256(data).hexdigest() != expected_hash:
+        if hashlib.sha256(data).hexdigest() != expected_hash:
             raise _Retry("corrupt: the SHA-256 does not match")
         return data
 
@@ -350,8 +365,11 @@ class Link:
         if self.jobs.pop(remote.job.id, None) is None:
             return
         remote.job.fail(code, message)
-        if code is not Code.BACKEND_UNAVAILABLE:
+        if self.connected:
             self.spawn(self._forget(remote.job.id))
+        else:
+            # It may still run there: delete it once the executor is back (if it is).
+            self.abandoned.add(remote.job.id)
 
     def cancel(self, remote: RemoteJob) -> None:
         remote.job.cancel()
@@ -361,6 +379,11 @@ class Link:
         """`DELETE /jobs/{id}`: cancels the job there if it still runs, and frees its result."""
         with contextlib.suppress(httpx.HTTPError):
             await self.http.delete(f"/jobs/{job_id}")
+
+
+def _as_json(data: bytes) -> msgspec.Raw:
+    """A msgpack result as the JSON a local backend would have sent."""
+    return msgspec.Raw(to_json(from_msgpack(data)))
 
 
 class _Retry(Exception):
@@ -430,6 +453,12 @@ class RemoteBackend(Backend):
     def tools(self) -> Mapping[str, Tool]:
         return self._tools
 
+    def tool(self, name: str) -> Tool:
+        if not self._tools:
+            # No executor has told us what it serves: the gateway is not ready, the tool not unknown.
+            raise self.not_ready_error()
+        return super().tool(name)
+
     def _learn_tools(self) -> None:
         learned: dict[str, Tool] = {}
         for link in self.links:
@@ -444,6 +473,12 @@ class RemoteBackend(Backend):
     @property
     def ready(self) -> bool:
         return any(link.ready for link in self.links)
+
+    def not_ready_error(self) -> ApiError:
+        if all(link.refused for link in self.links):
+            # Every executor refuses our token: that needs an operator, not a retry.
+            return ApiError(Code.NOT_READY, self.not_ready_reason, retryable=False)
+        return super().not_ready_error()
 
     @property
     def not_ready_reason(self) -> str:

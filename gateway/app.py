@@ -12,12 +12,15 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from backends.base import Backend
 from gateway import params as params_mod
@@ -28,6 +31,25 @@ from gateway.protocol import Code, encode
 from gateway.stream import job_response
 
 log = logging.getLogger("streamgate.app")
+
+# The dashboard, built from web/ and shipped as package data.
+STATIC = Path(__file__).parent / "static"
+
+
+class _Assets(StaticFiles):
+    """The dashboard's files, revalidated on every load so a new build is never served stale."""
+
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
+
+
+async def dashboard(request: Request) -> Response:
+    index = STATIC / "index.html"
+    if not index.is_file():
+        raise ApiError(Code.NOT_FOUND, "the dashboard is not built: run `npm run build:dashboard` in web/")
+    return FileResponse(index, headers={"Cache-Control": "no-cache"})
 
 
 def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
@@ -83,6 +105,8 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/{tool}/run", run, methods=["GET", "POST"]),
+            Route("/", dashboard, methods=["GET"]),
+            Mount("/assets", _Assets(directory=STATIC / "assets", check_dir=False), name="assets"),
         ],
         exception_handlers={
             ApiError: api_error_handler,

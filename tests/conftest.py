@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny random model on disk, and real uvicorn servers on loopback."""
+"""Shared fixtures: a tiny random model on disk, and real servers on loopback, local or remote (with executors)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from backends.local import LocalBackend
 from backends.remote import RemoteBackend
 from gateway.app import create_app
 from gateway.config import Settings
-from gateway.tools import Tool, builtin_tools, collect
+from gateway.tools import Tool, builtin_tools, collect, load_module
+from tests.processes import ServeProcess, start_executor
 
 TINY_CONTEXT = 256
 
@@ -136,6 +137,7 @@ class Server:
     _server: uvicorn.Server | None = None
     _thread: threading.Thread | None = None
     events: list[Any] = field(default_factory=list)
+    kind: str = "local"  # or "remote": the RemoteBackend, driving executor processes
 
     @property
     def backend(self) -> Any:
@@ -191,7 +193,8 @@ def make_remote_server(
 ) -> Server:
     """A gateway with the remote backend, in this process, driving real executor processes."""
     backend = RemoteBackend(executors, token=token, deadline=deadline, poll_interval=0.2)
-    server = Server(create_app(backend, Settings(backend="remote", executors=executors, **settings))).start()
+    app = create_app(backend, Settings(backend="remote", executors=executors, **settings))
+    server = Server(app, kind="remote").start()
     return server.wait_ready() if ready else server
 
 
@@ -217,6 +220,149 @@ def server(tiny_model_path: Path) -> Iterator[Server]:
     s = make_server(tiny_model_path)
     yield s
     s.stop()
+
+
+# -- either backend: the same gateway, with the model in process or on an executor --------
+#
+# A test that takes `kind` (or `any_server`, or a module fixture built on them) runs
+# twice: "local" (LocalBackend in the gateway) and "remote" (an in-process gateway
+# with the RemoteBackend, driving a real `streamgate executor` subprocess over
+# loopback HTTP and a WebSocket). Both serve the built-in tools, the tools of
+# USER_TOOLS, and those of the modules named by the `tool_modules` fixture (which a
+# test module overrides to add its own), so the two are interchangeable to a client.
+
+KINDS = ("local", "remote")
+USER_TOOLS = "tests.user_tools"  # every executor loads it (processes.start_executor)
+
+# Settings of the process that holds the model, as `streamgate executor` flags; the
+# rest (max_body_bytes, ping_interval, retry_ms, …) belong to the gateway alone.
+EXECUTOR_FLAGS = {"queue_size": "--queue-size", "max_prompts": "--max-prompts", "max_tokens": "--max-tokens"}
+# Caps that bind both: the gateway checks them and shows them in its schemas, the executor enforces them.
+SHARED_SETTINGS = {"max_prompts", "max_tokens"}
+
+
+class Executors:
+    """Executor processes, started on first use and shared by every gateway that asks for the same ones.
+
+    One executor per (model, tool modules, executor flags); each start costs a few
+    seconds, so a module's tests share them, and all are stopped with the module.
+    An executor found dead (a test killed it) is started afresh.
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: dict[tuple[Any, ...], ServeProcess] = {}
+
+    def get(self, model_path: Path | str, modules: tuple[str, ...] = (), flags: tuple[str, ...] = ()) -> ServeProcess:
+        key = (str(model_path), modules, flags)
+        process = self.started.get(key)
+        if process is None or process.proc.poll() is not None:
+            extra = [*flags, *(arg for module in modules for arg in ("--tools", module))]
+            log = self.log_dir / f"executor-{len(self.started)}.log"
+            process = self.started[key] = start_executor(model_path, log, extra=extra)
+        return process
+
+    def stop(self) -> None:
+        for process in self.started.values():
+            process.stop()
+        self.started.clear()
+
+
+@pytest.fixture(scope="module")
+def executors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Executors]:
+    pool = Executors(tmp_path_factory.mktemp("executors"))
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture(scope="module")
+def tool_modules() -> tuple[str, ...]:
+    """Modules of test tools that servers of either kind load besides USER_TOOLS; override per module."""
+    return ()
+
+
+def start_any(
+    kind: str,
+    executors: Executors,
+    model_path: Path | str,
+    modules: tuple[str, ...] = (),
+    **settings: Any,
+) -> Server:
+    """A ready gateway of `kind` on `model_path` with the built-in tools, USER_TOOLS and `modules`' tools.
+
+    Settings go where they belong: model-side ones (EXECUTOR_FLAGS) to the executor's
+    command line, gateway-side ones to the gateway, caps (SHARED_SETTINGS) to both.
+    """
+    if kind == "local":
+        tools = [t for module in (USER_TOOLS, *modules) for t in load_module(module)]
+        return make_server(model_path, tools=tools, **settings)
+    assert kind == "remote", kind
+    flags: list[str] = []
+    for name, flag in EXECUTOR_FLAGS.items():
+        if name in settings:
+            value = settings[name] if name in SHARED_SETTINGS else settings.pop(name)
+            flags += [flag, str(value)]
+    executor = executors.get(model_path, tuple(modules), tuple(flags))
+    return make_remote_server([executor.url], **settings)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    """"local" or "remote": a module's tests run once with each, grouped by kind."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def any_server(
+    kind: str, executors: Executors, tiny_model_path: Path, tool_modules: tuple[str, ...]
+) -> Iterator[Server]:
+    """The shared server of `server`, of either kind (see KINDS)."""
+    s = start_any(kind, executors, tiny_model_path, tool_modules)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def serve_any(executors: Executors, tiny_model_path: Path, tool_modules: tuple[str, ...]) -> Iterator[Any]:
+    """`serve_any(kind, queue_size=1, ping_interval=0.25, …)`: like `serve`, for either kind.
+
+    Gateways are stopped after the test; executors are kept for the module's other tests.
+    """
+    started: list[Server] = []
+
+    def start(kind: str, *, model_path: Path | str | None = None, **settings: Any) -> Server:
+        server = start_any(kind, executors, model_path or tiny_model_path, tool_modules, **settings)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def opening_statuses(kind: str) -> list[str]:
+    """The statuses a job's stream opens with: a remote gateway says DISPATCHED once the executor took it."""
+    return ["RECEIVED", "QUEUED", "RUNNING"] if kind == "local" else ["RECEIVED", "DISPATCHED", "QUEUED", "RUNNING"]
+
+
+def tool_error_code(kind: str) -> str:
+    """A tool that raised: `tool_error` where it ran; `remote_error`, same message, through a remote gateway."""
+    return "tool_error" if kind == "local" else "remote_error"
+
+
+def without_dispatched(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """A stream's events as the local backend would send them (ids and seqs aside).
+
+    For "remote", asserts that the one DISPATCHED status comes right after RECEIVED,
+    and leaves it out.
+    """
+    if kind == "local":
+        assert all(e["data"].get("status") != "DISPATCHED" for e in events if e["event"] == "status")
+        return events
+    dispatched = [i for i, e in enumerate(events) if e["event"] == "status" and e["data"]["status"] == "DISPATCHED"]
+    assert dispatched == [1], [e["event"] for e in events[:4]]
+    assert events[0]["event"] == "status" and events[0]["data"]["status"] == "RECEIVED"
+    return events[:1] + events[2:]
 
 
 @dataclass

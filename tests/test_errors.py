@@ -3,6 +3,14 @@
 Every refusal is an ordinary HTTP response whose body is exactly
 `{"error": {"code", "message", "retryable", "field"?}}` (PROTOCOL.md §1), and a
 refused request leaves nothing behind: the server goes on serving good ones.
+
+The tests that take `srv` or `kind` run against both kinds of gateway (conftest's
+KINDS): the local backend, and the remote backend driving a real executor
+process, which relays the executor's refusals (413 too_long, 422 from a tool's
+own check, 429 queue_full) as its own. One test compares the two kinds' bodies
+for the same bad requests. The tests that reach into the gateway's process
+(a model load held back by a patch, a model folder refused at construction, a
+load that fails) are about the local backend and use it alone.
 """
 
 from __future__ import annotations
@@ -13,13 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import pytest
 
 import backends.model
 from backends.model import ModelError
-from gateway.tools import Context, Model, tool
-from tests.conftest import make_server, run_stream, wait_until
+from tests.conftest import (
+    make_remote_server,
+    make_server,
+    parse_sse,
+    run_stream,
+    start_any,
+    wait_until,
+)
+from tests.processes import free_port, start_executor
 
 MAX_BODY = 4096
 MAX_PROMPTS = 4
@@ -30,11 +44,13 @@ TIMEOUT = 60
 _ABSENT = object()
 
 
+LIMITS = {"max_body_bytes": MAX_BODY, "max_prompts": MAX_PROMPTS, "max_tokens": MAX_TOKENS}
+
+
 @pytest.fixture(scope="module")
-def srv(tiny_model_path: Path):
-    s = make_server(
-        tiny_model_path, max_body_bytes=MAX_BODY, max_prompts=MAX_PROMPTS, max_tokens=MAX_TOKENS
-    )
+def srv(kind: str, executors: Any, tiny_model_path: Path):
+    """The module's server with small limits, local or remote: its tests run once with each."""
+    s = start_any(kind, executors, tiny_model_path, **LIMITS)
     yield s
     s.stop()
 
@@ -365,68 +381,77 @@ def test_schema_advertises_the_caps_that_are_enforced(srv):
 
 # -- 429 queue_full ----------------------------------------------------------
 
-GATE = threading.Event()
+
+class Live:
+    """A stream read as far as the test needs: `until(...)` reads on, `close()` hangs up."""
+
+    def __init__(self, url: str, tool: str, params: Any) -> None:
+        self.client = httpx.Client(timeout=TIMEOUT)
+        self.response = self.client.send(self.client.build_request("POST", f"{url}/{tool}/run", json=params), stream=True)
+        assert self.response.status_code == 200, self.response.read()
+        self.chunks = self.response.iter_raw()
+        self.raw = b""
+
+    def events(self) -> list[dict[str, Any]]:
+        return parse_sse(self.raw[: self.raw.rfind(b"\n\n") + 2])
+
+    def until(self, status: str) -> None:
+        """Read until a status frame says `status`."""
+        while not any(e["event"] == "status" and e["data"]["status"] == status for e in self.events()):
+            self.raw += next(self.chunks)
+
+    def finish(self) -> dict[str, Any]:
+        for chunk in self.chunks:
+            self.raw += chunk
+        self.close()
+        return self.events()[-1]
+
+    def close(self) -> None:
+        self.response.close()
+        self.client.close()
 
 
-class HoldParams(msgspec.Struct):
-    tag: str = ""
-
-
-class HoldResult(msgspec.Struct):
-    tag: str
-    released: bool
-
-
-@tool
-def hold(model: Model, params: HoldParams, ctx: Context) -> HoldResult:
-    """Block the worker until the test opens the gate (a minute at most)."""
-    return HoldResult(params.tag, GATE.wait(timeout=TIMEOUT))
-
-
-def test_full_queue_is_429_with_retry_after(serve):
-    GATE.clear()
-    s = serve(tools=[hold], queue_size=1)
-    backend = s.backend
-    results: dict[str, Any] = {}
-
-    def run(tag: str) -> None:
-        results[tag] = run_stream(s.url, "hold", {"tag": tag}, timeout=120)
-
-    threads = [threading.Thread(target=run, args=("running",), daemon=True)]
-    threads[0].start()
+def test_full_queue_is_429_with_retry_after(serve_any, kind):
+    # One job runs (a user tool that takes ~30 s unless cancelled), one waits: the queue of 1 is full.
+    s = serve_any(kind, queue_size=1)
+    running = Live(s.url, "echo", {"text": "running", "repeat": 600, "delay": 0.05})
+    queued = None
     try:
-        wait_until(lambda: backend.workers[0].current is not None, what="the first job to run")
-        threads.append(threading.Thread(target=run, args=("queued",), daemon=True))
-        threads[1].start()
-        wait_until(lambda: len(backend.queue) == 1, what="the second job to queue")
+        running.until("RUNNING")
+        queued = Live(s.url, "echo", {"text": "queued"})
+        queued.until("QUEUED")
 
-        r = post(s.url, "/hold/run", json_body={"tag": "refused"})
+        r = post(s.url, "/echo/run", json_body={"text": "refused"})
         error = assert_error(r, 429, "queue_full", retryable=True)
         assert "full" in error["message"]
         retry_after = r.headers.get("retry-after")
         assert retry_after is not None and retry_after.isdigit() and int(retry_after) >= 1
         # The GET form meets the same queue.
-        r = httpx.get(s.url + "/hold/run", params={"tag": "refused"}, timeout=TIMEOUT)
+        r = httpx.get(s.url + "/echo/run", params={"text": "refused"}, timeout=TIMEOUT)
         assert_error(r, 429, "queue_full", retryable=True)
         assert r.headers["retry-after"].isdigit()
         # A bad request is still judged on its own merits before the queue.
-        r = post(s.url, "/hold/run", json_body={"tag": 1})
-        assert_error(r, 422, "invalid_params", field="tag")
+        r = post(s.url, "/echo/run", json_body={"text": 1})
+        assert_error(r, 422, "invalid_params", field="text")
+
+        # The running job's client goes away: that job stops, and the queued one runs.
+        running.close()
+        terminal = queued.finish()
+        assert (terminal["event"], terminal["data"]) == ("data", {"text": "queued", "tokens": 7})  # bytes + BOS
     finally:
-        GATE.set()
-        for t in threads:
-            t.join(timeout=120)
-    assert results["running"].terminal["data"] == {"tag": "running", "released": True}
-    assert results["queued"].terminal["data"] == {"tag": "queued", "released": True}
-    # The refused job never existed; the queue has room again.
-    after = run_stream(s.url, "hold", {"tag": "after"})
-    assert after.terminal["data"] == {"tag": "after", "released": True}
+        running.close()
+        if queued is not None:
+            queued.close()
+    # The refused jobs never existed; the queue has room again.
+    after = run_stream(s.url, "echo", {"text": "after"})
+    assert after.terminal["data"] == {"text": "after", "tokens": 6}
 
 
 # -- 503 not_ready -----------------------------------------------------------
 
 
 def test_not_ready_while_the_model_loads(tiny_model_path, monkeypatch):
+    # Local only: the load is held back by patching it in this process (remote: the next test).
     release, loading = threading.Event(), threading.Event()
     real_load = backends.model.load
 
@@ -474,7 +499,46 @@ def test_not_ready_while_the_model_loads(tiny_model_path, monkeypatch):
         s.stop()
 
 
+def test_not_ready_until_an_executor_is_up(tiny_model_path, tmp_path):
+    # The remote form of the test above: the gateway starts before its executor does.
+    port = free_port()
+    s = make_remote_server([f"http://127.0.0.1:{port}"], ready=False)
+    try:
+        r = httpx.get(s.url + "/readyz", timeout=TIMEOUT)
+        assert r.status_code == 503
+        assert r.json()["ready"] is False
+        assert "no executor is ready" in r.json()["reason"]
+        assert httpx.get(s.url + "/healthz", timeout=TIMEOUT).status_code == 200
+
+        r = post(s.url, "/generate/run", json_body={"prompts": ["a"], "max_tokens": 2})
+        error = assert_error(r, 503, "not_ready", retryable=True)
+        assert "no executor is ready" in error["message"]
+        assert r.headers["retry-after"] == "5"
+        r = httpx.get(s.url + "/predict/run", params={"prompt": "a"}, timeout=TIMEOUT)
+        assert_error(r, 503, "not_ready", retryable=True)
+        assert r.headers["retry-after"].isdigit()
+        # Unlike a local gateway, which knows its tools while the model loads, a remote one
+        # learns them from its executors: until one answers it cannot say that a tool does
+        # not exist, or judge params, so every run is not_ready (never 404 unknown_tool).
+        assert_error(post(s.url, "/nosuchtool/run", json_body={}), 503, "not_ready", retryable=True)
+        assert httpx.get(s.url + "/tools", timeout=TIMEOUT).json() == []
+
+        executor = start_executor(tiny_model_path, tmp_path / "executor.log", port=port)
+        try:
+            s.wait_ready(timeout=120)
+            r = httpx.get(s.url + "/readyz", timeout=TIMEOUT)
+            assert r.status_code == 200 and r.json()["ready"] is True
+            assert {"generate", "predict", "echo"} <= {t["name"] for t in httpx.get(s.url + "/tools").json()}
+            assert_error(post(s.url, "/nosuchtool/run", json_body={}), 404, "unknown_tool")
+            assert_serves(s.url)
+        finally:
+            executor.stop()
+    finally:
+        s.stop()
+
+
 def test_not_ready_when_the_model_failed_to_load(tmp_path):
+    # Local only: a remote gateway reports its executors, not their models (see the report).
     # A folder that exists but holds no model: construction accepts it, loading fails.
     empty = tmp_path / "not-a-model"
     empty.mkdir()
@@ -528,10 +592,48 @@ def test_server_still_serves_after_every_bad_request(srv):
     # No refused request queued or started anything ...
     ready = httpx.get(srv.url + "/readyz", timeout=TIMEOUT).json()
     assert ready["ready"] is True
-    assert ready["queued"] == 0 and ready["running"] == 0
+    if srv.kind == "local":
+        assert ready["queued"] == 0 and ready["running"] == 0
+    else:
+        assert [e["jobs"] for e in ready["executors"]] == [0]  # nothing sent on, or left in flight
     # ... and good requests of every tool still run.
     assert_serves(srv.url)
     ll = run_stream(srv.url, "loglikelihood", {"prompts": ["a"], "continuations": ["b"]})
     assert ll.terminal["event"] == "data"
     pr = run_stream(srv.url, "predict", {"prompt": "a", "top_k": 3})
     assert len(pr.terminal["data"]["predictions"]) == 3
+
+
+# -- the same refusals, whichever backend ----------------------------------------------------
+
+
+def test_local_and_remote_refuse_alike(serve_any):
+    """Every bad request above gets the very same status, body and Retry-After from both kinds."""
+    local, remote = serve_any("local", **LIMITS), serve_any("remote", **LIMITS)
+    requests: list[tuple[str, str, dict[str, Any]]] = []
+    for param in BAD_BODIES:
+        (content,) = param.values
+        requests.append(("POST", "/generate/run", {"content": content}))
+    for param in BAD_QUERIES:
+        (query,) = param.values
+        requests.append(("GET", "/generate/run", {"params": query}))
+    requests += [
+        ("POST", "/nosuchtool/run", {"json": {}}),
+        ("GET", "/nothing", {}),
+        ("DELETE", "/generate/run", {}),
+        ("POST", "/generate/run", {"content": _body_of_size(MAX_BODY + 1)}),
+    ]
+    for param in TOO_LONG:
+        tool_name, body, _ = param.values
+        requests.append(("POST", f"/{tool_name}/run", {"json": body}))
+    for tool_name, body, _ in INVALID:
+        requests.append(("POST", f"/{tool_name}/run", {"json": body}))
+    for query, _ in INVALID_QUERIES:
+        requests.append(("GET", "/generate/run", {"params": query}))
+    for method, path, kwargs in requests:
+        a = httpx.request(method, local.url + path, timeout=TIMEOUT, **kwargs)
+        b = httpx.request(method, remote.url + path, timeout=TIMEOUT, **kwargs)
+        assert 400 <= a.status_code < 500, (method, path, a.text)
+        assert (b.status_code, b.json()) == (a.status_code, a.json()), (method, path, kwargs)
+        for header in ("content-type", "retry-after", "allow"):
+            assert b.headers.get(header) == a.headers.get(header), (method, path, header)

@@ -21,6 +21,11 @@ Tolerance: 1e-5 absolute and relative, in float32.
 Then, on the tiny Llama: progress per layer, cancellation between layers, a
 responsive event loop while a lens runs, the 422s and 413s naming their field,
 and GET /tools.
+
+The logit lens, activation patching and embedding checks also run through the
+remote backend (a gateway driving a real executor process) on the Llama alone:
+the same checks against the same reference, with results that crossed as msgpack
+raw buffers and must come out as the same JSON floats.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from tests.conftest import (
     open_stream,
     parse_sse,
     run_stream,
+    start_any,
     track_jobs,
     wait_until,
 )
@@ -533,6 +539,35 @@ def test_greedy_generate_equals_hf_generate(arch: Arch) -> None:
         assert got == want, (ref.family, prompt)
         assert out["completions"][i] == ref.decode(want)
     assert out["finish_reasons"] == ["length"] * len(prompts)
+
+
+# -- the same checks through the remote backend (Llama) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def remote_llama(tmp_path_factory: pytest.TempPathFactory, executors: Any) -> Iterator[Arch]:
+    """A remote gateway and its executor on the tiny Llama of `arch_model_path` (the same build)."""
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny-llama-remote"), family="llama", layers=2, init=0.2)
+    server = start_any("remote", executors, path)
+    try:
+        yield Arch(server.url, Reference(path))
+    finally:
+        server.stop()
+
+
+THROUGH_REMOTE = [
+    test_logit_lens_every_layer_and_position_equals_norm_and_unembed_by_hand,
+    test_logit_lens_subsets_with_negative_indices,
+    test_patching_equal_lengths_defaults_to_every_position_and_the_source_prediction,
+    test_patching_different_lengths_with_positions_and_target_tokens,
+    test_embed_pooling_layers_and_normalize_with_padding,
+    test_embed_floats_are_float32_exactly_or_rounded_to_the_precision,
+]
+
+
+@pytest.mark.parametrize("check", THROUGH_REMOTE, ids=lambda f: f.__name__.removeprefix("test_"))
+def test_through_the_remote_backend_on_llama(remote_llama: Arch, check: Any) -> None:
+    check(remote_llama)
 
 
 # -- progress, cancellation, the event loop (tiny Llama, deeper) -------------------------------

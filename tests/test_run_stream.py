@@ -1,12 +1,25 @@
-"""End to end on a real server: the stream's framing, headers and the built-in tools."""
+"""End to end on a real server: the stream's framing, headers and the built-in tools.
+
+Every test runs against both kinds of gateway (conftest's KINDS): the local
+backend, and the remote backend driving a real executor process. The last test
+runs the same requests through both and compares the streams event by event.
+"""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
+import pytest
 
-from tests.conftest import run_stream
+from tests.conftest import opening_statuses, run_stream, without_dispatched
+
+
+@pytest.fixture(scope="module")
+def server(any_server):
+    """The module's server, local or remote: each test here runs once with each."""
+    return any_server
 
 
 def test_generate_streams_status_partials_and_one_result(server):
@@ -19,7 +32,9 @@ def test_generate_streams_status_partials_and_one_result(server):
     assert s.raw.startswith(b"retry: 3000\n\n")
 
     statuses = [e["data"]["status"] for e in s.of("status")]
-    assert statuses[:3] == ["RECEIVED", "QUEUED", "RUNNING"]
+    opening = opening_statuses(server.kind)
+    assert statuses[: len(opening)] == opening
+    assert all(s == "RUNNING" for s in statuses[len(opening) :])
     ids = [e["id"] for e in s.events]
     assert ids == [f"{job_id}:{n}" for n in range(1, len(ids) + 1)]
     assert s.terminal["event"] == "data"
@@ -72,4 +87,82 @@ def test_health_and_ready(server):
     ready = httpx.get(server.url + "/readyz")
     assert ready.status_code == 200
     assert ready.json()["ready"] is True
-    assert ready.json()["device"] == "cpu"
+    if server.kind == "local":
+        assert ready.json()["device"] == "cpu"
+    else:
+        (executor,) = ready.json()["executors"]
+        assert executor["ready"] is True and executor["jobs"] == 0
+
+
+# -- local and remote, side by side ---------------------------------------------------------
+
+# Deterministic requests: greedy decoding, the tools without sampling, and a user tool
+# that logs, reports progress and fails. Each (tool, params) is run on both backends.
+SAME_REQUESTS = [
+    ("generate", {"prompts": ["Hello there", "", "caf\u00e9 \u2603"], "max_tokens": 12}),
+    ("generate", {"prompts": ["The quick brown fox", "ab"], "max_tokens": 20, "stop": ["e", "o"]}),
+    ("generate", {"prompts": ["x"], "max_tokens": 8, "temperature": 1.3, "seed": 5}),
+    ("predict", {"prompt": "Hello", "top_k": 20}),
+    ("loglikelihood", {"prompts": ["Hello", "a"], "continuations": [" there", "bc"]}),
+    ("logit_lens", {"prompt": "The quick", "top_k": 3, "track": ["e"]}),
+    ("lens_grid", {"prompt": "Hi there", "stat": "rank"}),
+    ("activation_patching", {"src_prompt": "The cat", "tgt_prompt": "The dog"}),
+    ("embed", {"texts": ["Hello there", "a"], "pooling": "none"}),
+    ("embed", {"texts": ["Hello there", "a"], "normalize": True, "precision": 4}),
+    ("echo", {"text": "hi", "repeat": 2}),
+    ("fail", {"message": "no luck"}),
+]
+
+
+def comparable(events: list[dict[str, Any]]) -> tuple[list[Any], list[dict[str, Any]]]:
+    """The events without what differs from run to run by design: ids, seqs, times, ETAs.
+
+    Progress frames are returned apart: how many there are depends on timing (they
+    are coalesced to one per 100 ms), so only the first and the last are compared.
+    """
+    kept, progress = [], []
+    for e in events:
+        data = e["data"]
+        if e["event"] == "status" and "progress" in data:
+            progress.append(data["progress"])
+            continue
+        if e["event"] in ("status", "log", "error"):
+            data = {k: v for k, v in data.items() if k not in ("job_id", "seq", "ts", "eta_s")}
+        kept.append((e["event"], data))
+    return kept, progress
+
+
+def test_local_and_remote_streams_are_the_same_event_for_event(serve_any):
+    local, remote = serve_any("local"), serve_any("remote")
+    for tool, params in SAME_REQUESTS:
+        a = run_stream(local.url, tool, params)
+        b = run_stream(remote.url, tool, params)
+        assert a.status == b.status == 200
+        assert {k: v for k, v in a.headers.items() if k not in ("date", "x-job-id")} == {
+            k: v for k, v in b.headers.items() if k not in ("date", "x-job-id")
+        }
+        assert a.raw.startswith(b"retry: 3000\n\n") and b.raw.startswith(b"retry: 3000\n\n")
+        assert [e["id"] for e in b.events] == [f"{b.headers['x-job-id']}:{n}" for n in range(1, len(b.events) + 1)]
+        events_a, progress_a = comparable(without_dispatched(a.events, "local"))
+        events_b, progress_b = comparable(without_dispatched(b.events, "remote"))
+        if a.terminal["event"] == "error":
+            # The one difference by design: a tool that raised on an executor is a remote error.
+            (_, local_error), (_, remote_error) = events_a.pop(), events_b.pop()
+            assert local_error["error"]["code"] == "tool_error"
+            assert remote_error["error"] == {**local_error["error"], "code": "remote_error"}
+        assert events_b == events_a, tool
+        # Progress: the same first and newest updates, the same non-decreasing steps in between.
+        assert bool(progress_a) == bool(progress_b), tool
+        if progress_a:
+            assert progress_b[0] == progress_a[0] and progress_b[-1] == progress_a[-1], (tool, progress_a, progress_b)
+            for progress in (progress_a, progress_b):
+                done = [p["done"] for p in progress]
+                assert done == sorted(done), (tool, progress)
+        if a.terminal["event"] == "data":
+            # The result's very bytes: arrays that crossed as msgpack buffers print the same JSON.
+            assert last_frame(b.raw)[1:] == last_frame(a.raw)[1:], tool
+
+
+def last_frame(raw: bytes) -> list[bytes]:
+    """The lines of a complete stream's last frame: id, event, data."""
+    return raw.split(b"\n\n")[-2].split(b"\n")

@@ -3,6 +3,11 @@
 The reference model is loaded separately from the same folder, and everything is
 computed the obvious way: one full forward pass per sequence, no batching, no
 padding, no KV cache (or `model.generate` for greedy decoding).
+
+Every test that takes `server` runs against both kinds of gateway (conftest's
+KINDS): the local backend, and the remote backend driving a real executor
+process. The EOS test changes the loaded model's EOS ids in place, which only
+the local backend lets a test reach, so it uses `serve` (local) alone.
 """
 
 from __future__ import annotations
@@ -57,6 +62,12 @@ class Reference:
         tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
         assert len(tokens) == n  # the tiny model never produces EOS
         return tokens
+
+
+@pytest.fixture(scope="module")
+def server(any_server):
+    """The module's server, local or remote: each test that takes it runs once with each."""
+    return any_server
 
 
 @pytest.fixture(scope="module")

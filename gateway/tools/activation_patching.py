@@ -116,7 +116,7 @@ def activation_patching(model: Model, params: PatchingParams, ctx: Context) -> P
             rows = torch.arange(len(t_pos), device=device)
             patch = src_hidden[s_pos]
 
-            def write(hidden: torch.Tensor) -> None:
+            def write(hidden: torch.Tensor, rows=rows, t_pos=t_pos, patch=patch) -> None:
                 hidden[rows, t_pos] = patch.to(hidden.dtype)
 
             batch = torch.tensor([tgt_ids] * len(t_pos), device=device)
