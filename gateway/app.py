@@ -27,7 +27,8 @@ from gateway import params as params_mod
 from gateway.config import Settings
 from gateway.errors import ApiError, api_error_handler, http_error_handler
 from gateway.jobs import Job
-from gateway.protocol import Code, encode
+from gateway.protocol import Code, encode, parse_event_id
+from gateway.store import MemoryStore
 from gateway.stream import job_response
 
 log = logging.getLogger("streamgate.app")
@@ -52,21 +53,78 @@ async def dashboard(request: Request) -> Response:
     return FileResponse(index, headers={"Cache-Control": "no-cache"})
 
 
+def _last_event_id(request: Request) -> tuple[str, int] | None:
+    """`Last-Event-ID` (header, or `last_event_id` query key) as (job id, seq)."""
+    value = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+    if value is None:
+        return None
+    parsed = parse_event_id(value)
+    if parsed is None:
+        raise ApiError(Code.BAD_REQUEST, f"Last-Event-ID {value!r} is not of the form <job_id>:<seq>")
+    return parsed
+
+
 def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     limits = settings.limits()
+    store = MemoryStore(lambda job: backend.cancel(job), detach_grace=settings.detach_grace, retention=settings.retention)
+
+    def follow(job: Job, after: int = 0) -> Response:
+        return job_response(
+            job, backend, store, ping_interval=settings.ping_interval, retry_ms=settings.retry_ms, after=after
+        )
+
     async def run(request: Request) -> Response:
+        resumed = _last_event_id(request)
+        if resumed is not None and request.method == "GET":
+            # An EventSource reconnecting to the URL it first opened: the same job, not a new one.
+            return _resume(_job(resumed[0]), resumed[1])
+        key = request.headers.get("idempotency-key")
+        if key and (existing := store.claim(key)) is not None:
+            after = resumed[1] if resumed is not None and resumed[0] == existing.id else 0
+            return _resume(existing, after)
         tool = backend.tool(request.path_params["tool"])
         if request.method == "POST":
             params = params_mod.decode_body(tool, await params_mod.read_body(request, settings.max_body_bytes))
         else:
             params = params_mod.decode_query(tool, request.query_params)
         await backend.admit(tool, params, limits)
+        if key and (existing := store.claim(key)) is not None:
+            return _resume(existing, 0)  # the same key arrived while this one was checked
         job = Job(tool.name, params)
         await backend.submit(job)
-        return job_response(
-            job, backend, ping_interval=settings.ping_interval, retry_ms=settings.retry_ms
-        )
+        store.add(job, key)
+        return follow(job)
+
+    def _job(job_id: str) -> Job:
+        job = store.get(job_id)
+        if job is None:
+            raise ApiError(Code.NOT_FOUND, f"no job {job_id} (unknown, or finished more than {settings.retention:g} s ago)")
+        return job
+
+    def _resume(job: Job, after: int) -> Response:
+        if job.terminal is not None and after >= job.terminal.seq:
+            # The client holds the terminal event: 204 stops an EventSource for good.
+            return Response(status_code=204, headers={"X-Job-Id": job.id})
+        return follow(job, after)
+
+    async def job_events(request: Request) -> Response:
+        job = _job(request.path_params["job_id"])
+        resumed = _last_event_id(request)
+        if resumed is not None and resumed[0] != job.id:
+            raise ApiError(Code.BAD_REQUEST, f"Last-Event-ID {resumed[0]}:{resumed[1]} is not an event of job {job.id}")
+        return _resume(job, resumed[1] if resumed else 0)
+
+    async def job_snapshot(request: Request) -> Response:
+        job = _job(request.path_params["job_id"])
+        return Response(encode(job.snapshot()), media_type="application/json")
+
+    async def cancel_job(request: Request) -> Response:
+        job = _job(request.path_params["job_id"])
+        running = not job.done
+        if running:
+            backend.cancel(job)
+        return JSONResponse({"job_id": job.id, "cancelled": running, "status": job.snapshot().status})
 
     described: list[object] = [None, b""]  # the tools mapping last described, and its JSON
 
@@ -94,9 +152,11 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await backend.start()
+        await store.start()
         try:
             yield
         finally:
+            await store.stop()
             await backend.stop()
 
     app = Starlette(
@@ -105,6 +165,9 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/{tool}/run", run, methods=["GET", "POST"]),
+            Route("/jobs/{job_id}", job_snapshot, methods=["GET"]),
+            Route("/jobs/{job_id}", cancel_job, methods=["DELETE"]),
+            Route("/jobs/{job_id}/events", job_events, methods=["GET"]),
             Route("/", dashboard, methods=["GET"]),
             Mount("/assets", _Assets(directory=STATIC / "assets", check_dir=False), name="assets"),
         ],
@@ -117,4 +180,5 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     )
     app.state.backend = backend
     app.state.settings = settings
+    app.state.store = store
     return app

@@ -108,6 +108,8 @@ def _local_backend(settings: Settings, **kwargs: Any) -> Any:
 @_option("--backend", default=_D.backend, type=click.Choice(["local", "remote"]), help="Run tools in this process, or on executors.")
 @_option("--executor", "executors", multiple=True, help="An executor's URL, for --backend remote (repeatable).")
 @_option("--executor-deadline", default=_D.executor_deadline, type=click.FloatRange(min=0), help="Seconds an executor may be unreachable before its jobs end with backend_unavailable.")
+@_option("--detach-grace", default=_D.detach_grace, type=click.FloatRange(min=0), help="Seconds a job runs on with no client attached before it is cancelled (0: cancel on disconnect).")
+@_option("--retention", default=_D.retention, type=click.FloatRange(min=0), help="Seconds a finished job and its events stay readable.")
 @_option("--ping-interval", default=_D.ping_interval, type=click.FloatRange(min=0), help="Seconds of quiet before a ': ping' comment (0: none).")
 @_option("--retry-ms", default=_D.retry_ms, type=click.IntRange(min=0), help="The reconnect delay sent to EventSource clients.")
 def serve(**options: Any) -> None:

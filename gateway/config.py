@@ -21,6 +21,8 @@ class Settings(msgspec.Struct, kw_only=True):
     retry_ms: int = 3000
     debug: bool = False
     log_level: str = "info"
+    detach_grace: float = 30.0
+    retention: float = 600.0
     backend: str = "local"
     executors: list[str] = msgspec.field(default_factory=list)
     executor_token: str | None = None

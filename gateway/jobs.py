@@ -23,6 +23,8 @@ import msgspec
 
 from gateway.protocol import (
     RETRYABLE,
+    JobSnapshot,
+    TerminalEvent,
     Code,
     ErrorFrame,
     ErrorInfo,
@@ -53,6 +55,8 @@ class Job:
         self.finished: float | None = None
         self.status = Status.RECEIVED
         self.position: int | None = None
+        self.last_progress: Progress | None = None
+        self.idempotency_key: str | None = None
         self.events: list[Event] = []
         self.terminal: Event | None = None
         # Read by worker threads between steps, hence a threading.Event.
@@ -91,6 +95,8 @@ class Job:
             self.started = now()
         if status is Status.QUEUED:
             self.position = fields.get("position")
+        if fields.get("progress") is not None:
+            self.last_progress = fields["progress"]
         frame = StatusFrame(self.id, self.next_seq(), status, now(), **fields)
         self._append(EventType.STATUS, encode(frame))
 
@@ -116,6 +122,7 @@ class Job:
         if progress is None or self.terminal is not None:
             return
         self._last_progress = self._loop.time()
+        self.last_progress = progress
         frame = StatusFrame(self.id, self.next_seq(), Status.RUNNING, now(), progress=progress)
         self._append(EventType.STATUS, encode(frame))
 
@@ -148,6 +155,27 @@ class Job:
     @property
     def done(self) -> bool:
         return self.terminal is not None
+
+    def snapshot(self) -> JobSnapshot:
+        terminal = self.terminal
+        if terminal is None:
+            state = self.status.value
+        elif terminal.type is EventType.DATA:
+            state = "SUCCEEDED"
+        else:
+            state = "FAILED"
+        return JobSnapshot(
+            job_id=self.id,
+            tool=self.tool,
+            status=state,
+            created=self.created,
+            started=self.started,
+            finished=self.finished,
+            position=self.position if self.status is Status.QUEUED and terminal is None else None,
+            progress=self.last_progress,
+            last_event_id=self.events[-1].id if self.events else None,
+            terminal=TerminalEvent(terminal.type.value, msgspec.Raw(terminal.data)) if terminal else None,
+        )
 
     # -- following ------------------------------------------------------------
 

@@ -127,6 +127,30 @@ class ToolInfo(msgspec.Struct):
     partial_schema: dict[str, Any] | None = None
 
 
+class TerminalEvent(msgspec.Struct):
+    event: str
+    data: msgspec.Raw
+
+
+class JobSnapshot(msgspec.Struct, omit_defaults=True):
+    """`GET /jobs/{id}`: where a job stands.
+
+    `status` is the last status while the job lives, then `SUCCEEDED` or `FAILED`;
+    `terminal` is its terminal event once there is one.
+    """
+
+    job_id: str
+    tool: str
+    status: str
+    created: float
+    started: float | None = None
+    finished: float | None = None
+    position: int | None = None
+    progress: Progress | None = None
+    last_event_id: str | None = None
+    terminal: TerminalEvent | None = None
+
+
 class Event(msgspec.Struct, frozen=True):
     """One event of a job, encoded: `id` is `<job_id>:<seq>`, `data` is JSON."""
 

@@ -8,10 +8,11 @@ Built on sse-starlette's `EventSourceResponse`, with two deliberate choices:
 - Events are encoded once, when they happen (`Event.sse()`), and written as
   bytes; everything that arrived together goes out as one chunk.
 
-The generator follows the job's log until the terminal event and then returns,
-which ends the response. If the client goes away first, the job is cancelled:
-nobody is left to read its result. If the server shuts down first, the job is
-stopped and ends with `error` `shutting_down`, which the client still receives.
+The generator follows the job's log from `after` until the terminal event and
+then returns, which ends the response. A client that goes away first detaches
+(see `store.py`): the job runs on, and any client can attach again and read on
+from its last event id. If the server shuts down first, the job is stopped and
+ends with `error` `shutting_down`, which the client still receives.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from sse_starlette import EventSourceResponse
 from backends.base import Backend
 from gateway.jobs import Job
 from gateway.protocol import PING, Code, retry_line
+from gateway.store import JobStore
 
 SHUTDOWN_GRACE_S = 2.0  # time for the terminal event to reach the client on shutdown
 
@@ -31,6 +33,7 @@ SHUTDOWN_GRACE_S = 2.0  # time for the terminal event to reach the client on shu
 def job_response(
     job: Job,
     backend: Backend,
+    store: JobStore,
     *,
     ping_interval: float = 15.0,
     retry_ms: int = 3000,
@@ -47,6 +50,7 @@ def job_response(
     async def events():
         seen = after
         watcher = asyncio.create_task(end_on_shutdown())
+        store.attach(job)
         try:
             yield retry_line(retry_ms)
             while True:
@@ -60,8 +64,7 @@ def job_response(
                     return
         finally:
             watcher.cancel()
-            if not job.done:
-                backend.cancel(job)
+            store.detach(job)
 
     return EventSourceResponse(
         events(),

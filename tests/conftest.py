@@ -175,6 +175,8 @@ class Server:
 def make_server(
     model_path: Path | str | None, *, tools: list[Tool] | None = None, ready: bool = True, **settings: Any
 ) -> Server:
+    # Most tests check that a client leaving ends its job; those about detaching set a grace.
+    settings.setdefault("detach_grace", 0)
     settings_obj = Settings(model=str(model_path) if model_path else None, **settings)
     backend = LocalBackend(
         collect(builtin_tools() + (tools or [])),
@@ -193,6 +195,7 @@ def make_remote_server(
 ) -> Server:
     """A gateway with the remote backend, in this process, driving real executor processes."""
     backend = RemoteBackend(executors, token=token, deadline=deadline, poll_interval=0.2)
+    settings.setdefault("detach_grace", 0)  # as in make_server
     app = create_app(backend, Settings(backend="remote", executors=executors, **settings))
     server = Server(app, kind="remote").start()
     return server.wait_ready() if ready else server
