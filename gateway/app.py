@@ -28,7 +28,7 @@ from gateway.config import Settings
 from gateway.errors import ApiError, api_error_handler, http_error_handler
 from gateway.jobs import Job
 from gateway.protocol import Code, encode, parse_event_id
-from gateway.store import MemoryStore
+from gateway.store import JobHandle, MemoryStore
 from gateway.stream import job_response
 
 log = logging.getLogger("streamgate.app")
@@ -69,7 +69,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     limits = settings.limits()
     store = MemoryStore(lambda job: backend.cancel(job), detach_grace=settings.detach_grace, retention=settings.retention)
 
-    def follow(job: Job, after: int = 0) -> Response:
+    def follow(job: JobHandle, after: int = 0) -> Response:
         return job_response(
             job, backend, store, ping_interval=settings.ping_interval, retry_ms=settings.retry_ms, after=after
         )
@@ -78,52 +78,57 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         resumed = _last_event_id(request)
         if resumed is not None and request.method == "GET":
             # An EventSource reconnecting to the URL it first opened: the same job, not a new one.
-            return _resume(_job(resumed[0]), resumed[1])
-        key = request.headers.get("idempotency-key")
-        if key and (existing := store.claim(key)) is not None:
-            after = resumed[1] if resumed is not None and resumed[0] == existing.id else 0
-            return _resume(existing, after)
+            return _resume(await _job(resumed[0]), resumed[1])
         tool = backend.tool(request.path_params["tool"])
         if request.method == "POST":
             params = params_mod.decode_body(tool, await params_mod.read_body(request, settings.max_body_bytes))
         else:
             params = params_mod.decode_query(tool, request.query_params)
-        await backend.admit(tool, params, limits)
-        if key and (existing := store.claim(key)) is not None:
-            return _resume(existing, 0)  # the same key arrived while this one was checked
+        key = request.headers.get("idempotency-key")
         job = Job(tool.name, params)
-        await backend.submit(job)
-        store.add(job, key)
+        if key and (bound := await store.reserve(key, job.id)) is not None:
+            # The same request again (a client replaying its POST): attach to the job it started.
+            after = resumed[1] if resumed is not None and resumed[0] == bound else 0
+            return _resume(await _job(bound), after)
+        try:
+            await backend.admit(tool, params, limits)
+            await backend.submit(job)
+        except BaseException:
+            if key:
+                await store.release(key, job.id)
+            raise
+        job.idempotency_key = key
+        await store.add(job)
         return follow(job)
 
-    def _job(job_id: str) -> Job:
-        job = store.get(job_id)
+    async def _job(job_id: str) -> JobHandle:
+        job = await store.get(job_id)
         if job is None:
             raise ApiError(Code.NOT_FOUND, f"no job {job_id} (unknown, or finished more than {settings.retention:g} s ago)")
         return job
 
-    def _resume(job: Job, after: int) -> Response:
+    def _resume(job: JobHandle, after: int) -> Response:
         if job.terminal is not None and after >= job.terminal.seq:
             # The client holds the terminal event: 204 stops an EventSource for good.
             return Response(status_code=204, headers={"X-Job-Id": job.id})
         return follow(job, after)
 
     async def job_events(request: Request) -> Response:
-        job = _job(request.path_params["job_id"])
+        job = await _job(request.path_params["job_id"])
         resumed = _last_event_id(request)
         if resumed is not None and resumed[0] != job.id:
             raise ApiError(Code.BAD_REQUEST, f"Last-Event-ID {resumed[0]}:{resumed[1]} is not an event of job {job.id}")
         return _resume(job, resumed[1] if resumed else 0)
 
     async def job_snapshot(request: Request) -> Response:
-        job = _job(request.path_params["job_id"])
+        job = await _job(request.path_params["job_id"])
         return Response(encode(job.snapshot()), media_type="application/json")
 
     async def cancel_job(request: Request) -> Response:
-        job = _job(request.path_params["job_id"])
+        job = await _job(request.path_params["job_id"])
         running = not job.done
         if running:
-            backend.cancel(job)
+            await store.cancel(job)
         return JSONResponse({"job_id": job.id, "cancelled": running, "status": job.snapshot().status})
 
     described: list[object] = [None, b""]  # the tools mapping last described, and its JSON

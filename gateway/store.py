@@ -17,10 +17,28 @@ import abc
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from gateway.jobs import Job
+from gateway.protocol import Event, JobSnapshot
 
 SWEEP_INTERVAL_S = 1.0
+
+
+class JobHandle(Protocol):
+    """What following a job needs: a `Job` on the replica that runs it, a view of it elsewhere."""
+
+    id: str
+
+    @property
+    def terminal(self) -> Event | None: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    async def wait_events(self, after: int, timeout: float | None = None) -> list[Event]: ...
+
+    def snapshot(self) -> JobSnapshot: ...
 
 
 class JobStore(abc.ABC):
@@ -33,23 +51,31 @@ class JobStore(abc.ABC):
     async def stop(self) -> None: ...
 
     @abc.abstractmethod
-    def claim(self, key: str) -> Job | None:
-        """The live job started with idempotency `key`, if there is one."""
+    async def reserve(self, key: str, job_id: str) -> str | None:
+        """Bind idempotency `key` to `job_id` unless it is bound already: then the bound job's id."""
 
     @abc.abstractmethod
-    def add(self, job: Job, key: str | None = None) -> None:
-        """Keep `job` (under `key` too, when given)."""
+    async def release(self, key: str, job_id: str) -> None:
+        """Unbind `key` from `job_id` (its job was refused before it started)."""
 
     @abc.abstractmethod
-    def get(self, job_id: str) -> Job | None:
+    async def add(self, job: Job) -> None:
+        """Keep `job`, which runs on this replica."""
+
+    @abc.abstractmethod
+    async def get(self, job_id: str) -> JobHandle | None:
         """The job, or None if unknown or past its retention."""
 
     @abc.abstractmethod
-    def attach(self, job: Job) -> None:
+    async def cancel(self, job: JobHandle) -> None:
+        """Cancel the job wherever it runs."""
+
+    @abc.abstractmethod
+    def attach(self, job: JobHandle) -> None:
         """A client now follows `job`."""
 
     @abc.abstractmethod
-    def detach(self, job: Job) -> None:
+    def detach(self, job: JobHandle) -> None:
         """A client stopped following `job`; with none left for `detach_grace`, it is cancelled."""
 
 
@@ -66,6 +92,7 @@ class MemoryStore(JobStore):
         self.retention = retention
         self.jobs: dict[str, Job] = {}
         self.keys: dict[str, str] = {}
+        self._reserved: set[str] = set()  # ids bound to a key whose job is being admitted
         self._attached: dict[str, int] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -79,29 +106,40 @@ class MemoryStore(JobStore):
         for timer in self._timers.values():
             timer.cancel()
 
-    def claim(self, key: str) -> Job | None:
-        job_id = self.keys.get(key)
-        return self.jobs.get(job_id) if job_id else None
+    async def reserve(self, key: str, job_id: str) -> str | None:
+        bound = self.keys.get(key)
+        if bound is not None and (bound in self.jobs or bound in self._reserved):
+            return bound
+        self.keys[key] = job_id
+        self._reserved.add(job_id)
+        return None
 
-    def add(self, job: Job, key: str | None = None) -> None:
+    async def release(self, key: str, job_id: str) -> None:
+        self._reserved.discard(job_id)
+        if self.keys.get(key) == job_id:
+            del self.keys[key]
+
+    async def add(self, job: Job) -> None:
+        self._reserved.discard(job.id)
         self.jobs[job.id] = job
-        if key:
-            self.keys[key] = job.id
-            job.idempotency_key = key
 
-    def get(self, job_id: str) -> Job | None:
+    async def get(self, job_id: str) -> Job | None:
         return self.jobs.get(job_id)
 
-    def attach(self, job: Job) -> None:
+    async def cancel(self, job: JobHandle) -> None:
+        if isinstance(job, Job) and not job.done:
+            self._cancel(job)
+
+    def attach(self, job: JobHandle) -> None:
         self._attached[job.id] = self._attached.get(job.id, 0) + 1
         timer = self._timers.pop(job.id, None)
         if timer is not None:
             timer.cancel()
 
-    def detach(self, job: Job) -> None:
+    def detach(self, job: JobHandle) -> None:
         left = self._attached.get(job.id, 1) - 1
         self._attached[job.id] = left
-        if left > 0 or job.done:
+        if left > 0 or job.done or not isinstance(job, Job):
             return
         if self.detach_grace <= 0:
             self._cancel(job)
@@ -125,6 +163,6 @@ class MemoryStore(JobStore):
     def _forget(self, job: Job) -> None:
         self.jobs.pop(job.id, None)
         self._attached.pop(job.id, None)
-        key = getattr(job, "idempotency_key", None)
+        key = job.idempotency_key
         if key and self.keys.get(key) == job.id:
             del self.keys[key]

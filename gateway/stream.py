@@ -25,13 +25,13 @@ from sse_starlette import EventSourceResponse
 from backends.base import Backend
 from gateway.jobs import Job
 from gateway.protocol import PING, Code, retry_line
-from gateway.store import JobStore
+from gateway.store import JobHandle, JobStore
 
 SHUTDOWN_GRACE_S = 2.0  # time for the terminal event to reach the client on shutdown
 
 
 def job_response(
-    job: Job,
+    job: JobHandle,
     backend: Backend,
     store: JobStore,
     *,
@@ -43,7 +43,7 @@ def job_response(
 
     async def end_on_shutdown() -> None:
         await shutdown.wait()
-        if not job.done:
+        if isinstance(job, Job) and not job.done:  # only the replica running it can end it
             backend.cancel(job)
             job.fail(Code.SHUTTING_DOWN, "the server is shutting down")
 
