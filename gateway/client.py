@@ -8,12 +8,15 @@
 
 `run` returns the `data` event's payload or raises: `HttpError` (the server
 refused before the stream opened), `JobError` (an `error` event), or
-`StreamEndedError` (the stream ended without a terminal event).
+`StreamEndedError` (the stream kept ending without a terminal event). A dropped
+connection is resumed where it left off (`X-Job-Id` and the last event id).
 """
 
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +72,7 @@ class Client:
         headers: Mapping[str, str] | None = None,
         timeout: float | None = 30.0,
         transport: httpx.BaseTransport | None = None,
+        resume_tries: int = 5,
     ) -> None:
         # No read timeout on streams: a long job may be quiet between keep-alives.
         self._http = httpx.Client(
@@ -78,6 +82,7 @@ class Client:
             transport=transport,
         )
         self.job_id: str | None = None
+        self.resume_tries = resume_tries
 
     def __enter__(self) -> Client:
         return self
@@ -100,20 +105,53 @@ class Client:
         *,
         query: list[tuple[str, str]] | None = None,
     ) -> Iterator[Event]:
-        """Start a job and yield its events; POSTs `params`, or uses the GET form with `query`."""
+        """Start a job and yield its events, each once, until its terminal event.
+
+        POSTs `params` (with an `Idempotency-Key`, so a POST sent again after a
+        failed connection attaches to the same job), or uses the GET form with
+        `query`. A connection that drops before the terminal event is resumed
+        with `GET /jobs/{id}/events` and the last event id seen, up to
+        `resume_tries` times with backoff.
+        """
         if query is not None:
-            request = ("GET", f"/{tool}/run", {"params": query})
+            first = ("GET", f"/{tool}/run", {"params": query})
         else:
-            request = ("POST", f"/{tool}/run", {"json": dict(params or {})})
-        method, url, kwargs = request
-        with connect_sse(self._http, method, url, **kwargs) as source:
-            response = source.response
-            if response.status_code != 200:
-                response.read()
-                _raise_for_status(response)
-            self.job_id = response.headers.get("x-job-id")
-            for sse in source.iter_sse():
-                yield _event(sse)
+            key = uuid.uuid4().hex
+            first = ("POST", f"/{tool}/run", {"json": dict(params or {}), "headers": {"Idempotency-Key": key}})
+        self.job_id, last_id, failures = None, None, 0
+        while True:
+            if self.job_id is None:
+                method, url, kwargs = first
+            else:
+                headers = {"Last-Event-ID": last_id} if last_id else {}
+                method, url, kwargs = "GET", f"/jobs/{self.job_id}/events", {"headers": headers}
+            try:
+                with connect_sse(self._http, method, url, **kwargs) as source:
+                    response = source.response
+                    if response.status_code == 204:
+                        return  # the server says we already hold the terminal event
+                    if response.status_code != 200:
+                        response.read()
+                        _raise_for_status(response)
+                    self.job_id = response.headers.get("x-job-id") or self.job_id
+                    for sse in source.iter_sse():
+                        if not sse.data:
+                            continue  # a block without data (the `retry:` hint) is no event
+                        event = _event(sse)
+                        last_id, failures = event.id or last_id, 0
+                        yield event
+                        if event.type in ("data", "error"):
+                            return
+            except (httpx.TransportError, httpx.RemoteProtocolError) as exc:
+                if self.job_id is None and query is not None:
+                    raise  # a GET that never started a job is not ours to repeat
+                dropped: Exception = exc
+            else:
+                dropped = StreamEndedError(f"the stream of job {self.job_id} ended without a terminal event")
+            failures += 1
+            if failures > self.resume_tries:
+                raise dropped
+            time.sleep(min(5.0, 0.2 * 2 ** (failures - 1)))
 
     def run(
         self,
