@@ -1,11 +1,14 @@
 # `make serve` and `make test` are the two set-up commands: each creates the
 # virtual environment on first use, installs the project into it, then runs.
+# `make test` also installs web/'s npm packages (npm ci) and runs its tests:
+# the TypeScript client's, and the dashboard's in Debian's Chromium.
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
+NPM ?= npm
 ARGS ?=
 
-.PHONY: install serve test clean
+.PHONY: install web-install serve test test-web clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,11 +20,22 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
+web/node_modules/.installed: web/package.json web/package-lock.json
+	cd web && $(NPM) ci --no-audit --no-fund
+	touch $@
+
+web-install: web/node_modules/.installed
+
 serve: install
 	$(BIN)/streamgate serve $(ARGS)
 
-test: install
+test: install web-install
 	$(BIN)/pytest $(ARGS)
+	cd web && $(NPM) test
+
+# The web package alone: type checks, generated types and bundle up to date, its tests.
+test-web: install web-install
+	cd web && $(NPM) test
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) web/node_modules

@@ -1,0 +1,62 @@
+"""Print the JSON Schemas the TypeScript types are generated from.
+
+`tools` is the gateway's own `GET /tools` answer for the built-in tools, asked
+of the app in-process (no model is loaded); `frames` are the protocol's event
+frames and error body, from the same Structs the gateway encodes them with.
+Run with the project's Python: `.venv/bin/python web/scripts/schemas.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from starlette.testclient import TestClient
+
+from backends.base import Backend
+from gateway import protocol
+from gateway.app import create_app
+from gateway.params import schema
+from gateway.tools import builtin_tools
+
+FRAMES = ["StatusFrame", "LogFrame", "ErrorFrame", "ErrorBody", "ToolInfo", "JobSnapshot"]
+
+
+class ToolsOnly(Backend):
+    """Just enough of a backend for `GET /tools`: the built-in tools, never started."""
+
+    def __init__(self) -> None:
+        self._tools = {t.name: t for t in builtin_tools()}
+
+    @property
+    def tools(self):  # type: ignore[override]
+        return self._tools
+
+    @property
+    def ready(self) -> bool:
+        return False
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def submit(self, job) -> None:  # type: ignore[override]
+        raise NotImplementedError
+
+    def cancel(self, job) -> None:  # type: ignore[override]
+        raise NotImplementedError
+
+
+def main() -> None:
+    client = TestClient(create_app(ToolsOnly()))  # no `with`: no lifespan, nothing loads
+    answer = client.get("/tools")
+    answer.raise_for_status()
+    frames = {name: schema(getattr(protocol, name)) for name in FRAMES}
+    json.dump({"tools": answer.json(), "frames": frames}, sys.stdout, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,2 @@
+// The stylesheet is bundled by esbuild into dashboard.css.
+declare module '*.css'

@@ -1,0 +1,234 @@
+/**
+ * A tool's form, generated from its params JSON Schema (as `GET /tools` gives it).
+ * The gateway stays the judge of what is valid: values are sent as typed as the
+ * form can make them, and its 422 is shown on the field it names.
+ */
+import type {ToolInfo} from '../generated/types.ts'
+import {h} from './dom.ts'
+
+type Schema = {[key: string]: unknown}
+type Kind = 'string' | 'text' | 'strings' | 'numbers' | 'number' | 'bool' | 'enum' | 'json'
+
+interface Field {
+  name: string
+  row: HTMLElement
+  read: () => {value?: unknown}
+  write: (value: unknown) => void
+  error: HTMLElement
+}
+
+export interface ToolForm {
+  element: HTMLElement
+  /** The params to send; throws a message for the caller to show when the JSON view does not parse. */
+  read: () => Record<string, unknown>
+  /** Mark the field named in an error (`prompts[3]` marks `prompts`), or the form as a whole. */
+  showError: (field: string | undefined, message: string) => void
+  clearErrors: () => void
+}
+
+const obj = (x: unknown): Schema => (x && typeof x === 'object' && !Array.isArray(x) ? (x as Schema) : {})
+
+/** `$ref` into the schema's own `$defs`, with the referring node's own keywords (description, default) kept. */
+function deref(node: Schema, root: Schema): Schema {
+  const ref = node.$ref
+  if (typeof ref !== 'string' || !ref.startsWith('#/$defs/')) return node
+  const {$ref: _ref, ...rest} = node
+  return {...deref(obj(obj(root.$defs)[ref.slice('#/$defs/'.length)]), root), ...rest}
+}
+
+/** The field's schema with `anyOf [X, null]` unwrapped: X, and whether null (leave empty) is allowed. */
+function unwrap(node: Schema, root: Schema): {schema: Schema; nullable: boolean} {
+  const resolved = deref(node, root)
+  const alternatives = Array.isArray(resolved.anyOf) ? resolved.anyOf.map((a) => deref(obj(a), root)) : null
+  if (!alternatives) return {schema: resolved, nullable: false}
+  const real = alternatives.filter((a) => a.type !== 'null')
+  const {anyOf: _anyOf, ...rest} = resolved
+  const nullable = real.length < alternatives.length
+  if (real.length === 1) return {schema: {...real[0], ...rest, description: rest.description ?? real[0]!.description}, nullable}
+  return {schema: rest, nullable}
+}
+
+function kindOf(name: string, schema: Schema): Kind {
+  if (Array.isArray(schema.enum)) return 'enum'
+  const items = obj(schema.items)
+  switch (schema.type) {
+    case 'boolean':
+      return 'bool'
+    case 'integer':
+    case 'number':
+      return 'number'
+    case 'string':
+      return /prompt|text/.test(name) ? 'text' : 'string'
+    case 'array':
+      if (items.type === 'string') return 'strings'
+      if (items.type === 'integer' || items.type === 'number') return 'numbers'
+      return 'json'
+    default:
+      return 'json'
+  }
+}
+
+function rules(schema: Schema, kind: Kind): string {
+  const out: string[] = []
+  const items = obj(schema.items)
+  const range = (lo: unknown, hi: unknown, exclusiveLo?: unknown) =>
+    lo !== undefined || hi !== undefined || exclusiveLo !== undefined
+      ? `${exclusiveLo !== undefined ? `> ${exclusiveLo}` : lo !== undefined ? `≥ ${lo}` : ''}${(lo ?? exclusiveLo) !== undefined && hi !== undefined ? ', ' : ''}${hi !== undefined ? `≤ ${hi}` : ''}`
+      : ''
+  if (kind === 'number') out.push(range(schema.minimum, schema.maximum, schema.exclusiveMinimum))
+  if (kind === 'strings') out.push('one per line')
+  if (kind === 'numbers') out.push('separated by commas or spaces')
+  if (schema.type === 'array') out.push(range(schema.minItems, schema.maxItems) && `items ${range(schema.minItems, schema.maxItems)}`)
+  if (kind === 'numbers') out.push(range(items.minimum, items.maximum))
+  if (schema.default !== undefined && schema.default !== null) out.push(`default ${JSON.stringify(schema.default)}`)
+  return out.filter(Boolean).join('; ')
+}
+
+function field(name: string, node: Schema, root: Schema, required: boolean, initial: unknown): Field {
+  const {schema, nullable} = unwrap(node, root)
+  const kind = kindOf(name, schema)
+  const id = `f-${name}`
+  const optional = !required
+  let input: HTMLInputElement | HTMLTextAreaElement | HTMLSelectElement
+  switch (kind) {
+    case 'text':
+    case 'strings':
+    case 'json':
+      input = h('textarea', {id, name, rows: kind === 'json' ? 3 : 2, spellcheck: 'false'})
+      break
+    case 'bool':
+      input = h('input', {id, name, type: 'checkbox'})
+      break
+    case 'enum':
+      input = h(
+        'select',
+        {id, name},
+        optional && schema.default === undefined ? h('option', {value: ''}, '(none)') : null,
+        (schema.enum as unknown[]).map((v) => h('option', {value: String(v)}, String(v))),
+      )
+      break
+    case 'number':
+      input = h('input', {
+        id,
+        name,
+        type: 'number',
+        inputmode: schema.type === 'integer' ? 'numeric' : 'decimal',
+        step: schema.type === 'integer' ? 1 : 'any',
+      })
+      break
+    default:
+      input = h('input', {id, name, type: 'text', autocomplete: 'off'})
+  }
+
+  const write = (value: unknown) => {
+    if (input instanceof HTMLInputElement && input.type === 'checkbox') {
+      input.checked = value === true
+      return
+    }
+    if (value === undefined || value === null) input.value = ''
+    else if (kind === 'strings' && Array.isArray(value)) input.value = value.join('\n')
+    else if (kind === 'numbers' && Array.isArray(value)) input.value = value.join(', ')
+    else if (kind === 'json') input.value = JSON.stringify(value)
+    else input.value = String(value)
+  }
+  const read = (): {value?: unknown} => {
+    if (input instanceof HTMLInputElement && input.type === 'checkbox') return {value: input.checked}
+    const raw = input.value
+    if (raw.trim() === '' && kind !== 'text' && kind !== 'string') return optional ? {} : kind === 'strings' || kind === 'numbers' ? {value: []} : {}
+    switch (kind) {
+      case 'text':
+      case 'string':
+        return raw === '' && optional ? {} : {value: raw}
+      case 'strings':
+        return {value: raw.split('\n').filter((line) => line !== '')}
+      case 'numbers':
+        return {value: raw.split(/[\s,]+/).filter(Boolean).map((t) => (/^[-+]?\d+(\.\d+)?$/.test(t) ? Number(t) : t))}
+      case 'number':
+        return {value: Number.isNaN(Number(raw)) ? raw : Number(raw)}
+      case 'enum':
+        return {value: raw}
+      default:
+        try {
+          return {value: JSON.parse(raw)}
+        } catch {
+          return {value: raw}
+        }
+    }
+  }
+  write(initial !== undefined ? initial : schema.default)
+
+  const error = h('div', {class: 'field-error', role: 'alert', hidden: true})
+  const help = [typeof schema.description === 'string' ? schema.description : '', rules(schema, kind), nullable && optional ? 'optional' : '']
+    .filter(Boolean)
+    .join(' · ')
+  const row = h(
+    'div',
+    {class: `field field-${kind}`, 'data-field': name},
+    h('label', {for: id}, name, required ? h('span', {class: 'required', title: 'required'}, ' *') : null),
+    input,
+    help ? h('small', {class: 'help'}, help) : null,
+    error,
+  )
+  return {name, row, read, write, error}
+}
+
+export function buildForm(tool: ToolInfo, initial: Record<string, unknown>): ToolForm {
+  const root = tool.params_schema as Schema
+  const required = new Set(Array.isArray(root.required) ? (root.required as string[]) : [])
+  const fields = Object.entries(obj(root.properties)).map(([name, node]) => field(name, obj(node), root, required.has(name), initial[name]))
+  const fromFields = () => {
+    const params: Record<string, unknown> = {}
+    for (const f of fields) {
+      const {value} = f.read()
+      if (value !== undefined) params[f.name] = value
+    }
+    return params
+  }
+
+  const json = h('textarea', {class: 'json-params', rows: 8, spellcheck: 'false', 'aria-label': 'params as JSON'})
+  const jsonRow = h('div', {class: 'field', hidden: true}, json)
+  const formError = h('div', {class: 'field-error', role: 'alert', hidden: true})
+  const toggle = h('input', {type: 'checkbox', class: 'json-toggle'})
+  toggle.addEventListener('change', () => {
+    if (toggle.checked) {
+      json.value = JSON.stringify(fromFields(), null, 2)
+    } else {
+      try {
+        const params = obj(JSON.parse(json.value))
+        for (const f of fields) f.write(params[f.name])
+      } catch {
+        // Leave the fields as they were.
+      }
+    }
+    jsonRow.hidden = !toggle.checked
+    for (const f of fields) f.row.hidden = toggle.checked
+  })
+
+  const clearErrors = () => {
+    formError.hidden = true
+    for (const f of fields) {
+      f.error.hidden = true
+      f.row.classList.remove('invalid')
+    }
+  }
+  return {
+    element: h('div', {class: 'fields'}, fields.map((f) => f.row), jsonRow, formError, h('label', {class: 'inline muted'}, toggle, ' edit as JSON')),
+    read: () => {
+      if (!toggle.checked) return fromFields()
+      try {
+        return obj(JSON.parse(json.value))
+      } catch (error) {
+        throw new Error(`the params are not valid JSON: ${(error as Error).message}`)
+      }
+    },
+    showError: (path, message) => {
+      const name = path?.split(/[.[]/)[0]
+      const target = fields.find((f) => f.name === name)
+      const slot = target && !toggle.checked ? target.error : formError
+      slot.textContent = message
+      slot.hidden = false
+      target?.row.classList.add('invalid')
+    },
+    clearErrors,
+  }
+}

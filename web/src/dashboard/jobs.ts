@@ -1,0 +1,278 @@
+/**
+ * One job on the page: the browser's own `EventSource` on `GET /{tool}/run?params=…`,
+ * read by the package's `JobTracker`, drawn as it happens.
+ *
+ * The EventSource is closed after the terminal event, so the browser never opens
+ * the URL again. A connection lost before then is left to the browser: it
+ * reconnects with `Last-Event-ID`, and the gateway resumes the same job from the
+ * next event. `EventSource` cannot read a refused request's body, so when the
+ * stream fails to open the same URL is fetched once to show the gateway's error
+ * (its 422 names the field); should that fetch be accepted after all, it is
+ * cancelled at once. Cancel sends `DELETE /jobs/{id}` and shows the job's own
+ * `cancelled` event.
+ */
+import {HttpError, ProtocolError} from '../errors.ts'
+import type {ErrorInfo, GeneratePartial, ToolInfo} from '../generated/types.ts'
+import {JobTracker, type JobEvent} from '../job.ts'
+import {fmt, h} from './dom.ts'
+import {renderResult} from './views.ts'
+
+export interface JobHooks {
+  /** The gateway refused the params: show `message` on `field` in the form. */
+  onRefused: (field: string | undefined, message: string) => void
+}
+
+type Outcome = 'running' | 'done' | 'error' | 'cancelled'
+const EVENT_TYPES = ['status', 'log', 'partial', 'data', 'error'] as const
+
+export function startJob(base: URL, tool: ToolInfo, params: Record<string, unknown>, hooks: JobHooks): HTMLElement {
+  const url = runUrl(base, tool, params)
+  const tracker = new JobTracker()
+  const started = performance.now()
+  const source = new EventSource(url)
+  let opened = false
+  let reconnecting = false
+
+  // -- the card ------------------------------------------------------------
+  const badge = h('span', {class: 'badge'}, 'starting')
+  const elapsed = h('span', {class: 'muted elapsed'})
+  const jobId = h('code', {class: 'job-id', title: 'job id'})
+  const cancel = h('button', {type: 'button', class: 'secondary', onclick: () => void stop()}, 'Cancel')
+  const remove = h('button', {type: 'button', class: 'icon', title: 'Remove', 'aria-label': 'Remove', hidden: true, onclick: () => card.remove()}, '×')
+  const timeline = h('ol', {class: 'timeline'})
+  const queue = h('div', {class: 'queue muted', hidden: true})
+  const bar = h('div', {class: 'progress-bar'})
+  const progressText = h('span', {class: 'progress-text muted'})
+  const progress = h('div', {class: 'progress', hidden: true}, h('div', {class: 'progress-track'}, bar), progressText)
+  const logs = h('ol', {class: 'logs'})
+  const logBox = h('details', {class: 'log-box', hidden: true, open: true}, h('summary', {}, 'Logs'), logs)
+  const tokens = h('div', {class: 'tokens', hidden: true})
+  const partialBox = h('pre', {class: 'partials json', hidden: true})
+  const result = h('div', {class: 'result', hidden: true})
+  const errorBox = h('div', {class: 'error', role: 'alert', hidden: true})
+  const raw = h('pre', {class: 'json'})
+  const rawBox = h('details', {class: 'raw', hidden: true}, h('summary', {}, 'JSON'), raw)
+  const request = h('details', {class: 'request'}, h('summary', {}, 'Request'), h('pre', {class: 'json'}, `GET ${url.pathname}\n${JSON.stringify(params, null, 2)}`))
+  const card = h(
+    'article',
+    {class: 'job', 'data-tool': tool.name, 'data-state': 'running'},
+    h('header', {}, h('strong', {}, tool.name), jobId, badge, elapsed, h('span', {class: 'spacer'}), cancel, remove),
+    timeline,
+    queue,
+    progress,
+    tokens,
+    partialBox,
+    errorBox,
+    result,
+    logBox,
+    rawBox,
+    request,
+  )
+  const ticker = setInterval(() => (elapsed.textContent = seconds(performance.now() - started)), 250)
+
+  const finish = (outcome: Outcome) => {
+    source.close()
+    clearInterval(ticker)
+    elapsed.textContent = seconds(performance.now() - started)
+    card.dataset.state = outcome
+    badge.textContent = outcome === 'done' ? 'done' : outcome === 'cancelled' ? 'cancelled' : 'error'
+    badge.className = `badge ${outcome}`
+    queue.hidden = true
+    cancel.hidden = true
+    remove.hidden = false
+  }
+  const showError = (error: {code: ErrorInfo['code'] | 'protocol' | 'stream_ended' | 'http_error' | 'unreachable'; message: string; field?: string | null | undefined}, status?: number) => {
+    errorBox.replaceChildren(
+      h('span', {class: 'code'}, status ? `${status} ${error.code}` : error.code),
+      ' ',
+      h('span', {class: 'message'}, error.message),
+    )
+    errorBox.hidden = false
+  }
+  const step = (label: string, detail: string, kind: string) =>
+    timeline.appendChild(h('li', {'data-status': label, class: kind}, h('span', {class: 'step'}, label), detail ? ` ${detail}` : '', h('span', {class: 'muted when'}, seconds(performance.now() - started))))
+
+  // -- events ----------------------------------------------------------------
+  const onEvent = (event: JobEvent) => {
+    const state = tracker.state
+    jobId.textContent = state.jobId?.slice(0, 8) ?? ''
+    jobId.title = state.jobId ?? ''
+    switch (event.type) {
+      case 'status': {
+        const frame = event.frame
+        if (state.timeline.at(-1) === frame) {
+          const where = frame.status === 'QUEUED' && frame.position ? `#${frame.position}${frame.queue_size ? ` of ${frame.queue_size}` : ''}` : ''
+          step(frame.status, where, 'status')
+        }
+        badge.textContent = frame.status.toLowerCase()
+        queue.hidden = frame.status !== 'QUEUED'
+        if (frame.status === 'QUEUED') {
+          queue.textContent = `Queued: position ${frame.position ?? '?'}${frame.queue_size ? ` of ${frame.queue_size}` : ''}${frame.eta_s ? `, about ${fmt(frame.eta_s, 1)} s to go` : ''}`
+        }
+        if (frame.progress) {
+          const {done, total, unit} = frame.progress
+          progress.hidden = false
+          bar.style.width = total ? `${Math.min(100, (100 * done) / total)}%` : '100%'
+          bar.classList.toggle('indeterminate', !total)
+          progressText.textContent = `${done}${total ? ` / ${total}` : ''}${unit ? ` ${unit}` : ''}`
+        }
+        if (frame.message) step(frame.status, frame.message, 'message')
+        break
+      }
+      case 'log':
+        logBox.hidden = false
+        logs.appendChild(h('li', {class: `log-${event.frame.level}`}, h('span', {class: 'level'}, event.frame.level), ' ', event.frame.message))
+        break
+      case 'partial':
+        showPartial(event.partial)
+        break
+      case 'data':
+        step('done', '', 'done')
+        if (state.progress?.total) bar.style.width = '100%'
+        result.replaceChildren(renderResult(tool.name, event.result, params))
+        result.hidden = false
+        tokens.hidden = true
+        partialBox.hidden = true
+        raw.textContent = JSON.stringify(event.result, null, 2)
+        rawBox.hidden = false
+        finish('done')
+        break
+      case 'error':
+        step('error', event.error.code, 'failed')
+        showError(event.error)
+        finish(event.error.code === 'cancelled' ? 'cancelled' : 'error')
+        break
+    }
+  }
+
+  const streams = new Map<number, HTMLElement>()
+  const showPartial = (partial: unknown) => {
+    const p = partial as Partial<GeneratePartial>
+    if (typeof p.text === 'string' && typeof p.index === 'number') {
+      let out = streams.get(p.index)
+      if (!out) {
+        const prompt = Array.isArray(params.prompts) ? String(params.prompts[p.index] ?? '') : ''
+        out = h('span', {class: 'completion-text'})
+        streams.set(p.index, out)
+        tokens.appendChild(h('p', {class: 'completion streaming', 'data-index': p.index}, h('span', {class: 'prompt'}, prompt), out))
+        tokens.hidden = false
+      }
+      out.appendChild(h('span', {class: 'token', title: (p.token_ids ?? []).join(' ')}, p.text))
+      return
+    }
+    partialBox.hidden = false
+    partialBox.textContent = `partial #${tracker.state.partials}: ${JSON.stringify(partial)}`
+  }
+
+  const handle = (message: MessageEvent<string>) => {
+    try {
+      const event = tracker.observe({event: message.type, data: message.data, id: message.lastEventId})
+      if (event) onEvent(event)
+    } catch (error) {
+      if (!(error instanceof ProtocolError)) throw error
+      showError({code: 'protocol', message: error.message})
+      finish('error')
+    }
+  }
+  for (const type of EVENT_TYPES) {
+    source.addEventListener(type, (event) => {
+      // The `error` event type is also how EventSource reports a failed connection (a plain Event).
+      if (event instanceof MessageEvent && typeof event.data === 'string') handle(event as MessageEvent<string>)
+      else if (type === 'error') void connectionFailed()
+    })
+  }
+  source.addEventListener('open', () => {
+    if (reconnecting) step('resumed', '', 'status')
+    reconnecting = false
+    opened = true
+    badge.textContent = tracker.state.status?.toLowerCase() ?? 'open'
+  })
+
+  const connectionFailed = async () => {
+    if (tracker.state.done || card.dataset.state !== 'running') return
+    if (source.readyState === EventSource.CONNECTING) {
+      // The browser tries again by itself, with Last-Event-ID: the gateway resumes this job.
+      if (!reconnecting) step('reconnecting', '', 'failed')
+      reconnecting = true
+      badge.textContent = 'reconnecting'
+      return
+    }
+    source.close()
+    if (opened) {
+      step('lost', '', 'failed')
+      showError({code: 'stream_ended', message: 'the connection was lost and the job could not be resumed'})
+      finish('error')
+      return
+    }
+    // The stream never opened: ask again with fetch to read the gateway's answer.
+    const probe = new AbortController()
+    try {
+      const response = await fetch(url, {signal: probe.signal, headers: {Accept: 'application/json'}})
+      if (response.ok) {
+        // Accepted this time after all: cancel the job this request started.
+        const id = response.headers.get('X-Job-Id')
+        probe.abort()
+        if (id) void fetch(new URL(`jobs/${encodeURIComponent(id)}`, base), {method: 'DELETE'}).catch(() => undefined)
+        showError({code: 'stream_ended', message: 'the event stream could not be opened'})
+      } else {
+        const error = await HttpError.fromResponse(response)
+        showError({code: error.code ?? 'http_error', message: error.message, field: error.field}, error.status)
+        if (error.status === 422 || error.status === 413 || error.status === 400) hooks.onRefused(error.field, error.message)
+      }
+    } catch (error) {
+      showError({code: 'unreachable', message: `the gateway cannot be reached: ${(error as Error).message}`})
+    }
+    step('refused', '', 'failed')
+    finish('error')
+  }
+
+  const closeHere = (message: string) => {
+    if (card.dataset.state !== 'running') return
+    source.close()
+    step('cancelled', 'by you', 'failed')
+    showError({code: 'cancelled', message})
+    finish('cancelled')
+  }
+  const stop = async () => {
+    if (card.dataset.state !== 'running') return
+    cancel.disabled = true
+    badge.textContent = 'cancelling'
+    const id = tracker.state.jobId
+    let deleted = false
+    if (id) {
+      try {
+        deleted = (await fetch(new URL(`jobs/${encodeURIComponent(id)}`, base), {method: 'DELETE'})).ok
+      } catch {
+        // The gateway cannot be reached: all there is left to do is stop listening.
+      }
+    }
+    if (deleted) {
+      // The job's own `cancelled` event ends the stream; stop waiting for it after a while.
+      setTimeout(() => closeHere('cancelled; the gateway did not confirm it'), 5000)
+    } else {
+      closeHere('you stopped following the job')
+    }
+  }
+
+  return card
+}
+
+/** `GET /{tool}/run?params=<JSON>`; flat keys (a list's items repeated) for a tool that has a field called `params`. */
+export function runUrl(base: URL, tool: ToolInfo, params: Record<string, unknown>): URL {
+  const url = new URL(`${encodeURIComponent(tool.name)}/run`, base)
+  const properties = (tool.params_schema as {properties?: Record<string, unknown>}).properties ?? {}
+  if (!('params' in properties)) {
+    url.searchParams.set('params', JSON.stringify(params))
+    return url
+  }
+  for (const [key, value] of Object.entries(params)) {
+    for (const item of Array.isArray(value) ? value : [value]) {
+      url.searchParams.append(key, typeof item === 'object' && item !== null ? JSON.stringify(item) : String(item))
+    }
+  }
+  return url
+}
+
+function seconds(ms: number): string {
+  return `${(ms / 1000).toFixed(ms < 10_000 ? 2 : 1)} s`
+}

@@ -1,0 +1,325 @@
+/** Each built-in tool's result drawn the way a researcher looks at it; JSON for anything else. */
+import type {
+  BuiltinTools,
+  EmbedResult,
+  GenerateParams,
+  GenerateResult,
+  LensGridResult,
+  LensLineResult,
+  LogitLensResult,
+  LoglikelihoodParams,
+  LoglikelihoodResult,
+  PatchingResult,
+  PredictResult,
+} from '../generated/types.ts'
+import {bars, diverging, heatmap, legend, lineChart, scatter, sequential} from './charts.ts'
+import {fmt, h, percent, showToken} from './dom.ts'
+import {cosines, pca2} from './project.ts'
+
+type Views = {[K in keyof BuiltinTools]: (result: BuiltinTools[K]['result'], params: BuiltinTools[K]['params']) => Node}
+
+const VIEWS: Views = {
+  generate: generateView,
+  loglikelihood: loglikelihoodView,
+  predict: predictView,
+  logit_lens: logitLensView,
+  lens_line: lensLineView,
+  lens_grid: lensGridView,
+  activation_patching: patchingView,
+  embed: embedView,
+}
+
+export function renderResult(tool: string, result: unknown, params: unknown): Node {
+  const view = (VIEWS as Record<string, ((r: unknown, p: unknown) => Node) | undefined>)[tool]
+  if (view && result && typeof result === 'object') {
+    try {
+      return view(result, params)
+    } catch (error) {
+      console.error(`could not draw the ${tool} result`, error)
+    }
+  }
+  return h('pre', {class: 'json'}, JSON.stringify(result, null, 2))
+}
+
+// -- text tools --------------------------------------------------------------
+
+function generateView(result: GenerateResult, params: GenerateParams): Node {
+  return h(
+    'div',
+    {class: 'generated'},
+    result.completions.map((text, i) =>
+      h(
+        'p',
+        {class: 'completion'},
+        h('span', {class: 'prompt'}, params.prompts[i] ?? ''),
+        h('span', {class: 'completion-text'}, text),
+        h('span', {class: 'finish', title: 'finish reason'}, result.finish_reasons[i] ?? ''),
+      ),
+    ),
+    h(
+      'p',
+      {class: 'muted'},
+      `${result.usage.prompt_tokens} prompt + ${result.usage.completion_tokens} generated = ${result.usage.total_tokens} tokens`,
+    ),
+  )
+}
+
+function loglikelihoodView(result: LoglikelihoodResult, params: LoglikelihoodParams): Node {
+  const rows = result.ll.map((ll, i) => ({ll, i}))
+  return h(
+    'div',
+    {},
+    h(
+      'table',
+      {class: 'table'},
+      h('thead', {}, h('tr', {}, h('th', {}, 'prompt'), h('th', {}, 'continuation'), h('th', {}, 'log-likelihood'), h('th', {}, 'greedy'))),
+      h(
+        'tbody',
+        {},
+        rows.map(({ll, i}) =>
+          h(
+            'tr',
+            {},
+            h('td', {}, params.prompts[i] ?? ''),
+            h('td', {class: 'mono'}, showToken(params.continuations[i] ?? '')),
+            h('td', {class: 'num'}, fmt(ll)),
+            h('td', {}, result.is_greedy[i] ? '✓' : '–'),
+          ),
+        ),
+      ),
+    ),
+    h('p', {class: 'muted'}, 'Probability of each continuation (e^ll), relative to the most likely:'),
+    bars(
+      rows.map(({ll, i}) => ({label: showToken(params.continuations[i] ?? ''), value: Math.exp(ll - Math.max(...result.ll)), text: fmt(ll)})),
+      1,
+    ),
+  )
+}
+
+function predictView(result: PredictResult): Node {
+  return bars(result.predictions.map((p) => ({label: showToken(p.text), value: p.prob, text: percent(p.prob)})))
+}
+
+// -- the lens ----------------------------------------------------------------
+
+/** Layers top to bottom: the last layer (the model's own output) on top, as the residual stream rises. */
+const layerRows = (layers: number[]) => layers.map((_, i) => layers.length - 1 - i)
+
+function logitLensView(result: LogitLensResult): Node {
+  const rows = layerRows(result.layers)
+  const cols = result.positions.map((p) => showToken(result.tokens[p] ?? ''))
+  const tracked = Object.keys(result.tracked ?? {})
+  const modes = ['top-1 probability', ...(result.entropy ? ['entropy'] : []), ...tracked.map((t) => `p(${showToken(t)})`)]
+  const maxEntropy = Math.max(1e-9, ...(result.entropy ?? []).flat())
+  const holder = h('div', {})
+  const draw = (mode: number) => {
+    const fill = (r: number, c: number) => {
+      const l = rows[r]!
+      if (mode === 0) return sequential(result.topk[l]?.[c]?.[0]?.prob ?? 0)
+      if (mode === 1 && result.entropy) return sequential((result.entropy[l]?.[c] ?? 0) / maxEntropy)
+      const token = tracked[mode - (result.entropy ? 2 : 1)]!
+      return sequential(result.tracked?.[token]?.[l]?.[c] ?? 0)
+    }
+    const scale =
+      mode === 1 && result.entropy
+        ? legend('entropy (nats)', sequential, 0, 1, '0', fmt(maxEntropy, 2))
+        : legend(modes[mode]!, sequential, 0, 1, '0', '1')
+    holder.replaceChildren(
+      heatmap({
+        rows: rows.map((l) => `L${result.layers[l]}`),
+        cols,
+        rowTitle: 'layer',
+        colTitle: 'position',
+        fill,
+        text: (r, c) => showToken(result.topk[rows[r]!]?.[c]?.[0]?.text ?? ''),
+        tip: (r, c) => {
+          const l = rows[r]!
+          const position = result.positions[c]!
+          return [
+            `layer ${result.layers[l]}, position ${position} (${showToken(result.tokens[position] ?? '')})`,
+            ...(result.topk[l]?.[c] ?? []).map((t, k) => `${k + 1}. ${showToken(t.text)}  ${percent(t.prob)}`),
+            ...(result.entropy ? [`entropy ${fmt(result.entropy[l]?.[c] ?? NaN)} nats`] : []),
+            ...tracked.map((t) => `p(${showToken(t)}) = ${percent(result.tracked?.[t]?.[l]?.[c] ?? 0)}`),
+          ]
+        },
+      }),
+      scale,
+    )
+  }
+  draw(0)
+  const picker =
+    modes.length > 1
+      ? h(
+          'label',
+          {class: 'inline'},
+          'colour by ',
+          h(
+            'select',
+            {onchange: (e: Event) => draw(Number((e.target as HTMLSelectElement).value))},
+            modes.map((m, i) => h('option', {value: i}, m)),
+          ),
+        )
+      : null
+  return h('div', {class: 'lens'}, h('p', {class: 'muted'}, 'Top token at each layer × position; hover or tap a cell for the top ', String(result.topk[0]?.[0]?.length ?? ''), '.'), picker, holder)
+}
+
+function statColor(stat: string, values: number[][]): {fill: (v: number) => ReturnType<typeof sequential>; legend: HTMLElement} {
+  if (stat === 'rank') {
+    const max = Math.max(2, ...values.flat())
+    const t = (v: number) => 1 - Math.log(v) / Math.log(max) // rank 1 darkest
+    return {fill: (v) => sequential(t(v)), legend: legend('rank (log scale)', (x) => sequential(1 - x), 0, 1, '1', fmt(max))}
+  }
+  if (stat === 'entropy') {
+    const max = Math.max(1e-9, ...values.flat())
+    return {fill: (v) => sequential(v / max), legend: legend('entropy (nats)', sequential, 0, 1, '0', fmt(max, 2))}
+  }
+  return {fill: sequential, legend: legend('probability', sequential, 0, 1, '0', '1')}
+}
+
+function statText(stat: string, v: number): string {
+  return stat === 'probability' ? percent(v) : stat === 'rank' ? `rank ${v}` : `${fmt(v)} nats`
+}
+
+function lensGridView(result: LensGridResult): Node {
+  const rows = layerRows(result.layers)
+  const color = statColor(result.stat, result.values)
+  return h(
+    'div',
+    {},
+    h('p', {class: 'muted'}, `${result.stat} of the model's final prediction at each position; cells show each layer's top token.`),
+    heatmap({
+      rows: rows.map((l) => `L${result.layers[l]}`),
+      cols: result.tokens.map(showToken),
+      rowTitle: 'layer',
+      colTitle: 'position',
+      fill: (r, c) => color.fill(result.values[rows[r]!]?.[c] ?? NaN),
+      text: (r, c) => showToken(result.top_tokens[rows[r]!]?.[c] ?? ''),
+      tip: (r, c) => {
+        const l = rows[r]!
+        return [
+          `layer ${result.layers[l]}, position ${result.positions[c]} (${showToken(result.tokens[c] ?? '')})`,
+          `target ${showToken(result.targets[c] ?? '')}: ${statText(result.stat, result.values[l]?.[c] ?? NaN)}`,
+          `top token ${showToken(result.top_tokens[l]?.[c] ?? '')}`,
+        ]
+      },
+    }),
+    color.legend,
+    h('p', {class: 'muted'}, 'Final predictions: ', result.targets.map((t) => h('code', {}, showToken(t))), ''),
+  )
+}
+
+function lensLineView(result: LensLineResult): Node {
+  const label = result.stat === 'probability' ? `p(${showToken(result.token)})` : result.stat === 'rank' ? `rank of ${showToken(result.token)}` : 'entropy (nats)'
+  return h(
+    'div',
+    {},
+    h('p', {class: 'muted'}, `${label} at position ${result.position}, by layer`),
+    lineChart({
+      x: result.layers,
+      series: [{name: label, y: result.values}],
+      xLabel: 'layer',
+      yLabel: label,
+      ...(result.stat === 'probability' ? {yDomain: [0, 1] as [number, number]} : {}),
+      tip: (_, i) => [`layer ${result.layers[i]}`, statText(result.stat, result.values[i] ?? NaN)],
+    }),
+  )
+}
+
+// -- activation patching -----------------------------------------------------
+
+function patchingView(result: PatchingResult): Node {
+  const targets = result.target_tokens.map(showToken).join(', ')
+  const summary = h(
+    'p',
+    {class: 'muted'},
+    `p(${targets}): clean target run ${percent(result.clean_prob)}, source run ${percent(result.source_prob)}. `,
+    'Cells: patched minus clean.',
+  )
+  const span = Math.max(1e-9, ...result.prob_diff.flat().map(Math.abs))
+  const tip = (l: number, c: number) => [
+    `layer ${result.layers[l]}, ${result.labels[c] ?? ''}`,
+    `Δp = ${(result.prob_diff[l]?.[c] ?? 0) >= 0 ? '+' : ''}${percent(result.prob_diff[l]?.[c] ?? 0)}`,
+    `best rank of the targets: ${result.rank[l]?.[c]}`,
+  ]
+  if (result.positions.length === 1) {
+    return h(
+      'div',
+      {},
+      summary,
+      lineChart({
+        x: result.layers,
+        series: [{name: 'Δp', y: result.prob_diff.map((row) => row[0] ?? 0)}],
+        xLabel: 'layer',
+        yLabel: `Δp(${targets})`,
+        tip: (_, i) => tip(i, 0),
+      }),
+    )
+  }
+  const rows = layerRows(result.layers)
+  return h(
+    'div',
+    {},
+    summary,
+    heatmap({
+      rows: rows.map((l) => `L${result.layers[l]}`),
+      cols: result.labels.map((label) => showToken(label.split('→')[1] ?? label)),
+      rowTitle: 'layer',
+      colTitle: 'position',
+      fill: (r, c) => diverging((result.prob_diff[rows[r]!]?.[c] ?? 0) / span),
+      tip: (r, c) => tip(rows[r]!, c),
+    }),
+    legend('Δp', diverging, -1, 1, `−${percent(span)}`, `+${percent(span)}`),
+  )
+}
+
+// -- embeddings --------------------------------------------------------------
+
+function embedView(result: EmbedResult, params: {texts: string[]}): Node {
+  const vectors: number[][] = []
+  const labels: string[] = []
+  const groups: number[] = []
+  result.embeddings.forEach((e, i) => {
+    if (Array.isArray(e[0])) {
+      ;(e as number[][]).forEach((v, t) => {
+        vectors.push(v)
+        labels.push(showToken(result.tokens?.[i]?.[t] ?? `#${t}`))
+        groups.push(i)
+      })
+    } else {
+      vectors.push(e as number[])
+      labels.push(params.texts[i] ?? `#${i}`)
+      groups.push(0)
+    }
+  })
+  const {points, explained} = pca2(vectors)
+  const parts: Node[] = [
+    h('p', {class: 'muted'}, `${vectors.length} vectors of ${result.dim} dimensions (layer ${result.layer}, ${result.pooling} pooling), projected on their first two principal components.`),
+    scatter({
+      points: points.map(([x, y], i) => ({x, y, label: labels[i]!, group: groups[i]!})),
+      xLabel: `PC1 (${percent(explained[0])} of variance)`,
+      yLabel: `PC2 (${percent(explained[1])})`,
+      tip: (i) => [labels[i]!, result.pooling === 'none' ? `text ${groups[i]! + 1}: ${params.texts[groups[i]!] ?? ''}` : `vector ${i + 1}`],
+    }),
+  ]
+  if (result.pooling !== 'none' && vectors.length > 1 && vectors.length <= 32) {
+    const sims = cosines(vectors)
+    // Hidden states are often all alike (cosines near 1): colour the range the pairs span.
+    const pairs = sims.flatMap((row, r) => row.filter((_, c) => c !== r))
+    const [lo, hi] = [Math.min(...pairs), Math.max(...pairs)]
+    const t = (v: number) => (hi > lo ? (v - lo) / (hi - lo) : 1)
+    parts.push(
+      h('p', {class: 'muted'}, 'Cosine similarity:'),
+      heatmap({
+        rows: labels,
+        cols: labels,
+        rowTitle: 'text',
+        colTitle: 'text',
+        fill: (r, c) => (r === c ? null : sequential(t(sims[r]![c]!))),
+        text: (r, c) => fmt(sims[r]![c]!, 2),
+        tip: (r, c) => [`${labels[r]} · ${labels[c]}`, `cosine ${fmt(sims[r]![c]!)}`],
+      }),
+      legend('cosine', sequential, 0, 1, fmt(lo, 2), fmt(hi, 2)),
+    )
+  }
+  return h('div', {}, parts)
+}

@@ -1,0 +1,14 @@
+/** A ready-to-run params object for each built-in tool: the dashboard's starting forms, and the tests'. */
+import type {BuiltinTools} from './generated/types.ts'
+
+export const EXAMPLES: {[K in keyof BuiltinTools]: BuiltinTools[K]['params']} = {
+  generate: {prompts: ['The capital of France is'], max_tokens: 24},
+  loglikelihood: {prompts: ['The capital of France is', 'The capital of France is'], continuations: [' Paris', ' London']},
+  predict: {prompt: 'The capital of France is', top_k: 10},
+  logit_lens: {prompt: 'The Eiffel Tower is in the city of', top_k: 5},
+  lens_line: {prompt: 'The Eiffel Tower is in the city of', stat: 'probability'},
+  lens_grid: {prompt: 'The Eiffel Tower is in the city of', stat: 'probability'},
+  // Prompts of the same length in tokens, so every position pairs up.
+  activation_patching: {src_prompt: 'The capital of Greece is', tgt_prompt: 'The capital of France is'},
+  embed: {texts: ['cat', 'dog', 'kitten', 'car', 'truck', 'bicycle', 'Paris', 'London'], pooling: 'mean'},
+}

@@ -1,0 +1,16 @@
+export {runAndStream, runTool, type RunOptions} from './run.ts'
+export {JobTracker, parseEventId, type JobEvent, type JobState, type RawEvent} from './job.ts'
+export {
+  AbortError,
+  HttpError,
+  JobError,
+  parseRetryAfter,
+  ProtocolError,
+  StreamEndedError,
+  StreamgateError,
+  TimeoutError,
+  type JobSnapshot,
+  type RunError,
+} from './errors.ts'
+export {EXAMPLES} from './examples.ts'
+export type * from './generated/types.ts'

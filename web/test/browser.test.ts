@@ -1,0 +1,266 @@
+/**
+ * The dashboard in headless Chromium (Debian's, driven by playwright-core; no browser is
+ * downloaded) against a real gateway on the tiny model. Screenshots go to test-artifacts/.
+ */
+import assert from 'node:assert/strict'
+import {existsSync, mkdirSync, mkdtempSync, rmSync} from 'node:fs'
+import {tmpdir} from 'node:os'
+import {join} from 'node:path'
+import {after, before, describe, test} from 'node:test'
+
+import {chromium, type BrowserContext, type Page} from 'playwright-core'
+
+import {EXAMPLES} from '../src/index.ts'
+import {startGateway, WEB, type Gateway} from './support/gateway.ts'
+import {startProxy} from './support/proxy.ts'
+
+const CHROMIUM = process.env.CHROMIUM_PATH ?? '/usr/bin/chromium'
+const ARTIFACTS = join(WEB, 'test-artifacts')
+const found = existsSync(CHROMIUM)
+if (!found && process.env.STREAMGATE_REQUIRE_BROWSER) {
+  throw new Error(`no Chromium at ${CHROMIUM}: install Debian's \`chromium\` (apt-get install chromium) or set CHROMIUM_PATH`)
+}
+
+let gateway: Gateway
+let context: BrowserContext
+let profile: string
+
+/** A page at the dashboard, `width` pixels wide, with any page error failing the test. */
+async function open(width = 1280, tool?: string, base = gateway.url): Promise<Page> {
+  const page = await context.newPage()
+  await page.setViewportSize({width, height: width < 600 ? 844 : 900})
+  const errors: string[] = []
+  page.on('pageerror', (error) => errors.push(error.message))
+  page.on('console', (message) => message.type() === 'error' && !/status of 4\d\d/.test(message.text()) && errors.push(message.text()))
+  ;(page as Page & {errors: string[]}).errors = errors
+  await page.goto(`${base}/${tool ? `#${tool}` : ''}`)
+  await page.waitForSelector('#tool option', {state: 'attached'})
+  return page
+}
+
+function pageErrors(page: Page): string[] {
+  return (page as Page & {errors: string[]}).errors
+}
+
+async function pick(page: Page, tool: string): Promise<void> {
+  await page.selectOption('#tool', tool)
+  await page.waitForSelector(`#form [data-field]`)
+}
+
+async function run(page: Page): Promise<ReturnType<Page['locator']>> {
+  const before = await page.locator('article.job').count()
+  await page.click('button[type=submit]')
+  await page.waitForFunction((n) => document.querySelectorAll('article.job').length > n, before)
+  return page.locator('article.job').first()
+}
+
+async function finished(job: ReturnType<Page['locator']>, state = 'done'): Promise<void> {
+  await job.locator(`xpath=self::*[@data-state!="running"]`).waitFor({timeout: 60_000})
+  const actual = await job.getAttribute('data-state')
+  if (actual !== state) {
+    const text = await job.innerText()
+    assert.fail(`the job ended ${actual}, not ${state}:\n${text}`)
+  }
+}
+
+async function shot(page: Page, name: string): Promise<void> {
+  await page.screenshot({path: join(ARTIFACTS, `${name}.png`), fullPage: true})
+}
+
+describe('the dashboard', {skip: found ? false : `no Chromium at ${CHROMIUM} (apt-get install chromium)`}, () => {
+  before(async () => {
+    mkdirSync(ARTIFACTS, {recursive: true})
+    // --retry-ms 100: a browser that reconnected after the end of a job would do it at once.
+    gateway = await startGateway(['--retry-ms', '100', '--log-level', 'info'])
+    profile = mkdtempSync(join(tmpdir(), 'streamgate-chromium-'))
+    context = await chromium.launchPersistentContext(profile, {
+      executablePath: CHROMIUM,
+      headless: true,
+      args: ['--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-background-networking', '--disable-component-update'],
+    })
+  })
+
+  after(async () => {
+    await context?.close()
+    await gateway?.stop()
+    if (profile) rmSync(profile, {recursive: true, force: true})
+  })
+
+  test('generate: the status timeline, tokens as they stream, the result; the stream is closed after it', async () => {
+    const page = await open()
+    await pick(page, 'generate')
+    await page.fill('[data-field=prompts] textarea', 'Once upon a time')
+    await page.fill('[data-field=max_tokens] input', '48')
+    // Record the streamed text each time it grows, and whether the result was there yet.
+    await page.evaluate(() => {
+      const seen: {text: string; result: boolean}[] = []
+      ;(window as unknown as {seen: typeof seen}).seen = seen
+      new MutationObserver(() => {
+        const job = document.querySelector('article.job')
+        const text = job?.querySelector('.tokens .completion-text')?.textContent ?? ''
+        if (text && text !== seen.at(-1)?.text) seen.push({text, result: !job?.querySelector('.result')?.hasAttribute('hidden')})
+      }).observe(document.body, {subtree: true, childList: true, characterData: true, attributes: true})
+    })
+    const job = await run(page)
+    await finished(job)
+    const steps = await job.locator('.timeline li').evaluateAll((items) => items.map((li) => li.getAttribute('data-status')))
+    assert.deepEqual(steps, ['RECEIVED', 'QUEUED', 'RUNNING', 'done'])
+    const seen = await page.evaluate(() => (window as unknown as {seen: {text: string; result: boolean}[]}).seen)
+    const streamed = seen.filter((s) => !s.result)
+    assert.ok(streamed.length >= 5, `the text grew only ${streamed.length} times before the result`)
+    for (let i = 1; i < streamed.length; i++) assert.ok(streamed[i]!.text.startsWith(streamed[i - 1]!.text))
+    const completion = await job.locator('.result .completion-text').innerText()
+    assert.equal(completion.length > 0, true)
+    assert.equal(streamed.at(-1)!.text, (JSON.parse(await job.locator('.raw pre').textContent() ?? '{}') as {completions: string[]}).completions[0])
+    assert.match(await job.locator('.progress-text').innerText(), /48 \/ 48 tokens/)
+    assert.equal(await job.locator('.badge').innerText(), 'done')
+    await shot(page, 'generate')
+    // No reconnect: the gateway saw exactly one request for this job, long after its retry delay.
+    await page.waitForTimeout(600)
+    const requests = gateway.output().match(/"GET \/generate\/run\?params=[^"]*Once/g) ?? []
+    assert.equal(requests.length, 1, gateway.output())
+    assert.deepEqual(pageErrors(page), [])
+    await page.close()
+  })
+
+  test('logit_lens: a layer × position heatmap with the top tokens on hover', async () => {
+    const page = await open()
+    await pick(page, 'logit_lens')
+    const job = await run(page)
+    await finished(job)
+    const result = JSON.parse((await job.locator('.raw pre').textContent()) ?? '{}') as {layers: number[]; positions: number[]}
+    const cells = job.locator('svg.heatmap rect.cell')
+    assert.equal(await cells.count(), result.layers.length * result.positions.length)
+    assert.ok((await job.locator('svg.heatmap text.in-cell').count()) > 0)
+    await cells.nth(3).hover()
+    const tip = page.locator('#tip')
+    await tip.waitFor({state: 'visible'})
+    const lines = await tip.innerText()
+    assert.match(lines, /^layer \d+, position \d+/)
+    assert.match(lines, /^1\. .+%$/m)
+    assert.match(lines, /^5\. .+%$/m)
+    assert.match(lines, /entropy/)
+    await shot(page, 'logit_lens')
+    assert.deepEqual(pageErrors(page), [])
+    await page.close()
+  })
+
+  test('an invalid field: the 422 shown with its code and message, on the field', async () => {
+    const page = await open()
+    await pick(page, 'generate')
+    await page.fill('[data-field=max_tokens] input', '0')
+    const job = await run(page)
+    await finished(job, 'error')
+    assert.equal(await job.locator('.error .code').innerText(), '422 invalid_params')
+    assert.equal(await job.locator('.error .message').innerText(), 'max_tokens: expected `int` >= 1')
+    const field = page.locator('[data-field=max_tokens]')
+    assert.match((await field.getAttribute('class')) ?? '', /invalid/)
+    assert.equal(await field.locator('.field-error').innerText(), 'max_tokens: expected `int` >= 1')
+    await shot(page, 'invalid-field')
+    await page.close()
+  })
+
+  test('every built-in tool runs from the page and draws its result', async () => {
+    const page = await open()
+    const drawn: Record<string, string> = {
+      generate: '.result .completion',
+      loglikelihood: '.result table',
+      predict: '.result .bars .bar-row',
+      logit_lens: '.result svg.heatmap',
+      lens_line: '.result svg.plot.line',
+      lens_grid: '.result svg.heatmap',
+      activation_patching: '.result svg.heatmap',
+      embed: '.result svg.plot.scatter',
+    }
+    assert.deepEqual(Object.keys(drawn).sort(), Object.keys(EXAMPLES).sort())
+    for (const [tool, selector] of Object.entries(drawn)) {
+      await pick(page, tool)
+      const job = await run(page)
+      await finished(job)
+      assert.equal(await job.getAttribute('data-tool'), tool)
+      assert.ok((await job.locator(selector).count()) > 0, `${tool}: nothing matches ${selector}`)
+    }
+    assert.equal(await page.locator('article.job[data-state=done]').count(), Object.keys(drawn).length)
+    assert.equal(await page.locator('article.job[data-tool=predict] .result .bar-row').count(), EXAMPLES.predict.top_k)
+    await shot(page, 'every-tool')
+    assert.deepEqual(pageErrors(page), [])
+    await page.close()
+  })
+
+  test('several jobs at once: each streams on its own, queued behind the others', async () => {
+    const page = await open()
+    await pick(page, 'generate')
+    // The first job is long enough that the next two wait behind it.
+    await page.fill('[data-field=max_tokens] input', '220')
+    await page.click('button[type=submit]')
+    await page.locator('article.job .token').first().waitFor()
+    await page.fill('[data-field=max_tokens] input', '20')
+    for (let i = 0; i < 2; i++) await page.click('button[type=submit]')
+    await page.waitForFunction(() => document.querySelectorAll('article.job').length === 3)
+    const jobs = page.locator('article.job')
+    for (let i = 0; i < 3; i++) await finished(jobs.nth(i))
+    const queued = await page.locator('.timeline li[data-status=QUEUED]').allInnerTexts()
+    assert.ok(queued.some((text) => /#2/.test(text)), `no job was second in the queue: ${queued.join(' | ')}`)
+    await shot(page, 'several-jobs')
+    await page.close()
+  })
+
+  test('a dropped connection: the browser reconnects and the same job resumes', async () => {
+    const proxy = await startProxy(gateway.url)
+    try {
+      const page = await open(1280, 'generate', proxy.url)
+      await pick(page, 'generate')
+      await page.fill('[data-field=prompts] textarea', 'It was a dark and stormy night')
+      await page.fill('[data-field=max_tokens] input', '160')
+      const job = await run(page)
+      await job.locator('.token').nth(4).waitFor()
+      proxy.drop()
+      await finished(job)
+      const steps = await job.locator('.timeline li').evaluateAll((items) => items.map((li) => li.getAttribute('data-status')))
+      assert.deepEqual(steps, ['RECEIVED', 'QUEUED', 'RUNNING', 'reconnecting', 'resumed', 'done'])
+      // Every token once, in order: the stream went on from the last event it had.
+      const result = JSON.parse((await job.locator('.raw pre').textContent()) ?? '{}') as {completions: string[]}
+      assert.equal(await job.locator('.tokens .completion-text').textContent(), result.completions[0])
+      await shot(page, 'reconnected')
+      await page.close()
+    } finally {
+      await proxy.close()
+    }
+  })
+
+  test('cancel: the job is deleted and ends with its cancelled event', async () => {
+    const page = await open()
+    await pick(page, 'generate')
+    await page.fill('[data-field=max_tokens] input', '200')
+    const job = await run(page)
+    await job.locator('.token').first().waitFor()
+    await job.locator('button', {hasText: 'Cancel'}).click()
+    await finished(job, 'cancelled')
+    assert.equal(await job.locator('.error .code').innerText(), 'cancelled')
+    assert.deepEqual(await job.locator('.timeline li').evaluateAll((items) => items.map((li) => li.getAttribute('data-status'))), [
+      'RECEIVED',
+      'QUEUED',
+      'RUNNING',
+      'error',
+    ])
+    for (let i = 0; ; i++) {
+      const ready = (await (await fetch(`${gateway.url}/readyz`)).json()) as {running: number}
+      if (ready.running === 0) break
+      assert.ok(i < 100, 'the job still runs')
+      await page.waitForTimeout(50)
+    }
+    await page.close()
+  })
+
+  test('on a phone-width screen: no sideways scrolling, the heatmap scrolls in its box', async () => {
+    const page = await open(390, 'logit_lens')
+    assert.equal(await page.locator('#tool').inputValue(), 'logit_lens')
+    const job = await run(page)
+    await finished(job)
+    const [scrollWidth, clientWidth] = await page.evaluate(() => [document.documentElement.scrollWidth, document.documentElement.clientWidth])
+    assert.ok(scrollWidth <= clientWidth, `the page is ${scrollWidth}px wide on a ${clientWidth}px screen`)
+    await shot(page, 'phone')
+    assert.deepEqual(pageErrors(page), [])
+    await page.close()
+  })
+})

@@ -1,0 +1,75 @@
+/** A real gateway for tests: `streamgate serve` on the tiny model, on a free loopback port. */
+import {execFileSync, spawn, type ChildProcess} from 'node:child_process'
+import {existsSync, mkdtempSync} from 'node:fs'
+import {createServer} from 'node:net'
+import {tmpdir} from 'node:os'
+import {dirname, join} from 'node:path'
+import {fileURLToPath} from 'node:url'
+
+export const WEB = join(dirname(fileURLToPath(import.meta.url)), '..', '..')
+export const ROOT = join(WEB, '..')
+const VENV = process.env.STREAMGATE_VENV ?? join(ROOT, '.venv')
+
+/** The tiny model's folder: `STREAMGATE_TINY_MODEL` (set once per run by test/run.ts), or built now. */
+export function tinyModel(): string {
+  const given = process.env.STREAMGATE_TINY_MODEL
+  if (given && existsSync(join(given, 'config.json'))) return given
+  const path = join(mkdtempSync(join(tmpdir(), 'streamgate-web-')), 'tiny-model')
+  execFileSync(join(VENV, 'bin', 'python'), [join(WEB, 'test', 'support', 'tiny_model.py'), path], {stdio: 'ignore'})
+  process.env.STREAMGATE_TINY_MODEL = path
+  return path
+}
+
+export async function freePort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const server = createServer()
+    server.once('error', reject)
+    server.listen(0, '127.0.0.1', () => {
+      const address = server.address()
+      const port = typeof address === 'object' && address ? address.port : 0
+      server.close(() => resolve(port))
+    })
+  })
+}
+
+export interface Gateway {
+  url: string
+  output: () => string
+  stop: () => Promise<void>
+}
+
+export async function startGateway(args: string[] = []): Promise<Gateway> {
+  const port = await freePort()
+  const url = `http://127.0.0.1:${port}`
+  const child: ChildProcess = spawn(
+    join(VENV, 'bin', 'streamgate'),
+    ['serve', '--model', tinyModel(), '--device', 'cpu', '--host', '127.0.0.1', '--port', String(port), '--log-level', 'warning', ...args],
+    {stdio: ['ignore', 'pipe', 'pipe'], env: {...process.env, PYTHONUNBUFFERED: '1'}},
+  )
+  let output = ''
+  child.stdout?.on('data', (b: Buffer) => (output += b.toString()))
+  child.stderr?.on('data', (b: Buffer) => (output += b.toString()))
+  const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()))
+  const stop = async () => {
+    if (child.exitCode !== null || child.signalCode !== null) return
+    child.kill('SIGTERM')
+    const timer = setTimeout(() => child.kill('SIGKILL'), 10_000)
+    await exited
+    clearTimeout(timer)
+  }
+  const deadline = Date.now() + 90_000
+  for (;;) {
+    if (child.exitCode !== null) throw new Error(`the gateway exited (${child.exitCode}):\n${output}`)
+    try {
+      if ((await fetch(`${url}/readyz`)).ok) break
+    } catch {
+      // not listening yet
+    }
+    if (Date.now() > deadline) {
+      await stop()
+      throw new Error(`the gateway was not ready in time:\n${output}`)
+    }
+    await new Promise((resolve) => setTimeout(resolve, 100))
+  }
+  return {url, output: () => output, stop}
+}
