@@ -28,7 +28,7 @@ from gateway.config import Settings
 from gateway.errors import ApiError, api_error_handler, http_error_handler
 from gateway.jobs import Job
 from gateway.protocol import Code, encode, parse_event_id
-from gateway.store import JobHandle, MemoryStore
+from gateway.store import JobHandle, JobStore, MemoryStore
 from gateway.stream import job_response
 
 log = logging.getLogger("streamgate.app")
@@ -64,10 +64,19 @@ def _last_event_id(request: Request) -> tuple[str, int] | None:
     return parsed
 
 
+def open_store(settings: Settings, cancel: Any) -> JobStore:
+    """The job store `settings.store` names: `memory`, or a Redis URL shared by every replica."""
+    if settings.store == "memory":
+        return MemoryStore(cancel, detach_grace=settings.detach_grace, retention=settings.retention)
+    from gateway.redis_store import RedisStore
+
+    return RedisStore(settings.store, cancel, detach_grace=settings.detach_grace, retention=settings.retention)
+
+
 def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     limits = settings.limits()
-    store = MemoryStore(lambda job: backend.cancel(job), detach_grace=settings.detach_grace, retention=settings.retention)
+    store = open_store(settings, lambda job: backend.cancel(job))
 
     def follow(job: JobHandle, after: int = 0) -> Response:
         return job_response(
@@ -84,6 +93,8 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             params = params_mod.decode_body(tool, await params_mod.read_body(request, settings.max_body_bytes))
         else:
             params = params_mod.decode_query(tool, request.query_params)
+        if (problem := getattr(store, "problem", None)) is not None:  # a shared store that is unreachable
+            raise ApiError(Code.NOT_READY, problem, retry_after=5)
         key = request.headers.get("idempotency-key")
         job = Job(tool.name, params)
         if key and (bound := await store.reserve(key, job.id)) is not None:
@@ -144,10 +155,14 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def readyz(request: Request) -> Response:
-        body = {"ready": backend.ready, **backend.describe()}
+        store_problem = getattr(store, "problem", None)
+        ready = backend.ready and store_problem is None
+        body = {"ready": ready, **backend.describe()}
         if not backend.ready:
             body["reason"] = backend.not_ready_reason
-        return JSONResponse(body, status_code=200 if backend.ready else 503)
+        elif store_problem is not None:
+            body["reason"] = store_problem
+        return JSONResponse(body, status_code=200 if ready else 503)
 
 
     async def unexpected(request: Request, exc: Exception) -> Response:

@@ -101,6 +101,12 @@ def _local_backend(settings: Settings, **kwargs: Any) -> Any:
         raise click.ClickException(str(exc)) from None
 
 
+def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if value != "memory" and not value.startswith(("redis://", "rediss://", "unix://")):
+        raise click.BadParameter("expected memory, or a Redis URL: redis://host:port/db (rediss://, unix://)")
+    return value
+
+
 @main.command()
 @_option("--host", default=_D.host, help="Interface to listen on.")
 @_option("--port", default=_D.port, type=int)
@@ -110,6 +116,7 @@ def _local_backend(settings: Settings, **kwargs: Any) -> Any:
 @_option("--executor-deadline", default=_D.executor_deadline, type=click.FloatRange(min=0), help="Seconds an executor may be unreachable before its jobs end with backend_unavailable.")
 @_option("--detach-grace", default=_D.detach_grace, type=click.FloatRange(min=0), help="Seconds a job runs on with no client attached before it is cancelled (0: cancel on disconnect).")
 @_option("--retention", default=_D.retention, type=click.FloatRange(min=0), help="Seconds a finished job and its events stay readable.")
+@_option("--store", default=_D.store, callback=_check_store, help="Where jobs are kept: memory (this process), or redis://host:port/db, shared by every replica.")
 @_option("--ping-interval", default=_D.ping_interval, type=click.FloatRange(min=0), help="Seconds of quiet before a ': ping' comment (0: none).")
 @_option("--retry-ms", default=_D.retry_ms, type=click.IntRange(min=0), help="The reconnect delay sent to EventSource clients.")
 def serve(**options: Any) -> None:

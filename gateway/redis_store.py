@@ -1,0 +1,766 @@
+"""Jobs shared by every gateway replica through Redis: `streamgate serve --store redis://host:port/db`.
+
+With this store any number of gateways behind a load balancer serve the same
+jobs without sticky sessions: a client may start a job on one replica, resume
+its stream (`Last-Event-ID`), read its snapshot or cancel it on any other, and
+an `Idempotency-Key` binds once across all of them.
+
+**Who owns a job.** The replica whose backend runs a job owns it: it holds the
+in-process `Job` and is the only one that ever writes the job's events. `add`
+records the job and starts a *mirror* task that follows the `Job`'s log and
+copies every event into the job's Redis Stream under the explicit id
+`<seq>-0`, fields `type` and `data` (the event's JSON, byte for byte), together
+with the job's snapshot. The copy is a Lua script that skips seqs already
+written, so a write retried after a lost reply doubles nothing. Other replicas
+see the job through a `RedisJobView`: `wait_events` is `XREAD BLOCK` from
+`<after>-0`, the snapshot and the terminal event come from the job's hash. The
+owner itself always serves its jobs from memory.
+
+Keys (prefix `streamgate:`): `job:{id}` (hash: owner, snapshot, last_seq,
+terminal seq and type, idempotency key, cancel flag), `events:{id}` (stream),
+`attached:{id}` (sorted set of replicas following the job, scored by
+deadline), `key:{idempotency key}` (the job id), `replica:{replica id}` (the
+owner's liveness key; also the name of the channel the owner listens on).
+
+**Expiry.** While a job runs its owner re-leases its keys every `heartbeat` s
+for `retention + 3 × heartbeat`; the terminal event sets every key to expire
+`retention` s later, after which `get` answers None (404) everywhere. A job
+whose owner dies is therefore forgotten by itself, never pinned in Redis.
+
+**Idempotency keys** are `SET NX` (atomic across replicas) with the same
+lease; `release` is a compare-and-delete.
+
+**Cancel.** A local job is cancelled through the backend. For a remote one
+the replica sets the job's `cancel` flag and `PUBLISH`es to the owner's
+channel; the owner cancels at once on the message, and its heartbeat also
+reads the flag, so a message lost while its subscription reconnects still
+cancels within one heartbeat.
+
+**Detach grace across replicas.** Deliberately per replica, not per client,
+and leased: a replica with clients following a remote job keeps its member
+in `attached:{id}` with a deadline `3 × heartbeat` ahead (Redis server time,
+so clocks need not agree) and refreshes it every heartbeat; when its last
+client leaves it removes the member and tells the owner. The owner counts its
+own clients in memory. A job is cancelled once, for `detach_grace` s, it had
+no client here and no live member in the set: the owner checks when a client
+leaves, on the remote replica's notice, and every heartbeat. A replica that
+crashes stops refreshing, its member lapses after at most `3 × heartbeat`,
+and the grace starts then: a crash never pins a job forever (and never
+cancels a followed job early, since a live member always counts). As with the
+memory store, only a job that had a client is ever cancelled for having none.
+While Redis cannot be read the owner cancels nothing for want of clients.
+
+**An owner that dies.** Its liveness key lapses after `3 × heartbeat`. Any
+replica that then reads the unfinished job (`get`, or a follower waiting on
+its stream) ends it with `error` `backend_unavailable` at the next seq — a
+compare-and-set in Lua, so it happens once and only if the owner is really
+silent. An owner that was only cut off from Redis and finds its job ended
+that way cancels the work. A replica that shuts down ends its unfinished jobs
+with `shutting_down`, copies those events out (for up to 2 s), then drops its
+liveness key.
+
+**Redis down.** `/readyz` answers 503 naming the store, and so do new runs
+(503 `not_ready`, `Retry-After`) — before anything is submitted when the
+heartbeat already knows, otherwise the just-submitted job is cancelled; no
+run hangs or answers 500. `GET /jobs/{id}` and `DELETE` answer 503 for jobs
+owned elsewhere. Jobs already running go on: their owner keeps streaming them
+to its own clients from memory, its mirror retries, and once Redis is back
+every event is copied in order, none lost or doubled — the whole log again
+if Redis came back empty (it is not meant to persist anything: a restart loses
+finished jobs, never a running one's events). Followers on other
+replicas see only `: ping` meanwhile; one whose Redis stays unreachable for
+`down_deadline` s has its response ended without a terminal event, so the
+client reconnects (EventSource does) with its `Last-Event-ID`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
+
+try:  # redis-py 7+: a Redis Enterprise feature, negotiated on every new connection unless turned off
+    from redis.maint_notifications import MaintNotificationsConfig
+
+    _NO_MAINT: dict[str, Any] = {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
+except ImportError:  # pragma: no cover
+    _NO_MAINT = {}
+
+from gateway.errors import ApiError
+from gateway.jobs import Job
+from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType, JobSnapshot, TerminalEvent, encode, now
+from gateway.store import JobHandle, JobStore
+
+log = logging.getLogger("streamgate.redis")
+
+STOP_FLUSH_S = 2.0  # how long `stop` waits for the last events to reach Redis
+READ_COUNT = 1000  # most events one XREAD returns
+
+# Copy a batch of events and the snapshot. KEYS: hash, stream, attached,
+# [idempotency key]. ARGV: snapshot, retention ms, terminal seq ('' while
+# running), terminal type, owner, idempotency key, lease ms, then (seq, type,
+# data) triples. 1 written; 0 the job was ended elsewhere; 2 Redis lost the job
+# (restarted empty): send its log again from seq 1.
+_MIRROR = """
+if redis.call('HEXISTS', KEYS[1], 'tseq') == 1 then return 0 end
+local fresh = redis.call('EXISTS', KEYS[1]) == 0
+if fresh and tonumber(ARGV[8]) > 1 then return 2 end
+local last = tonumber(redis.call('HGET', KEYS[1], 'last_seq') or '0')
+for i = 8, #ARGV, 3 do
+  local seq = tonumber(ARGV[i])
+  if seq > last then
+    redis.call('XADD', KEYS[2], ARGV[i] .. '-0', 'type', ARGV[i + 1], 'data', ARGV[i + 2])
+    last = seq
+  end
+end
+redis.call('HSET', KEYS[1], 'last_seq', last, 'snapshot', ARGV[1], 'owner', ARGV[5], 'key', ARGV[6])
+if ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[1], 'tseq', ARGV[3], 'ttype', ARGV[4])
+  for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+elseif fresh then
+  for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[7]) end
+end
+return 1
+"""
+
+# End a job whose owner is silent. KEYS: owner's liveness key, hash, stream,
+# attached, [idempotency key]. ARGV: expected last seq, error data, snapshot,
+# retention ms, the terminal's seq. 1 done, 0 not needed, -1 the log moved on.
+_FINALIZE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+if redis.call('HEXISTS', KEYS[2], 'tseq') == 1 then return 0 end
+if redis.call('HGET', KEYS[2], 'last_seq') ~= ARGV[1] then return -1 end
+redis.call('XADD', KEYS[3], ARGV[5] .. '-0', 'type', 'error', 'data', ARGV[2])
+redis.call('HSET', KEYS[2], 'last_seq', ARGV[5], 'tseq', ARGV[5], 'ttype', 'error', 'snapshot', ARGV[3])
+for i = 2, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
+return 1
+"""
+
+# Re-lease a running job's keys (never a finished one's: that would stretch its
+# retention) and read its cancel flag; -1 if Redis lost the job. KEYS: hash,
+# stream, attached, [idem]. ARGV: lease ms.
+_LEASE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HEXISTS', KEYS[1], 'tseq') == 0 then
+  for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
+end
+return redis.call('HGET', KEYS[1], 'cancel')
+"""
+
+# A replica follows a job until ARGV[2] ms from now (server time). KEYS: attached. ARGV: replica, ttl, lease.
+_ATTACH = """
+local t = redis.call('TIME')
+local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], ms + tonumber(ARGV[2]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# How many replicas follow the job now (lapsed members are dropped). KEYS: attached.
+_LIVE = """
+local t = redis.call('TIME')
+local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms)
+return redis.call('ZCARD', KEYS[1])
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# Flag a cancel on a job that still exists (never recreate an expired hash).
+_FLAG_CANCEL = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'cancel', '1') return 1 end
+return 0
+"""
+
+
+class StoreUnavailable(RuntimeError):
+    """Redis has been unreachable for too long while following a job."""
+
+
+def is_redis_url(value: str) -> bool:
+    return value.startswith(("redis://", "rediss://", "unix://"))
+
+
+@dataclass
+class _Owned:
+    """What the owner tracks about one of its jobs, for detach grace."""
+
+    job: Job
+    ever_attached: bool = False
+    unattached_since: float | None = None  # loop time
+    timer: asyncio.TimerHandle | None = None
+    evaluating: bool = False
+    cancel_seen: bool = False
+
+
+class RedisJobView:
+    """A job that runs on another replica, read from Redis (see `JobHandle`)."""
+
+    def __init__(self, store: RedisStore, job_id: str, fields: dict[bytes, bytes]) -> None:
+        self.id = job_id
+        self._store = store
+        self.owner = ""
+        self.idempotency_key = ""
+        self._snapshot: JobSnapshot | None = None
+        self._terminal: Event | None = None
+        self._update(fields)
+
+    def _update(self, fields: dict[bytes, bytes]) -> None:
+        self.owner = fields.get(b"owner", b"").decode()
+        self.idempotency_key = fields.get(b"key", b"").decode()
+        self.last_seq = int(fields.get(b"last_seq", b"0"))
+        self._snapshot = msgspec.json.decode(fields[b"snapshot"], type=JobSnapshot)
+        tseq = fields.get(b"tseq")
+        if tseq and self._snapshot.terminal is not None:
+            data = bytes(self._snapshot.terminal.data)
+            self._terminal = Event(self.id, int(tseq), EventType(fields[b"ttype"].decode()), data)
+
+    @property
+    def terminal(self) -> Event | None:
+        return self._terminal
+
+    @property
+    def done(self) -> bool:
+        return self._terminal is not None
+
+    def snapshot(self) -> JobSnapshot:
+        assert self._snapshot is not None
+        return self._snapshot
+
+    async def wait_events(self, after: int, timeout: float | None = None) -> list[Event]:
+        """Events with seq > `after`, waiting up to `timeout` for one; [] on timeout."""
+        return await self._store._read(self, after, timeout)
+
+
+class RedisStore(JobStore):
+    def __init__(
+        self,
+        url: str,
+        cancel: Callable[[Job], None],
+        *,
+        detach_grace: float = 30.0,
+        retention: float = 600.0,
+        heartbeat: float = 1.0,
+        down_deadline: float = 30.0,
+        prefix: str = "streamgate:",
+    ) -> None:
+        if not is_redis_url(url):
+            raise ValueError(f"not a Redis URL: {url!r} (redis://host:port/db, rediss://…, unix://…)")
+        self.url = url
+        self._cancel = cancel
+        self.detach_grace = detach_grace
+        self.retention = retention
+        self.heartbeat = heartbeat
+        self.down_deadline = down_deadline
+        self.prefix = prefix
+        self.replica_id = uuid.uuid4().hex
+        self.ttl = 3 * heartbeat  # of a liveness key and an attachment
+        self._block = max(0.05, min(5.0, self.ttl))  # one XREAD BLOCK, at most
+        self._redis = aioredis.Redis.from_url(
+            url,
+            socket_connect_timeout=2,
+            socket_timeout=self._block + 5,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
+            **_NO_MAINT,  # one round trip less per connection, and a window less in which a cancel is lost
+        )
+        self._mirror_script = self._redis.register_script(_MIRROR)
+        self._finalize_script = self._redis.register_script(_FINALIZE)
+        self._lease_script = self._redis.register_script(_LEASE)
+        self._attach_script = self._redis.register_script(_ATTACH)
+        self._live_script = self._redis.register_script(_LIVE)
+        self._release_script = self._redis.register_script(_RELEASE)
+        self._flag_cancel_script = self._redis.register_script(_FLAG_CANCEL)
+        self._owned: dict[str, _Owned] = {}
+        self._mirrors: dict[str, asyncio.Task[None]] = {}
+        self._attached: dict[str, int] = {}  # clients on this replica, per job (owned or not)
+        self._views: dict[str, str] = {}  # remote jobs followed from here -> their owner
+        self._ops: asyncio.Queue[tuple[str, str, str] | None] = asyncio.Queue()
+        # Background loops end on this flag rather than on cancellation alone: redis-py can
+        # swallow a cancel that lands while it opens a connection (redis/redis-py#2028).
+        self._closing = False
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._spawned: set[asyncio.Task[Any]] = set()
+        self.problem: str | None = f"not connected to Redis at {self._where()} yet"
+
+    # -- names -------------------------------------------------------------------
+
+    def _where(self) -> str:
+        return self.url.split("@")[-1]  # no password in messages
+
+    def _hash(self, job_id: str) -> str:
+        return f"{self.prefix}job:{job_id}"
+
+    def _stream(self, job_id: str) -> str:
+        return f"{self.prefix}events:{job_id}"
+
+    def _attached_key(self, job_id: str) -> str:
+        return f"{self.prefix}attached:{job_id}"
+
+    def _idem(self, key: str) -> str:
+        return f"{self.prefix}key:{key}"
+
+    def _replica(self, replica_id: str) -> str:
+        """The replica's liveness key, and the name of the channel it listens on."""
+        return f"{self.prefix}replica:{replica_id}"
+
+    def _job_keys(self, job_id: str, key: str | None) -> list[str]:
+        keys = [self._hash(job_id), self._stream(job_id), self._attached_key(job_id)]
+        return keys + [self._idem(key)] if key else keys
+
+    def _ms(self, seconds: float) -> int:
+        return max(1, int(seconds * 1000))
+
+    @property
+    def _lease_ms(self) -> int:
+        return self._ms(self.retention + self.ttl)
+
+    def _unavailable(self, exc: BaseException) -> ApiError:
+        return ApiError(Code.NOT_READY, f"the job store (Redis at {self._where()}) is unreachable: {exc}", retry_after=5)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._beat()
+        self._tasks = [
+            asyncio.create_task(self._heartbeat(), name="redis store heartbeat"),
+            asyncio.create_task(self._listen(), name="redis store listener"),
+            asyncio.create_task(self._run_ops(), name="redis store attachments"),
+        ]
+
+    async def stop(self) -> None:
+        for owned in self._owned.values():
+            if not owned.job.done:
+                self._cancel(owned.job)
+                owned.job.fail(Code.SHUTTING_DOWN, "the server is shutting down")
+            if owned.timer is not None:
+                owned.timer.cancel()
+        mirrors = [task for task in self._mirrors.values() if not task.done()]
+        if mirrors:
+            await asyncio.wait(mirrors, timeout=STOP_FLUSH_S)
+        self._closing = True
+        self._ops.put_nowait(None)
+        tasks = [task for task in [*self._tasks, *self._mirrors.values(), *self._spawned] if not task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2)  # bounded: see `_closing`
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(2):
+                pipe = self._redis.pipeline(transaction=False)
+                for job_id in self._views:
+                    pipe.zrem(self._attached_key(job_id), self.replica_id)
+                pipe.delete(self._replica(self.replica_id))
+                await pipe.execute()
+        with contextlib.suppress(Exception):
+            await self._redis.aclose()
+
+    # -- idempotency keys ----------------------------------------------------------
+
+    async def reserve(self, key: str, job_id: str) -> str | None:
+        try:
+            while True:
+                if await self._redis.set(self._idem(key), job_id, nx=True, px=self._lease_ms):
+                    return None
+                bound = await self._redis.get(self._idem(key))
+                if bound is not None:  # else it expired in between: try again
+                    return bound.decode()
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+
+    async def release(self, key: str, job_id: str) -> None:
+        try:
+            await self._release_script(keys=[self._idem(key)], args=[job_id])
+        except RedisError as exc:
+            log.warning("could not release idempotency key %r (it lapses by itself): %s", key, exc)
+
+    # -- jobs ----------------------------------------------------------------------
+
+    async def add(self, job: Job) -> None:
+        key = job.idempotency_key
+        try:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.hset(
+                self._hash(job.id),
+                mapping={"owner": self.replica_id, "snapshot": encode(job.snapshot()), "last_seq": 0, "key": key or ""},
+            )
+            pipe.pexpire(self._hash(job.id), self._lease_ms)
+            if key:
+                pipe.pexpire(self._idem(key), self._lease_ms)
+            await pipe.execute()
+        except RedisError as exc:
+            # Nobody could find the job again: stop it, free its key, and refuse the run.
+            self._cancel(job)
+            if key:
+                await self.release(key, job.id)
+            raise self._unavailable(exc) from exc
+        self._owned[job.id] = _Owned(job)
+        self._restart_mirror(job)
+
+    async def get(self, job_id: str) -> JobHandle | None:
+        owned = self._owned.get(job_id)
+        if owned is not None:
+            job = owned.job
+            if job.finished is not None and time.time() - job.finished > self.retention:
+                self._forget(job_id)
+                return None
+            return job
+        try:
+            fields = await self._redis.hgetall(self._hash(job_id))
+            if not fields or b"snapshot" not in fields:
+                return None
+            view = RedisJobView(self, job_id, fields)
+            if not view.done and view.owner != self.replica_id and await self._finalize_if_orphan(view):
+                fields = await self._redis.hgetall(self._hash(job_id))
+                if not fields:
+                    return None
+                view._update(fields)
+            return view
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+
+    async def cancel(self, job: JobHandle) -> None:
+        if isinstance(job, Job):
+            if not job.done:
+                self._cancel(job)
+            return
+        assert isinstance(job, RedisJobView)
+        if job.done:
+            return
+        try:
+            if not await self._flag_cancel_script(keys=[self._hash(job.id)]):
+                return  # expired meanwhile
+            message = encode({"op": "cancel", "job_id": job.id})
+            heard = await self._redis.publish(self._replica(job.owner), message)
+            if not heard:
+                await self._finalize_if_orphan(job)
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+
+    def _forget(self, job_id: str) -> None:
+        owned = self._owned.pop(job_id, None)
+        if owned is not None and owned.timer is not None:
+            owned.timer.cancel()
+        self._mirrors.pop(job_id, None)
+        self._attached.pop(job_id, None)
+
+    # -- the owner's copy of its jobs' events ----------------------------------------
+
+    def _restart_mirror(self, job: Job) -> None:
+        old = self._mirrors.get(job.id)
+        if old is not None:
+            old.cancel()
+        self._mirrors[job.id] = asyncio.create_task(self._mirror(job), name=f"mirror {job.id}")
+
+    async def _mirror(self, job: Job) -> None:
+        written = 0
+        delay = 0.05
+        failing = False
+        while not self._closing:
+            if len(job.events) <= written and job.terminal is None:
+                await job.wait_events(written)
+            events = job.events[written:]
+            if not events:
+                return
+            snapshot = job.snapshot()  # taken with `events`, so the two agree
+            terminal = job.terminal if job.terminal is not None and job.terminal.seq <= events[-1].seq else None
+            args: list[Any] = [
+                encode(snapshot),
+                self._ms(self.retention),
+                terminal.seq if terminal else "",
+                terminal.type.value if terminal else "",
+                self.replica_id,
+                job.idempotency_key or "",
+                self._lease_ms,
+            ]
+            for event in events:
+                args += [event.seq, event.type.value, event.data]
+            try:
+                ok = await self._mirror_script(keys=self._job_keys(job.id, job.idempotency_key), args=args)
+            except RedisError as exc:
+                if not failing:
+                    log.warning("job %s: cannot copy events to Redis, retrying: %s", job.id, exc)
+                failing = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            if failing:
+                log.info("job %s: events reach Redis again", job.id)
+            failing, delay = False, 0.05
+            if ok == 2:
+                log.warning("job %s: Redis lost it (restarted empty?); copying its events again", job.id)
+                written = 0
+                continue
+            written = events[-1].seq
+            if not ok:
+                if not job.done:
+                    log.warning("job %s was ended by another replica (this one was thought lost): stopping it", job.id)
+                    self._cancel(job)
+                    job.fail(Code.BACKEND_UNAVAILABLE, "the job was ended while this gateway could not reach Redis")
+                return
+            if terminal is not None:
+                return
+
+    # -- following a job that runs elsewhere -------------------------------------------
+
+    async def _read(self, view: RedisJobView, after: int, timeout: float | None) -> list[Event]:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        down_since: float | None = None
+        while True:
+            block = self._block if deadline is None else min(self._block, deadline - loop.time())
+            if block <= 0:
+                return []
+            try:
+                reply = await self._redis.xread({self._stream(view.id): f"{after}-0"}, count=READ_COUNT, block=self._ms(block))
+                down_since = None
+            except RedisError as exc:
+                down_since = down_since or loop.time()
+                if loop.time() - down_since > self.down_deadline:
+                    raise StoreUnavailable(f"Redis unreachable for {self.down_deadline:g} s: {exc}") from exc
+                await asyncio.sleep(min(0.5, block))
+                continue
+            events = self._events(view.id, reply)
+            if events:
+                if events[-1].terminal:
+                    view._terminal = events[-1]
+                return events
+            if view.done:
+                if after < view._terminal.seq:  # type: ignore[union-attr]
+                    raise StoreUnavailable(f"job {view.id} expired while it was being read")
+                return []
+            with contextlib.suppress(RedisError):
+                await self._finalize_if_orphan(view)
+
+    @staticmethod
+    def _events(job_id: str, reply: Any) -> list[Event]:
+        if not reply:
+            return []
+        # RESP2: [[stream, entries]]; RESP3: {stream: [entries]}.
+        entries = next(iter(reply.values()))[0] if isinstance(reply, dict) else reply[0][1]
+        events = []
+        for entry_id, fields in entries:
+            seq = int(entry_id.split(b"-")[0])
+            events.append(Event(job_id, seq, EventType(fields[b"type"].decode()), fields[b"data"]))
+        return events
+
+    async def _finalize_if_orphan(self, view: RedisJobView) -> bool:
+        """End `view`'s job with backend_unavailable if its owner is silent; True if it has ended."""
+        for _ in range(5):
+            if await self._redis.exists(self._replica(view.owner)):
+                return False
+            fields = await self._redis.hgetall(self._hash(view.id))
+            if not fields or b"snapshot" not in fields:
+                return False
+            view._update(fields)
+            if view.done:
+                return True
+            seq = view.last_seq + 1
+            message = "the gateway replica running this job stopped answering"
+            info = ErrorInfo(code=Code.BACKEND_UNAVAILABLE, message=message, retryable=True)
+            data = encode(ErrorFrame(view.id, seq, info))
+            old = view.snapshot()
+            snapshot = msgspec.structs.replace(
+                old,
+                status="FAILED",
+                finished=now(),
+                position=None,
+                last_event_id=f"{view.id}:{seq}",
+                terminal=TerminalEvent("error", msgspec.Raw(data)),
+            )
+            keys = [self._replica(view.owner), *self._job_keys(view.id, view.idempotency_key or None)]
+            args = [str(view.last_seq), data, encode(snapshot), self._ms(self.retention), seq]
+            done = await self._finalize_script(keys=keys, args=args)
+            if done == 1:
+                log.warning("job %s: its replica %s is gone; ended with backend_unavailable", view.id, view.owner)
+                return True
+            if done == 0:
+                return False
+        return False
+
+    # -- attach, detach, and detach grace ------------------------------------------------
+
+    def attach(self, job: JobHandle) -> None:
+        count = self._attached.get(job.id, 0) + 1
+        self._attached[job.id] = count
+        owned = self._owned.get(job.id)
+        if owned is not None:
+            owned.ever_attached = True
+            owned.unattached_since = None
+            if owned.timer is not None:
+                owned.timer.cancel()
+                owned.timer = None
+        elif isinstance(job, RedisJobView) and count == 1 and not job.done:
+            self._views[job.id] = job.owner
+            self._ops.put_nowait(("attach", job.id, job.owner))
+
+    def detach(self, job: JobHandle) -> None:
+        count = self._attached.get(job.id, 1) - 1
+        if count > 0:
+            self._attached[job.id] = count
+            return
+        self._attached.pop(job.id, None)
+        owned = self._owned.get(job.id)
+        if owned is not None:
+            if not owned.job.done:
+                self._evaluate_soon(owned)
+        elif job.id in self._views:
+            owner = self._views.pop(job.id)
+            self._ops.put_nowait(("detach", job.id, owner))
+
+    async def _run_ops(self) -> None:
+        """Attachments of remote jobs, in order (an attach never lands after its detach)."""
+        while not self._closing:
+            item = await self._ops.get()
+            if item is None:
+                return
+            op, job_id, owner = item
+            try:
+                if op == "attach":
+                    if job_id in self._views:
+                        await self._attach_script(
+                            keys=[self._attached_key(job_id)],
+                            args=[self.replica_id, self._ms(self.ttl), self._lease_ms],
+                        )
+                elif job_id not in self._views:  # detach, unless a client came back meanwhile
+                    await self._redis.zrem(self._attached_key(job_id), self.replica_id)
+                    await self._redis.publish(self._replica(owner), encode({"op": "detached", "job_id": job_id}))
+            except RedisError as exc:
+                log.debug("attachment %s of job %s not recorded: %s", op, job_id, exc)
+
+    def _evaluate_soon(self, owned: _Owned) -> None:
+        if not owned.evaluating:
+            owned.evaluating = True
+            self._spawn(self._evaluate(owned))
+
+    async def _evaluate(self, owned: _Owned) -> None:
+        """Cancel the job if no client anywhere has followed it for detach_grace; else check again later."""
+        job = owned.job
+        try:
+            if job.done or self._attached.get(job.id, 0) > 0:
+                owned.unattached_since = None
+                return
+            try:
+                remote = await self._live_script(keys=[self._attached_key(job.id)])
+            except RedisError as exc:
+                log.debug("job %s: cannot count its followers, cancelling nothing: %s", job.id, exc)
+                return
+            if job.done or self._attached.get(job.id, 0) > 0 or job.id not in self._owned:
+                return
+            if remote:
+                owned.ever_attached = True
+                owned.unattached_since = None
+                return
+            if not owned.ever_attached:
+                return
+            loop = asyncio.get_running_loop()
+            if owned.unattached_since is None:
+                owned.unattached_since = loop.time()
+            left = self.detach_grace - (loop.time() - owned.unattached_since)
+            if left <= 0:
+                log.info("job %s: no client for %g s, cancelling", job.id, self.detach_grace)
+                self._cancel(job)
+            elif owned.timer is None:
+                owned.timer = loop.call_later(left, self._grace_over, owned)
+        finally:
+            owned.evaluating = False
+
+    def _grace_over(self, owned: _Owned) -> None:
+        owned.timer = None
+        self._evaluate_soon(owned)
+
+    # -- heartbeat and the owner's channel ------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.heartbeat)
+            if not self._closing:
+                await self._beat()
+
+    async def _beat(self) -> None:
+        """Stay alive, re-lease running jobs, pick up cancel flags, keep attachments, forget old jobs."""
+        running = [owned for owned in self._owned.values() if not owned.job.done]
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.set(self._replica(self.replica_id), b"1", px=self._ms(self.ttl))
+            for owned in running:
+                await self._lease_script(
+                    keys=self._job_keys(owned.job.id, owned.job.idempotency_key),
+                    args=[self._lease_ms],
+                    client=pipe,
+                )
+            replies = await pipe.execute()
+        except RedisError as exc:
+            if self.problem is None:
+                log.warning("Redis at %s is unreachable: %s", self._where(), exc)
+            self.problem = f"the job store (Redis at {self._where()}) is unreachable: {exc}"
+            return
+        if self.problem is not None:
+            log.info("Redis at %s is reachable", self._where())
+        self.problem = None
+        for owned, flag in zip(running, replies[1:]):
+            if flag == -1 and not owned.job.done:  # Redis lost the job: copy it again
+                self._restart_mirror(owned.job)
+            elif flag and not owned.cancel_seen and not owned.job.done:
+                owned.cancel_seen = True
+                self._cancel(owned.job)
+            elif owned.ever_attached and owned.timer is None and not self._attached.get(owned.job.id):
+                self._evaluate_soon(owned)
+        for job_id, owner in self._views.items():
+            self._ops.put_nowait(("attach", job_id, owner))
+        moment = time.time()
+        for job_id, owned in list(self._owned.items()):
+            if owned.job.finished is not None and moment - owned.job.finished > self.retention:
+                self._forget(job_id)
+
+    async def _listen(self) -> None:
+        channel = self._replica(self.replica_id)
+        while not self._closing:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                while not self._closing:
+                    message = await pubsub.get_message(timeout=0.5)
+                    if message is not None and message.get("type") == "message":
+                        self._on_message(message["data"])
+            except RedisError as exc:
+                log.debug("subscription to %s lost: %s", channel, exc)
+                await asyncio.sleep(min(1.0, self.heartbeat))
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    def _on_message(self, data: bytes) -> None:
+        try:
+            message = msgspec.json.decode(data)
+            op, job_id = message["op"], message["job_id"]
+        except (msgspec.DecodeError, KeyError, TypeError):
+            log.warning("ignoring a malformed message on the replica channel: %r", data[:200])
+            return
+        owned = self._owned.get(job_id)
+        if owned is None or owned.job.done:
+            return
+        if op == "cancel":
+            owned.cancel_seen = True
+            self._cancel(owned.job)
+        elif op == "detached":
+            self._evaluate_soon(owned)

@@ -1,0 +1,350 @@
+"""The job store on its own: `MemoryStore` and `RedisStore` pass the same suite; then what only a shared store does.
+
+No model and no HTTP here: jobs are `Job`s driven by hand, and "cancelling" one
+is what a backend does, recorded. The Redis tests run against a real
+redis-server (tests/redis_server.py) with a fast heartbeat, so that leases,
+lapsed attachments and silent owners play out in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+import pytest
+
+from gateway.errors import ApiError
+from gateway.jobs import Job
+from gateway.protocol import Code, Event, Status, encode
+from gateway.redis_store import RedisJobView, RedisStore
+from gateway.store import JobStore, MemoryStore
+from tests.processes import free_port
+from tests.redis_server import redis_server, start_redis  # noqa: F401
+
+HEARTBEAT = 0.1
+
+
+class Replica:
+    """A store and the cancels its backend was asked for (a cancel ends the job, as a backend's does)."""
+
+    def __init__(self, make: Callable[[Callable[[Job], None]], JobStore]) -> None:
+        self.cancelled: list[str] = []
+        self.store = make(self._cancel)
+
+    def _cancel(self, job: Job) -> None:
+        self.cancelled.append(job.id)
+        job.cancel()
+        job.fail(Code.CANCELLED, "cancelled")
+
+    async def add(self, key: str | None = None) -> Job:
+        job = Job("echo", {"text": "hi"})
+        if key:
+            assert await self.store.reserve(key, job.id) is None
+            job.idempotency_key = key
+        await self.store.add(job)
+        return job
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store_kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+async def replicas(request: pytest.FixtureRequest) -> AsyncIterator[Callable[..., Any]]:
+    """`await replicas(kind, detach_grace=…, retention=…)`: a started Replica; all are stopped after the test."""
+    started: list[Replica] = []
+
+    async def start(kind: str, url: str | None = None, **settings: Any) -> Replica:
+        settings.setdefault("detach_grace", 0.0)
+        settings.setdefault("retention", 60.0)
+        if kind == "memory":
+            replica = Replica(lambda cancel: MemoryStore(cancel, **settings))
+        else:
+            if url is None:
+                url = request.getfixturevalue("redis_server").url
+            replica = Replica(lambda cancel: RedisStore(url, cancel, heartbeat=HEARTBEAT, **settings))
+        await replica.store.start()
+        started.append(replica)
+        return replica
+
+    yield start
+    for replica in started:
+        await replica.store.stop()
+
+
+async def eventually(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def read_all(handle: Any, after: int = 0, timeout: float = 10.0) -> list[Event]:
+    """A follower's view: events after `after` until the terminal one."""
+    events: list[Event] = []
+    async with asyncio.timeout(timeout):
+        while True:
+            batch = await handle.wait_events(after, timeout=1.0)
+            events += batch
+            after = events[-1].seq if events else after
+            if handle.terminal is not None and after >= handle.terminal.seq:
+                return events
+
+
+def crash(store: RedisStore) -> None:
+    """The replica dies: no more heartbeats, attachments or copies, and no goodbye."""
+    store._closing = True  # a cancel alone may be lost inside redis-py (see RedisStore._closing)
+    for task in [*store._tasks, *store._mirrors.values()]:
+        task.cancel()
+
+
+def key() -> str:
+    return "key-" + uuid.uuid4().hex
+
+
+# -- the same suite for both stores ------------------------------------------------------
+
+
+async def test_add_get_and_unknown(store_kind: str, replicas: Any) -> None:
+    a = await replicas(store_kind)
+    job = await a.add()
+    assert await a.store.get(job.id) is job  # the replica that runs a job serves it from memory
+    assert await a.store.get(uuid.uuid4().hex) is None
+
+
+async def test_follow_events_to_the_terminal(store_kind: str, replicas: Any) -> None:
+    a = await replicas(store_kind)
+    job = await a.add()
+    handle = await a.store.get(job.id)
+    reader = asyncio.create_task(read_all(handle))
+    job.set_status(Status.RUNNING)
+    job.log("one")
+    job.progress(1, 2)
+    job.succeed({"text": "hi"})
+    events = await reader
+    assert [e.seq for e in events] == list(range(1, len(job.events) + 1))
+    assert events == job.events
+    assert handle.done and handle.terminal == job.events[-1]
+    assert handle.snapshot().status == "SUCCEEDED"
+
+
+async def test_idempotency_keys(store_kind: str, replicas: Any) -> None:
+    a = await replicas(store_kind)
+    k = key()
+    assert await a.store.reserve(k, "job-1") is None
+    assert await a.store.reserve(k, "job-2") == "job-1"
+    await a.store.release(k, "job-2")  # not its binding: nothing happens
+    assert await a.store.reserve(k, "job-3") == "job-1"
+    await a.store.release(k, "job-1")
+    assert await a.store.reserve(k, "job-4") is None
+
+
+async def test_cancel_runs_the_backend_cancel_once(store_kind: str, replicas: Any) -> None:
+    a = await replicas(store_kind)
+    job = await a.add()
+    await a.store.cancel(await a.store.get(job.id))
+    assert a.cancelled == [job.id]
+    assert job.terminal is not None and b'"cancelled"' in job.terminal.data
+    await a.store.cancel(job)  # finished: nothing to do
+    assert a.cancelled == [job.id]
+
+
+async def test_detach_without_grace_cancels_at_once(store_kind: str, replicas: Any) -> None:
+    a = await replicas(store_kind, detach_grace=0)
+    job = await a.add()
+    a.store.attach(job)
+    a.store.attach(job)
+    a.store.detach(job)
+    await asyncio.sleep(0.2)
+    assert a.cancelled == []  # one client still follows it
+    a.store.detach(job)
+    await eventually(lambda: a.cancelled == [job.id], what="the cancel")
+
+
+async def test_detach_grace(store_kind: str, replicas: Any) -> None:
+    a = await replicas(store_kind, detach_grace=0.5)
+    job = await a.add()
+    a.store.attach(job)
+    a.store.detach(job)
+    await asyncio.sleep(0.2)
+    a.store.attach(job)  # back within the grace: the job lives on
+    await asyncio.sleep(0.6)
+    assert a.cancelled == [] and not job.done
+    a.store.detach(job)
+    await asyncio.sleep(0.2)
+    assert a.cancelled == []
+    await eventually(lambda: a.cancelled == [job.id], timeout=5, what="the cancel after the grace")
+
+
+async def test_a_job_nobody_attached_to_is_not_cancelled(store_kind: str, replicas: Any) -> None:
+    a = await replicas(store_kind, detach_grace=0)
+    job = await a.add()
+    await asyncio.sleep(0.5)
+    assert a.cancelled == [] and not job.done
+
+
+async def test_retention(store_kind: str, replicas: Any) -> None:
+    a = await replicas(store_kind, retention=0.5)
+    k = key()
+    job = await a.add(k)
+    job.succeed({"text": "hi"})
+    await asyncio.sleep(0.1)
+    assert await a.store.get(job.id) is job
+    assert await a.store.reserve(k, "other") == job.id
+    for _ in range(300):  # the memory store sweeps once a second
+        if await a.store.get(job.id) is None:
+            break
+        await asyncio.sleep(0.01)
+    assert await a.store.get(job.id) is None
+    assert await a.store.reserve(k, "other") is None  # the key was forgotten with its job
+
+
+# -- only a shared store: two replicas on one Redis ---------------------------------------------
+
+
+async def test_another_replica_follows_the_job(replicas: Any) -> None:
+    a, b = await replicas("redis"), await replicas("redis")
+    job = await a.add()
+    job.set_status(Status.RUNNING)
+    job.log("before")
+    view = await b.store.get(job.id)
+    assert isinstance(view, RedisJobView) and view.owner == a.store.replica_id
+    assert view.snapshot().tool == "echo" and not view.done
+    whole = asyncio.create_task(read_all(view))
+    await eventually(lambda: len(job.events) >= 3)
+    later = asyncio.create_task(read_all(await b.store.get(job.id), after=2))
+    for i in range(5):
+        job.log(f"line {i}")
+        await asyncio.sleep(0.01)
+    job.succeed({"text": "hi"})
+    assert await whole == job.events  # same seqs, types and bytes
+    assert await later == job.events[2:]
+    finished = await b.store.get(job.id)
+    assert finished.done and finished.terminal == job.terminal
+    assert encode(finished.snapshot()) == encode(job.snapshot())
+
+
+async def test_snapshot_on_another_replica_follows_the_job(replicas: Any) -> None:
+    a, b = await replicas("redis"), await replicas("redis")
+    job = await a.add()
+    job.set_status(Status.QUEUED, position=3, queue_size=5)
+
+    async def status() -> str:
+        return (await b.store.get(job.id)).snapshot().status
+
+    for _ in range(200):
+        if await status() == "QUEUED":
+            break
+        await asyncio.sleep(0.01)
+    assert (await b.store.get(job.id)).snapshot().position == 3
+
+
+async def test_cancel_from_another_replica(replicas: Any) -> None:
+    a, b = await replicas("redis"), await replicas("redis")
+    job = await a.add()
+    await b.store.cancel(await b.store.get(job.id))
+    await eventually(lambda: a.cancelled == [job.id], what="the owner's cancel")
+    assert b.cancelled == []
+    view = await b.store.get(job.id)
+    events = await read_all(view)
+    assert events[-1].type.value == "error" and b'"cancelled"' in events[-1].data
+
+
+async def test_idempotency_key_across_replicas(replicas: Any) -> None:
+    a, b = await replicas("redis"), await replicas("redis")
+    k = key()
+    job = await a.add(k)
+    assert await b.store.reserve(k, "another") == job.id
+    assert (await b.store.get(job.id)).id == job.id
+
+
+async def test_a_follower_elsewhere_holds_the_job_past_the_grace(replicas: Any) -> None:
+    a, b = await replicas("redis", detach_grace=0.3), await replicas("redis", detach_grace=0.3)
+    job = await a.add()
+    a.store.attach(job)
+    view = await b.store.get(job.id)
+    b.store.attach(view)
+    a.store.detach(job)
+    await asyncio.sleep(0.8)
+    assert a.cancelled == [], "cancelled although a client on the other replica follows it"
+    b.store.detach(view)
+    await eventually(lambda: a.cancelled == [job.id], timeout=5, what="the cancel after the follower left")
+
+
+async def test_a_crashed_follower_does_not_pin_the_job(replicas: Any) -> None:
+    a, b = await replicas("redis", detach_grace=0.2), await replicas("redis", detach_grace=0.2)
+    job = await a.add()
+    a.store.attach(job)
+    b.store.attach(await b.store.get(job.id))
+    a.store.detach(job)
+    await asyncio.sleep(0.5)
+    assert a.cancelled == []
+    crash(b.store)  # B's attachment lapses after 3 heartbeats
+    await eventually(lambda: a.cancelled == [job.id], timeout=5, what="the cancel once B's lease lapsed")
+
+
+async def test_a_silent_owner_s_job_ends_with_backend_unavailable(replicas: Any) -> None:
+    a, b = await replicas("redis"), await replicas("redis")
+    job = await a.add()
+    job.set_status(Status.RUNNING)
+    for _ in range(500):
+        view = await b.store.get(job.id)
+        if view.snapshot().last_event_id == f"{job.id}:2":
+            break
+        await asyncio.sleep(0.01)
+    reader = asyncio.create_task(read_all(view, timeout=15))
+    crash(a.store)  # nothing refreshes its liveness key any more, nothing is copied
+    events = await reader
+    assert [e.seq for e in events] == [1, 2, 3]
+    terminal = msgspec.json.decode(events[-1].data)
+    assert terminal["error"]["code"] == "backend_unavailable" and terminal["seq"] == 3
+    again = await b.store.get(job.id)
+    assert again.done and again.snapshot().status == "FAILED"
+    assert again.snapshot().last_event_id == f"{job.id}:3"
+
+
+async def test_redis_unreachable(replicas: Any) -> None:
+    a = await replicas("redis", url=f"redis://127.0.0.1:{free_port()}/0")
+    assert a.store.problem is not None and "unreachable" in a.store.problem
+    with pytest.raises(ApiError) as refused:
+        await a.store.reserve(key(), "job")
+    assert refused.value.status == 503 and refused.value.code is Code.NOT_READY
+    job = Job("echo", {"text": "hi"})
+    with pytest.raises(ApiError) as refused:
+        await a.store.add(job)
+    assert refused.value.status == 503 and a.cancelled == [job.id]  # nothing runs that nobody can find
+    with pytest.raises(ApiError):
+        await a.store.get(uuid.uuid4().hex)
+
+
+async def test_redis_restart_loses_nothing_of_a_running_job(replicas: Any, tmp_path: Any) -> None:
+    """Redis goes down mid-job and comes back empty: the owner streams on, then copies the whole log again."""
+    server = start_redis(tmp_path)
+    try:
+        a, b = await replicas("redis", url=server.url), await replicas("redis", url=server.url)
+        job = await a.add()
+        job.set_status(Status.RUNNING)
+        follower = await a.store.get(job.id)
+        server.stop()
+        job.log("while Redis is down")
+        assert (await follower.wait_events(2, timeout=1)) == job.events[2:]  # the owner serves from memory
+        with pytest.raises(ApiError):
+            await b.store.get(job.id)
+        await eventually(lambda: a.store.problem is not None, what="the store to notice")
+        server.start()
+        await eventually(lambda: a.store.problem is None, what="the store to recover")
+        job.log("after")
+        job.succeed({"text": "hi"})
+        for _ in range(300):
+            view = await b.store.get(job.id)
+            if view is not None and view.done:
+                break
+            await asyncio.sleep(0.02)
+        assert await read_all(view) == job.events
+    finally:
+        server.stop()
