@@ -4,9 +4,9 @@
  *
  * | class              | when                                                             |
  * | ------------------ | ---------------------------------------------------------------- |
- * | `HttpError`        | the gateway refused the request before the stream opened (4xx/5xx) |
+ * | `HttpError`        | the gateway refused the request, or a reconnect, before the stream opened (4xx/5xx) |
  * | `JobError`         | the job ended with an `error` event                              |
- * | `StreamEndedError` | the stream ended, or could not be opened, without a terminal event |
+ * | `StreamEndedError` | the stream ended, or could not be opened, without a terminal event, and reconnecting gave up |
  * | `AbortError`       | the caller's `signal` aborted the run                            |
  * | `TimeoutError`     | `timeoutMs` passed before the job ended                          |
  * | `ProtocolError`    | the answer was not the protocol's (not an event stream, bad JSON) |
@@ -55,9 +55,9 @@ export class HttpError extends StreamgateError {
   constructor(
     status: number,
     info: Partial<ErrorInfo> & {message: string},
-    extra: {retryAfter?: number | undefined; body?: unknown} = {},
+    extra: {retryAfter?: number | undefined; body?: unknown; job?: JobSnapshot | undefined} = {},
   ) {
-    super(info.message, {})
+    super(info.message, extra.job ?? {})
     this.status = status
     this.code = info.code
     this.retryable = info.retryable ?? (status === 429 || status === 503)
@@ -66,8 +66,11 @@ export class HttpError extends StreamgateError {
     this.body = extra.body
   }
 
-  /** Read a non-2xx response: its JSON error body when it has one, and `Retry-After`. */
-  static async fromResponse(response: Response, now: number = Date.now()): Promise<HttpError> {
+  /**
+   * Read a non-2xx response: its JSON error body when it has one, and `Retry-After`. `job` is
+   * the job the request was about, for a refused reconnect.
+   */
+  static async fromResponse(response: Response, now: number = Date.now(), job: JobSnapshot = {}): Promise<HttpError> {
     let text = ''
     try {
       text = await response.text()
@@ -82,11 +85,11 @@ export class HttpError extends StreamgateError {
     }
     const retryAfter = parseRetryAfter(response.headers.get('Retry-After'), now)
     const info = isErrorBody(body) ? body.error : undefined
-    if (info) return new HttpError(response.status, info, {retryAfter, body})
+    if (info) return new HttpError(response.status, info, {retryAfter, body, job})
     const message = `HTTP ${response.status}${response.statusText ? ` ${response.statusText}` : ''}${
       text ? `: ${text.slice(0, 200)}` : ''
     }`
-    return new HttpError(response.status, {message}, {retryAfter, body})
+    return new HttpError(response.status, {message}, {retryAfter, body, job})
   }
 }
 

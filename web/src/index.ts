@@ -1,4 +1,4 @@
-export {runAndStream, runTool, type RunOptions} from './run.ts'
+export {runAndStream, runTool, type ResumeInfo, type ResumeOptions, type RunOptions} from './run.ts'
 export {JobTracker, parseEventId, type JobEvent, type JobState, type RawEvent} from './job.ts'
 export {
   AbortError,

@@ -4,7 +4,9 @@
  * the browser's `EventSource`).
  *
  * Rules it keeps: only `status` events change the status (a `log` never does);
- * unknown event types are ignored; nothing after the terminal event counts.
+ * unknown event types are ignored; nothing after the terminal event counts; an
+ * event whose `seq` is not past the last one seen is a replay (a reconnect that
+ * lost its `Last-Event-ID` on the way) and counts once.
  */
 import {ProtocolError} from './errors.ts'
 import type {ErrorInfo, LogFrame, Progress, Status, StatusFrame} from './generated/types.ts'
@@ -69,25 +71,31 @@ export class JobTracker<R = unknown, P = unknown> {
     error: undefined,
   }
 
+  private lastSeq = 0
+
   /** Keep the logs (they can be many); off for `runAndStream`, which hands each to a callback. */
   constructor(private readonly keepLogs = true) {}
 
   /**
    * Read one message: update the state and return the decoded event, or undefined for what
-   * does not count (an unknown event type, anything after the terminal event).
+   * does not count (an unknown event type, a replayed event, anything after the terminal event).
    * Throws `ProtocolError` when a known event's data is not JSON.
    */
   observe(message: RawEvent): JobEvent<R, P> | undefined {
     const state = this.state
     const type = message.event ?? 'message'
     if (state.done || !EVENTS.has(type)) return undefined
+    const id = parseEventId(message.id)
+    if (id && id.jobId === (state.jobId ?? id.jobId)) {
+      if (id.seq <= this.lastSeq) return undefined
+      this.lastSeq = id.seq
+    }
     let data: unknown
     try {
       data = JSON.parse(message.data)
     } catch {
       throw new ProtocolError(`a ${type} event whose data is not JSON: ${message.data.slice(0, 120)}`, this.snapshot())
     }
-    const id = parseEventId(message.id)
     if (id) {
       state.lastEventId = message.id
       state.jobId ??= id.jobId

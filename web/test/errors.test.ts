@@ -12,10 +12,10 @@ import {
   runTool,
   StreamEndedError,
   TimeoutError,
-  type RunError,
 } from '../src/index.ts'
 import {fakeFetch, type Call, type FakeAnswer} from './support/fake.ts'
 import {JOB} from './fixtures.ts'
+import {failure, settle} from './support/play.ts'
 
 const URL_ = 'http://gateway.test/api/generate/run'
 const SSE = {'Content-Type': 'text/event-stream; charset=utf-8', 'X-Job-Id': JOB}
@@ -35,16 +35,6 @@ function notFound(): FakeAnswer {
   }
 }
 
-async function failure(promise: Promise<unknown>): Promise<RunError> {
-  try {
-    await promise
-  } catch (error) {
-    return error as RunError
-  }
-  assert.fail('expected the run to fail')
-}
-
-const settle = () => new Promise((resolve) => setTimeout(resolve, 10))
 
 describe('HttpError: refusals before the stream', () => {
   test('422 carries the status, code, message and field of the JSON body', async () => {
@@ -234,20 +224,24 @@ describe('TimeoutError', () => {
 })
 
 describe('StreamEndedError and ProtocolError', () => {
-  test('a gateway that cannot be reached', async () => {
-    const {fetch} = gateway(new TypeError('fetch failed', {cause: new Error('ECONNREFUSED')}))
-    const error = await failure(runAndStream(URL_, {}, {fetch}))
+  test('a gateway that cannot be reached: the POST is tried again, then StreamEndedError', async () => {
+    const {fetch, calls} = gateway(new TypeError('fetch failed', {cause: new Error('ECONNREFUSED')}))
+    const error = await failure(runAndStream(URL_, {}, {fetch, resume: {tries: 2, delayMs: 1}}))
     assert.ok(error instanceof StreamEndedError)
-    assert.match(error.message, /could not reach the gateway: fetch failed \(ECONNREFUSED\)/)
+    assert.match(error.message, /^could not reach the gateway: fetch failed \(ECONNREFUSED\) \(gave up after 2 reconnects\)$/)
     assert.equal(error.jobId, undefined)
+    assert.deepEqual(calls.map((c) => c.method), ['POST', 'POST', 'POST'])
   })
 
-  test('a stream that breaks mid-way', async () => {
-    const {fetch} = gateway({headers: SSE, chunks: [RECEIVED, RUNNING], breakWith: new Error('socket hang up')})
-    const error = await failure(runAndStream(URL_, {}, {fetch}))
+  test('a stream that breaks mid-way, with resuming off', async () => {
+    const {fetch, calls} = gateway({headers: SSE, chunks: [RECEIVED, RUNNING], breakWith: new Error('socket hang up')})
+    const error = await failure(runAndStream(URL_, {}, {fetch, resume: false}))
     assert.ok(error instanceof StreamEndedError)
+    assert.equal(error.message, 'the stream broke: socket hang up')
     assert.equal(error.jobStatus, 'RUNNING')
     assert.equal(error.jobId, JOB)
+    assert.equal(error.lastEventId, `${JOB}:2`)
+    assert.equal(calls.length, 1)
   })
 
   test('a 200 that is not an event stream', async () => {

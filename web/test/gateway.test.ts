@@ -12,9 +12,11 @@ import {
   type BuiltinTools,
   type GeneratePartial,
   type GenerateResult,
+  type StatusFrame,
   type ToolInfo,
 } from '../src/index.ts'
 import {startGateway, type Gateway} from './support/gateway.ts'
+import {startProxy} from './support/proxy.ts'
 
 let gateway: Gateway
 
@@ -117,5 +119,50 @@ describe('against a real gateway', () => {
     )
     assert.ok(error instanceof TimeoutError, String(error))
     await idle()
+  })
+
+  test('a connection cut at any point resumes the same job: the result of an uninterrupted run, each event once', async () => {
+    const proxy = await startProxy(gateway.url)
+    const params = {prompts: ['Once upon a time'], max_tokens: 24, seed: 7}
+    type Run = {result: GenerateResult; text: string; statuses: StatusFrame[]; resumes: number}
+    const run = async (): Promise<Run> => {
+      const seen: Run = {result: undefined as unknown as GenerateResult, text: '', statuses: [], resumes: 0}
+      seen.result = await runTool(proxy.url, 'generate', params, {
+        onStatus: (frame) => seen.statuses.push(frame),
+        onPartial: (partial) => (seen.text += partial.text),
+        onResume: () => (seen.resumes += 1),
+        resume: {delayMs: 10},
+      })
+      // Close the kept-alive connection, so that the next run opens a new one (the one a cut applies to).
+      proxy.drop()
+      await new Promise((resolve) => setTimeout(resolve, 20))
+      return seen
+    }
+    try {
+      const whole = await run()
+      assert.equal(whole.resumes, 0)
+      const length = proxy.answered.at(-1)!
+      // Before the answer (the POST is sent again), in its headers, before RECEIVED, while queued,
+      // mid-generation, and inside the terminal event.
+      const cuts = [0, 20, 120, ...[0.3, 0.45, 0.6, 0.75, 0.9].map((f) => Math.round(f * length)), length - 8]
+      for (const cut of cuts) {
+        const answered = proxy.cutNext(cut)
+        const seen = await run()
+        const where = `cut after ${cut} of ${length} bytes`
+        assert.ok(seen.resumes >= 1, where)
+        assert.deepEqual(seen.result, whole.result, where)
+        assert.equal(seen.text, whole.result.completions[0], `${where}: every token once`)
+        const seqs = seen.statuses.map((frame) => frame.seq)
+        assert.deepEqual(seqs, [...new Set(seqs)].sort((a, b) => a - b), `${where}: statuses once, in order`)
+        assert.deepEqual([...new Set(seen.statuses.map((f) => f.status))], ['RECEIVED', 'QUEUED', 'RUNNING'], where)
+        // The job the cut connection started is the one that finished: a POST sent again attached to it.
+        const started = /x-job-id: ([0-9a-f]+)/i.exec(await answered)?.[1]
+        assert.ok(started, `${where}: the gateway answered no job id`)
+        assert.ok(seen.statuses.every((frame) => frame.job_id === started), where)
+      }
+      await idle()
+    } finally {
+      await proxy.close()
+    }
   })
 })

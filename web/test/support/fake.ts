@@ -61,8 +61,10 @@ export function fakeFetch(route: Route): {fetch: typeof fetch; calls: Call[]} {
         })
       },
     })
-    return new Response(body, {
-      status: answer.status ?? 200,
+    const status = answer.status ?? 200
+    // A 204 or 304 has no body: a Response refuses one.
+    return new Response(status === 204 || status === 304 ? null : body, {
+      status,
       headers: answer.headers ?? {'Content-Type': 'text/event-stream; charset=utf-8'},
     })
   }
