@@ -16,7 +16,7 @@ import {
   type ToolInfo,
 } from '../src/index.ts'
 import {startGateway, type Gateway} from './support/gateway.ts'
-import {startProxy} from './support/proxy.ts'
+import {startProxy, type CutAt} from './support/proxy.ts'
 
 let gateway: Gateway
 
@@ -142,13 +142,20 @@ describe('against a real gateway', () => {
       const whole = await run()
       assert.equal(whole.resumes, 0)
       const length = proxy.answered.at(-1)!
-      // Before the answer (the POST is sent again), in its headers, before RECEIVED, while queued,
-      // mid-generation, and inside the terminal event.
-      const cuts = [0, 20, 120, ...[0.3, 0.45, 0.6, 0.75, 0.9].map((f) => Math.round(f * length)), length - 8]
+      const cuts: CutAt[] = [
+        0, // before any answer: the POST is sent again
+        20, // inside the headers
+        {before: 'event: status'}, // before RECEIVED
+        {before: '"QUEUED"'}, // while queued
+        {before: 'event: partial', plus: 20}, // inside the first token
+        Math.round(0.5 * length), // mid-generation
+        {before: /id: \w+:\d+\nevent: data/}, // between the last partial and the terminal
+        {before: 'event: data', plus: 20}, // inside the terminal
+      ]
       for (const cut of cuts) {
         const answered = proxy.cutNext(cut)
         const seen = await run()
-        const where = `cut after ${cut} of ${length} bytes`
+        const where = `cut at ${String(typeof cut === 'number' ? cut : cut.before)} (of ${length} bytes)`
         assert.ok(seen.resumes >= 1, where)
         assert.deepEqual(seen.result, whole.result, where)
         assert.equal(seen.text, whole.result.completions[0], `${where}: every token once`)

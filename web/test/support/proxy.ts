@@ -6,22 +6,25 @@ export interface Proxy {
   /** Cut every open connection (new ones are still accepted). */
   drop: () => void
   /**
-   * Cut the connection of the next request once `bytes` of the gateway's answer (headers
-   * included) have passed to the client (0: before any). Resolves with all the gateway had sent
-   * by then.
+   * Cut the connection of the next request once `at` bytes of the gateway's answer (headers
+   * included) have passed to the client (0: before any), or, for `{before, plus}`, once it has
+   * passed up to `plus` bytes past the first `before` in the answer. Resolves with all the
+   * gateway had sent by then.
    */
-  cutNext: (bytes: number) => Promise<string>
+  cutNext: (at: CutAt) => Promise<string>
   /** Bytes of the gateway's answer passed on each connection closed so far (since its last request). */
   answered: number[]
   close: () => Promise<void>
 }
+
+export type CutAt = number | {before: string | RegExp; plus?: number}
 
 const REQUEST_LINE = /^(GET|POST|DELETE|PUT|PATCH|HEAD|OPTIONS) /
 
 export async function startProxy(target: string): Promise<Proxy> {
   const {hostname, port} = new URL(target)
   const sockets = new Set<Socket>()
-  const cuts: {bytes: number; resolve: (seen: string) => void}[] = []
+  const cuts: {at: CutAt; resolve: (seen: string) => void}[] = []
   const answered: number[] = []
   const server = createServer((client) => {
     const upstream = connect(Number(port), hostname)
@@ -51,17 +54,30 @@ export async function startProxy(target: string): Promise<Proxy> {
     client.on('data', (data: Buffer) => {
       if (REQUEST_LINE.test(data.subarray(0, 8).toString('latin1'))) {
         passed = 0
+        seen = Buffer.alloc(0)
         cut ??= cuts.shift()
       }
       upstream.write(data)
     })
+    // How far the answer may go: while a marker is not found yet, a tail that may be its start waits.
+    const limit = (at: CutAt): number => {
+      if (typeof at === 'number') return at
+      // latin1: one character per byte, so a match's index is its offset.
+      const found = typeof at.before === 'string' ? seen.indexOf(at.before) : seen.toString('latin1').search(at.before)
+      return found >= 0 ? found + (at.plus ?? 0) : seen.length - (typeof at.before === 'string' ? at.before.length - 1 : 256)
+    }
     upstream.on('data', (data: Buffer) => {
       if (cutting) return
-      if (cut) seen = Buffer.concat([seen, data])
-      const room = cut ? Math.max(0, cut.bytes - passed) : data.length
-      if (room > 0) client.write(room < data.length ? data.subarray(0, room) : data)
-      passed += Math.min(room, data.length)
-      if (cut && passed >= cut.bytes) {
+      if (!cut) {
+        client.write(data)
+        passed += data.length
+        return
+      }
+      seen = Buffer.concat([seen, data])
+      const upTo = Math.min(limit(cut.at), seen.length)
+      if (upTo > passed) client.write(seen.subarray(passed, upTo))
+      passed = Math.max(passed, upTo)
+      if (upTo < seen.length) {
         cutting = true
         end()
       }
@@ -76,7 +92,7 @@ export async function startProxy(target: string): Promise<Proxy> {
     drop: () => {
       for (const socket of sockets) socket.destroy()
     },
-    cutNext: (bytes) => new Promise((resolve) => cuts.push({bytes, resolve})),
+    cutNext: (at) => new Promise((resolve) => cuts.push({at, resolve})),
     close: () =>
       new Promise<void>((resolve) => {
         for (const socket of sockets) socket.destroy()
