@@ -1,0 +1,159 @@
+"""Streaming overhead: a no-op job through the gateway vs a bare sse-starlette endpoint sending the same frames.
+
+The gateway serves `bench.tools.noop` (8 partials of 64 characters, then a
+small result) on a tiny model. The bare endpoint is a Starlette app in this
+script, under uvicorn in its own process like the gateway, that answers each
+POST with the very bytes the gateway sent for one such job (recorded at the
+start of the run, with a fresh job id each time): same event names, ids and
+data sizes, but no job, queue, worker thread or store behind them.
+
+Measured, alternating between the two so that both see the same machine:
+time from sending the request to the first event (one client, one job at a
+time), jobs/s with several concurrent clients, and events/s on one long stream
+(thousands of partials). Clients are raw asyncio connections in this process,
+one per job, so the client costs little next to the servers.
+
+Targets: time to first event p50 < 5 ms; gateway jobs/s >= 0.8x the bare endpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common  # noqa: E402
+
+TITLE = "streaming: the gateway vs a bare sse-starlette endpoint, same frames"
+PLACEHOLDER = "0" * 32  # stands for the job id in the recorded frames
+
+
+def bare_app(frames_file: Path):
+    """POST /noop/run answers the recorded frames; the long stream's, when asked for more partials."""
+    import msgspec
+    from sse_starlette import EventSourceResponse
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    recorded: dict[str, list[bytes]] = {}
+
+    async def run(request: Request) -> EventSourceResponse:
+        params = msgspec.json.decode(await request.body())
+        if not recorded:
+            recorded.update({k: [f.encode() for f in v] for k, v in msgspec.json.decode(frames_file.read_bytes()).items()})
+        frames = recorded[str(params.get("partials", 8))]
+        job_id = uuid.uuid4().hex.encode()
+
+        async def events():
+            for frame in frames:
+                yield frame.replace(PLACEHOLDER.encode(), job_id)
+
+        return EventSourceResponse(events(), ping=0, sep="\n", headers={"Cache-Control": "no-cache", "X-Job-Id": job_id.decode()})
+
+    async def ready(request: Request) -> JSONResponse:
+        return JSONResponse({"ready": True})
+
+    return Starlette(routes=[Route("/noop/run", run, methods=["POST"]), Route("/readyz", ready)])
+
+
+def serve_bare(port: int, frames_file: Path) -> None:
+    import uvicorn
+
+    uvicorn.run(bare_app(frames_file), host="127.0.0.1", port=port, log_level="warning")
+
+
+async def record(port: int, partials: int) -> list[str]:
+    """The gateway's bytes for one noop job, event by event, with the job id replaced by PLACEHOLDER."""
+    run = await common.run_job(port, "/noop/run", {"partials": partials})
+    assert run.ok, f"the recording job failed: {run}"
+    frames = ["retry: 3000\n\n"]
+    for event in run.events:
+        frames.append(f"id: {event.id}\nevent: {event.event}\ndata: {event.data.decode()}\n\n")
+    return [frame.replace(run.job_id, PLACEHOLDER) for frame in frames]
+
+
+async def run(bench: common.Bench, report: common.Report) -> None:
+    import msgspec
+
+    quick = bench.quick
+    clients = 8
+    sequential, concurrent, rounds = (40, 150, 2) if quick else (300, 1000, 3)
+    long_partials, long_reps = (1000, 2) if quick else (5000, 3)
+
+    frames_file = bench.dir / "frames.json"
+    gateway = bench.streamgate("serve", model=bench.model(default_tiny=True))
+    bare_port = common.free_port()
+    bare = bench.start([sys.executable, __file__, "--bare-server", str(bare_port), str(frames_file)], bare_port, "bare")
+    bench.ready(gateway, bare)
+    report.fact("machine", common.machine(common.readyz(gateway).get("device", "?")))
+
+    ports = {"gateway": common.port_of(gateway), "bare": bare_port}
+    frames = {str(k): await record(ports["gateway"], k) for k in (8, long_partials)}
+    frames_file.write_bytes(msgspec.json.encode(frames))
+
+    async def one(name: str, partials: int = 8) -> common.JobRun:
+        job = await common.run_job(ports[name], "/noop/run", {"partials": partials})
+        assert job.ok, f"{name}: a job failed: status {job.status}, events {job.events[-1:]}"
+        return job
+
+    for name in ports:  # warm-up: imports, first connections, the worker thread
+        for _ in range(20):
+            await one(name)
+
+    first: dict[str, list[float]] = {name: [] for name in ports}
+    latency: dict[str, list[float]] = {name: [] for name in ports}
+    jobs: dict[str, int] = dict.fromkeys(ports, 0)
+    wall: dict[str, float] = dict.fromkeys(ports, 0.0)
+    events: dict[str, int] = dict.fromkeys(ports, 0)
+    long_events: dict[str, float] = dict.fromkeys(ports, 0.0)
+    long_wall: dict[str, float] = dict.fromkeys(ports, 0.0)
+    for _ in range(rounds):
+        for name in ports:
+            for _ in range(sequential // rounds):
+                job = await one(name)
+                first[name].append(job.first_event * 1000)
+                latency[name].append(job.latency * 1000)
+            load = await common.closed_loop(clients, concurrent // rounds, lambda i, name=name: one(name))
+            jobs[name] += len(load.ok)
+            wall[name] += load.wall
+            events[name] += sum(len(r.events) for r in load.ok)
+            for _ in range(max(1, long_reps // rounds)):
+                job = await one(name, long_partials)
+                long_events[name] += len(job.events)
+                long_wall[name] += job.latency
+
+    figures = {
+        name: {
+            "jobs/s": jobs[name] / wall[name],
+            "events/s": events[name] / wall[name],
+            "first event p50 ms": common.percentile(first[name], 50),
+            "first event p99 ms": common.percentile(first[name], 99),
+            "job p50 ms": common.percentile(latency[name], 50),
+            "long stream events/s": long_events[name] / long_wall[name],
+        }
+        for name in ports
+    }
+    rows = [[name, clients, jobs[name], *figures[name].values()] for name in ports]
+    shares = [f"{g / b:.2f}" for g, b in zip(figures["gateway"].values(), figures["bare"].values())]
+    rows.append(["gateway/bare", "-", "-", *shares])
+    report.fact("frames per job", f"{len(frames['8']) - 1} events (RECEIVED, QUEUED, RUNNING, 8 partials of 64 "
+                f"characters, data), {sum(map(len, frames['8']))} bytes; the long stream: {long_partials} partials")
+    report.table(["endpoint", "clients", "jobs", *figures["gateway"]], rows)
+    report.note(f"first event and job p50: one client, one job at a time ({sequential} jobs each); jobs/s and "
+                f"events/s: {clients} clients in a closed loop; long stream: one job of {long_partials} partials; "
+                f"each measured in turn on both endpoints, {rounds} rounds")
+    ttfe = common.percentile(first["gateway"], 50)
+    report.target("time to first event p50 < 5 ms", f"{ttfe:.2f} ms", ttfe < 5)
+    share = figures["gateway"]["jobs/s"] / figures["bare"]["jobs/s"]
+    report.target("gateway jobs/s >= 0.8x the bare endpoint", f"{share:.2f}x", share >= 0.8)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--bare-server"]:
+        serve_bare(int(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        common.main(run, TITLE, __doc__)
