@@ -1,0 +1,170 @@
+"""The remote hop: what a gateway in front of an executor adds, per frame and per result byte.
+
+Three processes on a tiny model, each with `bench.tools`: a local gateway, an
+executor, and a remote gateway (`--backend remote --executor URL`) in front of it.
+
+Per frame: `bench.tools.ticks` emits a log event every 10 ms whose message is
+the worker thread's `time.time()` at emission, in full precision (a frame's
+own `ts` is rounded to the millisecond, and a remote gateway stamps it after
+the hop, so it cannot see the hop). The client's clock when the event arrives,
+minus that time, is the frame's latency; the remote p50 minus the local p50 is
+what the hop adds. Log frames take the path status frames take through a
+remote gateway (the executor's session socket, decoded and re-emitted with the
+gateway's own seq); status frames themselves carry no emission time and
+progress is coalesced, so log frames stand in for them.
+
+Per result byte: an `embed` of many texts with `pooling: none` (one vector per
+token; `precision: 6`, so that arrays travel as float64 and the JSON a client
+gets is quick to write, leaving the hop as the bulk of the difference).
+The gateway logs no download timing, so the download is measured from outside,
+two ways: (1) the job is submitted straight to the executor and its result
+fetched with the remote backend's own download code (`backends.remote.Link`:
+the streamed GET, the length and SHA-256 checks), several times; (2) the same
+job end to end through the local and the remote gateway, and the result's
+msgpack size over the difference in time.
+
+Targets: <= 1 ms p50 added per status frame; result download >= 500 MB/s on loopback (MB = 10^6 bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common  # noqa: E402
+
+TITLE = "remote hop: per-frame latency and result download, local vs remote gateway"
+TICK_MS = 10
+TEXT_CHARS = 250  # the tiny model's byte tokenizer: 251 tokens with BOS, within its 256 context
+
+
+def embed_params(texts: int) -> dict:
+    words = "the quick brown fox jumps over the lazy dog while streams carry results home "
+    return {
+        "texts": [(f"{i} " + words * 4)[:TEXT_CHARS] for i in range(texts)],
+        "pooling": "none",
+        "precision": 6,
+    }
+
+
+async def frame_latencies(port: int, frames: int) -> list[float]:
+    job = await common.run_job(port, "/ticks/run", {"count": frames, "interval_ms": TICK_MS, "kind": "log"})
+    assert job.ok, f"ticks failed: {job.status} {job.events[-1:]}"
+    return [(e.at - float(common.msgspec.json.decode(e.data)["message"])) * 1000 for e in job.events if e.event == "log"]
+
+
+async def executor_result(executor_url: str, params: dict) -> str:
+    """Run `params` as an embed job straight on the executor (no socket: nobody follows it); its id once done."""
+    import httpx
+
+    job_id = uuid.uuid4().hex
+    body = {"tool": "embed", "params": params, "job_id": job_id}
+    async with httpx.AsyncClient(base_url=executor_url, timeout=60) as client:
+        submitted = await client.post("/jobs", json=body, headers={"X-Session-Id": uuid.uuid4().hex})
+        assert submitted.status_code == 202, submitted.text
+        while (await client.head(f"/jobs/{job_id}/result")).status_code == 409:
+            await asyncio.sleep(0.05)
+    return job_id
+
+
+async def run(bench: common.Bench, report: common.Report) -> None:
+    from backends.remote import Link
+    from gateway.encoding import from_msgpack, to_json
+
+    quick = bench.quick
+    rounds, frames = (2, 50) if quick else (5, 200)
+    texts, downloads = (32, 5) if quick else (256, 10)
+    model = bench.model(default_tiny=True)
+    caps = ["--max-prompts", str(texts)]
+    local = bench.streamgate("serve", *caps, model=model, name="local")
+    executor = bench.streamgate("executor", *caps, model=model)
+    bench.ready(local, executor)
+    remote = bench.streamgate("serve", "--backend", "remote", "--executor", executor.url, *caps, model=None, name="remote")
+    bench.ready(remote)
+    report.fact("machine", common.machine(common.readyz(local).get("device", "?")))
+    ports = {"local": common.port_of(local), "remote": common.port_of(remote)}
+
+    latencies: dict[str, list[float]] = {name: [] for name in ports}
+    for name, port in ports.items():  # warm-up
+        await frame_latencies(port, 10)
+    for _ in range(rounds):
+        for name, port in ports.items():
+            latencies[name] += await frame_latencies(port, frames)
+    rows = [[name, rounds, len(values), *(common.percentile(values, q) for q in (50, 90, 99))]
+            for name, values in latencies.items()]
+    added = [r - l for r, l in zip(rows[1][3:], rows[0][3:])]
+    rows.append(["added by the hop", "-", "-", *added])
+    report.table(["gateway", "jobs", "log frames", "emit to client p50 ms", "p90 ms", "p99 ms"], rows,
+                 title=f"Per frame: a log event every {TICK_MS} ms, from the tool's clock to the client's")
+
+    params = embed_params(texts)
+    job_id = await executor_result(executor.url, params)
+    link = Link(executor.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
+    try:
+        data = await link._download(job_id)
+        fetches, raw = [], []
+        for _ in range(downloads):
+            started = time.perf_counter()
+            await link._download(job_id)
+            fetches.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            await (await common.Response.open(common.port_of(executor), "GET", f"/jobs/{job_id}/result")).body()
+            raw.append(time.perf_counter() - started)
+    finally:
+        await link.http.aclose()
+    size = len(data) / 1e6
+    sha = _timed(lambda: hashlib.sha256(data).digest())
+    convert = _timed(lambda: to_json(from_msgpack(data)))
+    json_size = len(to_json(from_msgpack(data))) / 1e6
+
+    ends: dict[str, list[float]] = {name: [] for name in ports}
+    for name, port in ports.items():  # warm-up
+        await common.run_job(port, "/embed/run", embed_params(2))
+    for _ in range(rounds):
+        for name, port in ports.items():
+            job = await common.run_job(port, "/embed/run", params)
+            assert job.ok, f"{name}: embed failed: {job.status} {job.events[-1:]}"
+            ends[name].append(job.latency)
+    local_s, remote_s = (common.percentile(ends[name], 50) for name in ports)
+    download_s, raw_s = common.percentile(fetches, 50), common.percentile(raw, 50)
+    rows = [
+        ["download, the remote backend's code (httpx, checks)", size, download_s * 1000, size / download_s],
+        ["download, a raw asyncio socket (no checks)", size, raw_s * 1000, size / raw_s],
+        ["SHA-256 of the result (one of the checks)", size, sha * 1000, size / sha],
+        ["msgpack to JSON at the remote gateway", size, convert * 1000, size / convert],
+        ["embed end to end, local gateway", json_size, local_s * 1000, "-"],
+        ["embed end to end, remote gateway", json_size, remote_s * 1000, "-"],
+        ["remote - local (msgpack MB over the difference)", size, (remote_s - local_s) * 1000,
+         size / (remote_s - local_s) if remote_s > local_s else None],
+    ]
+    report.table(["measure", "MB", "time p50 ms", "MB/s"], rows,
+                 title=f"Per result byte: embed of {texts} texts of {TEXT_CHARS} characters, pooling none, precision 6 "
+                       f"({downloads} downloads, {rounds} jobs each way end to end)")
+    report.note("downloads: the same result fetched from the executor's GET /jobs/{id}/result, alternately by "
+                "backends.remote.Link._download (what a remote gateway runs) and by this script's raw client")
+    report.note("the JSON a client gets is the MB column of the end-to-end rows; the msgpack between executor and "
+                "gateway carries float64 here (precision 6), 8 bytes a number")
+    hop = added[0]
+    report.target("<= 1 ms p50 added per status frame (log frames, same path)", f"{hop:.2f} ms", hop <= 1)
+    rate = size / download_s
+    report.target("result download >= 500 MB/s on loopback", f"{rate:.0f} MB/s", rate >= 500)
+
+
+def _timed(work, repeat: int = 3) -> float:
+    """The best of `repeat` timings of `work`, in seconds."""
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+if __name__ == "__main__":
+    common.main(run, TITLE, __doc__)
