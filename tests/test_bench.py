@@ -1,0 +1,144 @@
+"""The benchmarks under bench/, each run as a user runs it (`python bench/<name>.py --quick`).
+
+Each must finish in time and print its report: the machine, its tables with
+the expected columns and numbers in every figure cell, and a `target:` line per
+target with a verdict. Whether targets are met is not checked: these run on
+shared, noisy machines; bench/RESULTS.md holds the figures of full runs.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from tests.processes import ROOT, clean_env
+
+TIMEOUT = 150  # each script takes well under a minute on a 2-core machine; this is for a loaded one
+
+
+@dataclass
+class Table:
+    title: str | None
+    columns: list[str]
+    rows: list[dict[str, str]]
+
+    def numbers(self, column: str) -> list[float | None]:
+        return [number(row[column]) for row in self.rows]
+
+
+@dataclass
+class Printed:
+    facts: dict[str, str] = field(default_factory=dict)
+    tables: list[Table] = field(default_factory=list)
+    targets: list[tuple[str, str]] = field(default_factory=list)  # (what and figure, verdict)
+
+
+def number(cell: str) -> float | None:
+    """A figure cell: a number (a ratio may end in x), or n/a and - where there is none."""
+    if cell in ("n/a", "-"):
+        return None
+    assert re.fullmatch(r"-?\d+(\.\d+)?x?", cell), f"not a number: {cell!r}"
+    return float(cell.rstrip("x"))
+
+
+def parse(output: str) -> Printed:
+    """The report: `name: value` facts at the top, tables (header, dashes, rows), `target:` lines."""
+    printed = Printed()
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if re.fullmatch(r"-+(  -+)*", line):
+            columns = re.split(r" {2,}", lines[i - 1].strip())
+            title = lines[i - 2] if i >= 2 and lines[i - 2] else None
+            rows = []
+            for row_line in lines[i + 1 :]:
+                if not row_line.strip():
+                    break
+                cells = re.split(r" {2,}", row_line.strip())
+                assert len(cells) == len(columns), f"row {row_line!r} does not fit columns {columns}"
+                rows.append(dict(zip(columns, cells)))
+            printed.tables.append(Table(title, columns, rows))
+        elif line.startswith("target: "):
+            what, _, verdict = line.removeprefix("target: ").rpartition(": ")
+            printed.targets.append((what, verdict))
+        elif not printed.tables and ": " in line and not line.startswith(("#", "note:")):
+            name, _, value = line.partition(": ")
+            printed.facts[name] = value
+    return printed
+
+
+def run_bench(name: str) -> Printed:
+    proc = subprocess.run(
+        [sys.executable, f"bench/{name}.py", "--quick"],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, f"bench/{name}.py --quick exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    printed = parse(proc.stdout)
+    assert printed.facts["mode"] == "quick"
+    assert re.search(r"\d+ cores, torch \S+, device \S+", printed.facts["machine"]), printed.facts
+    assert printed.tables, proc.stdout
+    assert printed.targets or name == "polling", proc.stdout
+    for what, verdict in printed.targets:
+        assert verdict in ("met", "missed", "unavailable"), (what, verdict)
+    return printed
+
+
+def test_streaming():
+    printed = run_bench("streaming")
+    (table,) = printed.tables
+    assert [row["endpoint"] for row in table.rows] == ["gateway", "bare", "gateway/bare"]
+    for column in ("jobs/s", "events/s", "first event p50 ms", "first event p99 ms", "job p50 ms", "long stream events/s"):
+        assert all(value is not None and value > 0 for value in table.numbers(column)), (column, table.rows)
+    assert len(printed.targets) == 2
+
+
+def test_idle_streams():
+    printed = run_bench("idle_streams")
+    (table,) = printed.tables
+    assert [row["mode"] for row in table.rows] == ["queued", "followers"]
+    assert table.numbers("streams") == [500, 500]
+    for column in ("RSS before MB", "RSS after MB", "KB/stream", "gateway CPU %", "healthz ms"):
+        assert all(value is not None for value in table.numbers(column)), (column, table.rows)
+    # Heartbeats are a function, not a figure: every stream held for 3.5 s at a 1 s interval gets some.
+    assert table.numbers("with pings") == table.numbers("streams")
+    assert [verdict for _, verdict in printed.targets][0] == "unavailable"  # 500 streams cannot meet 10,000
+
+
+def test_polling():
+    printed = run_bench("polling")
+    (table,) = printed.tables
+    assert [(row["client"], row["period ms"]) for row in table.rows] == [
+        ("SSE stream", "-"), ("poll", "50"), ("poll", "250"), ("poll", "1000")
+    ]
+    requests = table.numbers("requests/job")
+    assert requests[0] == 1 and all(r is not None and r >= 2 for r in requests[1:]), requests
+    for column in ("delay p50 ms", "delay mean ms", "delay max ms"):
+        assert all(value is not None for value in table.numbers(column)), (column, table.rows)
+
+
+def test_remote_hop():
+    printed = run_bench("remote_hop")
+    frames, download = printed.tables
+    assert [row["gateway"] for row in frames.rows] == ["local", "remote", "added by the hop"]
+    assert all(value is not None for value in frames.numbers("emit to client p50 ms"))
+    assert download.columns == ["measure", "MB", "time p50 ms", "MB/s"]
+    assert all(value is not None and value > 0 for value in download.numbers("MB"))
+    assert number(download.rows[0]["MB/s"]) > 0
+    assert len(printed.targets) == 2
+
+
+def test_batching():
+    printed = run_bench("batching")
+    (table,) = printed.tables
+    assert [(row["tool"], row["clients"]) for row in table.rows] == [
+        (tool, clients) for tool in ("predict", "loglikelihood", "generate") for clients in ("1", "16")
+    ]
+    assert all(value is not None and value > 0 for value in table.numbers("batch-1 jobs/s"))
+    assert all(value is not None for value in table.numbers("batch-1 p50 ms"))
+    assert table.numbers("failed") == [0] * len(table.rows)
+    # Without the batching flags the batched side is n/a and its targets unavailable; with them, numbers.
+    batched = table.numbers("batched jobs/s")
+    assert all(value is None for value in batched) or all(value is not None for value in batched), batched
+    assert len(printed.targets) == 6
+
