@@ -4,8 +4,16 @@ The local backend runs jobs through this module, and so does the executor
 service: there is no second copy of the queue, the worker or the tool call.
 
 A worker owns one device and one thread. Its coroutine takes the next job from
-the shared queue and hands the tool's run function to that thread, so model
-work never touches the event loop and runs one job at a time per device.
+the shared queue and hands the tool's work to that thread, so model work never
+touches the event loop. Workers on several devices share one queue: an idle
+worker takes the next job, so the least-loaded device gets it.
+
+Jobs of a tool that batches (see gateway/tools/batching.py) run together: the
+worker takes every compatible job waiting (same tool, same batch key), up to
+`max_batch_size`; a lone job waits up to `batch_wait` seconds for company.
+Between the steps of a continuous batch it takes in jobs that arrived since.
+Each member still gets its own frames, result, error and cancellation.
+
 Results are encoded on the worker thread too, as JSON for a gateway's clients
 or msgpack for an executor's: a large result costs the loop nothing.
 """
@@ -15,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import traceback
 from collections.abc import Callable, Mapping
@@ -27,7 +36,8 @@ from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job, JobContext
 from gateway.protocol import Code, Status
-from gateway.tools.base import Cancelled, Model, Tool
+from gateway.tools.base import Cancelled, Context, Model, Tool
+from gateway.tools.batching import Batch
 
 log = logging.getLogger("streamgate.worker")
 
@@ -77,6 +87,21 @@ class JobQueue:
         self._announce()
         return job
 
+    def take(self, wanted: Callable[[Job], bool], n: int) -> list[Job]:
+        """Up to `n` waiting jobs that are `wanted`, oldest first, out of the queue."""
+        taken = [job for job in self._jobs if wanted(job)][: max(n, 0)]
+        if taken:
+            for job in taken:
+                self._jobs.remove(job)
+            self._announce()
+        return taken
+
+    async def arrival(self, timeout: float) -> None:
+        """Return when a job is put, or after `timeout` seconds."""
+        self._ready.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), timeout)
+
     def _announce(self) -> None:
         size = len(self._jobs)
         for index, job in enumerate(self._jobs):
@@ -99,8 +124,25 @@ def execute(
     return msgspec.Raw(encode(result))
 
 
+Outcome = msgspec.Raw | BaseException
+
+
+def step(batch: Batch, joining: list[tuple[Any, Context]], encode: Callable[[Any], bytes]) -> list[tuple[Context, Outcome]]:
+    """Add `joining` to `batch`, run one step, and encode the results of the members that ended."""
+    ended: list[tuple[Context, Outcome]] = []
+    with torch.inference_mode():
+        for params, ctx in joining:
+            try:
+                batch.add(params, ctx)
+            except Exception as exc:  # this job's input alone is at fault
+                ended.append((ctx, exc))
+        if len(batch):
+            ended.extend(batch.step())
+    return [(ctx, outcome if isinstance(outcome, BaseException) else msgspec.Raw(encode(outcome))) for ctx, outcome in ended]
+
+
 class Worker:
-    """Runs queued jobs one at a time on one device, on a thread of its own."""
+    """Runs queued jobs on one device, on a thread of its own: alone, or batched."""
 
     def __init__(
         self,
@@ -110,67 +152,124 @@ class Worker:
         *,
         encode: Callable[[Any], bytes] = to_json,
         debug: bool = False,
+        max_batch_size: int = 32,
+        batch_wait: float = 0.005,
     ) -> None:
         self.model = model
         self.encode = encode
         self.queue = queue
         self.tools = tools
         self.debug = debug
-        self.current: Job | None = None
+        self.max_batch_size = max_batch_size
+        self.batch_wait = batch_wait
+        self.running: set[Job] = set()
         self.mean_run_s: float | None = None
+        # The sizes of the batches run, for benchmarks and metrics.
+        self.batch_sizes: collections.Counter[int] = collections.Counter()
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"streamgate-worker-{model.device}"
         )
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name=f"worker {self.model.device}")
 
     async def stop(self) -> None:
-        if self.current is not None:
-            self.current.cancel()
+        for job in self.running:
+            job.cancel()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             job = await self.queue.get()
-            self.current = job
+            tool = self.tools[job.tool]
             try:
-                await self._run(loop, job)
+                if tool.batch is None:
+                    await self._run_alone(job, tool)
+                else:
+                    await self._run_batch(job, tool)
+            except asyncio.CancelledError:
+                for member in self.running:
+                    member.cancel()
+                    member.fail(Code.SHUTTING_DOWN, "the worker stopped before the job finished")
+                raise
             finally:
-                self.current = None
+                self.running.clear()
 
-    async def _run(self, loop: asyncio.AbstractEventLoop, job: Job) -> None:
-        if job.cancel_requested.is_set():
-            job.fail(Code.CANCELLED, "the job was cancelled")
+    async def _run_alone(self, job: Job, tool: Tool) -> None:
+        if not self._admit(job):
             return
-        tool = self.tools[job.tool]
-        job.set_status(Status.RUNNING)
+        loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            result = await loop.run_in_executor(
+            outcome: Outcome = await loop.run_in_executor(
                 self._thread, execute, tool, self.model, job.params, JobContext(job), self.encode
             )
-        except Cancelled:
-            job.fail(Code.CANCELLED, "the job was cancelled")
-        except asyncio.CancelledError:
-            job.cancel()
-            job.fail(Code.SHUTTING_DOWN, "the worker stopped before the job finished")
-            raise
         except Exception as exc:
-            log.exception("tool %s failed in job %s", tool.name, job.id)
-            message = f"{type(exc).__name__}: {exc}"
+            outcome = exc
+        self._finish(job, tool, outcome, loop.time() - started)
+
+    async def _run_batch(self, first: Job, tool: Tool) -> None:
+        loop = asyncio.get_running_loop()
+        key = tool.batch_key(first.params) if tool.batch_key is not None else None
+
+        def compatible(job: Job) -> bool:
+            return job.tool == tool.name and (tool.batch_key is None or tool.batch_key(job.params) == key)
+
+        joining = [first, *self.queue.take(compatible, self.max_batch_size - 1)]
+        deadline = loop.time() + self.batch_wait
+        while len(joining) < self.max_batch_size and (left := deadline - loop.time()) > 0:
+            await self.queue.arrival(left)
+            joining += self.queue.take(compatible, self.max_batch_size - len(joining))
+        batch: Batch = tool.batch(self.model)
+        members: dict[Context, tuple[Job, float]] = {}
+        while True:
+            added = []
+            for job in joining:
+                if self._admit(job):
+                    ctx = JobContext(job)
+                    members[ctx] = (job, loop.time())
+                    added.append((job.params, ctx))
+            self.batch_sizes[len(members)] += 1
+            try:
+                ended = await loop.run_in_executor(self._thread, step, batch, added, self.encode)
+            except Exception as exc:  # the batch as a whole failed: every member ends with it
+                ended = [(ctx, exc) for ctx in members]
+            for ctx, outcome in ended:
+                job, started = members.pop(ctx)
+                self._finish(job, tool, outcome, loop.time() - started)
+            if not members:
+                return
+            joining = self.queue.take(compatible, self.max_batch_size - len(members)) if batch.continuous else []
+
+    def _admit(self, job: Job) -> bool:
+        """Mark the job running, unless it was cancelled while it waited."""
+        if job.cancel_requested.is_set():
+            job.fail(Code.CANCELLED, "the job was cancelled")
+            return False
+        self.running.add(job)
+        job.set_status(Status.RUNNING)
+        return True
+
+    def _finish(self, job: Job, tool: Tool, outcome: Outcome, elapsed: float) -> None:
+        self.running.discard(job)
+        # A tool that raised after its job was cancelled still reports its error;
+        # a result that came after a cancel is not delivered.
+        if isinstance(outcome, Cancelled) or (job.cancel_requested.is_set() and not isinstance(outcome, BaseException)):
+            job.fail(Code.CANCELLED, "the job was cancelled")
+        elif isinstance(outcome, BaseException):
+            log.error("tool %s failed in job %s", tool.name, job.id, exc_info=outcome)
+            message = f"{type(outcome).__name__}: {outcome}"
             if self.debug:
-                message += "\n" + traceback.format_exc()
+                message += "\n" + "".join(traceback.format_exception(outcome))
             job.fail(Code.TOOL_ERROR, message)
         else:
-            if job.cancel_requested.is_set():
-                job.fail(Code.CANCELLED, "the job was cancelled")
-            else:
-                job.succeed(result)
-        elapsed = loop.time() - started
+            job.succeed(outcome)
         self.mean_run_s = elapsed if self.mean_run_s is None else 0.8 * self.mean_run_s + 0.2 * elapsed

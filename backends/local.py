@@ -1,7 +1,9 @@
 """The local backend: the model lives in this process, on this machine's device.
 
 Start-up returns at once; the model loads on a thread in the background and
-the backend reports not ready until it is in memory. Checks that need the
+the backend reports not ready until it is in memory. With several devices
+(`--devices cuda:0,cuda:1`, or every GPU by default) each gets its own copy of
+the model and its own worker, all taking jobs from one queue. Checks that need the
 tokenizer run on a small thread pool of their own, so a long prompt's
 tokenisation neither blocks the event loop nor waits behind a running job.
 """
@@ -34,15 +36,22 @@ class LocalBackend(Backend):
         *,
         model: str | None = None,
         device: str | None = None,
+        devices: list[str] | None = None,
         dtype: str | None = None,
         cache_dir: str | Path | None = None,
         queue_size: int = 64,
         debug: bool = False,
         encode: Callable[[Any], bytes] = to_json,
+        max_batch_size: int = 32,
+        batch_wait: float = 0.005,
     ) -> None:
+        if device and devices:
+            raise ValueError("give --device or --devices, not both")
         self._tools = dict(tools)
         self.spec = models.resolve(model)
-        self._device = device
+        self._devices = devices or ([device] if device else None)
+        self.max_batch_size = max_batch_size
+        self.batch_wait = batch_wait
         self._dtype = dtype
         self._cache_dir = Path(cache_dir) if cache_dir else None
         self._debug = debug
@@ -81,18 +90,31 @@ class LocalBackend(Backend):
 
     async def _load(self) -> None:
         try:
-            loaded = await asyncio.to_thread(
-                models.load, self.spec, self._device, self._dtype, self._cache_dir
-            )
+            loaded = [
+                await asyncio.to_thread(models.load, self.spec, device, self._dtype, self._cache_dir)
+                for device in self._devices or models.default_devices()
+            ]
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             log.error("cannot load model %s: %s", self.spec.name, self.error)
             return
-        self.model = loaded
+        self.model = loaded[0]
         assert self.queue is not None
-        worker = Worker(loaded, self.queue, self._tools, encode=self._encode, debug=self._debug)
-        worker.start()
-        self.workers = [worker]
+        workers = [
+            Worker(
+                model,
+                self.queue,
+                self._tools,
+                encode=self._encode,
+                debug=self._debug,
+                max_batch_size=self.max_batch_size,
+                batch_wait=self.batch_wait,
+            )
+            for model in loaded
+        ]
+        for worker in workers:
+            worker.start()
+        self.workers = workers
 
     async def wait_ready(self) -> None:
         """Wait until loading ends (for tests and tooling); raises if it failed."""
@@ -133,12 +155,13 @@ class LocalBackend(Backend):
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"backend": "local", "model": self.spec.name}
         if self.model is not None:
-            info["device"] = str(self.model.device)
+            info["device"] = ",".join(str(w.model.device) for w in self.workers) or str(self.model.device)
             info["dtype"] = str(self.model.dtype).removeprefix("torch.")
             info["context_length"] = self.model.context_length
         if self.queue is not None:
             info["queued"] = len(self.queue)
-        info["running"] = sum(w.current is not None for w in self.workers)
+        info["running"] = sum(len(w.running) for w in self.workers)
+        info["max_batch_size"] = self.max_batch_size
         return info
 
     def _eta(self, position: int) -> float | None:

@@ -131,6 +131,15 @@ def pick_device(requested: str | None) -> str:
     return "cpu"
 
 
+def default_devices() -> list[str]:
+    """Every GPU, one worker each; else the one best device."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return [pick_device(None)]
+
+
 def pick_dtype(requested: str | None, device: str):  # -> torch.dtype
     import torch
 

@@ -38,10 +38,13 @@ def _model_options(command: Any) -> Any:
     options = [
         _option("--model", default=None, help="Local folder, .gguf file or Hugging Face id. Default: the bundled SmolLM2-135M-Instruct."),
         _option("--device", default=None, help="cuda, cuda:1, mps or cpu. Default: the best available."),
+        _option("--devices", default=None, callback=_split_devices, help="Several devices, one worker and model copy each: cuda:0,cuda:1. Default: every GPU, else --device."),
         _option("--dtype", default=None, help="float32, float16 or bfloat16. Default: bfloat16 on CUDA, else float32."),
         _option("--cache-dir", default=None, help="Where converted models are kept. Default: the user cache folder."),
         _option("--tools", multiple=True, help="Import a module of user tools (repeatable)."),
         _option("--queue-size", default=_D.queue_size, type=click.IntRange(min=1), help="Jobs that may wait; more get 429 queue_full."),
+        _option("--max-batch-size", default=_D.max_batch_size, type=click.IntRange(min=1), help="Most jobs of one tool run together (1: no batching)."),
+        _option("--batch-wait-ms", default=_D.batch_wait_ms, type=click.FloatRange(min=0), help="How long a lone job may wait for others to batch with."),
         _option("--max-prompts", default=_D.max_prompts, type=click.IntRange(min=1), help="Most prompts in one job."),
         _option("--max-tokens", default=_D.max_tokens, type=click.IntRange(min=1), help="Most tokens one generate job may ask for."),
         _option("--max-body-bytes", default=_D.max_body_bytes, type=click.IntRange(min=1)),
@@ -52,6 +55,13 @@ def _model_options(command: Any) -> Any:
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def _split_devices(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str]:
+    devices = [d.strip() for d in (value or "").split(",") if d.strip()]
+    if value is not None and not devices:
+        raise click.BadParameter("expected devices separated by commas: cuda:0,cuda:1")
+    return devices
 
 
 def _settings(options: dict[str, Any]) -> Settings:
@@ -91,10 +101,13 @@ def _local_backend(settings: Settings, **kwargs: Any) -> Any:
             tools,
             model=settings.model,
             device=settings.device,
+            devices=settings.devices,
             dtype=settings.dtype,
             cache_dir=settings.cache_dir,
             queue_size=settings.queue_size,
             debug=settings.debug,
+            max_batch_size=settings.max_batch_size,
+            batch_wait=settings.batch_wait_ms / 1000,
             **kwargs,
         )
     except (ValueError, ModelError) as exc:

@@ -10,10 +10,13 @@ class Settings(msgspec.Struct, kw_only=True):
     port: int = 8000
     model: str | None = None
     device: str | None = None
+    devices: list[str] = msgspec.field(default_factory=list)
     dtype: str | None = None
     cache_dir: str | None = None
     tools: list[str] = msgspec.field(default_factory=list)
     queue_size: int = 64
+    max_batch_size: int = 32
+    batch_wait_ms: float = 5.0
     max_prompts: int = 32
     max_tokens: int = 512
     max_body_bytes: int = 1 << 20

@@ -181,10 +181,13 @@ def make_server(
     backend = LocalBackend(
         collect(builtin_tools() + (tools or [])),
         model=settings_obj.model,
-        device="cpu",
+        device=None if settings_obj.devices else "cpu",
         queue_size=settings_obj.queue_size,
         debug=settings_obj.debug,
         cache_dir=settings_obj.cache_dir,
+        devices=settings_obj.devices or None,
+        max_batch_size=settings_obj.max_batch_size,
+        batch_wait=settings_obj.batch_wait_ms / 1000,
     )
     server = Server(create_app(backend, settings_obj)).start()
     return server.wait_ready() if ready else server

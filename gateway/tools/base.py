@@ -28,7 +28,7 @@ from __future__ import annotations
 import inspect
 import re
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -123,6 +123,8 @@ class Tool:
     `caps` binds a field to a server limit by name (`{"max_tokens": "max_tokens"}`):
     the limit bounds the field's value, or its length for lists and strings, both
     in validation and in the JSON Schema that `GET /tools` serves.
+    `batch` runs several queued jobs together (see batching.py); only jobs whose
+    params give equal `batch_key(params)` share a batch (any, without one).
     """
 
     name: str
@@ -133,6 +135,8 @@ class Tool:
     partial: type[Any] | None = None
     check: CheckFn | None = None
     caps: Mapping[str, str] = field(default_factory=dict)
+    batch: Callable[[Model], Any] | None = None
+    batch_key: Callable[[Any], Hashable] | None = None
     # Published schemas, for a tool known only from another service's `GET /tools`.
     info: ToolInfo | None = None
 
@@ -155,6 +159,8 @@ def tool(
     partial: type[Any] | None = None,
     check: CheckFn | None = None,
     caps: Mapping[str, str] | None = None,
+    batch: Callable[[Model], Any] | None = None,
+    batch_key: Callable[[Any], Hashable] | None = None,
 ) -> Any:
     """Make a `Tool` from a run function, reading params and result types from its annotations."""
 
@@ -170,6 +176,21 @@ def tool(
             partial=partial,
             check=check,
             caps=dict(caps or {}),
+            batch=batch,
+            batch_key=batch_key,
         )
 
     return make(fn) if fn is not None else make
+
+
+def right_padded(model: Model, rows: list[list[int]]) -> tuple[Any, Any]:
+    """Token id rows padded on the right into one batch: (input_ids, attention_mask) on the model's device."""
+    import torch  # the tool API itself does not need torch
+
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.full((len(rows), width), model.tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for i, ids in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = 1
+    return input_ids.to(model.device), mask.to(model.device)

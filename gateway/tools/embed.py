@@ -21,7 +21,8 @@ import torch
 
 from gateway.errors import ParamError
 from gateway.tools.anatomy import anatomy
-from gateway.tools.base import Context, Model, tool
+from gateway.tools.base import Context, Model, right_padded, tool
+from gateway.tools.batching import one_pass, raise_if_all_cancelled
 
 EMBED_BATCH = 16  # texts per forward pass
 
@@ -92,48 +93,48 @@ def check(model: Model, params: EmbedParams) -> None:
         model.fit(len(model.encode(text)), f"texts[{i}]")
 
 
-@tool(check=check, caps={"texts": "max_prompts"})
+def _pooled(states: torch.Tensor, params: EmbedParams) -> torch.Tensor:
+    """One text's vector(s) from its real tokens' states, as `params` asks."""
+    if params.pooling is Pooling.MEAN:
+        states = states.mean(0)
+    elif params.pooling is Pooling.LAST:
+        states = states[-1]
+    return torch.nn.functional.normalize(states, dim=-1) if params.normalize else states
+
+
+def _embed_many(model: Model, jobs: list[EmbedParams], ctxs: list[Context]) -> list[EmbedResult]:
+    # The texts of every job, in right-padded chunks; each job reads its own layer and pooling.
+    n_states = _n_states(model)
+    encoded = [[model.encode(text) for text in params.texts] for params in jobs]
+    flat = [(job, i) for job, texts in enumerate(encoded) for i in range(len(texts))]
+    out: list[list[Any]] = [[None] * len(texts) for texts in encoded]
+    done = [0] * len(jobs)
+    body = anatomy(model)
+    for start in range(0, len(flat), EMBED_BATCH):
+        chunk = flat[start : start + EMBED_BATCH]
+        input_ids, mask = right_padded(model, [encoded[job][i] for job, i in chunk])
+        with body.capture([], check=lambda: raise_if_all_cancelled(ctxs)):
+            states = model.module(input_ids=input_ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        for row, (job, i) in enumerate(chunk):
+            params = jobs[job]
+            real = states[params.layer % n_states][row, : len(encoded[job][i])].float()
+            out[job][i] = _array(_pooled(real, params), params.precision)
+            done[job] += 1
+        for job in sorted({job for job, _ in chunk}):
+            ctxs[job].progress(done[job], len(encoded[job]), "texts")
+    return [
+        EmbedResult(
+            dim=model.module.config.hidden_size if hasattr(model.module.config, "hidden_size") else len(vectors[0][0]),
+            layer=params.layer % n_states,
+            pooling=params.pooling,
+            embeddings=vectors,
+            tokens=[[model.token_text(t) for t in ids] for ids in texts] if params.pooling is Pooling.NONE else None,
+        )
+        for params, texts, vectors in zip(jobs, encoded, out)
+    ]
+
+
+@tool(check=check, caps={"texts": "max_prompts"}, batch=one_pass(_embed_many))
 def embed(model: Model, params: EmbedParams, ctx: Context) -> EmbedResult:
     """Hidden-state embeddings of each text at one layer, mean- or last-pooled, or per token."""
-    layer = params.layer % _n_states(model)
-    encoded = [model.encode(text) for text in params.texts]
-    body = anatomy(model)
-    pad = model.tokenizer.pad_token_id
-    out: list[Any] = []
-    for start in range(0, len(encoded), EMBED_BATCH):
-        chunk = encoded[start : start + EMBED_BATCH]
-        width = max(len(ids) for ids in chunk)
-        input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(input_ids)
-        for row, ids in enumerate(chunk):
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            mask[row, : len(ids)] = 1
-        with body.capture([], check=ctx.raise_if_cancelled):
-            states = model.module(
-                input_ids=input_ids.to(model.device),
-                attention_mask=mask.to(model.device),
-                output_hidden_states=True,
-            ).hidden_states[layer].float()
-        mask = mask.to(states.device)
-        if params.pooling is Pooling.MEAN:
-            pooled = (states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
-        elif params.pooling is Pooling.LAST:
-            pooled = states[torch.arange(len(chunk)), mask.sum(1) - 1]
-        if params.pooling is Pooling.NONE:
-            for row, ids in enumerate(chunk):
-                vectors = states[row, : len(ids)]
-                if params.normalize:
-                    vectors = torch.nn.functional.normalize(vectors, dim=-1)
-                out.append(_array(vectors, params.precision))
-        else:
-            if params.normalize:
-                pooled = torch.nn.functional.normalize(pooled, dim=-1)
-            out.extend(_array(pooled, params.precision))
-        ctx.progress(min(start + EMBED_BATCH, len(encoded)), len(encoded), "texts")
-    return EmbedResult(
-        dim=model.module.config.hidden_size if hasattr(model.module.config, "hidden_size") else len(out[0][0]),
-        layer=layer,
-        pooling=params.pooling,
-        embeddings=out,
-        tokens=[[model.token_text(i) for i in ids] for ids in encoded] if params.pooling is Pooling.NONE else None,
-    )
+    return _embed_many(model, [params], [ctx])[0]

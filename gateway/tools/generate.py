@@ -2,9 +2,10 @@
 
 Decoding is a plain loop over the model's forward pass with a KV cache rather
 than `model.generate()`: the loop is where cancellation is checked between
-tokens, where each new token becomes a `partial` frame, and where stop strings
-end one completion while the others go on. Prompts are left-padded into one
-batch; position ids come from the attention mask, so padding changes nothing.
+tokens, where each new token becomes a `partial` frame, where stop strings
+end one completion while the others go on, and where jobs join and leave a
+running batch (`Generation`). Prompts are left-padded; position ids come from
+the attention mask, so padding changes nothing.
 
 Text sent as `partial` is final: a tail that could still become a stop string,
 or an incomplete UTF-8 character, is held back until it is decided.
@@ -13,13 +14,15 @@ or an incomplete UTF-8 character, is held back until it is decided.
 from __future__ import annotations
 
 import random
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from gateway.errors import ParamError
-from gateway.tools.base import Context, Model, tool
+from gateway.tools.base import Cancelled, Context, Model, tool
+from gateway.tools.batching import run_alone
 
 
 class GenerateParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -121,61 +124,209 @@ def sample(logits: torch.Tensor, p: GenerateParams, generator: torch.Generator) 
     return torch.multinomial(probs, 1, generator=generator).squeeze(1).to(logits.device)
 
 
-@tool(partial=GeneratePartial, check=check, caps={"prompts": "max_prompts", "max_tokens": "max_tokens"})
-def generate(model: Model, params: GenerateParams, ctx: Context) -> GenerateResult:
-    """Complete each prompt, streaming tokens as they are sampled."""
-    encoded = [model.encode(prompt) for prompt in params.prompts]
-    batch, width = len(encoded), max(len(ids) for ids in encoded)
-    pad = model.tokenizer.pad_token_id
-    input_ids = torch.full((batch, width), pad, dtype=torch.long)
-    mask = torch.zeros((batch, width), dtype=torch.long)
-    for row, ids in enumerate(encoded):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids)
-        mask[row, width - len(ids) :] = 1
-    input_ids, mask = input_ids.to(model.device), mask.to(model.device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+class _Member:
+    """One job in a generation batch: its rows (one per prompt), sampler and step count."""
 
-    seed = params.seed if params.seed is not None else random.getrandbits(63)
-    generator = torch.Generator().manual_seed(seed)
-    rows = [_Completion(params.stop or []) for _ in encoded]
-    cache = None
-    step_ids = input_ids
-    for step in range(params.max_tokens):
-        ctx.raise_if_cancelled()
-        out = model.module(
-            input_ids=step_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-        )
-        cache = out.past_key_values
-        next_ids = sample(out.logits[:, -1, :].float(), params, generator)
-        for index, (row, token) in enumerate(zip(rows, next_ids.tolist())):
+    def __init__(self, model: Model, params: GenerateParams, ctx: Context) -> None:
+        self.params, self.ctx = params, ctx
+        self.encoded = [model.encode(prompt) for prompt in params.prompts]
+        self.rows = [_Completion(params.stop or []) for _ in self.encoded]
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        # A generator per job: its samples do not depend on who else is in the batch.
+        self.generator = torch.Generator().manual_seed(seed)
+        self.steps = 0
+
+    @property
+    def done(self) -> bool:
+        return self.steps >= self.params.max_tokens or all(row.finish is not None for row in self.rows)
+
+    def take(self, logits: torch.Tensor, model: Model) -> torch.Tensor:
+        """Sample this job's next tokens from its rows' logits; send what became final."""
+        tokens = sample(logits, self.params, self.generator)
+        self.steps += 1
+        for index, (row, token) in enumerate(zip(self.rows, tokens.tolist())):
             if row.finish is not None:
                 continue
             text = row.add(token, model)
             # A finished row sends its last tokens even without text (EOS), so the
             # partials' token_ids always add up to the completion's tokens.
             if text or (row.finish is not None and row.unsent):
-                ctx.partial(GeneratePartial(index, text, row.unsent))
+                self.ctx.partial(GeneratePartial(index, text, row.unsent))
                 row.unsent = []
-        ctx.progress(step + 1, params.max_tokens, "tokens")
-        if all(row.finish is not None for row in rows):
-            break
-        step_ids = next_ids[:, None]
-        mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
-        positions = positions[:, -1:] + 1
+        self.ctx.progress(self.steps, self.params.max_tokens, "tokens")
+        return tokens
 
-    for index, row in enumerate(rows):
-        if row.finish is None:
-            tail = row.end("length", model.decode(row.tokens))
-            if tail or row.unsent:
-                ctx.partial(GeneratePartial(index, tail, row.unsent))
-    prompt_tokens = sum(len(ids) for ids in encoded)
-    completion_tokens = sum(len(row.tokens) for row in rows)
-    return GenerateResult(
-        completions=[row.text for row in rows],
-        usage=Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens),
-        finish_reasons=[row.finish for row in rows],
-    )
+    def result(self, model: Model) -> GenerateResult:
+        for index, row in enumerate(self.rows):
+            if row.finish is None:
+                tail = row.end("length", model.decode(row.tokens))
+                if tail or row.unsent:
+                    self.ctx.partial(GeneratePartial(index, tail, row.unsent))
+        prompt_tokens = sum(len(ids) for ids in self.encoded)
+        completion_tokens = sum(len(row.tokens) for row in self.rows)
+        return GenerateResult(
+            completions=[row.text for row in self.rows],
+            usage=Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens),
+            finish_reasons=[row.finish for row in self.rows],
+        )
+
+
+class Generation:
+    """`generate`'s continuous batch: every member's rows decode together, a token per step.
+
+    A job that ends (or is cancelled) leaves at the end of its step, and a job
+    added between steps is prefilled at the next one and merged in, so no job
+    waits for the longest completion in the batch. Merging left-pads the
+    shorter KV cache; the attention mask hides the padding and each row's
+    position ids count only its own tokens, so a row computes what it would
+    alone. Caches other than plain dynamic ones (sliding-window layers) cannot
+    be padded that way: with them new jobs wait for the batch to empty.
+    """
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.members: list[_Member] = []  # in row order: each owns a contiguous block
+        self.joining: list[_Member] = []
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None  # (rows, cached tokens + 1): the +1 is the pending token
+        self.positions: torch.Tensor | None = None  # (rows, 1): the pending token's position
+        self.pending: torch.Tensor | None = None  # (rows,): the token each row feeds next
+        self.mergeable = True
+
+    @property
+    def continuous(self) -> bool:
+        return self.mergeable or not self.members
+
+    def __len__(self) -> int:
+        return len(self.members) + len(self.joining)
+
+    def add(self, params: GenerateParams, ctx: Context) -> None:
+        self.joining.append(_Member(self.model, params, ctx))
+
+    def step(self) -> list[tuple[Context, Any]]:
+        ended: list[tuple[Context, Any]] = []
+        self.joining, joining = [], self.joining
+        for member in joining:
+            if member.ctx.cancelled:
+                ended.append((member.ctx, Cancelled()))
+        joining = [m for m in joining if not m.ctx.cancelled]
+        for member in self.members:
+            if member.ctx.cancelled:
+                ended.append((member.ctx, Cancelled()))
+        self._keep([m for m in self.members if not m.ctx.cancelled])
+        if self.members:
+            self._decode()
+        if joining:
+            self._prefill(joining)
+        finished = [m for m in self.members if m.done]
+        ended.extend((m.ctx, m.result(self.model)) for m in finished)
+        self._keep([m for m in self.members if not m.done])
+        return ended
+
+    def _decode(self) -> None:
+        assert self.pending is not None
+        out = self.model.module(
+            input_ids=self.pending[:, None],
+            attention_mask=self.mask,
+            position_ids=self.positions,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cache = out.past_key_values
+        self.pending = self._sample(self.members, out.logits[:, -1, :].float())
+        self._advance()
+
+    def _prefill(self, joining: list[_Member]) -> None:
+        # Left padding: every prompt ends at the last column, where its next token is read.
+        rows = [ids for member in joining for ids in member.encoded]
+        width = max(len(ids) for ids in rows)
+        input_ids = torch.full((len(rows), width), self.model.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, ids in enumerate(rows):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            mask[row, width - len(ids) :] = 1
+        input_ids, mask = input_ids.to(self.model.device), mask.to(self.model.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model.module(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        tokens = self._sample(joining, out.logits[:, -1, :].float())
+        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+        positions = positions[:, -1:] + 1
+        if not self.members:
+            self.cache, self.mask, self.positions, self.pending = out.past_key_values, mask, positions, tokens
+            self.mergeable = _paddable(self.cache)
+        else:
+            self._merge(out.past_key_values, mask, positions, tokens)
+        self.members.extend(joining)
+
+    def _sample(self, members: list[_Member], logits: torch.Tensor) -> torch.Tensor:
+        taken, start = [], 0
+        for member in members:
+            end = start + len(member.rows)
+            taken.append(member.take(logits[start:end], self.model))
+            start = end
+        return torch.cat(taken)
+
+    def _advance(self) -> None:
+        assert self.mask is not None and self.positions is not None
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+        self.positions = self.positions + 1
+
+    def _merge(self, cache: Any, mask: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        assert self.mask is not None and self.positions is not None and self.pending is not None
+        width = max(self.mask.shape[1], mask.shape[1])
+        ours, theirs = width - self.mask.shape[1], width - mask.shape[1]
+        for mine, new in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, ours), _left_pad(new.keys, theirs)])
+            mine.values = torch.cat([_left_pad(mine.values, ours), _left_pad(new.values, theirs)])
+        self.mask = torch.cat([_left_pad(self.mask, ours, dim=1), _left_pad(mask, theirs, dim=1)])
+        self.positions = torch.cat([self.positions, positions])
+        self.pending = torch.cat([self.pending, tokens])
+
+    def _keep(self, members: list[_Member]) -> None:
+        """Keep only these members' rows; drop cache columns that are padding in every row left."""
+        if members == self.members:
+            return
+        keep, start = [], 0
+        for member in self.members:
+            if member in members:
+                keep.extend(range(start, start + len(member.rows)))
+            start += len(member.rows)
+        self.members = members
+        if not members:
+            self.cache = self.mask = self.positions = self.pending = None
+            self.mergeable = True
+            return
+        assert self.mask is not None and self.positions is not None and self.pending is not None
+        index = torch.tensor(keep, device=self.mask.device)
+        self.cache.batch_select_indices(index)
+        self.mask, self.positions, self.pending = self.mask[index], self.positions[index], self.pending[index]
+        if self.mergeable:
+            unused = int(self.mask.any(dim=0).long().argmax())
+            if unused:
+                for layer in self.cache.layers:
+                    layer.keys, layer.values = layer.keys[..., unused:, :], layer.values[..., unused:, :]
+                self.mask = self.mask[:, unused:]
+
+
+def _paddable(cache: Any) -> bool:
+    """A cache whose layers are plain key/value tensors, which left padding leaves correct."""
+    return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", [None]))
+
+
+def _left_pad(t: torch.Tensor, n: int, dim: int = -2) -> torch.Tensor:
+    if n == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+@tool(
+    partial=GeneratePartial,
+    check=check,
+    caps={"prompts": "max_prompts", "max_tokens": "max_tokens"},
+    batch=Generation,
+)
+def generate(model: Model, params: GenerateParams, ctx: Context) -> GenerateResult:
+    """Complete each prompt, streaming tokens as they are sampled."""
+    return run_alone(Generation(model), params, ctx)

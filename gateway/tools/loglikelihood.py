@@ -13,7 +13,8 @@ import msgspec
 import torch
 
 from gateway.errors import ParamError
-from gateway.tools.base import Context, Model, tool
+from gateway.tools.base import Context, Model, right_padded, tool
+from gateway.tools.batching import one_pass
 
 
 class LoglikelihoodParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -47,27 +48,34 @@ def check(model: Model, params: LoglikelihoodParams) -> None:
         model.fit(len(context) + len(continuation), f"prompts[{i}]", "prompt + continuation")
 
 
-@tool(check=check, caps={"prompts": "max_prompts", "continuations": "max_prompts"})
+def _loglikelihood_many(
+    model: Model, jobs: list[LoglikelihoodParams], ctxs: list[Context]
+) -> list[LoglikelihoodResult]:
+    # Every pair of every job in one right-padded forward pass.
+    pairs = [_pairs(model, params) for params in jobs]
+    flat = [pair for job in pairs for pair in job]
+    input_ids, mask = right_padded(model, [context + continuation for context, continuation in flat])
+    logprobs = model.module(input_ids=input_ids, attention_mask=mask).logits.float().log_softmax(dim=-1)
+    results, row = [], 0
+    for job, ctx in zip(pairs, ctxs):
+        ll, greedy = [], []
+        for context, continuation in job:
+            # Logits at position t predict token t + 1.
+            span = logprobs[row, len(context) - 1 : len(context) + len(continuation) - 1]
+            target = torch.tensor(continuation, device=span.device)
+            ll.append(span.gather(1, target[:, None]).sum().item())
+            greedy.append(bool((span.argmax(dim=-1) == target).all()))
+            row += 1
+        ctx.progress(len(job), len(job), "pairs")
+        results.append(LoglikelihoodResult(ll=ll, is_greedy=greedy))
+    return results
+
+
+@tool(
+    check=check,
+    caps={"prompts": "max_prompts", "continuations": "max_prompts"},
+    batch=one_pass(_loglikelihood_many),
+)
 def loglikelihood(model: Model, params: LoglikelihoodParams, ctx: Context) -> LoglikelihoodResult:
     """Sum of the continuation tokens' log-probabilities given the prompt, and whether greedy decoding would produce them."""
-    pairs = _pairs(model, params)
-    rows = [context + continuation for context, continuation in pairs]
-    width = max(len(r) for r in rows)
-    pad = model.tokenizer.pad_token_id
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        mask[i, : len(ids)] = 1
-    ctx.raise_if_cancelled()
-    logits = model.module(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device)).logits
-    logprobs = logits.float().log_softmax(dim=-1)
-    ll, greedy = [], []
-    for i, (context, continuation) in enumerate(pairs):
-        # Logits at position t predict token t + 1.
-        span = logprobs[i, len(context) - 1 : len(context) + len(continuation) - 1]
-        target = torch.tensor(continuation, device=span.device)
-        ll.append(span.gather(1, target[:, None]).sum().item())
-        greedy.append(bool((span.argmax(dim=-1) == target).all()))
-    ctx.progress(len(pairs), len(pairs), "pairs")
-    return LoglikelihoodResult(ll=ll, is_greedy=greedy)
+    return _loglikelihood_many(model, [params], [ctx])[0]

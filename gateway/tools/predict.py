@@ -8,7 +8,8 @@ import msgspec
 import torch
 
 from gateway.errors import ParamError
-from gateway.tools.base import Context, Model, tool
+from gateway.tools.base import Context, Model, right_padded, tool
+from gateway.tools.batching import one_pass
 from gateway.tools.numbers import floats
 
 
@@ -33,15 +34,28 @@ def check(model: Model, params: PredictParams) -> None:
         raise ParamError("top_k", f"must be <= the vocabulary size {model.module.config.vocab_size}")
 
 
-@tool(check=check)
+def _predict_many(model: Model, jobs: list[PredictParams], ctxs: list[Context]) -> list[PredictResult]:
+    # Right padding: causal attention keeps each prompt's real tokens from seeing the pads after them.
+    encoded = [model.encode(params.prompt) for params in jobs]
+    input_ids, mask = right_padded(model, encoded)
+    logits = model.module(input_ids=input_ids, attention_mask=mask).logits
+    last = torch.tensor([len(ids) - 1 for ids in encoded], device=logits.device)
+    probs = logits[torch.arange(len(encoded), device=logits.device), last].float().softmax(dim=-1)
+    results = []
+    for row, params in enumerate(jobs):
+        top = probs[row].topk(params.top_k)
+        results.append(
+            PredictResult(
+                [
+                    TokenProb(id=i, text=model.token_text(i), prob=p)
+                    for p, i in zip(floats(top.values), top.indices.tolist())
+                ]
+            )
+        )
+    return results
+
+
+@tool(check=check, batch=one_pass(_predict_many))
 def predict(model: Model, params: PredictParams, ctx: Context) -> PredictResult:
     """The top-k next tokens after the prompt, with their probabilities."""
-    ids = torch.tensor([model.encode(params.prompt)], device=model.device)
-    logits = model.module(input_ids=ids).logits[0, -1].float()
-    top = logits.softmax(dim=-1).topk(params.top_k)
-    return PredictResult(
-        [
-            TokenProb(id=i, text=model.token_text(i), prob=p)
-            for p, i in zip(floats(top.values), top.indices.tolist())
-        ]
-    )
+    return _predict_many(model, [params], [ctx])[0]

@@ -1,0 +1,361 @@
+"""Dynamic batching: jobs run together give what each gives alone, and keep their own
+frames, results, errors and cancellation; `generate` batches continuously.
+
+The first half drives the tools' batches directly on tiny models of every family
+(padding side, attention masks, merged KV caches); the second goes through a real
+gateway with concurrent clients.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+
+from backends import model as models
+from gateway.tools import Cancelled, Context, Model, tool
+from gateway.tools.batching import one_pass, run_alone
+from gateway.tools.embed import EmbedParams, embed
+from gateway.tools.generate import GenerateParams, Generation, generate
+from gateway.tools.loglikelihood import LoglikelihoodParams, loglikelihood
+from gateway.tools.predict import PredictParams, predict
+from tests.conftest import Stream, open_stream, parse_sse, run_stream, wait_until
+
+TOL = 1e-4
+
+
+class Recorder:
+    """A job's context that keeps what the tool told it."""
+
+    def __init__(self, name: str = "job") -> None:
+        self.job_id = name
+        self.partials: list[Any] = []
+        self.progressed: list[tuple[int, int | None]] = []
+        self.cancel_now = False
+
+    def progress(self, done: int, total: int | None = None, unit: str | None = None) -> None:
+        self.progressed.append((done, total))
+
+    def log(self, message: str, level: str = "info") -> None:
+        pass
+
+    def partial(self, obj: Any) -> None:
+        self.partials.append(msgspec.to_builtins(obj))
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_now
+
+    def raise_if_cancelled(self) -> None:
+        if self.cancel_now:
+            raise Cancelled()
+
+
+def as_plain(result: Any) -> Any:
+    return msgspec.to_builtins(result, enc_hook=lambda a: a.tolist() if isinstance(a, np.ndarray) else a)
+
+
+def assert_close(a: Any, b: Any, where: str = "") -> None:
+    """Equal structure; floats to TOL."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_close(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_close(x, y, f"{where}[{i}]")
+    elif isinstance(a, float):
+        assert abs(a - b) <= TOL * max(1.0, abs(a)), f"{where}: {a} != {b}"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def run_together(model: Model, batch: Any, jobs: list[tuple[Any, Recorder]]) -> dict[str, Any]:
+    """Add every job, step to the end; outcomes by job name."""
+    for params, ctx in jobs:
+        batch.add(params, ctx)
+    outcomes: dict[str, Any] = {}
+    while len(batch):
+        for ctx, outcome in batch.step():
+            outcomes[ctx.job_id] = outcome
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_path: Path) -> Model:
+    return models.load(models.resolve(str(tiny_model_path)), "cpu")
+
+
+@pytest.fixture(scope="module")
+def family_model(arch_model_path: Path) -> Model:
+    return models.load(models.resolve(str(arch_model_path)), "cpu")
+
+
+PROMPTS = ["a", "The capital of France is", "xyz xyz xyz xyz xyz xyz xyz xyz", "Hi!", "0123456789" * 4]
+
+
+# -- one forward pass over every member ------------------------------------------
+
+
+def test_one_pass_tools_give_what_each_gives_alone(family_model: Model) -> None:
+    cases = [
+        (predict, [PredictParams(prompt=p, top_k=5 + i) for i, p in enumerate(PROMPTS)]),
+        (
+            loglikelihood,
+            [
+                LoglikelihoodParams(prompts=[p, p[:3] or "q"], continuations=[" next", " x" * (i + 1)])
+                for i, p in enumerate(PROMPTS)
+            ],
+        ),
+        (
+            embed,
+            [
+                EmbedParams(texts=PROMPTS[: i + 1], layer=layer, pooling=pooling, normalize=i % 2 == 0)
+                for i, (layer, pooling) in enumerate(
+                    [(-1, "mean"), (0, "last"), (1, "none"), (-1, "last"), (2, "mean")]
+                )
+            ],
+        ),
+    ]
+    for t, jobs in cases:
+        alone = [as_plain(t.run(family_model, params, Recorder())) for params in jobs]
+        together = run_together(family_model, t.batch(family_model), [(p, Recorder(str(i))) for i, p in enumerate(jobs)])
+        assert sorted(together) == [str(i) for i in range(len(jobs))]
+        for i, expected in enumerate(alone):
+            assert_close(as_plain(together[str(i)]), expected, f"{t.name} job {i}")
+
+
+def test_embed_batches_across_jobs_beyond_one_chunk(llama: Model) -> None:
+    # 20 + 7 texts: chunks of 16 mix the two jobs' texts.
+    jobs = [EmbedParams(texts=[f"text {i} " * (i % 5 + 1) for i in range(20)]), EmbedParams(texts=PROMPTS + ["b", "c"], pooling="none")]
+    alone = [as_plain(embed.run(llama, p, Recorder())) for p in jobs]
+    ctxs = [Recorder("0"), Recorder("1")]
+    together = run_together(llama, embed.batch(llama), list(zip(jobs, ctxs)))
+    for i in range(2):
+        assert_close(as_plain(together[str(i)]), alone[i], f"job {i}")
+    # Each job hears its own progress, ending at its own total.
+    assert ctxs[0].progressed[-1] == (20, 20)
+    assert ctxs[1].progressed[-1] == (7, 7)
+
+
+def test_a_cancelled_member_leaves_and_the_others_are_unchanged(llama: Model) -> None:
+    jobs = [(PredictParams(prompt=p), Recorder(str(i))) for i, p in enumerate(PROMPTS)]
+    jobs[2][1].cancel_now = True
+    together = run_together(llama, predict.batch(llama), jobs)
+    assert isinstance(together["2"], Cancelled)
+    for i, (params, _) in enumerate(jobs):
+        if i != 2:
+            assert_close(as_plain(together[str(i)]), as_plain(predict.run(llama, params, Recorder())))
+
+
+class Number(msgspec.Struct):
+    x: float
+
+
+class Doubled(msgspec.Struct):
+    y: float
+
+
+def _double_many(model: Model, jobs: list[Number], ctxs: list[Context]) -> list[Doubled]:
+    if any(j.x < 0 for j in jobs):
+        raise ValueError("negative input")
+    return [Doubled(2 * j.x) for j in jobs]
+
+
+@tool(batch=one_pass(_double_many))
+def double(model: Model, params: Number, ctx: Context) -> Doubled:
+    """Twice x; fails on a negative x (a user tool that batches)."""
+    return _double_many(model, [params], [ctx])[0]
+
+
+def test_one_bad_input_fails_only_its_own_job(llama: Model) -> None:
+    jobs = [(Number(x), Recorder(str(i))) for i, x in enumerate([1.0, -1.0, 3.0])]
+    together = run_together(llama, double.batch(llama), jobs)
+    assert together["0"] == Doubled(2.0)
+    assert together["2"] == Doubled(6.0)
+    assert isinstance(together["1"], ValueError)
+
+
+# -- generation: continuous batching ------------------------------------------------
+
+
+def _generate_jobs() -> list[GenerateParams]:
+    return [
+        GenerateParams(prompts=["Hello"], max_tokens=12),
+        GenerateParams(prompts=["a", "The capital of France is"], max_tokens=7, temperature=0.9, seed=3),
+        GenerateParams(prompts=["xyz xyz xyz xyz xyz"], max_tokens=20, temperature=1.2, top_k=5, seed=11),
+        GenerateParams(prompts=["Hi!"], max_tokens=3, top_p=0.8, temperature=0.7, seed=5, stop=["q"]),
+        GenerateParams(prompts=["0123456789" * 3, "z"], max_tokens=9),
+    ]
+
+
+def _alone(model: Model, params: GenerateParams) -> tuple[Any, list[Any]]:
+    ctx = Recorder()
+    result = as_plain(generate.run(model, params, ctx))
+    return result, ctx.partials
+
+
+def test_generation_together_and_joining_midway_equals_alone(family_model: Model) -> None:
+    jobs = _generate_jobs()
+    alone = [_alone(family_model, p) for p in jobs]
+    batch = Generation(family_model)
+    ctxs = [Recorder(str(i)) for i in range(len(jobs))]
+    outcomes: dict[str, Any] = {}
+    # Two start together; the others join one per step while those decode.
+    waiting = list(zip(jobs, ctxs))
+    for params, ctx in waiting[:2]:
+        batch.add(params, ctx)
+    waiting = waiting[2:]
+    steps = 0
+    while len(batch) or waiting:
+        if waiting and batch.continuous:
+            batch.add(*waiting.pop(0))
+        for ctx, outcome in batch.step():
+            outcomes[ctx.job_id] = outcome
+        steps += 1
+        assert steps < 100
+    for i, (expected, partials) in enumerate(alone):
+        assert as_plain(outcomes[str(i)]) == expected, f"job {i}"
+        assert ctxs[i].partials == partials, f"job {i}: its partial events"
+
+
+def test_a_short_job_ends_while_a_long_one_goes_on(llama: Model) -> None:
+    batch = Generation(llama)
+    long, short = Recorder("long"), Recorder("short")
+    batch.add(GenerateParams(prompts=["Once upon a time"], max_tokens=30), long)
+    batch.step()
+    batch.step()
+    batch.add(GenerateParams(prompts=["Hi"], max_tokens=2), short)
+    ended_at: dict[str, int] = {}
+    step = 2
+    while len(batch):
+        step += 1
+        for ctx, _ in batch.step():
+            ended_at[ctx.job_id] = step
+    assert ended_at["short"] == 4  # joined at step 3 (its prefill and first token), done at step 4
+    assert ended_at["long"] == 30
+    assert long.progressed[-1] == (30, 30)
+
+
+def test_cancelling_one_generation_leaves_the_others_unchanged(llama: Model) -> None:
+    jobs = _generate_jobs()[:3]
+    alone = [_alone(llama, p)[0] for p in jobs]
+    batch = Generation(llama)
+    ctxs = [Recorder(str(i)) for i in range(3)]
+    for params, ctx in zip(jobs, ctxs):
+        batch.add(params, ctx)
+    outcomes: dict[str, Any] = {}
+    for ctx, outcome in batch.step() + batch.step():
+        outcomes[ctx.job_id] = outcome
+    ctxs[1].cancel_now = True
+    while len(batch):
+        for ctx, outcome in batch.step():
+            outcomes[ctx.job_id] = outcome
+    assert isinstance(outcomes["1"], Cancelled)
+    assert len(ctxs[1].progressed) == 2  # it stopped at the step after its cancel
+    assert as_plain(outcomes["0"]) == alone[0]
+    assert as_plain(outcomes["2"]) == alone[2]
+
+
+def test_the_batch_of_one_is_the_tool(llama: Model) -> None:
+    params = GenerateParams(prompts=["Hello", "abc"], max_tokens=5, temperature=1.0, seed=1)
+    assert as_plain(run_alone(Generation(llama), params, Recorder())) == _alone(llama, params)[0]
+
+
+# -- through the gateway ---------------------------------------------------------------
+
+
+def _concurrently(calls: list[Any]) -> list[Any]:
+    barrier = threading.Barrier(len(calls))
+
+    def go(call: Any) -> Any:
+        barrier.wait()
+        return call()
+
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(go, calls))
+
+
+def _data(stream: Stream) -> Any:
+    assert stream.terminal["event"] == "data", stream.terminal
+    return stream.terminal["data"]
+
+
+@pytest.mark.parametrize("max_batch_size", [32, 1])
+def test_concurrent_clients_batch_and_get_their_own_results(serve: Any, max_batch_size: int) -> None:
+    server = serve(tools=[double], max_batch_size=max_batch_size, batch_wait_ms=50)
+    worker = server.backend.workers[0]
+    prompts = [f"prompt number {i} " * (i % 4 + 1) for i in range(12)]
+    alone = [_data(run_stream(server.url, "predict", {"prompt": p, "top_k": 3})) for p in prompts]
+    worker.batch_sizes.clear()
+    together = _concurrently(
+        [lambda p=p: _data(run_stream(server.url, "predict", {"prompt": p, "top_k": 3})) for p in prompts]
+    )
+    for expected, got in zip(alone, together):
+        assert_close(got, expected)
+    if max_batch_size == 1:
+        assert set(worker.batch_sizes) == {1}
+    else:
+        assert max(worker.batch_sizes) > 1, worker.batch_sizes
+
+    # A bad input among good ones: its own tool_error, the others their results.
+    outcomes = _concurrently(
+        [lambda x=x: run_stream(server.url, "double", {"x": x}).terminal for x in [1.0, -1.0, 2.0, 3.0]]
+    )
+    assert [o["event"] for o in outcomes] == ["data", "error", "data", "data"]
+    assert outcomes[1]["data"]["error"]["code"] == "tool_error"
+    assert "negative input" in outcomes[1]["data"]["error"]["message"]
+    assert [o["data"]["y"] for i, o in enumerate(outcomes) if i != 1] == [2.0, 4.0, 6.0]
+
+
+def test_a_generation_joins_a_running_batch_and_one_is_cancelled(serve: Any) -> None:
+    server = serve()
+    worker = server.backend.workers[0]
+    long_params = {"prompts": ["Once upon a time"], "max_tokens": 150}
+    expected_short = _data(run_stream(server.url, "generate", {"prompts": ["Hi"], "max_tokens": 4}))
+    results: dict[str, Any] = {}
+    job_ids: dict[str, str] = {}
+
+    def follow(name: str, params: dict[str, Any]) -> None:
+        with open_stream(server.url, "generate", params) as response:
+            job_ids[name] = response.headers["x-job-id"]
+            results[name] = parse_sse(response.read())[-1]
+
+    threads = [threading.Thread(target=follow, args=("long", long_params)), threading.Thread(target=follow, args=("doomed", long_params))]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(worker.running) == 2, 20, "both long jobs to run")
+    # A short job arrives while they decode: it joins their batch and ends long before them.
+    started = time.monotonic()
+    assert _data(run_stream(server.url, "generate", {"prompts": ["Hi"], "max_tokens": 4})) == expected_short
+    assert len(worker.running) == 2, "the long jobs still run"
+    assert time.monotonic() - started < 10
+    httpx.delete(f"{server.url}/jobs/{job_ids['doomed']}")
+    for t in threads:
+        t.join(60)
+    assert results["doomed"]["event"] == "error" and results["doomed"]["data"]["error"]["code"] == "cancelled"
+    assert results["long"]["event"] == "data"
+    assert results["long"]["data"]["usage"]["completion_tokens"] == 150
+    assert max(worker.batch_sizes) >= 3
+
+
+def test_one_worker_per_device(serve: Any) -> None:
+    server = serve(tools=[], devices=["cpu", "cpu"], max_batch_size=1)
+    workers = server.backend.workers
+    assert len(workers) == 2 and workers[0].model is not workers[1].model
+    params = {"prompts": ["Once upon a time"], "max_tokens": 100}
+    threads = [threading.Thread(target=run_stream, args=(server.url, "generate", params)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    # Unbatched, two jobs still run at once: one on each device's worker.
+    wait_until(lambda: all(w.busy for w in workers), 20, "both workers to run a job")
+    for t in threads:
+        t.join(60)
