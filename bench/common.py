@@ -390,6 +390,7 @@ class Report:
         self.facts: list[tuple[str, str]] = []
         self.blocks: list[str] = []
         self.targets: list[str] = []
+        self.load = os.getloadavg()  # other work on the machine skews every figure: say how much there was
 
     def fact(self, name: str, value: str) -> None:
         self.facts.append((name, value))
@@ -414,7 +415,8 @@ class Report:
 
     def print(self) -> None:
         mode = "quick" if self.bench.quick else "full"
-        out = [f"# {self.title}", f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}", f"mode: {mode}"]
+        out = [f"# {self.title}", f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}", f"mode: {mode}",
+               "load average at start: {:.2f} {:.2f} {:.2f}".format(*self.load)]
         out += [f"{name}: {value}" for name, value in self.facts]
         targets = ["\n".join(self.targets)] if self.targets else []
         print("\n".join(out), *self.blocks, *targets, sep="\n\n", flush=True)

@@ -81,7 +81,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
 
     quick = bench.quick
     clients = 8
-    sequential, concurrent, rounds = (40, 150, 2) if quick else (300, 1000, 3)
+    sequential, concurrent, rounds = (40, 150, 2) if quick else (300, 3000, 3)
     long_partials, long_reps = (1000, 2) if quick else (5000, 3)
 
     frames_file = bench.dir / "frames.json"
