@@ -17,6 +17,8 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -24,9 +26,12 @@ from starlette.staticfiles import StaticFiles
 
 from backends.base import Backend
 from gateway import params as params_mod
+from gateway.auth import Auth, load_principals
 from gateway.config import Settings
 from gateway.errors import ApiError, api_error_handler, http_error_handler
 from gateway.jobs import Job
+from gateway.logs import RequestIds, request_id_headers
+from gateway.metrics import Metrics
 from gateway.protocol import Code, encode, parse_event_id
 from gateway.store import JobHandle, JobStore, MemoryStore
 from gateway.stream import job_response
@@ -64,6 +69,23 @@ def _last_event_id(request: Request) -> tuple[str, int] | None:
     return parsed
 
 
+def _cors(origins: list[str]) -> list[Middleware]:
+    """Cross-origin access for the listed origins only (none by default): browsers elsewhere get no CORS headers."""
+    if not origins:
+        return []
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID", "X-Request-Id"],
+            # A page elsewhere reads these from a run's response (fetch hides the rest).
+            expose_headers=["X-Job-Id", "X-Request-Id", "Retry-After"],
+            max_age=600,
+        )
+    ]
+
+
 def open_store(settings: Settings, cancel: Any) -> JobStore:
     """The job store `settings.store` names: `memory`, or a Redis URL shared by every replica."""
     if settings.store == "memory":
@@ -77,18 +99,30 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     limits = settings.limits()
     store = open_store(settings, lambda job: backend.cancel(job))
+    metrics = Metrics(backend)
+    auth = Auth(
+        load_principals(
+            settings.tokens_file,
+            settings.tokens,
+            max_concurrent=settings.max_concurrent_per_token,
+            jobs_per_minute=settings.jobs_per_minute_per_token,
+        ),
+        ticket_ttl=settings.ticket_ttl,
+    )
 
     def follow(job: JobHandle, after: int = 0) -> Response:
         return job_response(
-            job, backend, store, ping_interval=settings.ping_interval, retry_ms=settings.retry_ms, after=after
+            job, backend, store, metrics=metrics, ping_interval=settings.ping_interval, retry_ms=settings.retry_ms, after=after
         )
 
     async def run(request: Request) -> Response:
+        principal = auth.authenticate(request)
         resumed = _last_event_id(request)
         if resumed is not None and request.method == "GET":
             # An EventSource reconnecting to the URL it first opened: the same job, not a new one.
             return _resume(await _job(resumed[0]), resumed[1])
         tool = backend.tool(request.path_params["tool"])
+        auth.authorize(principal, tool.name)
         if request.method == "POST":
             params = params_mod.decode_body(tool, await params_mod.read_body(request, settings.max_body_bytes))
         else:
@@ -96,18 +130,29 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         if (problem := getattr(store, "problem", None)) is not None:  # a shared store that is unreachable
             raise ApiError(Code.NOT_READY, problem, retry_after=5)
         key = request.headers.get("idempotency-key")
+        if key and principal is not None:
+            key = f"{principal.name}:{key}"  # one token cannot attach to another's job by guessing its key
         job = Job(tool.name, params)
+        metrics.track(job)
         if key and (bound := await store.reserve(key, job.id)) is not None:
             # The same request again (a client replaying its POST): attach to the job it started.
             after = resumed[1] if resumed is not None and resumed[0] == bound else 0
             return _resume(await _job(bound), after)
         try:
-            await backend.admit(tool, params, limits)
-            await backend.submit(job)
-        except BaseException:
+            release = auth.limits.admit(principal)
+        except ApiError:
             if key:
                 await store.release(key, job.id)
             raise
+        try:
+            await backend.admit(tool, params, limits)
+            await backend.submit(job)
+        except BaseException:
+            release()
+            if key:
+                await store.release(key, job.id)
+            raise
+        job.on_end.append(lambda _: release())
         job.idempotency_key = key
         await store.add(job)
         return follow(job)
@@ -125,6 +170,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         return follow(job, after)
 
     async def job_events(request: Request) -> Response:
+        auth.authenticate(request)
         job = await _job(request.path_params["job_id"])
         resumed = _last_event_id(request)
         if resumed is not None and resumed[0] != job.id:
@@ -132,15 +178,24 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         return _resume(job, resumed[1] if resumed else 0)
 
     async def job_snapshot(request: Request) -> Response:
+        auth.authenticate(request)
         job = await _job(request.path_params["job_id"])
         return Response(encode(job.snapshot()), media_type="application/json")
 
     async def cancel_job(request: Request) -> Response:
+        auth.authenticate(request)
         job = await _job(request.path_params["job_id"])
         running = not job.done
         if running:
             await store.cancel(job)
         return JSONResponse({"job_id": job.id, "cancelled": running, "status": job.snapshot().status})
+
+    async def ticket(request: Request) -> Response:
+        principal = auth.authenticate(request)
+        if principal is None:
+            raise ApiError(Code.NOT_FOUND, "this gateway has no tokens configured: GET streams need no ticket")
+        value, ttl = auth.issue_ticket(principal)
+        return JSONResponse({"ticket": value, "expires_in": ttl}, headers={"Cache-Control": "no-store"})
 
     described: list[object] = [None, b""]  # the tools mapping last described, and its JSON
 
@@ -167,7 +222,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
 
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return ApiError(Code.INTERNAL, "internal error").response()
+        return ApiError(Code.INTERNAL, "internal error", headers=request_id_headers()).response()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -184,10 +239,12 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             Route("/tools", tools, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", metrics.endpoint, methods=["GET"]),
             Route("/{tool}/run", run, methods=["GET", "POST"]),
             Route("/jobs/{job_id}", job_snapshot, methods=["GET"]),
             Route("/jobs/{job_id}", cancel_job, methods=["DELETE"]),
             Route("/jobs/{job_id}/events", job_events, methods=["GET"]),
+            Route("/auth/ticket", ticket, methods=["POST"]),
             Route("/", dashboard, methods=["GET"]),
             Mount("/assets", _Assets(directory=STATIC / "assets", check_dir=False), name="assets"),
         ],
@@ -197,8 +254,13 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             Exception: unexpected,
         },
         lifespan=lifespan,
+        middleware=_cors(settings.cors_origins),
     )
+    app.state.auth = auth
     app.state.backend = backend
     app.state.settings = settings
     app.state.store = store
+    app.state.metrics = metrics
+    # Added last, so it wraps the other middleware (CORS included): every answer carries X-Request-Id.
+    app.add_middleware(RequestIds)
     return app

@@ -49,6 +49,7 @@ def _model_options(command: Any) -> Any:
         _option("--max-tokens", default=_D.max_tokens, type=click.IntRange(min=1), help="Most tokens one generate job may ask for."),
         _option("--max-body-bytes", default=_D.max_body_bytes, type=click.IntRange(min=1)),
         _option("--log-level", default=_D.log_level, type=click.Choice(["debug", "info", "warning", "error"])),
+        _option("--log-format", default=_D.log_format, type=click.Choice(["text", "json"]), help="Log lines as text, or as one JSON object each (with request_id, job_id)."),
         _option("--debug", is_flag=True, default=False, help="Put tracebacks in tool_error messages."),
         _option("--executor-token", default=None, help="The bearer token shared by gateways and executors."),
     ]
@@ -58,24 +59,41 @@ def _model_options(command: Any) -> Any:
 
 
 def _split_devices(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str]:
-    devices = [d.strip() for d in (value or "").split(",") if d.strip()]
+    devices = _split_list(ctx, param, value)
     if value is not None and not devices:
         raise click.BadParameter("expected devices separated by commas: cuda:0,cuda:1")
     return devices
 
 
+def _split_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str]:
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _settings(options: dict[str, Any]) -> Settings:
     options["tools"] = list(options.get("tools", ()))
-    if "executors" in options:
-        options["executors"] = list(options["executors"])
+    for key in ("executors", "tokens"):
+        if key in options:
+            options[key] = list(options[key])
     # Like `python -m` and uvicorn: `--tools mypkg.tools` finds ./mypkg; a console
     # script's sys.path starts at its own bin folder, not the working directory.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     settings = Settings(**options)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from gateway.logs import configure_logging
+
+    # uvicorn's loggers too: uvicorn.run gets log_config=None so that it keeps them this way.
+    configure_logging(settings.log_level, settings.log_format)
     # A remote gateway polls each executor every second: keep those out of the logs.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("uvicorn.access").addFilter(_HealthChecks())
@@ -132,6 +150,12 @@ def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @_option("--store", default=_D.store, callback=_check_store, help="Where jobs are kept: memory (this process), or redis://host:port/db, shared by every replica.")
 @_option("--ping-interval", default=_D.ping_interval, type=click.FloatRange(min=0), help="Seconds of quiet before a ': ping' comment (0: none).")
 @_option("--retry-ms", default=_D.retry_ms, type=click.IntRange(min=0), help="The reconnect delay sent to EventSource clients.")
+@_option("--tokens-file", default=None, type=click.Path(exists=True, dir_okay=False), help="A TOML file of client tokens ([tokens.<name>] token, tools, max_concurrent, jobs_per_minute). With tokens, runs need a bearer token.")
+@_option("--tokens", multiple=True, help="Client tokens as name=token (repeatable; prefer the env var: a command line is visible to other users).")
+@_option("--max-concurrent-per-token", default=None, type=click.IntRange(min=1), help="Jobs one token may run at once (429 rate_limited past it).")
+@_option("--jobs-per-minute-per-token", default=None, type=click.IntRange(min=1), help="Jobs one token may start per minute (429 rate_limited past it).")
+@_option("--ticket-ttl", default=_D.ticket_ttl, type=click.FloatRange(min=1, max=60), help="Seconds a ticket from POST /auth/ticket is valid.")
+@_option("--cors-origins", default=None, callback=_split_list, help="Origins allowed to call from a browser, comma-separated (none by default).")
 def serve(**options: Any) -> None:
     """Start the gateway, with the model in this process or on executors."""
     import uvicorn
@@ -149,8 +173,19 @@ def serve(**options: Any) -> None:
         )
     else:
         backend = _local_backend(settings)
-    app = create_app(backend, settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    from gateway.auth import AuthConfigError
+
+    try:
+        app = create_app(backend, settings)
+    except AuthConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    if not app.state.auth.enabled and not _is_loopback(settings.host):
+        logging.getLogger("streamgate").warning(
+            "\n%s\n  streamgate listens on %s WITHOUT AUTH: anyone who can reach it can run jobs.\n"
+            "  Give client tokens with --tokens-file or STREAMGATE_TOKENS.\n%s",
+            "!" * 78, settings.host, "!" * 78,
+        )
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None)
 
 
 @main.command()
@@ -167,7 +202,7 @@ def executor(**options: Any) -> None:
     from gateway.encoding import to_msgpack
 
     settings = _settings(options)
-    if not settings.executor_token and settings.host not in ("127.0.0.1", "localhost", "::1"):
+    if not settings.executor_token and not _is_loopback(settings.host):
         logging.getLogger("streamgate").warning(
             "the executor listens on %s without --executor-token: anyone who reaches it can run jobs",
             settings.host,
@@ -181,7 +216,7 @@ def executor(**options: Any) -> None:
         session_grace=settings.session_grace,
     )
     app = create_executor_app(service)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, ws="websockets")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None, ws="websockets")
 
 
 def _params_from_pairs(pairs: tuple[str, ...]) -> list[tuple[str, str]]:

@@ -24,12 +24,20 @@ class Settings(msgspec.Struct, kw_only=True):
     retry_ms: int = 3000
     debug: bool = False
     log_level: str = "info"
+    log_format: str = "text"  # or json: one object a line (gateway/logs.py)
     detach_grace: float = 30.0
     retention: float = 600.0
     store: str = "memory"  # or redis://host:port/db: jobs shared by every replica (gateway/redis_store.py)
     backend: str = "local"
     executors: list[str] = msgspec.field(default_factory=list)
     executor_token: str | None = None
+    # Client access (gateway/auth.py): no tokens, no auth.
+    tokens_file: str | None = None
+    tokens: list[str] = msgspec.field(default_factory=list)
+    max_concurrent_per_token: int | None = None
+    jobs_per_minute_per_token: int | None = None
+    ticket_ttl: float = 60.0
+    cors_origins: list[str] = msgspec.field(default_factory=list)
     executor_deadline: float = 30.0
     # The executor's own settings.
     result_ttl: float = 600.0

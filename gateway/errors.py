@@ -47,8 +47,10 @@ class ApiError(Exception):
         retry_after: float | None = None,
         status: int | None = None,
         retryable: bool | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = dict(headers or {})
         self.code = code
         self.message = message
         self.field = field
@@ -62,7 +64,7 @@ class ApiError(Exception):
         )
 
     def response(self) -> Response:
-        headers = {}
+        headers = dict(self.headers)
         if self.retry_after is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
         return Response(

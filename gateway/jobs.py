@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -57,6 +58,8 @@ class Job:
         self.position: int | None = None
         self.last_progress: Progress | None = None
         self.idempotency_key: str | None = None
+        # Called once with the job when its terminal event is appended (e.g. to free a per-token slot).
+        self.on_end: list[Callable[[Job], None]] = []
         self.events: list[Event] = []
         self.terminal: Event | None = None
         # Read by worker threads between steps, hence a threading.Event.
@@ -79,6 +82,8 @@ class Job:
             self.terminal = event
             self.finished = now()
             self._drop_pending_progress()
+            for callback in self.on_end:
+                callback(self)
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
         return event

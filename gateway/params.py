@@ -72,17 +72,22 @@ def decode_body(tool: Tool, body: bytes, what: str = "the body") -> Any:
         raise ApiError(Code.BAD_REQUEST, f"{what} is not valid JSON: {exc}") from None
 
 
+# Query keys the gateway reads itself (gateway/auth.py): never a tool's params.
+GATEWAY_QUERY_KEYS = frozenset({"ticket"})
+
+
 def decode_query(tool: Tool, query: QueryParams) -> Any:
     """Params from a query string: `params=<JSON>`, or one key per field."""
+    keys = [key for key in query.keys() if key not in GATEWAY_QUERY_KEYS]
     if "params" in query and "params" not in _fields(tool):
-        if len(query) > 1:
+        if len(keys) > 1:
             raise ApiError(
                 Code.BAD_REQUEST, "give either params=<JSON> or flat keys, not both"
             )
         return decode_body(tool, query["params"].encode(), "the params= value")
     lists = _list_fields(tool)
     obj: dict[str, Any] = {}
-    for key in query.keys():
+    for key in keys:
         values = query.getlist(key)
         if key in lists:
             obj[key] = values

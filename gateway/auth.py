@@ -1,0 +1,251 @@
+"""Who may run what: bearer tokens, per-token limits, and short-lived tickets.
+
+Auth is off until tokens are configured, from a TOML file (`--tokens-file`) or
+the environment (`--tokens` / `STREAMGATE_TOKENS`). With tokens, every run and
+every job route needs `Authorization: Bearer <token>`: 401 `unauthorized`
+without a valid one, 403 `forbidden` for a tool the token may not use, 429
+`rate_limited` (with `Retry-After`) past the token's concurrent jobs or jobs
+per minute. Health, readiness, the tool list and the dashboard's files stay
+open: probes and a login page need them, and they hold no one's data.
+
+Tokens are compared in constant time, as SHA-256 digests so that even their
+lengths leak nothing.
+
+A browser's `EventSource` cannot send headers, and a long-lived token put in a
+URL ends up in logs, histories and `Referer` headers. So GET streams take a
+ticket instead: `POST /auth/ticket` (with the token) answers
+`<name>.<expiry>.<signature>`, an HMAC-SHA256 of the name and expiry keyed by
+the token itself. Keyed that way, a ticket is bound to its token (remove the
+token and its tickets die with it), and any replica that knows the token can
+check it without another shared secret. Tickets live at most 60 seconds and
+are accepted only in the `ticket` query key of GET requests; a `token` in a
+query is refused outright rather than ignored.
+
+Limits are counted by each gateway process; behind several replicas a token
+gets its limits at each one.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import hashlib
+import hmac
+import math
+import time
+import tomllib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from starlette.requests import Request
+
+from gateway.errors import ApiError
+from gateway.protocol import Code
+
+TICKET_TTL_MAX = 60.0
+# Query keys where a credential would be a mistake: refused, so it is noticed.
+LONG_LIVED_IN_QUERY = ("token", "access_token", "api_key")
+
+
+class AuthConfigError(ValueError):
+    """The tokens file or list cannot be used; the message says where and why."""
+
+
+@dataclass(frozen=True)
+class Principal:
+    """A configured token: its name (in logs, tickets, metrics), what it may run and its limits."""
+
+    name: str
+    token: str = field(repr=False)
+    tools: frozenset[str] | None = None  # None: every tool
+    max_concurrent: int | None = None
+    jobs_per_minute: int | None = None
+
+    @property
+    def digest(self) -> bytes:
+        return hashlib.sha256(self.token.encode()).digest()
+
+
+def load_principals(
+    tokens_file: str | None,
+    tokens: Iterable[str] = (),
+    *,
+    max_concurrent: int | None = None,
+    jobs_per_minute: int | None = None,
+) -> list[Principal]:
+    """Tokens from a TOML file (a `[tokens.<name>]` table each) and `name=token` (or bare token) entries."""
+    found: list[Principal] = []
+    if tokens_file:
+        try:
+            data = tomllib.loads(Path(tokens_file).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise AuthConfigError(f"--tokens-file {tokens_file}: {exc}") from None
+        for name, entry in (data.get("tokens") or {}).items():
+            where = f"--tokens-file {tokens_file}: [tokens.{name}]"
+            if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
+                raise AuthConfigError(f"{where}: needs token = \"…\"")
+            unknown = set(entry) - {"token", "tools", "max_concurrent", "jobs_per_minute"}
+            if unknown:
+                raise AuthConfigError(f"{where}: unknown keys {sorted(unknown)}")
+            tools = entry.get("tools")
+            if tools is not None and not (isinstance(tools, list) and all(isinstance(t, str) for t in tools)):
+                raise AuthConfigError(f"{where}: tools must be a list of tool names")
+            for key in ("max_concurrent", "jobs_per_minute"):
+                value = entry.get(key)
+                if value is not None and not (isinstance(value, int) and value >= 1):
+                    raise AuthConfigError(f"{where}: {key} must be an integer >= 1")
+            found.append(
+                Principal(
+                    name=name,
+                    token=entry["token"],
+                    tools=frozenset(tools) if tools is not None else None,
+                    max_concurrent=entry.get("max_concurrent", max_concurrent),
+                    jobs_per_minute=entry.get("jobs_per_minute", jobs_per_minute),
+                )
+            )
+    for i, item in enumerate(t.strip() for t in tokens):
+        if not item:
+            continue
+        name, _, token = item.rpartition("=") if "=" in item else (f"token-{i + 1}", "", item)
+        found.append(Principal(name=name, token=token, max_concurrent=max_concurrent, jobs_per_minute=jobs_per_minute))
+    for p in found:
+        if len(p.token) < 16:
+            raise AuthConfigError(f"token {p.name!r}: use at least 16 characters (e.g. `openssl rand -hex 32`)")
+    names = [p.name for p in found]
+    if len(set(names)) != len(names):
+        raise AuthConfigError(f"token names must be unique: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    return found
+
+
+class Auth:
+    """Checks requests against the configured tokens; a no-op without any."""
+
+    def __init__(self, principals: list[Principal], *, ticket_ttl: float = TICKET_TTL_MAX) -> None:
+        self.principals = {p.name: p for p in principals}
+        self.ticket_ttl = min(ticket_ttl, TICKET_TTL_MAX)
+        self.limits = Limits()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.principals)
+
+    def authenticate(self, request: Request) -> Principal | None:
+        """The request's principal (None with auth off); 401 without a valid credential."""
+        if not self.enabled:
+            return None
+        for key in LONG_LIVED_IN_QUERY:
+            if key in request.query_params:
+                raise _unauthorized(
+                    f"a credential in the URL ({key}=) is refused: send `Authorization: Bearer …`, "
+                    "or for a GET stream a ticket from POST /auth/ticket"
+                )
+        header = request.headers.get("authorization")
+        if header is not None:
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise _unauthorized("expected `Authorization: Bearer <token>`")
+            principal = self._by_token(token.strip())
+            if principal is None:
+                raise _unauthorized("unknown token")
+            return principal
+        ticket = request.query_params.get("ticket")
+        if ticket is not None:
+            if request.method != "GET":
+                raise _unauthorized("a ticket is only for GET streams; send `Authorization: Bearer …`")
+            return self._check_ticket(ticket)
+        raise _unauthorized("this gateway needs `Authorization: Bearer <token>` (or, for a GET stream, ?ticket=)")
+
+    def authorize(self, principal: Principal | None, tool: str) -> None:
+        """403 if `principal` may not use `tool`."""
+        if principal is not None and principal.tools is not None and tool not in principal.tools:
+            raise ApiError(Code.FORBIDDEN, f"this token may not use the tool {tool!r}")
+
+    def issue_ticket(self, principal: Principal, now: float | None = None) -> tuple[str, float]:
+        """A ticket for `principal`'s GET streams, and its lifetime in seconds."""
+        expiry = int((now if now is not None else time.time()) + self.ticket_ttl)
+        payload = f"{principal.name}.{expiry}"
+        return f"{_b64(principal.name.encode())}.{expiry}.{_sign(principal, payload)}", self.ticket_ttl
+
+    def _check_ticket(self, ticket: str, now: float | None = None) -> Principal:
+        parts = ticket.split(".")
+        if len(parts) != 3 or not parts[1].isdigit():
+            raise _unauthorized("malformed ticket")
+        try:
+            name = _unb64(parts[0]).decode()
+        except (ValueError, UnicodeDecodeError):
+            raise _unauthorized("malformed ticket") from None
+        principal = self.principals.get(name)
+        # Sign even for an unknown name, so that timing does not tell which names exist.
+        expected = _sign(principal or Principal(name, "\0" * 16), f"{name}.{parts[1]}")
+        if not hmac.compare_digest(expected, parts[2]) or principal is None:
+            raise _unauthorized("invalid ticket")
+        if int(parts[1]) < (now if now is not None else time.time()):
+            raise _unauthorized("the ticket expired: get a new one from POST /auth/ticket")
+        return principal
+
+    def _by_token(self, token: str) -> Principal | None:
+        digest = hashlib.sha256(token.encode()).digest()
+        match = None
+        for principal in self.principals.values():  # every one compared, whatever matches
+            if hmac.compare_digest(digest, principal.digest):
+                match = principal
+        return match
+
+
+class Limits:
+    """Per-token concurrent jobs and jobs per minute, counted in this process."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.running: collections.Counter[str] = collections.Counter()
+        self.started: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
+
+    def admit(self, principal: Principal | None) -> Callable[[], None]:
+        """Count a job for `principal` (429 if over a limit); call the returned function when it ends."""
+        if principal is None:
+            return lambda: None
+        name, now = principal.name, self.clock()
+        window = self.started[name]
+        while window and window[0] <= now - 60:
+            window.popleft()
+        if principal.jobs_per_minute is not None and len(window) >= principal.jobs_per_minute:
+            wait = math.ceil(window[0] + 60 - now)
+            raise ApiError(
+                Code.RATE_LIMITED,
+                f"this token may start {principal.jobs_per_minute} jobs a minute; try again in {wait} s",
+                retry_after=max(wait, 1),
+            )
+        if principal.max_concurrent is not None and self.running[name] >= principal.max_concurrent:
+            raise ApiError(
+                Code.RATE_LIMITED,
+                f"this token may run {principal.max_concurrent} jobs at once; wait for one to end",
+                retry_after=1,
+            )
+        window.append(now)
+        self.running[name] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.running[name] -= 1
+
+        return release
+
+
+def _sign(principal: Principal, payload: str) -> str:
+    return _b64(hmac.new(principal.token.encode(), payload.encode(), hashlib.sha256).digest())
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(Code.UNAUTHORIZED, message, headers={"WWW-Authenticate": 'Bearer realm="streamgate"'})
