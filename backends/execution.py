@@ -265,7 +265,7 @@ class Worker:
         if isinstance(outcome, Cancelled) or (job.cancel_requested.is_set() and not isinstance(outcome, BaseException)):
             job.fail(Code.CANCELLED, "the job was cancelled")
         elif isinstance(outcome, BaseException):
-            log.error("tool %s failed in job %s", tool.name, job.id, exc_info=outcome)
+            log.error("tool %s failed in job %s", tool.name, job.id, exc_info=outcome, extra={"job_id": job.id})
             message = f"{type(outcome).__name__}: {outcome}"
             if self.debug:
                 message += "\n" + "".join(traceback.format_exception(outcome))

@@ -41,6 +41,8 @@ from backends.local import LocalBackend
 from gateway import params as params_mod
 from gateway.errors import ApiError, api_error_handler, http_error_handler
 from gateway.jobs import Job
+from gateway.logs import RequestIds
+from gateway.metrics import Metrics
 from gateway.protocol import (
     Code,
     EventType,
@@ -135,6 +137,7 @@ class Executor:
         self.session_grace = session_grace
         self.sessions: dict[str, Session] = {}
         self.entries: dict[str, Entry] = {}
+        self.metrics = Metrics(backend)
 
     def authorize(self, conn: HTTPConnection) -> None:
         if not self.token:
@@ -168,6 +171,7 @@ class Executor:
         params = params_mod.decode_body(tool, bytes(submitted.params), "params")
         await self.backend.admit(tool, params, self.limits)
         job = Job(tool.name, params, job_id=submitted.job_id)
+        self.metrics.track(job)
         session = self.session(session_id)
         await self.backend.submit(job)
         self.entries[job.id] = Entry(job, session)
@@ -278,7 +282,7 @@ class Executor:
                 if now - session.detached_since > self.session_grace:
                     for job in list(session.jobs.values()):
                         if not job.done:
-                            log.info("session %s abandoned: cancelling job %s", session.id, job.id)
+                            log.info("session %s abandoned: cancelling job %s", session.id, job.id, extra={"job_id": job.id})
                             self.backend.cancel(job)
                     if not session.jobs:
                         del self.sessions[session.id]
@@ -311,6 +315,10 @@ def create_executor_app(executor: Executor) -> Starlette:
             body["reason"] = backend.not_ready_reason
         return JSONResponse(body, status_code=200 if backend.ready else 503)
 
+    async def metrics(request: Request) -> Response:
+        executor.authorize(request)
+        return await executor.metrics.endpoint(request)
+
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -331,9 +339,11 @@ def create_executor_app(executor: Executor) -> Starlette:
             Route("/tools", tools, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ],
         exception_handlers={ApiError: api_error_handler, HTTPException: http_error_handler},
         lifespan=lifespan,
     )
     app.state.executor = executor
+    app.add_middleware(RequestIds)  # a gateway's submit carries its client's X-Request-Id
     return app

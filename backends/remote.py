@@ -46,6 +46,7 @@ from backends.schema_structs import struct_from_schema
 from gateway.encoding import from_msgpack, to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
+from gateway.logs import forward_request_id
 from gateway.protocol import (
     Code,
     ErrorBody,
@@ -108,7 +109,7 @@ class RemoteJob:
         if frame.seq <= self.last_seq:
             return  # already applied: a resume may repeat frames
         if frame.seq != self.last_seq + 1:
-            log.warning("job %s: frame %d after %d; resuming", self.job.id, frame.seq, self.last_seq)
+            log.warning("job %s: frame %d after %d; resuming", self.job.id, frame.seq, self.last_seq, extra={"job_id": self.job.id})
             self.link.resume(self)
             return
         self.last_seq = frame.seq
@@ -159,7 +160,10 @@ class Link:
         self.poll_interval = poll_interval
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.AsyncClient(
-            base_url=self.url, headers=self.headers, timeout=httpx.Timeout(10.0, read=60.0)
+            base_url=self.url,
+            headers=self.headers,
+            timeout=httpx.Timeout(10.0, read=60.0),
+            event_hooks={"request": [forward_request_id]},
         )
         self.jobs: dict[str, RemoteJob] = {}
         self.tools: list[ToolInfo] = []
@@ -327,7 +331,7 @@ class Link:
                 result = await asyncio.to_thread(_as_json, data)
             except _Retry as exc:
                 problem = str(exc)
-                log.warning("job %s: result download failed (%s), try %d", job_id, exc, attempt + 1)
+                log.warning("job %s: result download failed (%s), try %d", job_id, exc, attempt + 1, extra={"job_id": job_id})
                 continue
             except (msgspec.DecodeError, ValueError) as exc:
                 self.finish(remote, Code.REMOTE_ERROR, f"the executor sent a result that is not valid: {exc}")

@@ -24,6 +24,8 @@ from sse_starlette import EventSourceResponse
 
 from backends.base import Backend
 from gateway.jobs import Job
+from gateway.logs import bind_job
+from gateway.metrics import Metrics
 from gateway.protocol import PING, Code, retry_line
 from gateway.store import JobHandle, JobStore
 
@@ -35,11 +37,13 @@ def job_response(
     backend: Backend,
     store: JobStore,
     *,
+    metrics: Metrics,
     ping_interval: float = 15.0,
     retry_ms: int = 3000,
     after: int = 0,
 ) -> EventSourceResponse:
     shutdown = anyio.Event()
+    bind_job(job.id)
 
     async def end_on_shutdown() -> None:
         await shutdown.wait()
@@ -51,6 +55,7 @@ def job_response(
         seen = after
         watcher = asyncio.create_task(end_on_shutdown())
         store.attach(job)
+        metrics.stream_opened()
         try:
             yield retry_line(retry_ms)
             while True:
@@ -59,12 +64,14 @@ def job_response(
                     yield PING
                     continue
                 seen = batch[-1].seq
+                metrics.sent(batch)
                 yield b"".join(event.sse() for event in batch)
                 if job.terminal is not None and seen >= job.terminal.seq:
                     return
         finally:
             watcher.cancel()
             store.detach(job)
+            metrics.stream_closed()
 
     return EventSourceResponse(
         events(),

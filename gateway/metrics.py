@@ -1,0 +1,166 @@
+"""Prometheus metrics for `GET /metrics`, in a registry that belongs to one app.
+
+Shaped this way for three reasons:
+
+- Each app (gateway or executor) gets its own `CollectorRegistry`, never the
+  global one: tests start many apps in one process, and each must count only
+  its own jobs.
+- What the backend already knows is read when Prometheus scrapes, not kept a
+  second time: queue depth, jobs running, readiness, each executor's health,
+  and the batch sizes the workers count in `Worker.batch_sizes` (one
+  observation per batched forward step; a continuous `generate` batch makes one
+  per token). Nothing in the backends has to call in, and nothing can drift.
+- What only happens in passing is counted where it happens, through hooks kept
+  small: a job's end (`Job.on_end`, added to by `track`: outcome, queue wait and run
+  time, all observed then so that a job counts once in each, with the same
+  labels) and a client's stream (`stream_opened`/`stream_closed`, `sent`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import msgspec
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.jobs import Job
+from gateway.protocol import Code, ErrorFrame, Event, EventType
+
+# Seconds: from a few milliseconds (a predict) to minutes (a long generate).
+WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+RUN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class Metrics:
+    """One app's metrics: counters and histograms fed by hooks, gauges read from `backend`."""
+
+    def __init__(self, backend: Any) -> None:
+        self.registry = CollectorRegistry()
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)
+        self.jobs = Counter(
+            "streamgate_jobs",
+            "Jobs that ended, by tool and outcome (succeeded, failed, cancelled) and error code",
+            ["tool", "outcome", "code"],
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "streamgate_job_queue_wait_seconds",
+            "Seconds from a job's creation to its start, observed when it ends",
+            ["tool"],
+            buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.run_time = Histogram(
+            "streamgate_job_run_seconds",
+            "Seconds from a job's start to its end",
+            ["tool"],
+            buckets=RUN_BUCKETS,
+            registry=self.registry,
+        )
+        self.streams = Gauge("streamgate_active_streams", "Event streams open to clients", registry=self.registry)
+        self.events = Counter(
+            "streamgate_events_sent", "Events written to clients' streams, by event type", ["event"], registry=self.registry
+        )
+        self.registry.register(_BackendState(backend))
+
+    # -- hooks ---------------------------------------------------------------------
+
+    def track(self, job: Job) -> None:
+        """Count `job`'s outcome and times when it ends."""
+        job.on_end.append(self._ended)
+
+    def _ended(self, job: Job) -> None:
+        terminal = job.terminal
+        assert terminal is not None
+        if terminal.type is EventType.DATA:
+            outcome, code = "succeeded", ""
+        else:
+            code = msgspec.json.decode(terminal.data, type=ErrorFrame).error.code.value
+            outcome = "cancelled" if code == Code.CANCELLED.value else "failed"
+        self.jobs.labels(job.tool, outcome, code).inc()
+        if job.started is not None:
+            self.queue_wait.labels(job.tool).observe(max(0.0, job.started - job.created))
+            self.run_time.labels(job.tool).observe(max(0.0, (job.finished or job.started) - job.started))
+
+    def stream_opened(self) -> None:
+        self.streams.inc()
+
+    def stream_closed(self) -> None:
+        self.streams.dec()
+
+    def sent(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self.events.labels(event.type.value).inc()
+
+    # -- exposition ----------------------------------------------------------------
+
+    async def endpoint(self, request: Request) -> Response:
+        """`GET /metrics`: the Prometheus text format. On the event loop, so reads are consistent."""
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _BackendState:
+    """Gauges and the batch-size histogram, read from the backend at each scrape."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check at registration: the names are this module's own
+
+    def collect(self) -> Iterator[Metric]:
+        backend = self.backend
+        yield GaugeMetricFamily(
+            "streamgate_model_ready",
+            "1 when jobs can start (the model is loaded, or an executor is ready), else 0",
+            value=1 if backend.ready else 0,
+        )
+        facts = backend.describe()
+        if "queued" in facts:
+            yield GaugeMetricFamily("streamgate_queue_depth", "Jobs waiting for a worker", value=facts["queued"])
+        if "running" in facts:
+            yield GaugeMetricFamily("streamgate_jobs_running", "Jobs running, batched ones each counted", value=facts["running"])
+        if "executors" in facts:
+            up = GaugeMetricFamily("streamgate_executor_up", "1 when the executor is ready (socket up, /readyz 200), else 0", labels=["executor"])
+            jobs = GaugeMetricFamily("streamgate_executor_jobs", "This gateway's jobs in flight on the executor", labels=["executor"])
+            for executor in facts["executors"]:
+                up.add_metric([executor["url"]], 1 if executor["ready"] else 0)
+                jobs.add_metric([executor["url"]], executor["jobs"])
+            yield up
+            yield jobs
+        workers = getattr(backend, "workers", None)
+        if workers is not None:
+            yield _batch_sizes([w.batch_sizes for w in workers])
+
+
+def _batch_sizes(counts: list[Any]) -> HistogramMetricFamily:
+    """The workers' counts of batch sizes as one cumulative histogram."""
+    sizes: dict[int, int] = {}
+    for count in counts:
+        for size, n in list(count.items()):
+            sizes[size] = sizes.get(size, 0) + n
+    buckets = [(floatToGoString(bound), float(sum(n for size, n in sizes.items() if size <= bound))) for bound in BATCH_BUCKETS]
+    buckets.append(("+Inf", float(sum(sizes.values()))))
+    return HistogramMetricFamily(
+        "streamgate_batch_size",
+        "Jobs in each batched forward step of a worker",
+        buckets=buckets,
+        sum_value=float(sum(size * n for size, n in sizes.items())),
+    )
