@@ -1,0 +1,52 @@
+"""`--dry-run`: load what a real start would load, say what it is, and stop without serving.
+
+A local backend loads the model exactly as a start does (`start()`, then
+`wait_ready()`), so a bad path, device or dtype fails here, before a deploy.
+A remote gateway's model lives on its executors: its dry run checks the
+configuration only and contacts nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import click
+
+from gateway.config import Settings
+from gateway.configfile import redact_url
+
+
+def report(backend: Any, settings: Settings) -> None:
+    """Print what `backend` loaded (or, for the remote backend, what was checked); exit 1 if loading fails."""
+    if settings.backend == "remote":
+        executors = ", ".join(redact_url(url) for url in settings.executors)
+        click.echo(f"backend: remote, executors: {executors}")
+        click.echo("dry run: configuration checked; executors were not contacted")
+        return
+    info, tools = _load(backend)
+    click.echo(f"model: {info.get('model')}")
+    click.echo(f"device: {info.get('device')}")
+    click.echo(f"dtype: {info.get('dtype')}")
+    click.echo(f"context: {info.get('context_length')} tokens")
+    click.echo(f"tools: {', '.join(tools)}")
+    if settings.tools:
+        click.echo(f"tool modules: {', '.join(settings.tools)}")
+    click.echo("dry run: loaded; not serving")
+
+
+def _load(backend: Any) -> tuple[dict[str, Any], list[str]]:
+    async def load() -> tuple[dict[str, Any], list[str]]:
+        await backend.start()
+        try:
+            await backend.wait_ready()
+            return backend.describe(), list(backend.tools)
+        finally:
+            await backend.stop()
+
+    from backends.model import ModelError
+
+    try:
+        return asyncio.run(load())
+    except ModelError as exc:  # what a real start would report as not ready
+        raise click.ClickException(f"dry run: cannot load the model: {exc}") from None
