@@ -68,6 +68,11 @@ class Backend(abc.ABC):
     def cancel(self, job: Job) -> None:
         """Stop `job`: a queued one leaves the queue, a running one stops at its next step."""
 
+    @property
+    def in_flight(self) -> int:
+        """Jobs accepted and not ended yet: what a graceful shutdown waits for."""
+        return 0
+
     def describe(self) -> dict[str, Any]:
         """A few facts for `/readyz`."""
         return {}

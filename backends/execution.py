@@ -154,8 +154,10 @@ class Worker:
         debug: bool = False,
         max_batch_size: int = 32,
         batch_wait: float = 0.005,
+        job_timeout: float = 0.0,
     ) -> None:
         self.model = model
+        self.job_timeout = job_timeout
         self.encode = encode
         self.queue = queue
         self.tools = tools
@@ -256,7 +258,15 @@ class Worker:
             return False
         self.running.add(job)
         job.set_status(Status.RUNNING)
+        if self.job_timeout:
+            timer = asyncio.get_running_loop().call_later(self.job_timeout, self._expire, job)
+            job.on_end.append(lambda _: timer.cancel())
         return True
+
+    def _expire(self, job: Job) -> None:
+        """End a job past its deadline now; its work stops at its next step (a batch's member leaves it)."""
+        job.fail(Code.TIMEOUT, f"the job ran past its limit of {self.job_timeout:g} s and was stopped")
+        job.cancel()
 
     def _finish(self, job: Job, tool: Tool, outcome: Outcome, elapsed: float) -> None:
         self.running.discard(job)

@@ -39,6 +39,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from backends.local import LocalBackend
 from gateway import params as params_mod
+from gateway.drain import Drain, on_sigterm
 from gateway.errors import ApiError, api_error_handler, http_error_handler
 from gateway.jobs import Job
 from gateway.logs import RequestIds
@@ -128,8 +129,11 @@ class Executor:
         limits: Mapping[str, int] | None = None,
         result_ttl: float = 600.0,
         session_grace: float = 30.0,
+        drain_timeout: float = 30.0,
     ) -> None:
         self.backend = backend
+        # On SIGTERM, as a gateway drains: no new jobs; held ones finish and their results are fetched.
+        self.drain = Drain(drain_timeout)
         self.token = token
         self.max_body_bytes = max_body_bytes
         self.limits = dict(limits or {"max_prompts": 32, "max_tokens": 512})
@@ -154,6 +158,7 @@ class Executor:
 
     async def submit(self, request: Request) -> Response:
         self.authorize(request)
+        self.drain.refuse()
         session_id = request.headers.get("x-session-id")
         if not session_id:
             raise ApiError(Code.BAD_REQUEST, "the X-Session-Id header is required")
@@ -310,10 +315,13 @@ def create_executor_app(executor: Executor) -> Starlette:
 
     async def readyz(request: Request) -> Response:
         executor.authorize(request)
-        body = {"ready": backend.ready, **backend.describe(), "sessions": len(executor.sessions)}
-        if not backend.ready:
+        ready = backend.ready and not executor.drain.draining
+        body = {"ready": ready, **backend.describe(), "sessions": len(executor.sessions)}
+        if executor.drain.draining:
+            body["reason"] = "shutting down"
+        elif not backend.ready:
             body["reason"] = backend.not_ready_reason
-        return JSONResponse(body, status_code=200 if backend.ready else 503)
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(request: Request) -> Response:
         executor.authorize(request)
@@ -324,6 +332,8 @@ def create_executor_app(executor: Executor) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await backend.start()
         sweeper = asyncio.create_task(executor.sweep())
+        # Held jobs count until their gateway has fetched (and deleted) their results.
+        on_sigterm(executor.drain, lambda: len(executor.entries), backend.stop)
         try:
             yield
         finally:

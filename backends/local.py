@@ -44,6 +44,7 @@ class LocalBackend(Backend):
         encode: Callable[[Any], bytes] = to_json,
         max_batch_size: int = 32,
         batch_wait: float = 0.005,
+        job_timeout: float = 0.0,
     ) -> None:
         if device and devices:
             raise ValueError("give --device or --devices, not both")
@@ -52,6 +53,7 @@ class LocalBackend(Backend):
         self._devices = devices or ([device] if device else None)
         self.max_batch_size = max_batch_size
         self.batch_wait = batch_wait
+        self.job_timeout = job_timeout
         self._dtype = dtype
         self._cache_dir = Path(cache_dir) if cache_dir else None
         self._debug = debug
@@ -109,6 +111,7 @@ class LocalBackend(Backend):
                 debug=self._debug,
                 max_batch_size=self.max_batch_size,
                 batch_wait=self.batch_wait,
+                job_timeout=self.job_timeout,
             )
             for model in loaded
         ]
@@ -151,6 +154,10 @@ class LocalBackend(Backend):
         job.cancel()
         if self.queue is not None and self.queue.remove(job):
             job.fail(Code.CANCELLED, "the job was cancelled while queued")
+
+    @property
+    def in_flight(self) -> int:
+        return (len(self.queue) if self.queue is not None else 0) + sum(len(w.running) for w in self.workers)
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"backend": "local", "model": self.spec.name}

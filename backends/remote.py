@@ -463,6 +463,10 @@ class RemoteBackend(Backend):
             raise self.not_ready_error()
         return super().tool(name)
 
+    @property
+    def in_flight(self) -> int:
+        return sum(link.load for link in self.links)
+
     def _learn_tools(self) -> None:
         learned: dict[str, Tool] = {}
         for link in self.links:

@@ -28,6 +28,7 @@ from backends.base import Backend
 from gateway import params as params_mod
 from gateway.auth import Auth, load_principals
 from gateway.config import Settings
+from gateway.drain import Drain, on_sigterm
 from gateway.errors import ApiError, api_error_handler, http_error_handler
 from gateway.jobs import Job
 from gateway.logs import RequestIds, request_id_headers
@@ -109,10 +110,18 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         ),
         ticket_ttl=settings.ticket_ttl,
     )
+    drain = Drain(settings.drain_timeout)
 
     def follow(job: JobHandle, after: int = 0) -> Response:
         return job_response(
-            job, backend, store, metrics=metrics, ping_interval=settings.ping_interval, retry_ms=settings.retry_ms, after=after
+            job,
+            backend,
+            store,
+            metrics=metrics,
+            ping_interval=settings.ping_interval,
+            retry_ms=settings.retry_ms,
+            after=after,
+            write_timeout=settings.write_timeout,
         )
 
     async def run(request: Request) -> Response:
@@ -121,6 +130,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         if resumed is not None and request.method == "GET":
             # An EventSource reconnecting to the URL it first opened: the same job, not a new one.
             return _resume(await _job(resumed[0]), resumed[1])
+        drain.refuse()
         tool = backend.tool(request.path_params["tool"])
         auth.authorize(principal, tool.name)
         if request.method == "POST":
@@ -211,9 +221,11 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
 
     async def readyz(request: Request) -> Response:
         store_problem = getattr(store, "problem", None)
-        ready = backend.ready and store_problem is None
+        ready = backend.ready and store_problem is None and not drain.draining
         body = {"ready": ready, **backend.describe()}
-        if not backend.ready:
+        if drain.draining:
+            body["reason"] = "shutting down"
+        elif not backend.ready:
             body["reason"] = backend.not_ready_reason
         elif store_problem is not None:
             body["reason"] = store_problem
@@ -228,14 +240,18 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await backend.start()
         await store.start()
+        on_sigterm(drain, lambda: backend.in_flight, backend.stop)
         try:
             yield
         finally:
             await store.stop()
             await backend.stop()
 
+    from gateway.openapi import endpoint as openapi_json
+
     app = Starlette(
         routes=[
+            Route("/openapi.json", openapi_json(backend, limits, secured=auth.enabled), methods=["GET"]),
             Route("/tools", tools, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
@@ -257,6 +273,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         middleware=_cors(settings.cors_origins),
     )
     app.state.auth = auth
+    app.state.drain = drain
     app.state.backend = backend
     app.state.settings = settings
     app.state.store = store

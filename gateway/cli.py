@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from gateway import configfile
 from gateway.config import Settings
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -42,6 +43,8 @@ def _model_options(command: Any) -> Any:
         _option("--dtype", default=None, help="float32, float16 or bfloat16. Default: bfloat16 on CUDA, else float32."),
         _option("--cache-dir", default=None, help="Where converted models are kept. Default: the user cache folder."),
         _option("--tools", multiple=True, help="Import a module of user tools (repeatable)."),
+        _option("--drain-timeout", default=_D.drain_timeout, type=click.FloatRange(min=0), help="On SIGTERM: seconds jobs in flight may finish before they end with shutting_down."),
+        _option("--job-timeout", default=_D.job_timeout, type=click.FloatRange(min=0), help="Seconds a job may run before it ends with error timeout and its work is stopped (0: no limit)."),
         _option("--queue-size", default=_D.queue_size, type=click.IntRange(min=1), help="Jobs that may wait; more get 429 queue_full."),
         _option("--max-batch-size", default=_D.max_batch_size, type=click.IntRange(min=1), help="Most jobs of one tool run together (1: no batching)."),
         _option("--batch-wait-ms", default=_D.batch_wait_ms, type=click.FloatRange(min=0), help="How long a lone job may wait for others to batch with."),
@@ -52,6 +55,10 @@ def _model_options(command: Any) -> Any:
         _option("--log-format", default=_D.log_format, type=click.Choice(["text", "json"]), help="Log lines as text, or as one JSON object each (with request_id, job_id)."),
         _option("--debug", is_flag=True, default=False, help="Put tracebacks in tool_error messages."),
         _option("--executor-token", default=None, help="The bearer token shared by gateways and executors."),
+        # Eager, so the file's values are click's default map before any other option is read.
+        _option("--config", type=click.Path(exists=True, dir_okay=False), is_eager=True, expose_value=False, callback=configfile.load, help="A TOML file of settings (port = 9000, max-batch-size = 8). Flags and STREAMGATE_* variables win over it."),
+        _option("--print-config", is_flag=False, flag_value="toml", default=None, type=click.Choice(["toml", "json"]), help="Print the effective settings and where each came from (secrets redacted), then exit."),
+        _option("--dry-run", is_flag=True, default=False, help="Load the model and tools as a start would, report them, and exit."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -89,7 +96,10 @@ def _settings(options: dict[str, Any]) -> Settings:
     # script's sys.path starts at its own bin folder, not the working directory.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
+    print_as = options.pop("print_config", None)
     settings = Settings(**options)
+    if print_as:
+        configfile.print_settings(settings, print_as)  # exits
     from gateway.logs import configure_logging
 
     # uvicorn's loggers too: uvicorn.run gets log_config=None so that it keeps them this way.
@@ -126,6 +136,7 @@ def _local_backend(settings: Settings, **kwargs: Any) -> Any:
             debug=settings.debug,
             max_batch_size=settings.max_batch_size,
             batch_wait=settings.batch_wait_ms / 1000,
+            job_timeout=settings.job_timeout,
             **kwargs,
         )
     except (ValueError, ModelError) as exc:
@@ -155,6 +166,7 @@ def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @_option("--max-concurrent-per-token", default=None, type=click.IntRange(min=1), help="Jobs one token may run at once (429 rate_limited past it).")
 @_option("--jobs-per-minute-per-token", default=None, type=click.IntRange(min=1), help="Jobs one token may start per minute (429 rate_limited past it).")
 @_option("--ticket-ttl", default=_D.ticket_ttl, type=click.FloatRange(min=1, max=60), help="Seconds a ticket from POST /auth/ticket is valid.")
+@_option("--write-timeout", default=_D.write_timeout, type=click.FloatRange(min=1), help="Seconds a stream's write may block (a half-open connection) before the client is detached.")
 @_option("--cors-origins", default=None, callback=_split_list, help="Origins allowed to call from a browser, comma-separated (none by default).")
 def serve(**options: Any) -> None:
     """Start the gateway, with the model in this process or on executors."""
@@ -162,6 +174,7 @@ def serve(**options: Any) -> None:
 
     from gateway.app import create_app
 
+    dry_run = options.pop("dry_run")
     settings = _settings(options)
     if settings.backend == "remote":
         from backends.remote import RemoteBackend
@@ -179,6 +192,11 @@ def serve(**options: Any) -> None:
         app = create_app(backend, settings)
     except AuthConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    if dry_run:
+        from gateway.dryrun import report
+
+        report(backend, settings)
+        return
     if not app.state.auth.enabled and not _is_loopback(settings.host):
         logging.getLogger("streamgate").warning(
             "\n%s\n  streamgate listens on %s WITHOUT AUTH: anyone who can reach it can run jobs.\n"
@@ -201,6 +219,7 @@ def executor(**options: Any) -> None:
     from backends.executor import Executor, create_executor_app
     from gateway.encoding import to_msgpack
 
+    dry_run = options.pop("dry_run")
     settings = _settings(options)
     if not settings.executor_token and not _is_loopback(settings.host):
         logging.getLogger("streamgate").warning(
@@ -214,7 +233,13 @@ def executor(**options: Any) -> None:
         limits=settings.limits(),
         result_ttl=settings.result_ttl,
         session_grace=settings.session_grace,
+        drain_timeout=settings.drain_timeout,
     )
+    if dry_run:
+        from gateway.dryrun import report
+
+        report(service.backend, settings)
+        return
     app = create_executor_app(service)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None, ws="websockets")
 

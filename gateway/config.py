@@ -38,6 +38,10 @@ class Settings(msgspec.Struct, kw_only=True):
     jobs_per_minute_per_token: int | None = None
     ticket_ttl: float = 60.0
     cors_origins: list[str] = msgspec.field(default_factory=list)
+    # Stopping and limits on one job's run (gateway/drain.py, backends/execution.py).
+    drain_timeout: float = 30.0
+    job_timeout: float = 600.0
+    write_timeout: float = 30.0
     executor_deadline: float = 30.0
     # The executor's own settings.
     result_ttl: float = 600.0

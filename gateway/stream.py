@@ -41,6 +41,7 @@ def job_response(
     ping_interval: float = 15.0,
     retry_ms: int = 3000,
     after: int = 0,
+    write_timeout: float | None = None,
 ) -> EventSourceResponse:
     shutdown = anyio.Event()
     bind_job(job.id)
@@ -80,4 +81,7 @@ def job_response(
         headers={"Cache-Control": "no-cache", "X-Job-Id": job.id},
         shutdown_event=shutdown,
         shutdown_grace_period=SHUTDOWN_GRACE_S,
+        # A write blocked this long means a client that stopped reading (a half-open
+        # connection, a stalled proxy): the response ends, and the client is detached.
+        send_timeout=write_timeout,
     )

@@ -188,6 +188,7 @@ def make_server(
         devices=settings_obj.devices or None,
         max_batch_size=settings_obj.max_batch_size,
         batch_wait=settings_obj.batch_wait_ms / 1000,
+        job_timeout=settings_obj.job_timeout,
     )
     server = Server(create_app(backend, settings_obj)).start()
     return server.wait_ready() if ready else server
