@@ -24,6 +24,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import gc
 import logging
 import traceback
 from collections.abc import Callable, Mapping
@@ -141,6 +142,29 @@ def step(batch: Batch, joining: list[tuple[Any, Context]], encode: Callable[[Any
     return [(ctx, outcome if isinstance(outcome, BaseException) else msgspec.Raw(encode(outcome))) for ctx, outcome in ended]
 
 
+def device_failure(exc: BaseException) -> str | None:
+    """`"oom"` for a device out of memory (the job fails, memory is freed, work goes on),
+    `"fatal"` for a device that can no longer be trusted (an illegal access, a device-side
+    assert: the process must restart), None for anything else."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "oom"
+    if isinstance(exc, torch.AcceleratorError):
+        return "fatal"
+    if isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("CUDA error", "device-side assert")):
+        return "fatal"
+    return None
+
+
+def free_device_memory() -> None:
+    """Hand cached blocks back after an out-of-memory error, so the next job starts clean."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    mps = getattr(torch, "mps", None)
+    if mps is not None and torch.backends.mps.is_available():
+        mps.empty_cache()
+
+
 class Worker:
     """Runs queued jobs on one device, on a thread of its own: alone, or batched."""
 
@@ -155,9 +179,11 @@ class Worker:
         max_batch_size: int = 32,
         batch_wait: float = 0.005,
         job_timeout: float = 0.0,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.model = model
         self.job_timeout = job_timeout
+        self.on_fatal = on_fatal
         self.encode = encode
         self.queue = queue
         self.tools = tools
@@ -274,6 +300,15 @@ class Worker:
         # a result that came after a cancel is not delivered.
         if isinstance(outcome, Cancelled) or (job.cancel_requested.is_set() and not isinstance(outcome, BaseException)):
             job.fail(Code.CANCELLED, "the job was cancelled")
+        elif isinstance(outcome, BaseException) and (failure := device_failure(outcome)) is not None:
+            log.error("device failure (%s) in job %s", failure, job.id, exc_info=outcome, extra={"job_id": job.id})
+            if failure == "oom":
+                free_device_memory()
+                job.fail(Code.TOOL_ERROR, f"the device ran out of memory running this job (try fewer or shorter inputs): {outcome}")
+            else:
+                job.fail(Code.BACKEND_UNAVAILABLE, f"the device failed and the server is restarting: {outcome}")
+                if self.on_fatal is not None:
+                    self.on_fatal(outcome)
         elif isinstance(outcome, BaseException):
             log.error("tool %s failed in job %s", tool.name, job.id, exc_info=outcome, extra={"job_id": job.id})
             message = f"{type(outcome).__name__}: {outcome}"

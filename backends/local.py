@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from gateway.protocol import Code
 from gateway.tools.base import Model, Tool
 
 log = logging.getLogger("streamgate.local")
+
+EXIT_DEVICE_FAILED = 70  # EX_SOFTWARE: a supervisor restarts the process
 
 
 class LocalBackend(Backend):
@@ -45,6 +48,7 @@ class LocalBackend(Backend):
         max_batch_size: int = 32,
         batch_wait: float = 0.005,
         job_timeout: float = 0.0,
+        exit_on_device_failure: bool = False,
     ) -> None:
         if device and devices:
             raise ValueError("give --device or --devices, not both")
@@ -54,6 +58,8 @@ class LocalBackend(Backend):
         self.max_batch_size = max_batch_size
         self.batch_wait = batch_wait
         self.job_timeout = job_timeout
+        self.exit_on_device_failure = exit_on_device_failure
+        self.device_failed: str | None = None
         self._dtype = dtype
         self._cache_dir = Path(cache_dir) if cache_dir else None
         self._debug = debug
@@ -72,16 +78,20 @@ class LocalBackend(Backend):
 
     @property
     def ready(self) -> bool:
-        return bool(self.workers)
+        return bool(self.workers) and self.device_failed is None
 
     @property
     def not_ready_reason(self) -> str:
+        if self.device_failed:
+            return f"the device failed ({self.device_failed}); the server is restarting"
         if self.error:
             return f"the model failed to load: {self.error}"
         return f"the model {self.spec.name} is still loading"
 
     def not_ready_error(self) -> ApiError:
         """503 `not_ready`: retryable while loading; not once loading has failed."""
+        if self.device_failed:
+            return ApiError(Code.NOT_READY, self.not_ready_reason, retry_after=30)
         if self.error:
             return ApiError(Code.NOT_READY, self.not_ready_reason, retryable=False)
         return ApiError(Code.NOT_READY, self.not_ready_reason, retry_after=5)
@@ -112,12 +122,32 @@ class LocalBackend(Backend):
                 max_batch_size=self.max_batch_size,
                 batch_wait=self.batch_wait,
                 job_timeout=self.job_timeout,
+                on_fatal=self._device_failed,
             )
             for model in loaded
         ]
         for worker in workers:
             worker.start()
         self.workers = workers
+
+    def _device_failed(self, exc: BaseException) -> None:
+        """A device can no longer be trusted: not ready, every job ended, then exit non-zero
+        so that the supervisor (compose `restart:`, systemd, Kubernetes) starts a fresh process."""
+        if self.device_failed is not None:
+            return
+        self.device_failed = f"{type(exc).__name__}: {exc}"
+        log.critical("the device failed: %s; ending every job", self.device_failed)
+        if self.queue is not None:
+            while len(self.queue):
+                job = self.queue.take(lambda _: True, 1)[0]
+                job.fail(Code.BACKEND_UNAVAILABLE, "the device failed and the server is restarting")
+        for worker in self.workers:
+            for job in list(worker.running):
+                job.fail(Code.BACKEND_UNAVAILABLE, "the device failed and the server is restarting")
+                job.cancel()
+        if self.exit_on_device_failure:
+            # A moment for the streams to carry their terminal events out.
+            asyncio.get_running_loop().call_later(1.0, os._exit, EXIT_DEVICE_FAILED)
 
     async def wait_ready(self) -> None:
         """Wait until loading ends (for tests and tooling); raises if it failed."""

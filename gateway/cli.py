@@ -137,6 +137,7 @@ def _local_backend(settings: Settings, **kwargs: Any) -> Any:
             max_batch_size=settings.max_batch_size,
             batch_wait=settings.batch_wait_ms / 1000,
             job_timeout=settings.job_timeout,
+            exit_on_device_failure=True,
             **kwargs,
         )
     except (ValueError, ModelError) as exc:
