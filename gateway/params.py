@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -50,12 +52,26 @@ def describe(tools: Iterable[Tool], limits: Mapping[str, int]) -> list[ToolInfo]
     ]
 
 
+# Deeper JSON than any tool's params need; deeper still would exhaust the decoder's recursion.
+MAX_NESTING = 32
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(rb"[\[\]{}]")
+
+
+def nesting(body: bytes) -> int:
+    """How deep the JSON in `body` nests its arrays and objects (strings skipped)."""
+    brackets = _BRACKETS.findall(_STRINGS.sub(b"", body))
+    return max(itertools.accumulate(1 if b in (b"[", b"{") else -1 for b in brackets), default=0)
+
+
 def decode_body(tool: Tool, body: bytes, what: str = "the body") -> Any:
     """Decode a JSON object of params (`what` names it in error messages)."""
     try:
         body.decode("utf-8")
     except UnicodeDecodeError:
         raise ApiError(Code.BAD_REQUEST, f"{what} is not UTF-8") from None
+    if (depth := nesting(body)) > MAX_NESTING:
+        raise ApiError(Code.BAD_REQUEST, f"{what} nests {depth} levels deep; params may nest at most {MAX_NESTING}")
     try:
         return msgspec.json.decode(body, type=tool.params)
     except msgspec.ValidationError as exc:

@@ -637,3 +637,16 @@ def test_local_and_remote_refuse_alike(serve_any):
         assert (b.status_code, b.json()) == (a.status_code, a.json()), (method, path, kwargs)
         for header in ("content-type", "retry-after", "allow"):
             assert b.headers.get(header) == a.headers.get(header), (method, path, header)
+
+
+def test_params_nesting_deeper_than_the_cap_is_a_400_not_a_crash(srv):
+    from gateway.params import MAX_NESTING
+
+    for depth in (MAX_NESTING + 1, 100_000):
+        body = b'{"prompt": "x", "top_k": ' + b"[" * depth + b"]" * depth + b"}"
+        r = httpx.post(f"{srv.url}/predict/run", content=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "bad_request"
+        assert f"nests {depth + 1} levels deep" in r.json()["error"]["message"]  # the object around it is one more
+    ok = '{"prompt": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[", "top_k": 2}'
+    assert httpx.post(f"{srv.url}/predict/run", content=ok).status_code == 200
