@@ -21,6 +21,7 @@ from typing import Any
 from backends import model as models
 from backends.base import Backend
 from backends.execution import JobQueue, Worker
+from gateway import sae as sae_files
 from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
@@ -49,10 +50,18 @@ class LocalBackend(Backend):
         batch_wait: float = 0.005,
         job_timeout: float = 0.0,
         exit_on_device_failure: bool = False,
+        sae: list[str] | None = None,
     ) -> None:
         if device and devices:
             raise ValueError("give --device or --devices, not both")
         self._tools = dict(tools)
+        # SAE files are checked here as far as they can be without the model (gateway/sae.py).
+        self.sae_specs = sae_files.read_specs(sae or [])
+        if self.sae_specs:
+            from gateway.tools import collect
+            from gateway.tools.sae_tools import sae_tools
+
+            self._tools = collect([*self._tools.values(), *sae_tools()])
         self.spec = models.resolve(model)
         self._devices = devices or ([device] if device else None)
         self.max_batch_size = max_batch_size
@@ -106,6 +115,8 @@ class LocalBackend(Backend):
                 await asyncio.to_thread(models.load, self.spec, device, self._dtype, self._cache_dir)
                 for device in self._devices or models.default_devices()
             ]
+            for model in loaded:
+                await asyncio.to_thread(sae_files.attach, model, self.sae_specs)
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             log.error("cannot load model %s: %s", self.spec.name, self.error)
@@ -199,6 +210,8 @@ class LocalBackend(Backend):
             info["queued"] = len(self.queue)
         info["running"] = sum(len(w.running) for w in self.workers)
         info["max_batch_size"] = self.max_batch_size
+        if self.sae_specs:
+            info["saes"] = [f"{s.name} (layer {s.layer}, {s.n_features} features, {s.activation})" for s in self.sae_specs]
         return info
 
     def _eta(self, position: int) -> float | None:

@@ -43,6 +43,7 @@ def _model_options(command: Any) -> Any:
         _option("--dtype", default=None, help="float32, float16 or bfloat16. Default: bfloat16 on CUDA, else float32."),
         _option("--cache-dir", default=None, help="Where converted models are kept. Default: the user cache folder."),
         _option("--tools", multiple=True, help="Import a module of user tools (repeatable)."),
+        _option("--sae", multiple=True, type=click.Path(dir_okay=False), help="A sparse autoencoder: a .safetensors file with a .json or .toml sidecar (repeatable; adds the sae_* tools)."),
         _option("--drain-timeout", default=_D.drain_timeout, type=click.FloatRange(min=0), help="On SIGTERM: seconds jobs in flight may finish before they end with shutting_down."),
         _option("--job-timeout", default=_D.job_timeout, type=click.FloatRange(min=0), help="Seconds a job may run before it ends with error timeout and its work is stopped (0: no limit)."),
         _option("--queue-size", default=_D.queue_size, type=click.IntRange(min=1), help="Jobs that may wait; more get 429 queue_full."),
@@ -89,6 +90,7 @@ def _is_loopback(host: str) -> bool:
 
 def _settings(options: dict[str, Any]) -> Settings:
     options["tools"] = list(options.get("tools", ()))
+    options["sae"] = list(options.get("sae", ()))
     for key in ("executors", "tokens"):
         if key in options:
             options[key] = list(options[key])
@@ -137,6 +139,7 @@ def _local_backend(settings: Settings, **kwargs: Any) -> Any:
             max_batch_size=settings.max_batch_size,
             batch_wait=settings.batch_wait_ms / 1000,
             job_timeout=settings.job_timeout,
+            sae=settings.sae,
             exit_on_device_failure=True,
             **kwargs,
         )

@@ -14,6 +14,7 @@ class Settings(msgspec.Struct, kw_only=True):
     dtype: str | None = None
     cache_dir: str | None = None
     tools: list[str] = msgspec.field(default_factory=list)
+    sae: list[str] = msgspec.field(default_factory=list)  # SAE files (gateway/sae.py)
     queue_size: int = 64
     max_batch_size: int = 32
     batch_wait_ms: float = 5.0

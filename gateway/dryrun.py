@@ -30,6 +30,8 @@ def report(backend: Any, settings: Settings) -> None:
     click.echo(f"dtype: {info.get('dtype')}")
     click.echo(f"context: {info.get('context_length')} tokens")
     click.echo(f"tools: {', '.join(tools)}")
+    if info.get("saes"):
+        click.echo(f"saes: {'; '.join(info['saes'])}")
     if settings.tools:
         click.echo(f"tool modules: {', '.join(settings.tools)}")
     click.echo("dry run: loaded; not serving")

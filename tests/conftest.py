@@ -189,6 +189,7 @@ def make_server(
         max_batch_size=settings_obj.max_batch_size,
         batch_wait=settings_obj.batch_wait_ms / 1000,
         job_timeout=settings_obj.job_timeout,
+        sae=settings_obj.sae,
     )
     server = Server(create_app(backend, settings_obj)).start()
     return server.wait_ready() if ready else server

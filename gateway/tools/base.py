@@ -75,6 +75,8 @@ class Model:
     dtype: Any
     context_length: int
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # The sparse autoencoders served with it (`--sae`), by name: gateway/sae.py.
+    saes: dict[str, Any] = field(default_factory=dict, repr=False)
     # What tools work out once per model and reuse (e.g. where its layers are).
     memo: dict[str, Any] = field(default_factory=dict, repr=False)
 

@@ -225,7 +225,8 @@ class Generation:
 
     def _decode(self) -> None:
         assert self.pending is not None
-        out = self.model.module(
+        out = self._forward(
+            self.members,
             input_ids=self.pending[:, None],
             attention_mask=self.mask,
             position_ids=self.positions,
@@ -247,7 +248,7 @@ class Generation:
             mask[row, width - len(ids) :] = 1
         input_ids, mask = input_ids.to(self.model.device), mask.to(self.model.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model.module(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = self._forward(joining, input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
         tokens = self._sample(joining, out.logits[:, -1, :].float())
         mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
         positions = positions[:, -1:] + 1
@@ -257,6 +258,10 @@ class Generation:
         else:
             self._merge(out.past_key_values, mask, positions, tokens)
         self.members.extend(joining)
+
+    def _forward(self, members: list[_Member], **inputs: Any) -> Any:
+        """One forward pass over `members`' rows, in order (sae_steer wraps it to steer each row)."""
+        return self.model.module(**inputs)
 
     def _sample(self, members: list[_Member], logits: torch.Tensor) -> torch.Tensor:
         taken, start = [], 0

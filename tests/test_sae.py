@@ -1,0 +1,285 @@
+"""SAE features: loading and checking a user's SAE, `sae_features`, `sae_annotate`, `sae_steer`.
+
+The SAE is tiny and made here (hidden 32, 16 ReLU features at layer 0 of the
+tiny 2-layer model), so its activations are computed again by hand from the
+model's own hidden states. Feature DEAD has a bias so negative that it never
+fires: clamping it to 0 must change nothing at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from backends import model as models
+from backends.local import LocalBackend
+from gateway import sae as sae_files
+from gateway.errors import ParamError
+from gateway.tools import builtin_tools, collect
+from gateway.tools.generate import GenerateParams, generate
+from gateway.tools.sae_tools import (
+    AnnotateParams,
+    Clamp,
+    FeaturesParams,
+    SteerParams,
+    Steering,
+    sae_annotate,
+    sae_features,
+    sae_steer,
+)
+from tests.conftest import run_stream
+from tests.test_batching import Recorder
+
+D, N, LAYER, DEAD = 32, 16, 0, 15
+
+
+def sae_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w_dec = torch.randn(N, D, generator=g)
+    w_dec = w_dec / w_dec.norm(dim=-1, keepdim=True)
+    b_enc = torch.randn(N, generator=g) * 0.1
+    b_enc[DEAD] = -1e4
+    return {"W_enc": w_dec.T.clone() * 2, "b_enc": b_enc, "W_dec": w_dec, "b_dec": torch.randn(D, generator=g) * 0.01}
+
+
+def write_sae(
+    folder: Path, tensors: dict[str, torch.Tensor] | None = None, sidecar: Any = None, stem: str = "res0", ext: str = "json"
+) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{stem}.safetensors"
+    tensors = sae_tensors() if tensors is None else tensors
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    if sidecar is None:
+        sidecar = {"layer": LAYER, "activation": "relu", "name": "res0", "labels": {"0": "dogs", "1": "Hot dogs", "2": "cats"}}
+    if isinstance(sidecar, str):
+        (folder / f"{stem}.{ext}").write_text(sidecar)
+    elif sidecar is not False:
+        (folder / f"{stem}.json").write_text(json.dumps(sidecar))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sae_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_sae(tmp_path_factory.mktemp("sae"))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path: Path, sae_path: Path) -> Any:
+    loaded = models.load(models.resolve(str(tiny_model_path)), "cpu", "float32")
+    sae_files.attach(loaded, sae_files.read_specs([str(sae_path)]))
+    return loaded
+
+
+def by_hand(model: Any, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer LAYER's residual stream (from output_hidden_states, not hooks) and its ReLU features."""
+    t = sae_tensors()
+    ids = torch.tensor([model.encode(prompt)])
+    with torch.no_grad():
+        x = model.module(input_ids=ids, output_hidden_states=True).hidden_states[LAYER + 1][0].float()
+    return x, torch.relu(x @ t["W_enc"] + t["b_enc"])
+
+
+def steer(model: Any, clamps: list[tuple[int, float]], **kw: Any) -> Any:
+    params = SteerParams(prompts=["The cat"], clamps=[Clamp(i, s) for i, s in clamps], **kw)
+    with torch.inference_mode():
+        return sae_steer.run(model, params, Recorder())
+
+
+def plain(model: Any, **kw: Any) -> Any:
+    with torch.inference_mode():
+        return generate.run(model, GenerateParams(prompts=["The cat"], **kw), Recorder())
+
+
+# -- the tools, driven directly --------------------------------------------------------
+
+
+def test_annotate_matches_a_direct_encode(model: Any) -> None:
+    x, f = by_hand(model, "hot dogs")
+    ids = list(range(N))
+    with torch.inference_mode():
+        picked = sae_annotate.run(model, AnnotateParams("hot dogs", mode="pick", feature_ids=ids), Recorder())
+        top = sae_annotate.run(model, AnnotateParams("hot dogs", k=3), Recorder())
+    t = sae_tensors()
+    error = (x - (f @ t["W_dec"] + t["b_dec"])).norm(dim=-1)
+    assert len(picked.tokens) == x.shape[0]
+    for pos, token in enumerate(picked.tokens):
+        assert [a.id for a in token.features] == ids
+        assert torch.allclose(torch.tensor([a.value for a in token.features]), f[pos], atol=1e-5)
+        assert abs(token.error - float(error[pos])) < 1e-5
+        assert abs(token.relative_error - float(error[pos] / x[pos].norm())) < 1e-5
+        want = [(int(i), float(v)) for v, i in zip(*f[pos].topk(3)) if v > 0]
+        got = [(a.id, a.value) for a in top.tokens[pos].features]
+        assert [i for i, _ in got] == [i for i, _ in want]
+        assert all(abs(a - b) < 1e-5 for (_, a), (_, b) in zip(got, want))
+    assert picked.tokens[0].features[0].label == "dogs"
+    assert any(top.tokens[p].features for p in range(len(top.tokens))), "some feature should fire"
+
+
+def test_features_filter_and_paginate(model: Any) -> None:
+    result = sae_features.run(model, FeaturesParams(query="DOGS"), Recorder())
+    assert (result.total, [f.id for f in result.features]) == (2, [0, 1])
+    page = sae_features.run(model, FeaturesParams(offset=10, limit=4), Recorder())
+    assert page.total == N and [f.id for f in page.features] == [10, 11, 12, 13]
+    assert abs(page.features[0].decoder_norm - 1.0) < 1e-5  # rows were normalised
+    assert page.features[0].label is None
+
+
+def test_steering_a_silent_feature_to_zero_changes_nothing(model: Any) -> None:
+    for kw in ({}, {"temperature": 1.0, "seed": 7}):
+        assert steer(model, [(DEAD, 0.0)], max_tokens=12, **kw) == plain(model, max_tokens=12, **kw)
+
+
+def test_a_large_clamp_changes_generation_and_is_gone_for_the_next_job(model: Any) -> None:
+    before = plain(model, max_tokens=12)
+    layer = model.memo["anatomy"].layers[LAYER] if "anatomy" in model.memo else None
+    hooks = dict(layer._forward_hooks) if layer is not None else {}
+    steered = steer(model, [(0, 200.0)], max_tokens=12)
+    assert steered.completions != before.completions
+    assert plain(model, max_tokens=12) == before
+    assert dict(model.memo["anatomy"].layers[LAYER]._forward_hooks) == hooks  # transformers' own stay
+
+
+def test_batched_jobs_each_get_their_own_clamps(model: Any) -> None:
+    jobs = [
+        SteerParams(prompts=["The cat"], clamps=[Clamp(0, 200.0)], max_tokens=8),
+        SteerParams(prompts=["A dog", "The cat"], clamps=[Clamp(DEAD, 0.0)], max_tokens=8),
+        SteerParams(prompts=["The cat"], clamps=[Clamp(1, -200.0), Clamp(2, 50.0)], max_tokens=5),
+    ]
+    with torch.inference_mode():
+        alone = [sae_steer.run(model, p, Recorder()) for p in jobs]
+        batch = Steering(model)
+        ctxs = [Recorder(f"job{i}") for i in range(len(jobs))]
+        batch.add(jobs[0], ctxs[0])
+        batch.step()  # the others join a running batch
+        batch.add(jobs[1], ctxs[1])
+        batch.add(jobs[2], ctxs[2])
+        results: dict[str, Any] = {}
+        while len(batch):
+            for ctx, outcome in batch.step():
+                results[ctx.job_id] = outcome
+    assert [results[f"job{i}"] for i in range(len(jobs))] == alone
+    assert alone[1].completions[1] == plain(model, max_tokens=8).completions[0]
+
+
+def test_bad_feature_ids_and_sae_names_are_param_errors(model: Any) -> None:
+    with pytest.raises(ParamError) as err:
+        sae_annotate.check(model, AnnotateParams("x", mode="pick", feature_ids=[1, N]))
+    assert err.value.field == "feature_ids[1]"
+    with pytest.raises(ParamError) as err:
+        sae_annotate.check(model, AnnotateParams("x", sae="nope"))
+    assert err.value.field == "sae" and "res0" in str(err.value)
+    with pytest.raises(ParamError) as err:
+        sae_steer.check(model, SteerParams(prompts=["x"], clamps=[Clamp(3, 1.0), Clamp(3, 2.0)]))
+    assert err.value.field == "clamps[1].feature_id"
+
+
+# -- loading: bad files fail at start-up, naming the problem ------------------------------
+
+
+def bad_cases(tmp: Path) -> list[tuple[Path, str]]:
+    t = sae_tensors()
+    nan = dict(t, W_dec=t["W_dec"].clone())
+    nan["W_dec"][3, 4] = float("nan")
+    return [
+        (write_sae(tmp / "shape", dict(t, W_dec=t["W_dec"][:, :16].contiguous())), "W_dec has shape [16, 16]"),
+        (write_sae(tmp / "missing", {k: v for k, v in t.items() if k != "b_enc"}), "missing tensors: b_enc"),
+        (write_sae(tmp / "nan", nan), "W_dec has NaN or infinite values"),
+        (write_sae(tmp / "no-sidecar", sidecar=False), "no sidecar"),
+        (write_sae(tmp / "bad-sidecar", sidecar='{"layer": 0, "activation": "gelu"}'), "activation"),
+        (write_sae(tmp / "toml", sidecar='layer = 0\nactivation = "topk"\n', ext="toml"), "gives no k"),
+        (write_sae(tmp / "labels", sidecar={"layer": 0, "activation": "relu", "labels": {"99": "x"}}), "label key 99"),
+        (write_sae(tmp / "layer", sidecar={"layer": 2, "activation": "relu"}), "layer 2 is out of range"),
+        (write_sae(tmp / "width", dict(t, W_enc=t["W_enc"][:24], W_dec=t["W_dec"][:, :24], b_dec=t["b_dec"][:24])),
+         "d_model is 24 (W_enc's first dimension) but the model's hidden size is 32"),
+    ]
+
+
+def start(model_path: Path, sae: list[str]) -> None:
+    async def go() -> None:
+        backend = LocalBackend(collect(builtin_tools()), model=str(model_path), device="cpu", sae=sae)
+        await backend.start()
+        try:
+            await backend.wait_ready()
+        finally:
+            await backend.stop()
+
+    asyncio.run(go())
+
+
+def test_bad_sae_files_fail_start_up_with_the_problem(tiny_model_path: Path, tmp_path: Path) -> None:
+    for path, problem in bad_cases(tmp_path):
+        with pytest.raises((ValueError, models.ModelError)) as err:
+            start(tiny_model_path, [str(path)])
+        assert problem in str(err.value) and str(path) in str(err.value), (problem, str(err.value))
+
+
+def test_a_toml_sidecar_and_two_saes_load(tmp_path: Path) -> None:
+    toml = 'layer = 1\nactivation = "topk"\nk = 4\nlabels = ["a", "b"]\n'
+    one = write_sae(tmp_path / "a", sidecar=toml, ext="toml")  # named after its stem: res0
+    two = write_sae(tmp_path / "b")
+    with pytest.raises(sae_files.SAEError, match="the name 'res0' is also used"):
+        sae_files.read_specs([str(one), str(two)])
+    three = write_sae(tmp_path / "c", sidecar=toml, ext="toml", stem="deep")
+    specs = sae_files.read_specs([str(three), str(two)])
+    assert [(s.name, s.layer, s.k, s.labels) for s in specs] == [
+        ("deep", 1, 4, {0: "a", 1: "b"}),
+        ("res0", 0, None, {0: "dogs", 1: "Hot dogs", 2: "cats"}),
+    ]
+
+
+# -- through a real server ----------------------------------------------------------------
+
+
+def error_of(response: httpx.Response) -> tuple[int, str | None]:
+    return response.status_code, response.json()["error"].get("field")
+
+
+def test_the_server_serves_the_tools_and_refuses_bad_params(serve: Any, sae_path: Path) -> None:
+    server = serve(sae=[str(sae_path)])
+    names = {t["name"] for t in httpx.get(server.url + "/tools").json()}
+    assert {"sae_features", "sae_annotate", "sae_steer"} <= names
+    ok = run_stream(server.url, "sae_steer", {"prompts": ["The cat"], "clamps": [{"feature_id": 0, "strength": 200}]})
+    assert ok.terminal["event"] == "data" and ok.of("partial"), ok.events[-1]
+    annotated = run_stream(server.url, "sae_annotate", {"prompt": "hot dogs", "k": 2})
+    assert annotated.terminal["event"] == "data"
+    refused = [
+        ("sae_annotate", {"prompt": "x", "sae": "nope"}, "sae"),
+        ("sae_annotate", {"prompt": "x", "mode": "pick", "feature_ids": [0, 1, 2, N]}, "feature_ids[3]"),
+        ("sae_annotate", {"prompt": "x", "mode": "pick", "feature_ids": [0, -1]}, "feature_ids[1]"),
+        ("sae_annotate", {"prompt": "x", "mode": "pick"}, "feature_ids"),
+        ("sae_features", {"sae": "nope"}, "sae"),
+        ("sae_steer", {"prompts": ["x"], "clamps": [{"feature_id": N, "strength": 1}]}, "clamps[0].feature_id"),
+        ("sae_steer", {"prompts": ["x"], "clamps": [{"feature_id": -2, "strength": 1}]}, "clamps[0].feature_id"),
+        ("sae_steer", {"prompts": ["x"], "clamps": [{"feature_id": 0, "strength": 1e5}]}, "clamps[0].strength"),
+        ("sae_steer", {"prompts": ["x"], "clamps": [{"feature_id": 0, "strength": 1}], "top_k": -1}, "top_k"),
+        ("sae_steer", {"prompts": ["x"], "clamps": [{"feature_id": 0, "strength": 1}], "temperature": 5}, "temperature"),
+        ("sae_steer", {"prompts": ["x"], "clamps": []}, "clamps"),
+    ]
+    for tool, params, field in refused:
+        assert error_of(httpx.post(f"{server.url}/{tool}/run", json=params)) == (422, field), (tool, params)
+    # JSON has no NaN or infinity: the decoder refuses them, and an overflowing number, as malformed.
+    for bad in (b"NaN", b"Infinity", b"1e999"):
+        body = b'{"prompts": ["x"], "clamps": [{"feature_id": 0, "strength": %s}]}' % bad
+        assert httpx.post(f"{server.url}/sae_steer/run", content=body).status_code in (400, 422), bad
+
+
+def test_without_an_sae_the_tools_are_not_served(serve: Any) -> None:
+    server = serve()
+    names = {t["name"] for t in httpx.get(server.url + "/tools").json()}
+    assert not names & {"sae_features", "sae_annotate", "sae_steer"}
+
+
+def test_non_finite_strengths_fail_validation() -> None:
+    raw = {"prompts": ["x"], "clamps": [{"feature_id": 1, "strength": 2.5}], "sae": "res0"}
+    assert msgspec.to_builtins(msgspec.convert(raw, SteerParams))["clamps"] == raw["clamps"]
+    for bad in (float("nan"), float("inf"), -float("inf"), 1e4 + 1):
+        with pytest.raises(msgspec.ValidationError, match="clamps\\[0\\].strength"):
+            msgspec.convert(dict(raw, clamps=[{"feature_id": 1, "strength": bad}]), SteerParams)
