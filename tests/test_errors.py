@@ -642,7 +642,7 @@ def test_local_and_remote_refuse_alike(serve_any):
 def test_params_nesting_deeper_than_the_cap_is_a_400_not_a_crash(srv):
     from gateway.params import MAX_NESTING
 
-    for depth in (MAX_NESTING + 1, 100_000):
+    for depth in (MAX_NESTING + 1, 2000):  # the second, deeper than the decoder could follow
         body = b'{"prompt": "x", "top_k": ' + b"[" * depth + b"]" * depth + b"}"
         r = httpx.post(f"{srv.url}/predict/run", content=body)
         assert r.status_code == 400, r.text
