@@ -283,3 +283,17 @@ def test_non_finite_strengths_fail_validation() -> None:
     for bad in (float("nan"), float("inf"), -float("inf"), 1e4 + 1):
         with pytest.raises(msgspec.ValidationError, match="clamps\\[0\\].strength"):
             msgspec.convert(dict(raw, clamps=[{"feature_id": 1, "strength": bad}]), SteerParams)
+
+
+def test_dry_run_reports_saes_and_refuses_a_bad_one(tiny_model_path: Path, sae_path: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from gateway.cli import main
+
+    serve = ["serve", "--model", str(tiny_model_path), "--device", "cpu", "--dry-run"]
+    result = CliRunner().invoke(main, [*serve, "--sae", str(sae_path)])
+    assert result.exit_code == 0, result.output
+    assert "saes: res0 (layer 0, 16 features, relu)" in result.output and "sae_steer" in result.output
+    bad = write_sae(tmp_path / "bad", sidecar={"layer": 5, "activation": "relu"})
+    result = CliRunner().invoke(main, serve, env={"STREAMGATE_SAE": str(bad)})
+    assert result.exit_code == 1 and f"--sae {bad}: layer 5 is out of range" in result.output
