@@ -23,7 +23,7 @@ try {
   await page.waitForSelector('#tool option', {state: 'attached'})
   const run = async (tool: string) => {
     await page.selectOption('#tool', tool)
-    await page.click('button[type=submit]')
+    await page.click('#run button[type=submit]')
     const job = page.locator(`article.job[data-tool=${tool}]`).first()
     await job.locator('xpath=self::*[@data-state!="running"]').waitFor({timeout: 120_000})
     return job

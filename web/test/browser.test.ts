@@ -49,7 +49,7 @@ async function pick(page: Page, tool: string): Promise<void> {
 
 async function run(page: Page): Promise<ReturnType<Page['locator']>> {
   const before = await page.locator('article.job').count()
-  await page.click('button[type=submit]')
+  await page.click('#run button[type=submit]')
   await page.waitForFunction((n) => document.querySelectorAll('article.job').length > n, before)
   return page.locator('article.job').first()
 }
@@ -71,7 +71,8 @@ describe('the dashboard', {skip: found ? false : `no Chromium at ${CHROMIUM} (ap
   before(async () => {
     mkdirSync(ARTIFACTS, {recursive: true})
     // --retry-ms 100: a browser that reconnected after the end of a job would do it at once.
-    gateway = await startGateway(['--retry-ms', '100', '--log-level', 'info'])
+    // --max-batch-size 1: a job waits its turn rather than joining generate's running batch.
+    gateway = await startGateway(['--retry-ms', '100', '--max-batch-size', '1', '--log-level', 'info'])
     profile = mkdtempSync(join(tmpdir(), 'streamgate-chromium-'))
     context = await chromium.launchPersistentContext(profile, {
       executablePath: CHROMIUM,
@@ -192,10 +193,10 @@ describe('the dashboard', {skip: found ? false : `no Chromium at ${CHROMIUM} (ap
     await pick(page, 'generate')
     // The first job is long enough that the next two wait behind it.
     await page.fill('[data-field=max_tokens] input', '220')
-    await page.click('button[type=submit]')
+    await page.click('#run button[type=submit]')
     await page.locator('article.job .token').first().waitFor()
     await page.fill('[data-field=max_tokens] input', '20')
-    for (let i = 0; i < 2; i++) await page.click('button[type=submit]')
+    for (let i = 0; i < 2; i++) await page.click('#run button[type=submit]')
     await page.waitForFunction(() => document.querySelectorAll('article.job').length === 3)
     const jobs = page.locator('article.job')
     for (let i = 0; i < 3; i++) await finished(jobs.nth(i))

@@ -10,11 +10,18 @@
  * (its 422 names the field); should that fetch be accepted after all, it is
  * cancelled at once. Cancel sends `DELETE /jobs/{id}` and shows the job's own
  * `cancelled` event.
+ *
+ * On a gateway with tokens (`login.ts`) each EventSource carries a ticket of its
+ * own, and a 401 waits for the token field before trying again. A ticket expires
+ * within a minute: the browser's reconnect after that is refused (401) and closes
+ * the EventSource for good, so the job is picked up again with a fresh ticket on
+ * `GET /jobs/{id}/events?last_event_id=…`, from the event after the last one seen.
  */
 import {HttpError, ProtocolError} from '../errors.ts'
 import type {ErrorInfo, GeneratePartial, ToolInfo} from '../generated/types.ts'
 import {JobTracker, type JobEvent} from '../job.ts'
 import {fmt, h} from './dom.ts'
+import type {Login} from './login.ts'
 import {renderResult} from './views.ts'
 
 export interface JobHooks {
@@ -25,13 +32,16 @@ export interface JobHooks {
 type Outcome = 'running' | 'done' | 'error' | 'cancelled'
 const EVENT_TYPES = ['status', 'log', 'partial', 'data', 'error'] as const
 
-export function startJob(base: URL, tool: ToolInfo, params: Record<string, unknown>, hooks: JobHooks): HTMLElement {
+/** Streams resumed in a row, with no event between them, before the job is given up as lost. */
+const MAX_RESUMES = 5
+
+export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record<string, unknown>, hooks: JobHooks): HTMLElement {
   const url = runUrl(base, tool, params)
   const tracker = new JobTracker()
   const started = performance.now()
-  const source = new EventSource(url)
-  let opened = false
+  let source: EventSource | undefined
   let reconnecting = false
+  let resumes = 0
 
   // -- the card ------------------------------------------------------------
   const badge = h('span', {class: 'badge'}, 'starting')
@@ -71,7 +81,7 @@ export function startJob(base: URL, tool: ToolInfo, params: Record<string, unkno
   const ticker = setInterval(() => (elapsed.textContent = seconds(performance.now() - started)), 250)
 
   const finish = (outcome: Outcome) => {
-    source.close()
+    source?.close()
     clearInterval(ticker)
     elapsed.textContent = seconds(performance.now() - started)
     card.dataset.state = outcome
@@ -165,6 +175,7 @@ export function startJob(base: URL, tool: ToolInfo, params: Record<string, unkno
   }
 
   const handle = (message: MessageEvent<string>) => {
+    resumes = 0
     try {
       const event = tracker.observe({event: message.type, data: message.data, id: message.lastEventId})
       if (event) onEvent(event)
@@ -174,31 +185,65 @@ export function startJob(base: URL, tool: ToolInfo, params: Record<string, unkno
       finish('error')
     }
   }
-  for (const type of EVENT_TYPES) {
-    source.addEventListener(type, (event) => {
-      // The `error` event type is also how EventSource reports a failed connection (a plain Event).
-      if (event instanceof MessageEvent && typeof event.data === 'string') handle(event as MessageEvent<string>)
-      else if (type === 'error') void connectionFailed()
+
+  // -- the stream ------------------------------------------------------------
+  /** Open an EventSource: on the run URL to start the job, or on its events after the last one seen to resume it. */
+  const connect = async (resume: boolean) => {
+    let ticket: string | undefined
+    try {
+      ticket = await login.ticket()
+    } catch (error) {
+      const e = error instanceof HttpError ? error : undefined
+      showError(e ? {code: e.code ?? 'http_error', message: e.message} : {code: 'unreachable', message: `the gateway cannot be reached: ${(error as Error).message}`}, e?.status)
+      step('refused', '', 'failed')
+      finish('error')
+      return
+    }
+    if (card.dataset.state !== 'running') return // cancelled while waiting for a ticket or a token
+    const target = resume ? eventsUrl(base, tracker.state.jobId!, tracker.state.lastEventId) : url
+    const streamUrl = new URL(target)
+    if (ticket) streamUrl.searchParams.set('ticket', ticket)
+    const es = new EventSource(streamUrl)
+    source = es
+    let opened = false
+    for (const type of EVENT_TYPES) {
+      es.addEventListener(type, (event) => {
+        if (es !== source) return
+        // The `error` event type is also how EventSource reports a failed connection (a plain Event).
+        if (event instanceof MessageEvent && typeof event.data === 'string') handle(event as MessageEvent<string>)
+        else if (type === 'error') void connectionFailed(es, opened, ticket !== undefined, target, resume)
+      })
+    }
+    es.addEventListener('open', () => {
+      if (es !== source) return
+      if (reconnecting) step('resumed', '', 'status')
+      reconnecting = false
+      opened = true
+      badge.textContent = tracker.state.status?.toLowerCase() ?? 'open'
     })
   }
-  source.addEventListener('open', () => {
-    if (reconnecting) step('resumed', '', 'status')
-    reconnecting = false
-    opened = true
-    badge.textContent = tracker.state.status?.toLowerCase() ?? 'open'
-  })
 
-  const connectionFailed = async () => {
+  const connectionFailed = async (es: EventSource, opened: boolean, ticketed: boolean, target: URL, resume: boolean) => {
     if (tracker.state.done || card.dataset.state !== 'running') return
-    if (source.readyState === EventSource.CONNECTING) {
-      // The browser tries again by itself, with Last-Event-ID: the gateway resumes this job.
+    const lost = () => {
       if (!reconnecting) step('reconnecting', '', 'failed')
       reconnecting = true
       badge.textContent = 'reconnecting'
+    }
+    if (es.readyState === EventSource.CONNECTING) {
+      // The browser tries again by itself, with Last-Event-ID: the gateway resumes this job.
+      lost()
       return
     }
-    source.close()
+    es.close()
     if (opened) {
+      // The browser's own reconnect was refused. With a ticket, most likely because it expired
+      // (401): resume from the last event seen, with a fresh ticket.
+      if (ticketed && tracker.state.jobId && resumes++ < MAX_RESUMES) {
+        lost()
+        await connect(true)
+        return
+      }
       step('lost', '', 'failed')
       showError({code: 'stream_ended', message: 'the connection was lost and the job could not be resumed'})
       finish('error')
@@ -206,18 +251,36 @@ export function startJob(base: URL, tool: ToolInfo, params: Record<string, unkno
     }
     // The stream never opened: ask again with fetch to read the gateway's answer.
     const probe = new AbortController()
+    const token = login.token
     try {
-      const response = await fetch(url, {signal: probe.signal, headers: {Accept: 'application/json'}})
+      const response = await fetch(target, {signal: probe.signal, headers: {Accept: 'application/json', ...login.headers()}})
+      if (response.status === 401) {
+        // This gateway needs a token (or refused ours): wait for one, then try again.
+        const error = await HttpError.fromResponse(response)
+        showError({code: error.code ?? 'http_error', message: error.message}, error.status)
+        if (!timeline.querySelector('[data-status=unauthorized]')) step('unauthorized', 'waiting for a token', 'failed')
+        badge.textContent = 'needs a token'
+        await login.refused(token)
+        if (card.dataset.state !== 'running') return
+        errorBox.hidden = true
+        await connect(resume)
+        return
+      }
       if (response.ok) {
+        probe.abort()
+        // A resume accepted this time (its ticket had run out on the way): open it again.
+        if (resume && resumes++ < MAX_RESUMES) {
+          await connect(true)
+          return
+        }
         // Accepted this time after all: cancel the job this request started.
         const id = response.headers.get('X-Job-Id')
-        probe.abort()
-        if (id) void fetch(new URL(`jobs/${encodeURIComponent(id)}`, base), {method: 'DELETE'}).catch(() => undefined)
+        if (id && !resume) void fetch(new URL(`jobs/${encodeURIComponent(id)}`, base), {method: 'DELETE', headers: login.headers()}).catch(() => undefined)
         showError({code: 'stream_ended', message: 'the event stream could not be opened'})
       } else {
         const error = await HttpError.fromResponse(response)
         showError({code: error.code ?? 'http_error', message: error.message, field: error.field}, error.status)
-        if (error.status === 422 || error.status === 413 || error.status === 400) hooks.onRefused(error.field, error.message)
+        if (!resume && (error.status === 422 || error.status === 413 || error.status === 400)) hooks.onRefused(error.field, error.message)
       }
     } catch (error) {
       showError({code: 'unreachable', message: `the gateway cannot be reached: ${(error as Error).message}`})
@@ -228,7 +291,7 @@ export function startJob(base: URL, tool: ToolInfo, params: Record<string, unkno
 
   const closeHere = (message: string) => {
     if (card.dataset.state !== 'running') return
-    source.close()
+    source?.close()
     step('cancelled', 'by you', 'failed')
     showError({code: 'cancelled', message})
     finish('cancelled')
@@ -241,7 +304,7 @@ export function startJob(base: URL, tool: ToolInfo, params: Record<string, unkno
     let deleted = false
     if (id) {
       try {
-        deleted = (await fetch(new URL(`jobs/${encodeURIComponent(id)}`, base), {method: 'DELETE'})).ok
+        deleted = (await fetch(new URL(`jobs/${encodeURIComponent(id)}`, base), {method: 'DELETE', headers: login.headers()})).ok
       } catch {
         // The gateway cannot be reached: all there is left to do is stop listening.
       }
@@ -254,7 +317,15 @@ export function startJob(base: URL, tool: ToolInfo, params: Record<string, unkno
     }
   }
 
+  void connect(false)
   return card
+}
+
+/** `GET /jobs/{id}/events`, after `lastEventId` when there is one. */
+function eventsUrl(base: URL, jobId: string, lastEventId: string | undefined): URL {
+  const url = new URL(`jobs/${encodeURIComponent(jobId)}/events`, base)
+  if (lastEventId) url.searchParams.set('last_event_id', lastEventId)
+  return url
 }
 
 /** `GET /{tool}/run?params=<JSON>`; flat keys (a list's items repeated) for a tool that has a field called `params`. */

@@ -4,6 +4,7 @@ import type {ToolInfo} from '../generated/types.ts'
 import {h} from './dom.ts'
 import {buildForm, type ToolForm} from './form.ts'
 import {startJob} from './jobs.ts'
+import {Login} from './login.ts'
 import './style.css'
 
 const base = new URL('.', location.href)
@@ -32,6 +33,7 @@ async function main(): Promise<void> {
   const jobs = $<HTMLElement>('#jobs')
   const form = $<HTMLFormElement>('#run')
   const formError = $<HTMLElement>('#form-error')
+  const login = new Login(base, $<HTMLFormElement>('#login'))
 
   let tools: ToolInfo[]
   try {
@@ -75,7 +77,7 @@ async function main(): Promise<void> {
       toolForm.showError(undefined, (error as Error).message)
       return
     }
-    const card = startJob(base, tool, params, {
+    const card = startJob(base, login, tool, params, {
       onRefused: (field, message) => {
         if (current().name === tool.name) toolForm.showError(field, message)
       },
