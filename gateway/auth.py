@@ -14,7 +14,7 @@ lengths leak nothing.
 A browser's `EventSource` cannot send headers, and a long-lived token put in a
 URL ends up in logs, histories and `Referer` headers. So GET streams take a
 ticket instead: `POST /auth/ticket` (with the token) answers
-`<name>.<expiry>.<signature>`, an HMAC-SHA256 of the name and expiry keyed by
+`<name>.<expiry ms>.<signature>`, an HMAC-SHA256 of the name and expiry keyed by
 the token itself. Keyed that way, a ticket is bound to its token (remove the
 token and its tickets die with it), and any replica that knows the token can
 check it without another shared secret. Tickets live at most 60 seconds and
@@ -163,13 +163,15 @@ class Auth:
 
     def issue_ticket(self, principal: Principal, now: float | None = None) -> tuple[str, float]:
         """A ticket for `principal`'s GET streams, and its lifetime in seconds."""
-        expiry = int((now if now is not None else time.time()) + self.ticket_ttl)
+        # In milliseconds: whole seconds would cut up to one off the ticket's life.
+        expiry = int(((now if now is not None else time.time()) + self.ticket_ttl) * 1000)
         payload = f"{principal.name}.{expiry}"
         return f"{_b64(principal.name.encode())}.{expiry}.{_sign(principal, payload)}", self.ticket_ttl
 
     def _check_ticket(self, ticket: str, now: float | None = None) -> Principal:
         parts = ticket.split(".")
-        if len(parts) != 3 or not parts[1].isdigit():
+        # Only ASCII reaches int() and hmac.compare_digest, which raise on anything else.
+        if len(parts) != 3 or not ticket.isascii() or not parts[1].isdigit():
             raise _unauthorized("malformed ticket")
         try:
             name = _unb64(parts[0]).decode()
@@ -180,7 +182,7 @@ class Auth:
         expected = _sign(principal or Principal(name, "\0" * 16), f"{name}.{parts[1]}")
         if not hmac.compare_digest(expected, parts[2]) or principal is None:
             raise _unauthorized("invalid ticket")
-        if int(parts[1]) < (now if now is not None else time.time()):
+        if int(parts[1]) / 1000 < (now if now is not None else time.time()):
             raise _unauthorized("the ticket expired: get a new one from POST /auth/ticket")
         return principal
 
