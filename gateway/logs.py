@@ -115,7 +115,10 @@ class RequestContext(logging.Filter):
             record.request_id = request_id.get()
         if getattr(record, "job_id", None) is None:
             record.job_id = job_id.get()
-        message = record.getMessage()
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed call: let the handler report it, as logging does
+            return True
         clean = redact(message)
         if clean != message:
             record.msg, record.args = clean, None

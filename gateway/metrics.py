@@ -39,7 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.jobs import Job
-from gateway.protocol import Code, ErrorFrame, Event, EventType
+from gateway.protocol import Code, Event, EventType
 
 # Seconds: from a few milliseconds (a predict) to minutes (a long generate).
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -92,7 +92,7 @@ class Metrics:
         if terminal.type is EventType.DATA:
             outcome, code = "succeeded", ""
         else:
-            code = msgspec.json.decode(terminal.data, type=ErrorFrame).error.code.value
+            code = _error_code(terminal.data)
             outcome = "cancelled" if code == Code.CANCELLED.value else "failed"
         self.jobs.labels(job.tool, outcome, code).inc()
         if job.started is not None:
@@ -114,6 +114,22 @@ class Metrics:
     async def endpoint(self, request: Request) -> Response:
         """`GET /metrics`: the Prometheus text format. On the event loop, so reads are consistent."""
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Code(msgspec.Struct):
+    code: str
+
+
+class _ErrorEvent(msgspec.Struct):
+    error: _Code
+
+
+def _error_code(data: bytes) -> str:
+    # Never raise here: the job's other end-of-job callbacks (rate-limit slots) run after this one.
+    try:
+        return msgspec.json.decode(data, type=_ErrorEvent).error.code
+    except msgspec.MsgspecError:
+        return "unknown"
 
 
 class _BackendState:
