@@ -15,6 +15,7 @@ worker's future resolves) always lands after them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import uuid
 from collections.abc import Callable
@@ -40,6 +41,8 @@ from gateway.protocol import (
 )
 from gateway.encoding import to_json
 from gateway.tools.base import Cancelled
+
+log = logging.getLogger("streamgate.jobs")
 
 PROGRESS_INTERVAL_S = 0.1  # RUNNING frames are coalesced to at most ~10/s per job
 
@@ -83,7 +86,10 @@ class Job:
             self.finished = now()
             self._drop_pending_progress()
             for callback in self.on_end:
-                callback(self)
+                try:
+                    callback(self)
+                except Exception:  # one bookkeeping bug must not keep the others from running
+                    log.exception("an end-of-job callback failed for job %s", self.id)
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
         return event
