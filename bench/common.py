@@ -324,16 +324,24 @@ class Load:
         return [run.latency * 1000 for run in self.ok]
 
 
-async def closed_loop(clients: int, jobs: int, one: Callable[[int], Awaitable[JobRun]]) -> Load:
-    """`clients` concurrent clients, each starting its next job as soon as its last ended, `jobs` in all."""
+async def closed_loop(
+    clients: int, jobs: int, one: Callable[[int], Awaitable[JobRun]], deadline: float | None = None
+) -> Load:
+    """`clients` concurrent clients, each starting its next job as soon as its last ended, `jobs` in all.
+
+    With a `deadline` (seconds), no job starts after it, so that a slow or busy
+    machine cannot stretch a run without bound; jobs under way still finish.
+    """
     runs: list[JobRun] = []
     counter = iter(range(jobs))
+    start = time.perf_counter()
 
     async def client() -> None:
         for index in counter:
             runs.append(await one(index))
+            if deadline is not None and time.perf_counter() - start > deadline:
+                return
 
-    start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
     return Load(runs, time.perf_counter() - start)
 
@@ -368,6 +376,11 @@ def fmt(value: Any, digits: int = 1) -> str:
 
 
 # -- the report ---------------------------------------------------------------------
+
+
+def step(message: str) -> None:
+    """Where a run is, on stderr: the report on stdout stays clean."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def machine(device: str) -> str:
@@ -416,7 +429,8 @@ class Report:
     def print(self) -> None:
         mode = "quick" if self.bench.quick else "full"
         out = [f"# {self.title}", f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}", f"mode: {mode}",
-               "load average at start: {:.2f} {:.2f} {:.2f}".format(*self.load)]
+               "load average (1, 5, 15 min) at start: {:.2f} {:.2f} {:.2f}; at end: {:.2f} {:.2f} {:.2f}".format(
+                   *self.load, *os.getloadavg())]
         out += [f"{name}: {value}" for name, value in self.facts]
         targets = ["\n".join(self.targets)] if self.targets else []
         print("\n".join(out), *self.blocks, *targets, sep="\n\n", flush=True)

@@ -109,6 +109,7 @@ async def measure(bench: common.Bench, mode: str, streams: int, ping: float, hol
             args = ("POST", "/wait/run", {"seconds": 0})
         else:
             args = ("GET", f"/jobs/{job_id}/events", None)
+        common.step(f"{mode}: opening {streams} streams")
         await held.open_many(WARM_UP, *args)
         await asyncio.sleep(1)
         before = common.rss_kb(pid)
@@ -118,6 +119,7 @@ async def measure(bench: common.Bench, mode: str, streams: int, ping: float, hol
         opened = len(held.streams) - 1 - WARM_UP
         # Pings come after `ping` seconds of quiet: hold long enough for a few on every stream.
         cpu = common.cpu_seconds(pid)
+        common.step(f"{mode}: {opened} streams open; {hold:g} s quiet")
         await asyncio.sleep(hold)
         cpu_share = (common.cpu_seconds(pid) - cpu) / hold
         after = common.rss_kb(pid)

@@ -74,6 +74,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
         methods = [("stream", None)] + [("poll", period / 1000) for period in periods_ms]
         for method, period in methods:
             delays, requests = [], []
+            common.step(f"{method}{'' if period is None else f' every {period * 1000:g} ms'}: {jobs} jobs")
             for _ in range(jobs):
                 if period is None:
                     job_id, seen, count = await streamed(port, params)

@@ -90,6 +90,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     report.fact("machine", common.machine(common.readyz(local).get("device", "?")))
     ports = {"local": common.port_of(local), "remote": common.port_of(remote)}
 
+    common.step(f"per frame: {rounds} jobs of {frames} log frames on each gateway")
     latencies: dict[str, list[float]] = {name: [] for name in ports}
     for name, port in ports.items():  # warm-up
         await frame_latencies(port, 10)
@@ -104,6 +105,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
                  title=f"Per frame: a log event every {TICK_MS} ms, from the tool's clock to the client's")
 
     params = embed_params(texts)
+    common.step(f"per result byte: embed of {texts} texts, {downloads} downloads, then {rounds} jobs each way")
     job_id = await executor_result(executor.url, params)
     link = Link(executor.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     try:

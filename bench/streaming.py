@@ -111,7 +111,8 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     events: dict[str, int] = dict.fromkeys(ports, 0)
     long_events: dict[str, float] = dict.fromkeys(ports, 0.0)
     long_wall: dict[str, float] = dict.fromkeys(ports, 0.0)
-    for _ in range(rounds):
+    for round_ in range(rounds):
+        common.step(f"round {round_ + 1} of {rounds}")
         for name in ports:
             for _ in range(sequential // rounds):
                 job = await one(name)
