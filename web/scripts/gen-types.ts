@@ -1,7 +1,7 @@
 /**
  * Generates src/generated/types.ts from the gateway's JSON Schemas: each built-in
- * tool's params, result and partial (its `GET /tools` answer) and the protocol's
- * frames. `--check` fails instead of writing when the file on disk differs.
+ * tool's params, result and partial (its `GET /tools` answer; the SAE tools, served
+ * with `--sae`, apart as `SaeTools`) and the protocol's frames. `--check` fails instead of writing when the file on disk differs.
  *
  *   npm run gen:types            # write
  *   npm run gen:types -- --check # CI: the committed file must match
@@ -25,9 +25,9 @@ const web = join(here, '..')
 const out = join(web, 'src', 'generated', 'types.ts')
 const python = process.env.STREAMGATE_PYTHON ?? join(web, '..', '.venv', 'bin', 'python')
 
-const {tools, frames} = tidy(JSON.parse(
+const {tools, sae_tools: saeNames, frames} = tidy(JSON.parse(
   execFileSync(python, [join(here, 'schemas.py')], {encoding: 'utf8', maxBuffer: 64 << 20}),
-)) as {tools: ToolInfo[]; frames: Record<string, Schema>}
+)) as {tools: ToolInfo[]; sae_tools: string[]; frames: Record<string, Schema>}
 
 /** One document holding every schema under `$defs` by title, and a root object that names them. */
 function document(title: string, description: string, properties: Record<string, unknown>, schemas: Schema[]) {
@@ -79,11 +79,10 @@ function tidy(node: unknown): unknown {
 
 const ref = (schema: Schema | null) => (schema ? {$ref: `#/$defs/${schema.title}`} : {type: 'null'})
 
-const toolsDoc = document(
-  'BuiltinTools',
-  "Each built-in tool's params, result and partial (null: the tool streams none), by tool name.",
+/** By tool name: its params, result and partial types (null: the tool streams none). */
+const byName = (list: ToolInfo[]) =>
   Object.fromEntries(
-    tools.map((t) => [
+    list.map((t) => [
       t.name,
       {
         type: 'object',
@@ -92,8 +91,25 @@ const toolsDoc = document(
         additionalProperties: false,
       },
     ]),
-  ),
-  tools.flatMap((t) => [t.params_schema, t.result_schema, ...(t.partial_schema ? [t.partial_schema] : [])]),
+  )
+
+// The SAE tools exist only on a gateway started with `--sae`: typed apart, as `SaeTools`.
+const saeTools = tools.filter((t) => saeNames.includes(t.name))
+const toolsDoc = document(
+  'BuiltinTools',
+  "Each built-in tool's params, result and partial (null: the tool streams none), by tool name.",
+  byName(tools.filter((t) => !saeNames.includes(t.name))),
+  [
+    ...tools.flatMap((t) => [t.params_schema, t.result_schema, ...(t.partial_schema ? [t.partial_schema] : [])]),
+    {
+      title: 'SaeTools',
+      description: "The SAE tools (served with `--sae`): each one's params, result and partial, by tool name.",
+      type: 'object',
+      properties: byName(saeTools),
+      required: saeTools.map((t) => t.name),
+      additionalProperties: false,
+    },
+  ],
 )
 
 const framesDoc = document(

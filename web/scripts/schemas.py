@@ -1,7 +1,8 @@
 """Print the JSON Schemas the TypeScript types are generated from.
 
-`tools` is the gateway's own `GET /tools` answer for the built-in tools, asked
-of the app in-process (no model is loaded); `frames` are the protocol's event
+`tools` is the gateway's own `GET /tools` answer for the built-in tools and the
+SAE tools (those a gateway serves with `--sae`), asked of the app in-process (no
+model or SAE is loaded); `sae_tools` names the latter; `frames` are the protocol's event
 frames and error body, from the same Structs the gateway encodes them with.
 Run with the project's Python: `.venv/bin/python web/scripts/schemas.py`.
 """
@@ -20,16 +21,17 @@ from backends.base import Backend
 from gateway import protocol
 from gateway.app import create_app
 from gateway.params import schema
-from gateway.tools import builtin_tools
+from gateway.tools import builtin_tools, collect
+from gateway.tools.sae_tools import sae_tools
 
 FRAMES = ["StatusFrame", "LogFrame", "ErrorFrame", "ErrorBody", "ToolInfo", "JobSnapshot"]
 
 
 class ToolsOnly(Backend):
-    """Just enough of a backend for `GET /tools`: the built-in tools, never started."""
+    """Just enough of a backend for `GET /tools`: the built-in and SAE tools, never started."""
 
     def __init__(self) -> None:
-        self._tools = {t.name: t for t in builtin_tools()}
+        self._tools = collect([*builtin_tools(), *sae_tools()])  # as backends/local.py adds them
 
     @property
     def tools(self):  # type: ignore[override]
@@ -55,7 +57,8 @@ def main() -> None:
     answer = client.get("/tools")
     answer.raise_for_status()
     frames = {name: schema(getattr(protocol, name)) for name in FRAMES}
-    json.dump({"tools": answer.json(), "frames": frames}, sys.stdout, indent=1)
+    sae = [t.name for t in sae_tools()]
+    json.dump({"tools": answer.json(), "sae_tools": sae, "frames": frames}, sys.stdout, indent=1)
 
 
 if __name__ == "__main__":

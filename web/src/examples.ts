@@ -1,5 +1,5 @@
 /** A ready-to-run params object for each built-in tool: the dashboard's starting forms, and the tests'. */
-import type {BuiltinTools} from './generated/types.ts'
+import type {BuiltinTools, SaeTools} from './generated/types.ts'
 
 export const EXAMPLES: {[K in keyof BuiltinTools]: BuiltinTools[K]['params']} = {
   generate: {prompts: ['The capital of France is'], max_tokens: 24},
@@ -11,4 +11,11 @@ export const EXAMPLES: {[K in keyof BuiltinTools]: BuiltinTools[K]['params']} = 
   // Prompts of the same length in tokens, so every position pairs up.
   activation_patching: {src_prompt: 'The capital of Greece is', tgt_prompt: 'The capital of France is'},
   embed: {texts: ['cat', 'dog', 'kitten', 'car', 'truck', 'bicycle', 'Paris', 'London'], pooling: 'mean'},
+}
+
+/** The same for the SAE tools, which a gateway serves only with `--sae` (feature 0 exists in any SAE). */
+export const SAE_EXAMPLES: {[K in keyof SaeTools]: SaeTools[K]['params']} = {
+  sae_features: {limit: 50},
+  sae_annotate: {prompt: 'The Eiffel Tower is in the city of', mode: 'top', k: 5},
+  sae_steer: {prompts: ['The capital of France is'], max_tokens: 24, clamps: [{feature_id: 0, strength: 8}]},
 }

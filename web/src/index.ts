@@ -12,5 +12,5 @@ export {
   type JobSnapshot,
   type RunError,
 } from './errors.ts'
-export {EXAMPLES} from './examples.ts'
+export {EXAMPLES, SAE_EXAMPLES} from './examples.ts'
 export type * from './generated/types.ts'

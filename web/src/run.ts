@@ -14,7 +14,7 @@
 import {createParser, type EventSourceMessage} from 'eventsource-parser'
 
 import {AbortError, HttpError, JobError, ProtocolError, StreamEndedError, TimeoutError} from './errors.ts'
-import type {BuiltinTools, LogFrame, StatusFrame} from './generated/types.ts'
+import type {BuiltinTools, LogFrame, SaeTools, StatusFrame} from './generated/types.ts'
 import {JobTracker, type JobState} from './job.ts'
 
 export interface RunOptions<P = unknown> {
@@ -254,16 +254,19 @@ function resumable(error: unknown): error is StreamEndedError | HttpError {
   return error instanceof StreamEndedError || (error instanceof HttpError && error.jobId !== undefined && TRANSIENT.has(error.status))
 }
 
+type Tools = BuiltinTools & SaeTools
+
 /**
  * `runAndStream` for a built-in tool, typed by its name: `runTool(base, 'generate', {prompts: ['Hi']})`
- * resolves with a `GenerateResult`, and `onPartial` gets `GeneratePartial`s.
+ * resolves with a `GenerateResult`, and `onPartial` gets `GeneratePartial`s. The SAE tools
+ * (`sae_annotate`, …) are typed too; they exist only on a gateway started with `--sae`.
  */
-export function runTool<K extends keyof BuiltinTools>(
+export function runTool<K extends keyof Tools>(
   baseUrl: string | URL,
   tool: K,
-  params: BuiltinTools[K]['params'],
-  options: RunOptions<BuiltinTools[K]['partial']> = {},
-): Promise<BuiltinTools[K]['result']> {
+  params: Tools[K]['params'],
+  options: RunOptions<Tools[K]['partial']> = {},
+): Promise<Tools[K]['result']> {
   const base = resolve(baseUrl)
   if (!base.pathname.endsWith('/')) base.pathname += '/'
   return runAndStream(new URL(`${encodeURIComponent(tool)}/run`, base), params, options)

@@ -17,8 +17,8 @@ function ramp(stops: RGB[], t: number): RGB {
   return [0, 1, 2].map((k) => Math.round(a[k]! + (b[k]! - a[k]!) * f)) as RGB
 }
 
-const css = ([r, g, b]: RGB) => `rgb(${r},${g},${b})`
-const ink = ([r, g, b]: RGB) => (0.299 * r + 0.587 * g + 0.114 * b > 140 ? '#111' : '#fff')
+export const css = ([r, g, b]: RGB) => `rgb(${r},${g},${b})`
+export const ink = ([r, g, b]: RGB) => (0.299 * r + 0.587 * g + 0.114 * b > 140 ? '#111' : '#fff')
 
 /** 0 → pale, 1 → dark blue. */
 export const sequential = (t: number): RGB => ramp(BLUES, t)

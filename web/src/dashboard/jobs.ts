@@ -22,7 +22,7 @@ import type {ErrorInfo, GeneratePartial, ToolInfo} from '../generated/types.ts'
 import {JobTracker, type JobEvent} from '../job.ts'
 import {fmt, h} from './dom.ts'
 import type {Login} from './login.ts'
-import {renderResult} from './views.ts'
+import {renderResult, streamHeader} from './views.ts'
 
 export interface JobHooks {
   /** The gateway refused the params: show `message` on `field` in the form. */
@@ -56,7 +56,7 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
   const progress = h('div', {class: 'progress', hidden: true}, h('div', {class: 'progress-track'}, bar), progressText)
   const logs = h('ol', {class: 'logs'})
   const logBox = h('details', {class: 'log-box', hidden: true, open: true}, h('summary', {}, 'Logs'), logs)
-  const tokens = h('div', {class: 'tokens', hidden: true})
+  const tokens = h('div', {class: 'tokens', hidden: true}, streamHeader(tool.name, params))
   const partialBox = h('pre', {class: 'partials json', hidden: true})
   const result = h('div', {class: 'result', hidden: true})
   const errorBox = h('div', {class: 'error', role: 'alert', hidden: true})

@@ -1,5 +1,5 @@
 /** The dashboard: pick a tool, fill its generated form, run it, and watch each job stream. */
-import {EXAMPLES} from '../examples.ts'
+import {EXAMPLES, SAE_EXAMPLES} from '../examples.ts'
 import type {ToolInfo} from '../generated/types.ts'
 import {h} from './dom.ts'
 import {buildForm, type ToolForm} from './form.ts'
@@ -51,7 +51,9 @@ async function main(): Promise<void> {
     const tool = current()
     let toolForm = forms.get(tool.name)
     if (!toolForm) {
-      toolForm = buildForm(tool, (EXAMPLES as unknown as Record<string, Record<string, unknown> | undefined>)[tool.name] ?? {})
+      // The SAE tools' examples only matter when the gateway lists them (it serves an SAE).
+      const examples = {...EXAMPLES, ...SAE_EXAMPLES} as unknown as Record<string, Record<string, unknown> | undefined>
+      toolForm = buildForm(tool, examples[tool.name] ?? {})
       forms.set(tool.name, toolForm)
     }
     description.textContent = tool.description

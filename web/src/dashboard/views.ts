@@ -11,12 +11,15 @@ import type {
   LoglikelihoodResult,
   PatchingResult,
   PredictResult,
+  SaeTools,
 } from '../generated/types.ts'
 import {bars, diverging, heatmap, legend, lineChart, scatter, sequential} from './charts.ts'
 import {fmt, h, percent, showToken} from './dom.ts'
 import {cosines, pca2} from './project.ts'
+import {annotateView, clampsLine, featuresView, steerView} from './sae.ts'
 
-type Views = {[K in keyof BuiltinTools]: (result: BuiltinTools[K]['result'], params: BuiltinTools[K]['params']) => Node}
+type Tools = BuiltinTools & SaeTools
+type Views = {[K in keyof Tools]: (result: Tools[K]['result'], params: Tools[K]['params']) => Node}
 
 const VIEWS: Views = {
   generate: generateView,
@@ -27,6 +30,14 @@ const VIEWS: Views = {
   lens_grid: lensGridView,
   activation_patching: patchingView,
   embed: embedView,
+  sae_features: featuresView,
+  sae_annotate: annotateView,
+  sae_steer: (result, params) => steerView(generateView, result, params),
+}
+
+/** What goes above a job's streamed tokens: `sae_steer`'s clamps; null for the other tools. */
+export function streamHeader(tool: string, params: Record<string, unknown>): Node | null {
+  return tool === 'sae_steer' ? clampsLine(params.clamps as Tools['sae_steer']['params']['clamps']) : null
 }
 
 export function renderResult(tool: string, result: unknown, params: unknown): Node {

@@ -471,3 +471,146 @@ export interface EmbedResult {
   embeddings: (number[] | number[][])[]
   tokens?: string[][] | null
 }
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "FeaturesParams".
+ */
+export interface FeaturesParams {
+  sae?: string | null
+  query?: string | null
+  offset?: number
+  limit?: number
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "FeatureInfo".
+ */
+export interface FeatureInfo {
+  id: number
+  label: string | null
+  decoder_norm: number
+  encoder_bias: number
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "FeaturesResult".
+ */
+export interface FeaturesResult {
+  sae: string
+  layer: number
+  n_features: number
+  total: number
+  offset: number
+  features: FeatureInfo[]
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "AnnotateParams".
+ */
+export interface AnnotateParams {
+  prompt: string
+  sae?: string | null
+  /**
+   * top: each token's k most active features; pick: the activations of feature_ids.
+   */
+  mode?: 'pick' | 'top'
+  k?: number
+  feature_ids?: number[] | null
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "TokenAnnotation".
+ */
+export interface TokenAnnotation {
+  token: string
+  token_id: number
+  features: Activation[]
+  error: number
+  relative_error: number
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "Activation".
+ */
+export interface Activation {
+  id: number
+  label: string | null
+  value: number
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "AnnotateResult".
+ */
+export interface AnnotateResult {
+  sae: string
+  layer: number
+  tokens: TokenAnnotation[]
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "Clamp".
+ */
+export interface Clamp {
+  feature_id: number
+  /**
+   * The value the feature is clamped to at every position.
+   */
+  strength: number
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "SteerParams".
+ */
+export interface SteerParams {
+  /**
+   * Prompts, completed as one batch.
+   *
+   * @minItems 1
+   * @maxItems 32
+   */
+  prompts: string[]
+  /**
+   * Most tokens to generate per prompt.
+   */
+  max_tokens?: number
+  /**
+   * 0 picks the most likely token (greedy).
+   */
+  temperature?: number
+  /**
+   * Nucleus sampling mass.
+   */
+  top_p?: number
+  top_k?: number | null
+  seed?: number | null
+  stop?: string[] | null
+  /**
+   * @minItems 1
+   * @maxItems 64
+   */
+  clamps: Clamp[]
+  sae?: string | null
+}
+/**
+ * The SAE tools (served with `--sae`): each one's params, result and partial, by tool name.
+ *
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "SaeTools".
+ */
+export interface SaeTools {
+  sae_features: {
+    params: FeaturesParams
+    result: FeaturesResult
+    partial: null
+  }
+  sae_annotate: {
+    params: AnnotateParams
+    result: AnnotateResult
+    partial: null
+  }
+  sae_steer: {
+    params: SteerParams
+    result: GenerateResult
+    partial: GeneratePartial
+  }
+}
