@@ -227,9 +227,9 @@ def _query_parameters(params_ref: Mapping[str, Any], schemas: Mapping[str, Any])
 
 
 def _without_null(prop: Mapping[str, Any]) -> dict[str, Any]:
-    """A field's schema less its `null` alternative: an absent query key is the null."""
+    """A list field's schema less its `null` alternative, which no query spells (a scalar's is `null`)."""
     variants = prop.get("anyOf")
-    if variants is None:
+    if variants is None or not any(v.get("type") == "array" for v in variants):
         return dict(prop)
     kept = [v for v in variants if v.get("type") != "null"]
     out = {k: v for k, v in prop.items() if k != "anyOf" and not (k == "default" and v is None)}
@@ -250,7 +250,7 @@ def _flat(schema: Mapping[str, Any], schemas: Mapping[str, Any]) -> bool:
 
 def _scalar(schema: Mapping[str, Any], schemas: Mapping[str, Any]) -> bool:
     schema = _resolve(schema, schemas)
-    return "enum" in schema or schema.get("type") in ("string", "integer", "number", "boolean")
+    return "enum" in schema or schema.get("type") in ("string", "integer", "number", "boolean", "null")
 
 
 def _resolve(schema: Mapping[str, Any], schemas: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -200,7 +200,9 @@ def parse_event_id(value: str | None) -> tuple[str, int] | None:
     if not value:
         return None
     job_id, sep, seq = value.strip().rpartition(":")
-    if not sep or not job_id or not seq.isdigit():
+    # ASCII digits only (str.isdigit() also takes "²", which int() refuses), and at most 18 of
+    # them: no job has more events, and Redis stream ids end at 2**64.
+    if not sep or not job_id or not (seq.isascii() and seq.isdigit()) or len(seq) > 18:
         return None
     return job_id, int(seq)
 

@@ -110,7 +110,10 @@ def sample(logits: torch.Tensor, p: GenerateParams, generator: torch.Generator) 
     """Next token per row from float32 logits of shape (batch, vocab)."""
     if p.temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits / p.temperature
+    # Less the row's max, over a temperature float32 can hold (1e-300 is 0 there): a tiny
+    # temperature then leaves only the top token (greedy, its limit), never inf or 0/0 and NaN.
+    temperature = max(p.temperature, torch.finfo(logits.dtype).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if p.top_k is not None:
         kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -119,6 +122,7 @@ def sample(logits: torch.Tensor, p: GenerateParams, generator: torch.Generator) 
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # Drop a token once the mass before it already reaches top_p; the first always stays.
         drop = (cumulative - sorted_logits.softmax(dim=-1)) >= p.top_p
+        drop[:, 0] = False  # even for a top_p that float32 holds as 0
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     probs = logits.softmax(dim=-1).cpu()
     return torch.multinomial(probs, 1, generator=generator).squeeze(1).to(logits.device)
