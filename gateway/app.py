@@ -140,8 +140,9 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         if (problem := getattr(store, "problem", None)) is not None:  # a shared store that is unreachable
             raise ApiError(Code.NOT_READY, problem, retry_after=5)
         key = request.headers.get("idempotency-key")
-        if key and principal is not None:
-            key = f"{principal.name}:{key}"  # one token cannot attach to another's job by guessing its key
+        if key:
+            # Per tool, and per token: one token cannot attach to another's job by guessing its key.
+            key = f"{principal.name if principal else ''}:{tool.name}:{key}"
         job = Job(tool.name, params)
         metrics.track(job)
         if key and (bound := await store.reserve(key, job.id)) is not None:
