@@ -57,6 +57,11 @@ def params(tool: str, index: int, max_tokens: int) -> dict:
     return {"prompts": [PROMPTS[i]], "max_tokens": max_tokens}
 
 
+def options(parser) -> None:
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="OMP_NUM_THREADS for both gateways (default: unset, torch's own choice: one per core).")
+
+
 def has_batching_flags() -> bool:
     shown = subprocess.run([str(common.STREAMGATE), "serve", "--help"], capture_output=True, text=True, timeout=60)
     return "--max-batch-size" in shown.stdout
@@ -69,14 +74,17 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     model = bench.model(default_tiny=False)
     batching = has_batching_flags()
     flags = ["--queue-size", "256", "--max-prompts", "8"]
+    threads = bench.args.torch_threads
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else None
     gateways = {"batch 1": bench.streamgate("serve", *flags, *(["--max-batch-size", "1"] if batching else []),
-                                            model=model, name="batch-1")}
+                                            model=model, name="batch-1", env=env)}
     if batching:
-        gateways["batched"] = bench.streamgate("serve", *flags, model=model, name="batched")
+        gateways["batched"] = bench.streamgate("serve", *flags, model=model, name="batched", env=env)
     bench.ready(*gateways.values())
     ready = common.readyz(gateways["batch 1"])
     report.fact("machine", common.machine(ready.get("device", "?")))
-    report.fact("model", f"{ready.get('model', '?')} ({ready.get('dtype', '?')})")
+    report.fact("model", f"{ready.get('model', '?')} ({ready.get('dtype', '?')}); torch threads: "
+                + (f"{threads} (OMP_NUM_THREADS)" if threads else "torch's default"))
     report.fact("jobs", f"predict top_k 5; loglikelihood of one continuation; generate {max_tokens} tokens, greedy; "
                 f"short prompts ({len(PROMPTS)} in turn)")
     if not batching:
@@ -138,4 +146,4 @@ def _x(value: float | None) -> str:
 
 
 if __name__ == "__main__":
-    common.main(run, TITLE, __doc__)
+    common.main(run, TITLE, __doc__, options)

@@ -92,22 +92,24 @@ class Bench:
             return str(self.tiny_model())
         return None
 
-    def start(self, argv: Sequence[str], port: int, name: str, headers: dict[str, str] | None = None) -> ServeProcess:
-        """Start `argv` from the repository root, logging to the scratch folder; not yet waited for."""
+    def start(self, argv: Sequence[str], port: int, name: str, env: dict[str, str] | None = None) -> ServeProcess:
+        """Start `argv` from the repository root (environment: ours less STREAMGATE_*, plus `env`); not yet waited for."""
         log = self.dir / f"{name}.log"
         with log.open("wb") as out:
-            proc = subprocess.Popen(list(argv), cwd=ROOT, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
-        process = ServeProcess(proc, f"http://127.0.0.1:{port}", log, headers)
+            proc = subprocess.Popen(list(argv), cwd=ROOT, env=clean_env(**(env or {})), stdout=out, stderr=subprocess.STDOUT)
+        process = ServeProcess(proc, f"http://127.0.0.1:{port}", log)
         self.processes.append(process)
         return process
 
-    def streamgate(self, command: str, *flags: str, model: str | None, name: str | None = None) -> ServeProcess:
+    def streamgate(
+        self, command: str, *flags: str, model: str | None, name: str | None = None, env: dict[str, str] | None = None
+    ) -> ServeProcess:
         """`streamgate serve|executor` with the bench tools on a free port; not yet waited for."""
         port = free_port()
         argv = [str(STREAMGATE), command, "--port", str(port), "--log-level", "warning", *flags]
         if command == "executor" or "--backend" not in flags:  # the process that runs the tools
             argv += ["--tools", "bench.tools", *(["--model", model] if model else [])]
-        return self.start(argv, port, name or command)
+        return self.start(argv, port, name or command, env)
 
     def ready(self, *processes: ServeProcess) -> None:
         """Wait until each answers `/readyz` 200 (started together, they load in parallel)."""

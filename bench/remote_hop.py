@@ -2,6 +2,8 @@
 
 Three processes on a tiny model, each with `bench.tools`: a local gateway, an
 executor, and a remote gateway (`--backend remote --executor URL`) in front of it.
+The two that run the model get one torch thread each (OMP_NUM_THREADS=1), so
+that the model's run time varies little and the hop shows.
 
 Per frame: `bench.tools.ticks` emits a log event every 10 ms whose message is
 the worker thread's `time.time()` at emission, in full precision (a frame's
@@ -78,12 +80,15 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     from gateway.encoding import from_msgpack, to_json
 
     quick = bench.quick
-    rounds, frames = (2, 50) if quick else (5, 200)
+    rounds, frames = (2, 50) if quick else (8, 150)
     texts, downloads = (32, 5) if quick else (256, 10)
     model = bench.model(default_tiny=True)
     caps = ["--max-prompts", str(texts)]
-    local = bench.streamgate("serve", *caps, model=model, name="local")
-    executor = bench.streamgate("executor", *caps, model=model)
+    # One torch thread in each process that runs the model: three processes on a small machine, each with a
+    # thread per core, made the same embed job take from 0.8 to 5 s, which buried the hop in the model's noise.
+    env = {"OMP_NUM_THREADS": "1"}
+    local = bench.streamgate("serve", *caps, model=model, name="local", env=env)
+    executor = bench.streamgate("executor", *caps, model=model, env=env)
     bench.ready(local, executor)
     remote = bench.streamgate("serve", "--backend", "remote", "--executor", executor.url, *caps, model=None, name="remote")
     bench.ready(remote)

@@ -92,6 +92,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     report.fact("machine", common.machine(common.readyz(gateway).get("device", "?")))
 
     ports = {"gateway": common.port_of(gateway), "bare": bare_port}
+    pids = {"gateway": gateway.proc.pid, "bare": bare.proc.pid}
     frames = {str(k): await record(ports["gateway"], k) for k in (8, long_partials)}
     frames_file.write_bytes(msgspec.json.encode(frames))
 
@@ -108,6 +109,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     latency: dict[str, list[float]] = {name: [] for name in ports}
     jobs: dict[str, int] = dict.fromkeys(ports, 0)
     wall: dict[str, float] = dict.fromkeys(ports, 0.0)
+    cpu: dict[str, float] = dict.fromkeys(ports, 0.0)
     events: dict[str, int] = dict.fromkeys(ports, 0)
     long_events: dict[str, float] = dict.fromkeys(ports, 0.0)
     long_wall: dict[str, float] = dict.fromkeys(ports, 0.0)
@@ -118,7 +120,9 @@ async def run(bench: common.Bench, report: common.Report) -> None:
                 job = await one(name)
                 first[name].append(job.first_event * 1000)
                 latency[name].append(job.latency * 1000)
+            used = common.cpu_seconds(pids[name])
             load = await common.closed_loop(clients, concurrent // rounds, lambda i, name=name: one(name))
+            cpu[name] += common.cpu_seconds(pids[name]) - used
             jobs[name] += len(load.ok)
             wall[name] += load.wall
             events[name] += sum(len(r.events) for r in load.ok)
@@ -131,6 +135,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
         name: {
             "jobs/s": jobs[name] / wall[name],
             "events/s": events[name] / wall[name],
+            "server CPU ms/job": cpu[name] / jobs[name] * 1000,
             "first event p50 ms": common.percentile(first[name], 50),
             "first event p99 ms": common.percentile(first[name], 99),
             "job p50 ms": common.percentile(latency[name], 50),
@@ -145,7 +150,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
                 f"characters, data), {sum(map(len, frames['8']))} bytes; the long stream: {long_partials} partials")
     report.table(["endpoint", "clients", "jobs", *figures["gateway"]], rows)
     report.note(f"first event and job p50: one client, one job at a time ({sequential} jobs each); jobs/s and "
-                f"events/s: {clients} clients in a closed loop; long stream: one job of {long_partials} partials; "
+                f"events/s: {clients} clients in a closed loop, and the CPU time (user + system) the server process used meanwhile; long stream: one job of {long_partials} partials; "
                 f"each measured in turn on both endpoints, {rounds} rounds")
     ttfe = common.percentile(first["gateway"], 50)
     report.target("time to first event p50 < 5 ms", f"{ttfe:.2f} ms", ttfe < 5)
