@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
@@ -61,7 +63,7 @@ class Held:
         """Open one stream and wait for its first event; a failure is counted, not raised."""
         async with self._opening:
             try:
-                payload = None if body is None else common.msgspec.json.encode(body)
+                payload = None if body is None else msgspec.json.encode(body)
                 response = await common.Response.open(self.port, method, path, payload)
                 if response.status != 200:
                     self.failures.append(f"HTTP {response.status}: {(await response.body())[:200]!r}")
@@ -99,7 +101,7 @@ async def measure(bench: common.Bench, mode: str, streams: int, ping: float, hol
     pid, port = gateway.proc.pid, common.port_of(gateway)
     held = Held(port)
     try:
-        long_job = await common.Response.open(port, "POST", "/wait/run", common.msgspec.json.encode({"seconds": 3600}))
+        long_job = await common.Response.open(port, "POST", "/wait/run", msgspec.json.encode({"seconds": 3600}))
         async for event in long_job.events():
             if b'"RUNNING"' in event.data:
                 break

@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
@@ -41,7 +44,7 @@ async def streamed(port: int, params: dict) -> tuple[str, float, int]:
 
 async def polled(port: int, client, params: dict, period: float, rng: random.Random) -> tuple[str, float, int]:
     """Submit, drop the stream, poll every `period` s: (job id, when the answer saying SUCCEEDED came, requests)."""
-    response = await common.Response.open(port, "POST", "/ticks/run", common.msgspec.json.encode(params))
+    response = await common.Response.open(port, "POST", "/ticks/run", msgspec.json.encode(params))
     job_id = response.headers["x-job-id"]
     response.close()  # the job runs on, detached, for --detach-grace seconds
     start = time.monotonic() + rng.uniform(0, period)
@@ -56,8 +59,6 @@ async def polled(port: int, client, params: dict, period: float, rng: random.Ran
 
 
 async def run(bench: common.Bench, report: common.Report) -> None:
-    import httpx
-
     quick = bench.quick
     job_ms, jobs = (300, 3) if quick else (1000, 10)
     periods_ms = [50, 250, 1000]

@@ -37,9 +37,14 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from backends.remote import Link  # noqa: E402
 from bench import common  # noqa: E402
+from gateway.encoding import from_msgpack, to_json  # noqa: E402
 
 TITLE = "remote hop: per-frame latency and result download, local vs remote gateway"
 TICK_MS = 10
@@ -58,13 +63,11 @@ def embed_params(texts: int) -> dict:
 async def frame_latencies(port: int, frames: int) -> list[float]:
     job = await common.run_job(port, "/ticks/run", {"count": frames, "interval_ms": TICK_MS, "kind": "log"})
     assert job.ok, f"ticks failed: {job.status} {job.events[-1:]}"
-    return [(e.at - float(common.msgspec.json.decode(e.data)["message"])) * 1000 for e in job.events if e.event == "log"]
+    return [(e.at - float(msgspec.json.decode(e.data)["message"])) * 1000 for e in job.events if e.event == "log"]
 
 
 async def executor_result(executor_url: str, params: dict) -> str:
     """Run `params` as an embed job straight on the executor (no socket: nobody follows it); its id once done."""
-    import httpx
-
     job_id = uuid.uuid4().hex
     body = {"tool": "embed", "params": params, "job_id": job_id}
     async with httpx.AsyncClient(base_url=executor_url, timeout=60) as client:
@@ -76,9 +79,6 @@ async def executor_result(executor_url: str, params: dict) -> str:
 
 
 async def run(bench: common.Bench, report: common.Report) -> None:
-    from backends.remote import Link
-    from gateway.encoding import from_msgpack, to_json
-
     quick = bench.quick
     rounds, frames = (2, 50) if quick else (8, 150)
     texts, downloads = (32, 5) if quick else (256, 10)

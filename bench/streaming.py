@@ -22,6 +22,14 @@ import sys
 import uuid
 from pathlib import Path
 
+import msgspec
+import uvicorn
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
@@ -32,16 +40,9 @@ PLACEHOLDER = "0" * 32  # stands for the job id in the recorded frames
 
 def bare_app(frames_file: Path):
     """POST /noop/run answers the recorded frames; the long stream's, when asked for more partials."""
-    import msgspec
-    from sse_starlette import EventSourceResponse
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
-
     recorded: dict[str, list[bytes]] = {}
 
-    async def run(request: Request) -> EventSourceResponse:
+    async def noop_run(request: Request) -> EventSourceResponse:
         params = msgspec.json.decode(await request.body())
         if not recorded:
             recorded.update({k: [f.encode() for f in v] for k, v in msgspec.json.decode(frames_file.read_bytes()).items()})
@@ -57,12 +58,10 @@ def bare_app(frames_file: Path):
     async def ready(request: Request) -> JSONResponse:
         return JSONResponse({"ready": True})
 
-    return Starlette(routes=[Route("/noop/run", run, methods=["POST"]), Route("/readyz", ready)])
+    return Starlette(routes=[Route("/noop/run", noop_run, methods=["POST"]), Route("/readyz", ready)])
 
 
 def serve_bare(port: int, frames_file: Path) -> None:
-    import uvicorn
-
     uvicorn.run(bare_app(frames_file), host="127.0.0.1", port=port, log_level="warning")
 
 
@@ -77,8 +76,6 @@ async def record(port: int, partials: int) -> list[str]:
 
 
 async def run(bench: common.Bench, report: common.Report) -> None:
-    import msgspec
-
     quick = bench.quick
     clients = 8
     sequential, concurrent, rounds = (40, 150, 2) if quick else (300, 3000, 3)
