@@ -149,8 +149,7 @@ class LocalBackend(Backend):
         self.device_failed = f"{type(exc).__name__}: {exc}"
         log.critical("the device failed: %s; ending every job", self.device_failed)
         if self.queue is not None:
-            while len(self.queue):
-                job = self.queue.take(lambda _: True, 1)[0]
+            for job in self.queue.take(lambda _: True, len(self.queue)):
                 job.fail(Code.BACKEND_UNAVAILABLE, "the device failed and the server is restarting")
         for worker in self.workers:
             for job in list(worker.running):
@@ -171,8 +170,8 @@ class LocalBackend(Backend):
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
         if self.queue is not None:
-            while len(self.queue):
-                job = await self.queue.get()
+            # All at once: taken one by one, every job left would hear its new position each time.
+            for job in self.queue.take(lambda _: True, len(self.queue)):
                 job.fail(Code.SHUTTING_DOWN, "the server stopped before the job started")
         for worker in self.workers:
             await worker.stop()
