@@ -27,6 +27,7 @@ before they travel, by the same code as for local tools.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -360,8 +361,10 @@ class Link:
             raise _Retry("the answer lacks Content-Length or X-Content-SHA256, so it cannot be checked")
         if len(data) != int(expected_size):
             raise _Retry(f"truncated: {len(data)} of {expected_size} bytes")
-        # Off the event loop: hashing a large result would stall every other stream.
-        if await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest()) != expected_hash:
+        # Off the event loop: hashing a large result would stall every other stream. One
+        # thread of its own, not the loop's default pool, which grows to a thread per core.
+        digest = await asyncio.get_running_loop().run_in_executor(_HASHING, lambda: hashlib.sha256(data).hexdigest())
+        if digest != expected_hash:
             raise _Retry("corrupt: the SHA-256 does not match")
         return data
 
@@ -389,6 +392,9 @@ class Link:
 def _as_json(data: bytes) -> msgspec.Raw:
     """A msgpack result as the JSON a local backend would have sent."""
     return msgspec.Raw(to_json(from_msgpack(data)))
+
+
+_HASHING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="streamgate-hash")
 
 
 class _Retry(Exception):
