@@ -12,6 +12,8 @@ export interface Proxy {
    * gateway had sent by then.
    */
   cutNext: (at: CutAt) => Promise<string>
+  /** From now on, stop passing a connection's answer once `marker` has passed `n` times on it. */
+  holdAfter: (marker: string, n: number) => void
   /** Bytes of the gateway's answer passed on each connection closed so far (since its last request). */
   answered: number[]
   close: () => Promise<void>
@@ -26,7 +28,12 @@ export async function startProxy(target: string): Promise<Proxy> {
   const sockets = new Set<Socket>()
   const cuts: {at: CutAt; resolve: (seen: string) => void}[] = []
   const answered: number[] = []
+  const holds = new Set<{held: boolean}>()
+  let holdAt: {marker: string; n: number} | undefined
   const server = createServer((client) => {
+    const hold = {held: false}
+    let markers = 0
+    holds.add(hold)
     const upstream = connect(Number(port), hostname)
     // Cuts are taken per request, not per connection: a kept-alive connection carries several.
     let cut: (typeof cuts)[number] | undefined
@@ -45,6 +52,7 @@ export async function startProxy(target: string): Promise<Proxy> {
       sockets.delete(client)
       sockets.delete(upstream)
       cut?.resolve(seen.toString())
+      holds.delete(hold)
     }
     for (const socket of [client, upstream]) {
       sockets.add(socket)
@@ -67,10 +75,14 @@ export async function startProxy(target: string): Promise<Proxy> {
       return found >= 0 ? found + (at.plus ?? 0) : seen.length - (typeof at.before === 'string' ? at.before.length - 1 : 256)
     }
     upstream.on('data', (data: Buffer) => {
-      if (cutting) return
+      if (cutting || hold.held) return
       if (!cut) {
         client.write(data)
         passed += data.length
+        if (holdAt) {
+          markers += data.toString('latin1').split(holdAt.marker).length - 1
+          hold.held = markers >= holdAt.n
+        }
         return
       }
       seen = Buffer.concat([seen, data])
@@ -91,6 +103,9 @@ export async function startProxy(target: string): Promise<Proxy> {
     answered,
     drop: () => {
       for (const socket of sockets) socket.destroy()
+    },
+    holdAfter: (marker, n) => {
+      holdAt = {marker, n}
     },
     cutNext: (at) => new Promise((resolve) => cuts.push({at, resolve})),
     close: () =>
