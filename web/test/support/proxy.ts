@@ -28,12 +28,10 @@ export async function startProxy(target: string): Promise<Proxy> {
   const sockets = new Set<Socket>()
   const cuts: {at: CutAt; resolve: (seen: string) => void}[] = []
   const answered: number[] = []
-  const holds = new Set<{held: boolean}>()
   let holdAt: {marker: string; n: number} | undefined
   const server = createServer((client) => {
     const hold = {held: false}
     let markers = 0
-    holds.add(hold)
     const upstream = connect(Number(port), hostname)
     // Cuts are taken per request, not per connection: a kept-alive connection carries several.
     let cut: (typeof cuts)[number] | undefined
@@ -52,7 +50,6 @@ export async function startProxy(target: string): Promise<Proxy> {
       sockets.delete(client)
       sockets.delete(upstream)
       cut?.resolve(seen.toString())
-      holds.delete(hold)
     }
     for (const socket of [client, upstream]) {
       sockets.add(socket)
