@@ -6,19 +6,17 @@
  */
 import assert from 'node:assert/strict'
 import {randomBytes} from 'node:crypto'
-import {existsSync, mkdirSync, mkdtempSync, rmSync} from 'node:fs'
+import {mkdtempSync, rmSync} from 'node:fs'
 import {tmpdir} from 'node:os'
 import {join} from 'node:path'
 import {after, before, describe, test} from 'node:test'
 
-import {chromium, type BrowserContext, type Locator, type Page, type Request} from 'playwright-core'
+import {type BrowserContext, type Locator, type Page, type Request} from 'playwright-core'
 
-import {startGateway, WEB, type Gateway} from './support/gateway.ts'
+import {ARTIFACTS, launch, SKIP} from './support/browser.ts'
+import {startGateway, type Gateway} from './support/gateway.ts'
 import {startProxy} from './support/proxy.ts'
 
-const CHROMIUM = process.env.CHROMIUM_PATH ?? '/usr/bin/chromium'
-const ARTIFACTS = join(WEB, 'test-artifacts')
-const found = existsSync(CHROMIUM)
 const TOKEN = `dash-${randomBytes(24).toString('hex')}`
 const TICKET_TTL_S = 2
 
@@ -79,17 +77,12 @@ async function tokenOnlyInHeaders(watched: Watched): Promise<void> {
   }
 }
 
-describe('the dashboard on a gateway with tokens', {skip: found ? false : `no Chromium at ${CHROMIUM} (apt-get install chromium)`}, () => {
+describe('the dashboard on a gateway with tokens', {skip: SKIP}, () => {
   before(async () => {
-    mkdirSync(ARTIFACTS, {recursive: true})
     // --max-batch-size 1: a job waits behind another instead of joining its batch (the resume test needs a long one).
     gateway = await startGateway(['--tokens', `dash=${TOKEN}`, '--ticket-ttl', String(TICKET_TTL_S), '--retry-ms', '100', '--max-batch-size', '1'])
     profile = mkdtempSync(join(tmpdir(), 'streamgate-chromium-'))
-    context = await chromium.launchPersistentContext(profile, {
-      executablePath: CHROMIUM,
-      headless: true,
-      args: ['--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-background-networking', '--disable-component-update'],
-    })
+    context = await launch(profile)
   })
 
   after(async () => {

@@ -3,23 +3,18 @@
  * downloaded) against a real gateway on the tiny model. Screenshots go to test-artifacts/.
  */
 import assert from 'node:assert/strict'
-import {existsSync, mkdirSync, mkdtempSync, rmSync} from 'node:fs'
+import {mkdtempSync, rmSync} from 'node:fs'
 import {tmpdir} from 'node:os'
 import {join} from 'node:path'
 import {after, before, describe, test} from 'node:test'
 
-import {chromium, type BrowserContext, type Page} from 'playwright-core'
+import {type BrowserContext, type Page} from 'playwright-core'
 
 import {EXAMPLES} from '../src/index.ts'
-import {startGateway, WEB, type Gateway} from './support/gateway.ts'
+import {ARTIFACTS, launch, SKIP} from './support/browser.ts'
+import {startGateway, type Gateway} from './support/gateway.ts'
 import {startProxy} from './support/proxy.ts'
 
-const CHROMIUM = process.env.CHROMIUM_PATH ?? '/usr/bin/chromium'
-const ARTIFACTS = join(WEB, 'test-artifacts')
-const found = existsSync(CHROMIUM)
-if (!found && process.env.STREAMGATE_REQUIRE_BROWSER) {
-  throw new Error(`no Chromium at ${CHROMIUM}: install Debian's \`chromium\` (apt-get install chromium) or set CHROMIUM_PATH`)
-}
 
 let gateway: Gateway
 let context: BrowserContext
@@ -67,18 +62,13 @@ async function shot(page: Page, name: string): Promise<void> {
   await page.screenshot({path: join(ARTIFACTS, `${name}.png`), fullPage: true})
 }
 
-describe('the dashboard', {skip: found ? false : `no Chromium at ${CHROMIUM} (apt-get install chromium)`}, () => {
+describe('the dashboard', {skip: SKIP}, () => {
   before(async () => {
-    mkdirSync(ARTIFACTS, {recursive: true})
     // --retry-ms 100: a browser that reconnected after the end of a job would do it at once.
     // --max-batch-size 1: a job waits its turn rather than joining generate's running batch.
     gateway = await startGateway(['--retry-ms', '100', '--max-batch-size', '1', '--log-level', 'info'])
     profile = mkdtempSync(join(tmpdir(), 'streamgate-chromium-'))
-    context = await chromium.launchPersistentContext(profile, {
-      executablePath: CHROMIUM,
-      headless: true,
-      args: ['--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-background-networking', '--disable-component-update'],
-    })
+    context = await launch(profile)
   })
 
   after(async () => {

@@ -5,20 +5,18 @@
  */
 import assert from 'node:assert/strict'
 import {execFileSync} from 'node:child_process'
-import {existsSync, mkdirSync, mkdtempSync, rmSync} from 'node:fs'
+import {mkdtempSync, rmSync} from 'node:fs'
 import {tmpdir} from 'node:os'
 import {join} from 'node:path'
 import {after, before, describe, test} from 'node:test'
 
-import {chromium, type BrowserContext, type Locator, type Page} from 'playwright-core'
+import {type BrowserContext, type Locator, type Page} from 'playwright-core'
 
 import {runTool, SAE_EXAMPLES, type AnnotateResult, type GenerateResult} from '../src/index.ts'
+import {ARTIFACTS, launch, SKIP} from './support/browser.ts'
 import {ROOT, startGateway, tinyModel, WEB, type Gateway} from './support/gateway.ts'
 
-const CHROMIUM = process.env.CHROMIUM_PATH ?? '/usr/bin/chromium'
-const ARTIFACTS = join(WEB, 'test-artifacts')
 const VENV = process.env.STREAMGATE_VENV ?? join(ROOT, '.venv')
-const found = existsSync(CHROMIUM)
 
 let gateway: Gateway
 let context: BrowserContext
@@ -50,19 +48,14 @@ async function finished(job: Locator): Promise<void> {
 
 const rawResult = async <T>(job: Locator) => JSON.parse((await job.locator('.raw pre').textContent()) ?? '{}') as T
 
-describe('the dashboard with an SAE', {skip: found ? false : `no Chromium at ${CHROMIUM} (apt-get install chromium)`}, () => {
+describe('the dashboard with an SAE', {skip: SKIP}, () => {
   before(async () => {
-    mkdirSync(ARTIFACTS, {recursive: true})
     scratch = mkdtempSync(join(tmpdir(), 'streamgate-sae-'))
     const sae = execFileSync(join(VENV, 'bin', 'python'), [join(WEB, 'test', 'support', 'tiny_sae.py'), tinyModel(), join(scratch, 'sae')], {
       encoding: 'utf8',
     }).trim()
     gateway = await startGateway(['--sae', sae, '--max-batch-size', '1'])
-    context = await chromium.launchPersistentContext(join(scratch, 'profile'), {
-      executablePath: CHROMIUM,
-      headless: true,
-      args: ['--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-background-networking', '--disable-component-update'],
-    })
+    context = await launch(join(scratch, 'profile'))
   })
 
   after(async () => {
