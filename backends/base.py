@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.errors import ApiError
+from gateway.models import capabilities
 from gateway.jobs import Job
 from gateway.params import apply_caps
 from gateway.protocol import Code
@@ -53,11 +54,25 @@ class Backend(abc.ABC):
             raise ApiError(Code.UNKNOWN_TOOL, f"no tool named {name!r}; tools: {known}")
         return found
 
+    def unsupported(self, tool: Tool) -> str | None:
+        """Why the served model cannot run `tool`; None when it can (or is not known yet).
+
+        A tool learned from another service carries that service's answer.
+        """
+        return tool.info.unsupported if tool.info is not None else None
+
+    @property
+    def tools_version(self) -> object:
+        """Changes whenever what `GET /tools` says would change: the tools, or the model they run on."""
+        return id(self.tools)
+
     async def admit(self, tool: Tool, params: Any, limits: Mapping[str, int]) -> None:
-        """The checks after decoding, in order: server caps, readiness, the tool's own check."""
+        """The checks after decoding, in order: server caps, readiness, the model's capabilities, the tool's own check."""
         apply_caps(tool, params, limits)
         if not self.ready:
             raise self.not_ready_error()
+        if (reason := self.unsupported(tool)) is not None:
+            raise capabilities.refuse(reason)
         await self.check(tool, params)
 
     @abc.abstractmethod

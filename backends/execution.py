@@ -14,6 +14,12 @@ worker takes every compatible job waiting (same tool, same batch key), up to
 Between the steps of a continuous batch it takes in jobs that arrived since.
 Each member still gets its own frames, result, error and cancellation.
 
+A tool whose work falls into independent chunks (`Tool.spread`: `embed`,
+`pseudo_loglikelihood`) runs one job on every device at once when there are
+several: each device's thread takes the next chunk as it frees up, between
+the steps of whatever it runs itself, and the results come back in the
+caller's order, the same as on one device.
+
 Results are encoded on the worker thread too, as JSON for a gateway's clients
 or msgpack for an executor's: a large result costs the loop nothing.
 """
@@ -38,7 +44,7 @@ from gateway.errors import ApiError
 from gateway.jobs import Job, JobContext
 from gateway.protocol import Code, Status
 from gateway.tools.base import Cancelled, Context, Model, Tool
-from gateway.tools.batching import Batch
+from gateway.tools.batching import Batch, Chunk, Chunked, Progress
 
 log = logging.getLogger("streamgate.worker")
 
@@ -142,6 +148,24 @@ def step(batch: Batch, joining: list[tuple[Any, Context]], encode: Callable[[Any
     return [(ctx, outcome if isinstance(outcome, BaseException) else msgspec.Raw(encode(outcome))) for ctx, outcome in ended]
 
 
+def _plan(work: Chunked, model: Model, params: list[Any]) -> list[Chunk]:
+    with torch.inference_mode():
+        return work.plan(model, params)
+
+
+def _run_chunk(work: Chunked, model: Model, params: list[Any], chunk: Chunk) -> list[Any]:
+    with torch.inference_mode():
+        return work.run(model, params, chunk)
+
+
+def _assemble(
+    work: Chunked, model: Model, params: list[Any], outputs: dict[tuple[int, int], Any], ctxs: list[Context], encode: Callable[[Any], bytes]
+) -> list[tuple[Context, Outcome]]:
+    with torch.inference_mode():
+        results = work.assemble(model, params, outputs)
+    return [(ctx, Cancelled() if ctx.cancelled else msgspec.Raw(encode(result))) for ctx, result in zip(ctxs, results)]
+
+
 def device_failure(exc: BaseException) -> str | None:
     """`"oom"` for a device out of memory (the job fails, memory is freed, work goes on),
     `"fatal"` for a device that can no longer be trusted (an illegal access, a device-side
@@ -198,6 +222,8 @@ class Worker:
             max_workers=1, thread_name_prefix=f"streamgate-worker-{model.device}"
         )
         self._task: asyncio.Task[None] | None = None
+        # Every worker of the backend, this one included: the devices a spread job's chunks run on.
+        self.peers: list[Worker] = [self]
 
     @property
     def busy(self) -> bool:
@@ -266,6 +292,12 @@ class Worker:
                     members[ctx] = (job, loop.time())
                     added.append((job.params, ctx))
             self.batch_sizes[len(members)] += 1
+            if tool.spread is not None and len(self.peers) > 1 and len(members) == len(added):
+                ended = await self._spread(tool, batch, added)
+                for ctx, outcome in ended:
+                    job, started = members.pop(ctx)
+                    self._finish(job, tool, outcome, loop.time() - started)
+                return
             try:
                 ended = await loop.run_in_executor(self._thread, step, batch, added, self.encode)
             except Exception as exc:  # the batch as a whole failed: every member ends with it
@@ -276,6 +308,37 @@ class Worker:
             if not members:
                 return
             joining = self.queue.take(compatible, self.max_batch_size - len(members)) if batch.continuous else []
+
+    async def _spread(self, tool: Tool, batch: Batch, added: list[tuple[Any, Context]]) -> list[tuple[Context, Outcome]]:
+        """Run a batch's chunks on every device at once; its members' outcomes, encoded.
+
+        If any chunk fails, the batch runs again the ordinary way on this device,
+        where a failure reaches only the job at fault.
+        """
+        loop = asyncio.get_running_loop()
+        work = tool.spread
+        params = [p for p, _ in added]
+        ctxs = [c for _, c in added]
+        try:
+            chunks = await loop.run_in_executor(self._thread, _plan, work, self.model, params)
+            left = collections.deque(chunks)
+            progress = Progress(chunks, ctxs, work.unit)
+            outputs: dict[tuple[int, int], Any] = {}
+
+            async def device(worker: Worker) -> None:
+                while left and not all(ctx.cancelled for ctx in ctxs):
+                    chunk = left.popleft()
+                    out = await loop.run_in_executor(worker._thread, _run_chunk, work, worker.model, params, chunk)
+                    outputs.update(zip(chunk.items, out))
+                    progress.advance(chunk)
+
+            await asyncio.gather(*(device(worker) for worker in self.peers))
+            if all(ctx.cancelled for ctx in ctxs):
+                return [(ctx, Cancelled()) for ctx in ctxs]
+            return await loop.run_in_executor(self._thread, _assemble, work, self.model, params, outputs, ctxs, self.encode)
+        except Exception:
+            log.warning("a spread %s batch failed; running it on one device", tool.name, exc_info=True)
+            return await loop.run_in_executor(self._thread, step, batch, added, self.encode)
 
     def _admit(self, job: Job) -> bool:
         """Mark the job running, unless it was cancelled while it waited."""

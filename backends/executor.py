@@ -39,6 +39,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from backends.local import LocalBackend
 from gateway import params as params_mod
+from gateway.config import Settings
 from gateway.drain import Drain, on_sigterm
 from gateway.errors import ApiError, api_error_handler, http_error_handler
 from gateway.jobs import Job
@@ -136,7 +137,7 @@ class Executor:
         self.drain = Drain(drain_timeout)
         self.token = token
         self.max_body_bytes = max_body_bytes
-        self.limits = dict(limits or {"max_prompts": 32, "max_tokens": 512})
+        self.limits = dict(limits or Settings().limits())
         self.result_ttl = result_ttl
         self.session_grace = session_grace
         self.sessions: dict[str, Session] = {}
@@ -305,8 +306,9 @@ def create_executor_app(executor: Executor) -> Starlette:
 
     async def tools(request: Request) -> Response:
         executor.authorize(request)
-        if described[0] is not backend.tools:
-            described[:] = [backend.tools, encode(params_mod.describe(backend.tools.values(), executor.limits))]
+        if described[0] != backend.tools_version:
+            info = params_mod.describe(backend.tools.values(), executor.limits, backend.unsupported)
+            described[:] = [backend.tools_version, encode(info)]
         return Response(described[1], media_type="application/json")
 
     async def healthz(request: Request) -> Response:

@@ -25,6 +25,7 @@ from gateway import sae as sae_files
 from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
+from gateway.models import capabilities
 from gateway.protocol import Code
 from gateway.tools.base import Model, Tool
 
@@ -39,6 +40,8 @@ class LocalBackend(Backend):
         tools: Mapping[str, Tool],
         *,
         model: str | None = None,
+        model_loader: str | None = None,
+        trust_remote_code: bool = False,
         device: str | None = None,
         devices: list[str] | None = None,
         dtype: str | None = None,
@@ -62,7 +65,10 @@ class LocalBackend(Backend):
             from gateway.tools.sae_tools import sae_tools
 
             self._tools = collect([*self._tools.values(), *sae_tools()])
-        self.spec = models.resolve(model)
+        # A loader's model is whatever --model names to it (a folder, a file, nothing).
+        self.spec = models.ModelSpec(model or model_loader, model or "") if model_loader else models.resolve(model)
+        self._loader = model_loader
+        self._trust_remote_code = trust_remote_code
         self._devices = devices or ([device] if device else None)
         self.max_batch_size = max_batch_size
         self.batch_wait = batch_wait
@@ -105,6 +111,11 @@ class LocalBackend(Backend):
             return ApiError(Code.NOT_READY, self.not_ready_reason, retryable=False)
         return ApiError(Code.NOT_READY, self.not_ready_reason, retry_after=5)
 
+    def check_kind(self) -> None:
+        """Refuse a local checkpoint of a kind that cannot be served now, from its config alone (ModelError)."""
+        if self._loader is None and self.spec.gguf is None and Path(self.spec.source).is_dir():
+            models.detect_kind(self.spec.source, self._trust_remote_code)
+
     async def start(self) -> None:
         self.queue = JobQueue(self.queue_size, eta=self._eta)
         self._loading = asyncio.create_task(self._load(), name="load model")
@@ -112,13 +123,21 @@ class LocalBackend(Backend):
     async def _load(self) -> None:
         try:
             loaded = [
-                await asyncio.to_thread(models.load, self.spec, device, self._dtype, self._cache_dir)
+                await asyncio.to_thread(
+                    models.load,
+                    self.spec,
+                    device,
+                    self._dtype,
+                    self._cache_dir,
+                    loader=self._loader,
+                    trust_remote_code=self._trust_remote_code,
+                )
                 for device in self._devices or models.default_devices()
             ]
             for model in loaded:
                 await asyncio.to_thread(sae_files.attach, model, self.sae_specs)
         except Exception as exc:
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.error = str(exc) if isinstance(exc, models.ModelError) else f"{type(exc).__name__}: {models.first_sentence(exc)}"
             log.error("cannot load model %s: %s", self.spec.name, self.error)
             return
         self.model = loaded[0]
@@ -138,6 +157,7 @@ class LocalBackend(Backend):
             for model in loaded
         ]
         for worker in workers:
+            worker.peers = workers  # one job's chunks may run on every device (Tool.spread)
             worker.start()
         self.workers = workers
 
@@ -177,6 +197,13 @@ class LocalBackend(Backend):
             await worker.stop()
         self._checks.shutdown(wait=False, cancel_futures=True)
 
+    def unsupported(self, tool: Tool) -> str | None:
+        return capabilities.unsupported(tool, self.model) if self.model is not None else None
+
+    @property
+    def tools_version(self) -> object:
+        return (id(self._tools), id(self.model))
+
     async def check(self, tool: Tool, params: Any) -> None:
         if tool.check is None:
             return
@@ -202,6 +229,8 @@ class LocalBackend(Backend):
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"backend": "local", "model": self.spec.name}
         if self.model is not None:
+            info["kind"] = self.model.kind.value
+            info["capabilities"] = sorted(c.value for c in self.model.capabilities)
             info["device"] = ",".join(str(w.model.device) for w in self.workers) or str(self.model.device)
             info["dtype"] = str(self.model.dtype).removeprefix("torch.")
             info["context_length"] = self.model.context_length

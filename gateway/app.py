@@ -208,13 +208,13 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         value, ttl = auth.issue_ticket(principal)
         return JSONResponse({"ticket": value, "expires_in": ttl}, headers={"Cache-Control": "no-store"})
 
-    described: list[object] = [None, b""]  # the tools mapping last described, and its JSON
+    described: list[object] = [None, b""]  # the tools and model last described, and their JSON
 
     async def tools(request: Request) -> Response:
-        # A remote backend learns its tools after start-up; describe each set once.
-        current = backend.tools
-        if described[0] is not current:
-            described[:] = [current, encode(params_mod.describe(current.values(), limits))]
+        # A remote backend learns its tools after start-up, a local one its model's capabilities: describe each once.
+        if described[0] != backend.tools_version:
+            info = params_mod.describe(backend.tools.values(), limits, backend.unsupported)
+            described[:] = [backend.tools_version, encode(info)]
         return Response(described[1], media_type="application/json")
 
     async def healthz(request: Request) -> Response:

@@ -38,6 +38,8 @@ def _model_options(command: Any) -> Any:
     """The options of a process that loads the model and runs tools: `serve` and `executor`."""
     options = [
         _option("--model", default=None, help="Local folder, .gguf file or Hugging Face id. Default: the bundled SmolLM2-135M-Instruct."),
+        _option("--model-loader", default=None, help="module:function that loads a custom model (see the README's Models section); --model is passed to it."),
+        _option("--trust-remote-code", is_flag=True, default=False, help="Run the modelling code a checkpoint ships with it (transformers' trust_remote_code). Only for checkpoints you trust."),
         _option("--device", default=None, help="cuda, cuda:1, mps or cpu. Default: the best available."),
         _option("--devices", default=None, callback=_split_devices, help="Several devices, one worker and model copy each: cuda:0,cuda:1. Default: every GPU, else --device."),
         _option("--dtype", default=None, help="float32, float16 or bfloat16. Default: bfloat16 on CUDA, else float32."),
@@ -51,6 +53,7 @@ def _model_options(command: Any) -> Any:
         _option("--batch-wait-ms", default=_D.batch_wait_ms, type=click.FloatRange(min=0), help="How long a lone job may wait for others to batch with."),
         _option("--max-prompts", default=_D.max_prompts, type=click.IntRange(min=1), help="Most prompts in one job."),
         _option("--max-tokens", default=_D.max_tokens, type=click.IntRange(min=1), help="Most tokens one generate job may ask for."),
+        _option("--max-sequences", default=_D.max_sequences, type=click.IntRange(min=1), help="Most texts or sequences in one embed or pseudo_loglikelihood job."),
         _option("--max-body-bytes", default=_D.max_body_bytes, type=click.IntRange(min=1)),
         _option("--log-level", default=_D.log_level, type=click.Choice(["debug", "info", "warning", "error"])),
         _option("--log-format", default=_D.log_format, type=click.Choice(["text", "json"]), help="Log lines as text, or as one JSON object each (with request_id, job_id)."),
@@ -127,9 +130,11 @@ def _local_backend(settings: Settings, **kwargs: Any) -> Any:
 
     try:
         tools = collect(builtin_tools() + [t for name in settings.tools for t in load_module(name)])
-        return LocalBackend(
+        backend = LocalBackend(
             tools,
             model=settings.model,
+            model_loader=settings.model_loader,
+            trust_remote_code=settings.trust_remote_code,
             device=settings.device,
             devices=settings.devices,
             dtype=settings.dtype,
@@ -143,6 +148,8 @@ def _local_backend(settings: Settings, **kwargs: Any) -> Any:
             exit_on_device_failure=True,
             **kwargs,
         )
+        backend.check_kind()
+        return backend
     except (ValueError, ModelError) as exc:
         raise click.ClickException(str(exc)) from None
 

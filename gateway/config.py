@@ -9,6 +9,8 @@ class Settings(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
     model: str | None = None
+    model_loader: str | None = None  # module:function returning a custom model (gateway/models/custom.py)
+    trust_remote_code: bool = False
     device: str | None = None
     devices: list[str] = msgspec.field(default_factory=list)
     dtype: str | None = None
@@ -20,6 +22,7 @@ class Settings(msgspec.Struct, kw_only=True):
     batch_wait_ms: float = 5.0
     max_prompts: int = 32
     max_tokens: int = 512
+    max_sequences: int = 4096
     max_body_bytes: int = 1 << 20
     ping_interval: float = 15.0
     retry_ms: int = 3000
@@ -50,4 +53,4 @@ class Settings(msgspec.Struct, kw_only=True):
 
     def limits(self) -> dict[str, int]:
         """Server limits that tools bind their fields to through `Tool.caps`."""
-        return {"max_prompts": self.max_prompts, "max_tokens": self.max_tokens}
+        return {"max_prompts": self.max_prompts, "max_tokens": self.max_tokens, "max_sequences": self.max_sequences}

@@ -27,6 +27,7 @@ STATUS_OF = {
     Code.TOO_LARGE: 413,
     Code.TOO_LONG: 413,
     Code.INVALID_PARAMS: 422,
+    Code.UNSUPPORTED_BY_MODEL: 422,
     Code.QUEUE_FULL: 429,
     Code.RATE_LIMITED: 429,
     Code.INTERNAL: 500,

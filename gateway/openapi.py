@@ -86,12 +86,13 @@ ERROR_STATUSES = (400, 401, 403, 404, 413, 422, 429, 503)
 
 def endpoint(backend: Backend, limits: Mapping[str, int], *, secured: bool) -> Callable[[Request], Any]:
     """The `GET /openapi.json` handler: the document for the tools `backend` serves now."""
-    built: list[Any] = [None, b""]  # the tools mapping last described, and its document
+    built: list[Any] = [None, b""]  # the tools and model last described, and their document
 
     async def openapi_json(request: Request) -> Response:
-        current = backend.tools
-        if built[0] is not current:
-            built[:] = [current, encode(document(current.values(), limits, secured=secured))]
+        if built[0] != backend.tools_version:
+            # Only the tools the served model can run: the others answer 422 unsupported_by_model.
+            served = [t for t in backend.tools.values() if backend.unsupported(t) is None]
+            built[:] = [backend.tools_version, encode(document(served, limits, secured=secured))]
         return Response(built[1], media_type="application/json")
 
     return openapi_json

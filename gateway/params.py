@@ -13,7 +13,7 @@ import copy
 import functools
 import itertools
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -36,8 +36,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def describe(tools: Iterable[Tool], limits: Mapping[str, int]) -> list[ToolInfo]:
-    """The `GET /tools` entries: JSON Schema generated from each tool's Structs, caps applied."""
+def describe(
+    tools: Iterable[Tool], limits: Mapping[str, int], unsupported: Callable[[Tool], str | None] = lambda t: None
+) -> list[ToolInfo]:
+    """The `GET /tools` entries: JSON Schema generated from each tool's Structs, caps applied,
+    and for a tool the served model cannot run, why (`unsupported`)."""
     return [
         t.info
         or ToolInfo(
@@ -47,6 +50,7 @@ def describe(tools: Iterable[Tool], limits: Mapping[str, int]) -> list[ToolInfo]
             result_schema=schema(t.result),
             streams_partial=t.streams_partial,
             partial_schema=schema(t.partial) if t.partial else None,
+            unsupported=unsupported(t),
         )
         for t in tools
     ]

@@ -42,6 +42,7 @@ class Code(str, enum.Enum):
     TOO_LARGE = "too_large"
     TOO_LONG = "too_long"
     INVALID_PARAMS = "invalid_params"
+    UNSUPPORTED_BY_MODEL = "unsupported_by_model"
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
     QUEUE_FULL = "queue_full"
@@ -125,6 +126,8 @@ class ToolInfo(msgspec.Struct):
     result_schema: dict[str, Any]
     streams_partial: bool
     partial_schema: dict[str, Any] | None = None
+    # Why the served model cannot run the tool (a run answers 422 unsupported_by_model); null when it can.
+    unsupported: str | None = None
 
 
 class TerminalEvent(msgspec.Struct):

@@ -203,15 +203,18 @@ def load(spec: SAESpec, model: Any) -> SAE:
     import torch
     from safetensors.torch import load_file
 
-    from gateway.tools.anatomy import anatomy
+    from gateway.tools.anatomy import ModelShapeError, anatomy
 
     def fail(problem: str) -> SAEError:
         return SAEError(f"--sae {spec.path}: {problem}")
 
-    hidden = _hidden_size(model.module.config)
+    try:
+        n_layers = anatomy(model).n_layers
+    except ModelShapeError as exc:
+        raise fail(f"the model's layers cannot be read: {exc}") from None
+    hidden = model.memo.get("layer_width")
     if hidden is not None and spec.d_model != hidden:
         raise fail(f"d_model is {spec.d_model} (W_enc's first dimension) but the model's hidden size is {hidden}")
-    n_layers = anatomy(model).n_layers
     if spec.layer >= n_layers:
         raise fail(f"layer {spec.layer} is out of range: the model has {n_layers} layers (0..{n_layers - 1})")
     tensors = load_file(str(spec.path))
@@ -224,11 +227,6 @@ def load(spec: SAESpec, model: Any) -> SAE:
         if not bool(torch.isfinite(t).all()):
             raise fail(f"{name} has NaN or infinite values")
     return SAE(spec, tensors, model.device)
-
-
-def _hidden_size(config: Any) -> int | None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return next((getattr(text, k) for k in ("hidden_size", "n_embd", "d_model") if getattr(text, k, None)), None)
 
 
 def attach(model: Any, specs: list[SAESpec]) -> None:

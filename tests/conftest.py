@@ -181,6 +181,8 @@ def make_server(
     backend = LocalBackend(
         collect(builtin_tools() + (tools or [])),
         model=settings_obj.model,
+        model_loader=settings_obj.model_loader,
+        trust_remote_code=settings_obj.trust_remote_code,
         device=None if settings_obj.devices else "cpu",
         queue_size=settings_obj.queue_size,
         debug=settings_obj.debug,

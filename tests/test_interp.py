@@ -466,22 +466,26 @@ TEXTS = ["Hello there", "a", "The quick brown fox jumps over", "caf\u00e9 \u2603
 
 def test_embed_pooling_layers_and_normalize_with_padding(arch: Arch) -> None:
     ref, n = arch.ref, arch.n
+    specials = set(ref.tok.all_special_ids)
     for layer in (0, 1, -1):
-        states = [ref.states(t, layer) for t in TEXTS]
-        for pooling in ("mean", "last", "none"):
+        # Pooling reads each text's own tokens: the tokenizer's BOS (<s>) is left out.
+        owns = [[i for i, t in enumerate(ref.encode(text)) if t not in specials] for text in TEXTS]
+        assert all(own[0] == 1 for own in owns)
+        states = [ref.states(t, layer)[own] for t, own in zip(TEXTS, owns)]
+        for pooling in ("mean", "last", "none", "per_token"):
             for normalize in (False, True):
                 out = result(
                     arch.url, "embed", {"texts": TEXTS, "layer": layer, "pooling": pooling, "normalize": normalize}
                 )
                 assert out["dim"] == 32 and out["pooling"] == pooling and out["layer"] == layer % (n + 1)
                 for i, (text, hidden) in enumerate(zip(TEXTS, states)):
-                    want = {"mean": hidden.mean(0), "last": hidden[-1], "none": hidden}[pooling]
+                    want = {"mean": hidden.mean(0), "last": hidden[-1], "none": hidden, "per_token": hidden}[pooling]
                     if normalize:
                         want = torch.nn.functional.normalize(want, dim=-1)
                         assert torch.allclose(torch.tensor(out["embeddings"][i]).norm(dim=-1), torch.tensor(1.0), atol=1e-5)
                     close(out["embeddings"][i], want)
-                if pooling == "none":
-                    assert out["tokens"] == [[ref.text(t) for t in ref.encode(text)] for text in TEXTS]
+                if pooling in ("none", "per_token"):
+                    assert out["tokens"] == [[ref.text(t) for t in ref.encode(text)[1:]] for text in TEXTS]
                 else:
                     assert "tokens" not in out
 
@@ -495,7 +499,7 @@ def test_embed_floats_are_float32_exactly_or_rounded_to_the_precision(arch: Arch
     # Each number is a float32's shortest form: it reads back as that float32 and prints the same.
     assert all(float(str(np.float32(v))) == v for v in values)
     for i, text in enumerate(TEXTS):
-        close(full[i], ref.states(text, 1))
+        close(full[i], ref.states(text, 1)[1:])  # per token: the text's own, <s> left out
     # The text itself holds no float64 tails (0.12345679, not 0.12345679104328156): a float32's
     # shortest form never needs more than 9 significant digits.
     data_line = next(line for line in raw.raw.decode().split("\n") if line.startswith("data:") and "embeddings" in line)

@@ -6,10 +6,11 @@ import importlib
 from collections.abc import Iterable
 
 from gateway.errors import ParamError, TooLong
-from gateway.tools.base import Cancelled, Context, Model, Tool, tool
+from gateway.tools.base import Cancelled, Capability, Context, Model, Tool, tool
 
 __all__ = [
     "Cancelled",
+    "Capability",
     "Context",
     "Model",
     "ParamError",
@@ -24,12 +25,17 @@ __all__ = [
 def builtin_tools() -> list[Tool]:
     from gateway.tools.activation_patching import activation_patching
     from gateway.tools.embed import embed
+    from gateway.tools.fill_mask import fill_mask
     from gateway.tools.generate import generate
     from gateway.tools.logit_lens import lens_grid, lens_line, logit_lens
     from gateway.tools.loglikelihood import loglikelihood
     from gateway.tools.predict import predict
+    from gateway.tools.pseudo_loglikelihood import pseudo_loglikelihood
 
-    return [generate, loglikelihood, predict, logit_lens, lens_line, lens_grid, activation_patching, embed]
+    return [
+        generate, loglikelihood, predict, logit_lens, lens_line, lens_grid, activation_patching, embed,
+        fill_mask, pseudo_loglikelihood,
+    ]
 
 
 def load_module(name: str) -> list[Tool]:

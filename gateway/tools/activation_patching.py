@@ -19,7 +19,7 @@ import torch
 
 from gateway.errors import ParamError
 from gateway.tools.anatomy import anatomy, resolve_layers, resolve_positions, single_token
-from gateway.tools.base import Context, Model, tool
+from gateway.tools.base import Capability, Context, Model, tool
 from gateway.tools.logit_lens import Layers, rank
 from gateway.tools.numbers import floats
 
@@ -83,11 +83,17 @@ def _plan(model: Model, p: PatchingParams):
     return src_ids, tgt_ids, layers, src_pos, tgt_pos, targets
 
 
+def _last_logits(model: Model, rows: list[list[int]]) -> torch.Tensor:
+    """Float32 logits at the last position of each row (rows of one length)."""
+    input_ids = torch.tensor(rows, device=model.device)
+    return model.logits(input_ids, torch.ones_like(input_ids))[:, -1].float()
+
+
 def check(model: Model, params: PatchingParams) -> None:
     _plan(model, params)
 
 
-@tool(check=check)
+@tool(check=check, needs={Capability.NEXT_TOKEN, Capability.LAYERS})
 def activation_patching(model: Model, params: PatchingParams, ctx: Context) -> PatchingResult:
     """Patch the source run's residual stream into the target run, layer by layer and position by position."""
     src_ids, tgt_ids, layers, src_pos, tgt_pos, targets = _plan(model, params)
@@ -95,12 +101,12 @@ def activation_patching(model: Model, params: PatchingParams, ctx: Context) -> P
     device = model.device
 
     with body.capture(layers, check=ctx.raise_if_cancelled) as source:
-        src_logits = model.module(input_ids=torch.tensor([src_ids], device=device)).logits[0, -1].float()
+        src_logits = _last_logits(model, [src_ids])[0]
     src_probs = src_logits.softmax(-1)
     if not targets:
         targets = [int(src_probs.argmax())]
     target_index = torch.tensor(targets, device=device)
-    clean_probs = model.module(input_ids=torch.tensor([tgt_ids], device=device)).logits[0, -1].float().softmax(-1)
+    clean_probs = _last_logits(model, [tgt_ids])[0].softmax(-1)
     clean = clean_probs[target_index].sum()
 
     prob_diff, ranks = [], []
@@ -119,9 +125,9 @@ def activation_patching(model: Model, params: PatchingParams, ctx: Context) -> P
             def write(hidden: torch.Tensor, rows=rows, t_pos=t_pos, patch=patch) -> None:
                 hidden[rows, t_pos] = patch.to(hidden.dtype)
 
-            batch = torch.tensor([tgt_ids] * len(t_pos), device=device)
+            batch = [tgt_ids] * len(t_pos)
             with body.overwrite(layer, write):
-                probs = model.module(input_ids=batch).logits[:, -1].float().softmax(-1)
+                probs = _last_logits(model, batch).softmax(-1)
             row_diff.append(probs[:, target_index].sum(-1) - clean)
             best = torch.stack([rank(probs, target_index[k].expand(len(t_pos))) for k in range(len(targets))])
             row_rank.append(best.min(dim=0).values)

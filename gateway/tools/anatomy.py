@@ -1,18 +1,26 @@
-"""Where a causal LM keeps its residual stream: its decoder layers, final norm and unembedding.
+"""Where a model keeps its residual stream: its layer stack, and the readout from it to logits.
 
-The interpretability tools need three things from any model: the list of
-decoder blocks (to read or overwrite each block's output, the residual stream),
-the final norm, and the unembedding, so that `logits(h)` turns any layer's
-residual stream into next-token logits exactly as the model does at its last
-layer. They are found from the model itself rather than from a table of
-families:
+The interpretability tools need two things from any model: the list of its
+blocks (to read or overwrite each block's output, the residual stream), and
+the readout that turns any layer's residual stream into logits exactly as the
+model does after its last layer. For a transformers model they are found from
+the model itself rather than from a table of families:
 
-- the unembedding is `get_output_embeddings()`;
-- the decoder blocks are the `ModuleList` holding `num_hidden_layers` modules;
-- the final norm is the last norm-like module of the base model outside the
-  blocks (`norm`, `ln_f`, `final_layer_norm`, … whatever its name);
-- a final logit soft-cap (`final_logit_softcapping`, Gemma 2 and later) is
-  applied when the config has one.
+- the blocks are the `ModuleList` holding `num_hidden_layers` modules;
+- after the blocks, the module holding them may apply a final norm (`norm`,
+  `ln_f`, `final_layer_norm`, … whatever its name) and a projection
+  (`project_out`, OPT-350m's smaller word-embedding width);
+- then the head: the model's top-level child that holds its output
+  embeddings, whole, so that a head with a transform before its decoder (a
+  masked LM's dense + norm, BERT's and ESM's) is applied too;
+- then a final logit soft-cap (`final_logit_softcapping`, Gemma 2 and later)
+  when the config has one.
+
+A readout found this way is trusted only once it reproduces the model's own
+logits from its last layer on the loaded weights (`gateway/models/probes.py`);
+a model where it does not, or that has no head or no single list of blocks,
+lacks the `layers` capability and the tools that need it are refused.
+A custom model (`gateway/models/custom.py`) gives its blocks and readout itself.
 
 Reading and writing go through forward hooks on the blocks, so they see the
 same tensors the model computes with, whatever the family's forward looks like.
@@ -28,32 +36,27 @@ import torch
 from torch import nn
 
 from gateway.errors import ParamError
-from gateway.tools.base import Model
+from gateway.models.base import Capability, Model
 
 
 class ModelShapeError(Exception):
-    """The model's layers, norm or unembedding could not be found."""
+    """The model's layers or readout could not be found, or do not reproduce its output."""
 
 
 @dataclass(eq=False)
 class Anatomy:
-    layers: nn.ModuleList
-    final_norm: nn.Module | None
-    unembed: nn.Module
-    softcap: float | None = None
+    layers: Sequence[nn.Module]
+    readout: Callable[[torch.Tensor], torch.Tensor]
+    # The modules the readout applies, in order, for messages ("model.norm → lm_head").
+    path: str = ""
 
     @property
     def n_layers(self) -> int:
         return len(self.layers)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Next-token logits (float32) from residual-stream vectors of any layer."""
-        if self.final_norm is not None:
-            hidden = self.final_norm(hidden)
-        logits = self.unembed(hidden).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        """Logits (float32) from residual-stream vectors of any layer, as the model's last layer gives them."""
+        return self.readout(hidden).float()
 
     @contextlib.contextmanager
     def capture(
@@ -102,40 +105,62 @@ def _hidden(output: object) -> torch.Tensor:
 
 
 def anatomy(model: Model) -> Anatomy:
-    """The model's anatomy, found once and kept on the `Model`."""
-    if "anatomy" not in model.memo:
-        model.memo["anatomy"] = find(model.module)
-    return model.memo["anatomy"]
+    """The model's layer stack and readout, as its load proved them (the `layers` capability).
+
+    Tools that call this state `needs=LAYERS`, so a model without it never gets here;
+    the error is for a tool that forgot to.
+    """
+    found = model.memo.get("anatomy")
+    if found is None or not model.has(Capability.LAYERS):
+        raise ModelShapeError(model.missing.get(Capability.LAYERS, "the model has no layer stack and readout"))
+    return found
 
 
 def find(module: nn.Module) -> Anatomy:
+    """The blocks and readout of a transformers model; `ModelShapeError` saying what is not there."""
     config = module.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_layers = next(
         (getattr(text_config, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if getattr(text_config, k, None)),
         None,
     )
-    unembed = module.get_output_embeddings()
+    unembed = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
     if unembed is None:
-        raise ModelShapeError("the model has no output embeddings (is it a causal LM?)")
+        raise ModelShapeError(f"{type(module).__name__} has no output head, so no layer can be read out as logits")
     lists = [
         (name, m)
         for name, m in module.named_modules()
         if isinstance(m, nn.ModuleList) and len(m) > 0 and (n_layers is None or len(m) == n_layers)
     ]
     if not lists:
-        raise ModelShapeError(f"no list of {n_layers} decoder layers found in the model")
-    # The shallowest such list is the decoder stack (deeper ones live inside blocks).
+        raise ModelShapeError(f"its blocks are not one list of {n_layers} layers, so the residual stream cannot be read layer by layer")
+    # The shallowest such list is the block stack (deeper ones live inside blocks).
     layers_name, layers = min(lists, key=lambda item: item[0].count("."))
     parent_name = layers_name.rpartition(".")[0]
     parent = module.get_submodule(parent_name) if parent_name else module
-    norms = [
-        m
-        for name, m in parent.named_children()
-        if m is not layers and _is_norm(name, m)
-    ]
+    children = [(name, m) for name, m in parent.named_children() if m is not layers]
+    # After the blocks: the final norm, then a projection to the head's width (OPT's project_out).
+    norms = [(name, m) for name, m in children if _is_norm(name, m)]
+    after = norms[-1:] + [(name, m) for name, m in children if name == "project_out" and m is not None]
+    head_name = next(
+        (name for name, child in module.named_children() if any(m is unembed for m in child.modules())), None
+    )
+    if head_name is None or head_name == layers_name.split(".")[0]:
+        # The output embeddings live inside the base model: nothing to read out with alone.
+        raise ModelShapeError(f"the output head of {type(module).__name__} is not a module of its own")
+    head = module.get_submodule(head_name)
     softcap = getattr(text_config, "final_logit_softcapping", None)
-    return Anatomy(layers=layers, final_norm=norms[-1] if norms else None, unembed=unembed, softcap=softcap)
+    steps = [m for _, m in after] + [head]
+
+    def readout(hidden: torch.Tensor) -> torch.Tensor:
+        for step in steps:
+            hidden = step(hidden)
+        if softcap:
+            hidden = torch.tanh(hidden.float() / softcap) * softcap
+        return hidden
+
+    names = [f"{parent_name}.{name}" if parent_name else name for name, _ in after] + [head_name]
+    return Anatomy(layers=layers, readout=readout, path=" → ".join(names + (["soft-cap"] if softcap else [])))
 
 
 def _is_norm(name: str, module: nn.Module) -> bool:

@@ -28,14 +28,16 @@ from __future__ import annotations
 import inspect
 import re
 import typing
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
 
-from gateway.errors import TooLong
+from gateway.models.base import Capability, Model
 from gateway.protocol import ToolInfo
+
+__all__ = ["Cancelled", "Capability", "Context", "Model", "Tool", "right_padded", "tool"]
 
 
 class Cancelled(Exception):
@@ -64,52 +66,6 @@ class Context(Protocol):
         """Raise `Cancelled` if the job was cancelled."""
 
 
-@dataclass(eq=False)
-class Model:
-    """A loaded causal language model and its tokenizer, as tools see it."""
-
-    name: str
-    module: Any  # a transformers PreTrainedModel, in eval mode, on `device`
-    tokenizer: Any
-    device: Any
-    dtype: Any
-    context_length: int
-    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
-    # The sparse autoencoders served with it (`--sae`), by name: gateway/sae.py.
-    saes: dict[str, Any] = field(default_factory=dict, repr=False)
-    # What tools work out once per model and reuse (e.g. where its layers are).
-    memo: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a prompt, with the tokenizer's special tokens, never empty."""
-        ids = list(self.tokenizer(text)["input_ids"])
-        if not ids:
-            # A model needs at least one token to predict from.
-            start = self.tokenizer.bos_token_id
-            ids = [start if start is not None else self.tokenizer.eos_token_id]
-        return ids
-
-    def encode_continuation(self, text: str) -> list[int]:
-        """Token ids of text that follows a prompt: no special tokens."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
-
-    def fit(self, n_tokens: int, field: str, what: str = "input") -> None:
-        """Raise `TooLong` (413) if `n_tokens` exceed the model's context."""
-        if n_tokens > self.context_length:
-            raise TooLong(
-                field,
-                f"{what} needs {n_tokens} tokens; the model's context is {self.context_length}",
-            )
-
-
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 RunFn = Callable[[Model, Any, Context], Any]
@@ -127,6 +83,9 @@ class Tool:
     in validation and in the JSON Schema that `GET /tools` serves.
     `batch` runs several queued jobs together (see batching.py); only jobs whose
     params give equal `batch_key(params)` share a batch (any, without one).
+    `needs` are the model capabilities the tool cannot run without; a model
+    that lacks one is refused with 422 `unsupported_by_model` before queueing.
+    `spread` lets one job's work run on every device at once (see batching.py).
     """
 
     name: str
@@ -139,6 +98,8 @@ class Tool:
     caps: Mapping[str, str] = field(default_factory=dict)
     batch: Callable[[Model], Any] | None = None
     batch_key: Callable[[Any], Hashable] | None = None
+    needs: frozenset[Capability] = frozenset()
+    spread: Any = None
     # Published schemas, for a tool known only from another service's `GET /tools`.
     info: ToolInfo | None = None
 
@@ -163,6 +124,8 @@ def tool(
     caps: Mapping[str, str] | None = None,
     batch: Callable[[Model], Any] | None = None,
     batch_key: Callable[[Any], Hashable] | None = None,
+    needs: Iterable[Capability] = (),
+    spread: Any = None,
 ) -> Any:
     """Make a `Tool` from a run function, reading params and result types from its annotations."""
 
@@ -180,6 +143,8 @@ def tool(
             caps=dict(caps or {}),
             batch=batch,
             batch_key=batch_key,
+            needs=frozenset(needs),
+            spread=spread,
         )
 
     return make(fn) if fn is not None else make
@@ -190,7 +155,7 @@ def right_padded(model: Model, rows: list[list[int]]) -> tuple[Any, Any]:
     import torch  # the tool API itself does not need torch
 
     width = max(len(ids) for ids in rows)
-    input_ids = torch.full((len(rows), width), model.tokenizer.pad_token_id, dtype=torch.long)
+    input_ids = torch.full((len(rows), width), model.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(input_ids)
     for i, ids in enumerate(rows):
         input_ids[i, : len(ids)] = torch.tensor(ids)

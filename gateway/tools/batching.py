@@ -11,12 +11,21 @@ that finishes early frees its place for a waiting one at once.
 A batching tool's single-job `run` is `run_alone` over the same batch: a batch
 of one and a batch of 32 run the same code, and their results differ only by
 what padding can change (tests hold that to 1e-4 in float32).
+
+A one-pass tool whose work falls into independent chunks (`embed`'s texts,
+`pseudo_loglikelihood`'s masked copies) describes it as `Chunked`: a plan of
+chunks, sorted by length so that padding is small, the work of one chunk, and
+the assembly of the results in the caller's order. On one device the chunks
+run in turn; with several (`--devices`), the worker spreads one job's chunks
+over every device at once (`Tool.spread`, backends/execution.py). Either way
+each chunk is the same padded pass, so the results are the same.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.tools.base import Cancelled, Context
@@ -110,3 +119,89 @@ class OnePass:
 def one_pass(many: ManyFn) -> BatchFactory:
     """The batch factory for a tool whose jobs run together as `many(model, params_list, ctxs)`."""
     return functools.partial(OnePass, many=many)
+
+
+@dataclass
+class Chunk:
+    """Items of some jobs that run as one padded pass: `items` are (job, item) pairs; `data` what the pass needs."""
+
+    items: list[tuple[int, int]]
+    data: Any = None
+    # The padded width, for sorting: chunks of similar length waste the least on padding.
+    width: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Chunked:
+    """A one-pass tool's work as independent chunks.
+
+    `plan(model, jobs)` lists the chunks covering every job's items;
+    `run(model, jobs, chunk)` computes one (its outputs moved off the device,
+    since another device's worker may assemble them); `assemble(model, jobs,
+    outputs)` builds each job's result from `{(job, item): output}`. `unit`
+    names the items in progress frames.
+    """
+
+    plan: Callable[[Model, list[Any]], list[Chunk]]
+    run: Callable[[Model, list[Any], Chunk], list[Any]]
+    assemble: Callable[[Model, list[Any], dict[tuple[int, int], Any]], list[Any]]
+    unit: str
+
+    def many(self, model: Model, jobs: list[Any], ctxs: list[Context]) -> list[Any]:
+        """Every chunk in turn on this device: the `many` of `one_pass`."""
+        chunks = self.plan(model, jobs)
+        progress = Progress(chunks, ctxs, self.unit)
+        outputs: dict[tuple[int, int], Any] = {}
+        for chunk in chunks:
+            raise_if_all_cancelled(ctxs)
+            outputs.update(zip(chunk.items, self.run(model, jobs, chunk)))
+            progress.advance(chunk)
+        return self.assemble(model, jobs, outputs)
+
+
+class Progress:
+    """Each job's items done, reported as chunks finish (in any order)."""
+
+    def __init__(self, chunks: list[Chunk], ctxs: Sequence[Context], unit: str) -> None:
+        self.ctxs, self.unit = ctxs, unit
+        self.total = [0] * len(ctxs)
+        self.done = [0] * len(ctxs)
+        for chunk in chunks:
+            for job, _ in chunk.items:
+                self.total[job] += 1
+
+    def advance(self, chunk: Chunk) -> None:
+        jobs = sorted({job for job, _ in chunk.items})
+        for job, _ in chunk.items:
+            self.done[job] += 1
+        for job in jobs:
+            self.ctxs[job].progress(self.done[job], self.total[job], self.unit)
+
+
+def sorted_chunks(
+    items: list[tuple[tuple[int, int], list[int]]], size: int, max_tokens: int | None = None, by_length: bool = True
+) -> list[Chunk]:
+    """Rows of token ids grouped into chunks of at most `size` rows (and `max_tokens` padded tokens), longest first.
+
+    Sorting by length keeps rows of similar length together, so a chunk pads
+    little; longest first puts the biggest chunks at the start, so that
+    devices sharing the chunks finish together. (`by_length=False` keeps the
+    caller's order, for benchmarks to measure what sorting saves.)
+    """
+    order = sorted(items, key=lambda item: -len(item[1])) if by_length else items
+    chunks: list[Chunk] = []
+    current: list[tuple[tuple[int, int], list[int]]] = []
+    for item in order:
+        width = max(len(item[1]), len(current[0][1]) if current else 0)
+        if current and (len(current) >= size or (max_tokens and width * (len(current) + 1) > max_tokens)):
+            chunks.append(_chunk(current))
+            current = []
+        current.append(item)
+    if current:
+        chunks.append(_chunk(current))
+    return chunks
+
+
+def _chunk(rows: list[tuple[tuple[int, int], list[int]]]) -> Chunk:
+    return Chunk(items=[key for key, _ in rows], data=[ids for _, ids in rows], width=max(len(ids) for _, ids in rows))

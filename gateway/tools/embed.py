@@ -1,4 +1,4 @@
-"""`embed`: hidden-state embeddings of texts, pooled per text or per token.
+"""`embed`: hidden-state embeddings of texts (or protein and DNA sequences), pooled per text or per token.
 
 Embeddings are returned as numpy arrays: clients get JSON numbers in
 float32's shortest form, executors send the raw buffers (see `encoding.py`).
@@ -6,8 +6,20 @@ float32's shortest form, executors send the raw buffers (see `encoding.py`).
 `layer` indexes the model's hidden states the way transformers numbers them
 (`output_hidden_states=True`): 0 is the token embeddings, i ≥ 1 the output of
 the i-th block (the lens tools' layer i − 1), and -1 the last, after the
-model's final norm. Texts are right-padded
-into batches; pooling reads only real tokens.
+model's final norm (and, where a model projects its output, OPT-350m, after
+that: `dim` is always the length of the vectors returned).
+
+Pooling reads a text's own tokens only: the special tokens the tokenizer adds
+around it (`<cls>` and `<eos>` for ESM and BERT, a BOS for Llama) are left out
+of `mean`, `last` and `per_token`, so a protein's mean embedding is the mean
+over its residues. `cls` reads the first token, `<cls>`, where an encoder
+gathers the whole sequence.
+
+Texts are sorted by length into chunks of `EMBED_BATCH` (padding stays small)
+and run chunk by chunk, or on every device at once (`--devices`) for one big
+job; each chunk needs about `EMBED_BATCH` × its longest text's tokens ×
+hidden size × (layers + 1) × 4 bytes for the hidden states it returns, plus
+the attention of one layer.
 """
 
 from __future__ import annotations
@@ -20,27 +32,37 @@ import numpy as np
 import torch
 
 from gateway.errors import ParamError
-from gateway.tools.anatomy import anatomy
-from gateway.tools.base import Context, Model, right_padded, tool
-from gateway.tools.batching import one_pass, raise_if_all_cancelled
+from gateway.tools.base import Capability, Context, Model, right_padded, tool
+from gateway.tools.batching import Chunk, Chunked, one_pass, sorted_chunks
 
 EMBED_BATCH = 16  # texts per forward pass
 
 
 class Pooling(str, enum.Enum):
     MEAN = "mean"
+    CLS = "cls"
     LAST = "last"
-    NONE = "none"
+    PER_TOKEN = "per_token"
+    NONE = "none"  # the older name of per_token
 
 
 class EmbedParams(msgspec.Struct, forbid_unknown_fields=True):
-    texts: Annotated[list[str], msgspec.Meta(min_length=1)]
+    texts: Annotated[list[str], msgspec.Meta(min_length=1, description="Texts, or protein or DNA sequences.")]
     layer: Annotated[
         int,
         msgspec.Meta(description="Hidden state index: 0 = token embeddings, i = after the i-th block, -1 = the last (after the final norm)."),
     ] = -1
     pooling: Annotated[
-        Pooling, msgspec.Meta(description="mean or last token per text, or none: one vector per token.")
+        Pooling,
+        msgspec.Meta(
+            description=(
+                "mean (the default): the average over the text's own tokens, the special tokens the tokenizer adds "
+                "(<cls>, <eos>, BOS) left out: for a protein, the mean over its residues. "
+                "cls: the first token's vector (<cls>; encoders only). last: the text's last own token "
+                "(for a causal model, the one that has seen the whole text). "
+                "per_token: one vector per own token (a residue), with the tokens. none: the older name of per_token."
+            )
+        ),
     ] = Pooling.MEAN
     normalize: Annotated[bool, msgspec.Meta(description="Scale each vector to unit length.")] = False
     precision: Annotated[
@@ -48,17 +70,15 @@ class EmbedParams(msgspec.Struct, forbid_unknown_fields=True):
     ] | None = None
 
 
-Vector = list[float]
-
-
 class EmbedResult(msgspec.Struct, omit_defaults=True):
     dim: int
+    """The length of every vector returned."""
     layer: int
     pooling: Pooling
     embeddings: Annotated[
         list[Any],
         msgspec.Meta(
-            description="Per text: a vector (mean, last) or a list of per-token vectors (none).",
+            description="Per text: a vector (mean, cls, last) or a list of per-token vectors (per_token).",
             extra_json_schema={
                 "items": {
                     "anyOf": [
@@ -70,7 +90,7 @@ class EmbedResult(msgspec.Struct, omit_defaults=True):
         ),
     ]
     tokens: list[list[str]] | None = None
-    """With pooling none: each text's tokens, one per vector."""
+    """With pooling per_token: each text's own tokens, one per vector."""
 
 
 def _array(t: torch.Tensor, precision: int | None) -> np.ndarray:
@@ -80,61 +100,93 @@ def _array(t: torch.Tensor, precision: int | None) -> np.ndarray:
 
 
 def _n_states(model: Model) -> int:
-    return anatomy(model).n_layers + 1
+    return model.memo["n_states"]
+
+
+def _per_token(pooling: Pooling) -> bool:
+    return pooling in (Pooling.PER_TOKEN, Pooling.NONE)
 
 
 def check(model: Model, params: EmbedParams) -> None:
     n = _n_states(model)
     if not -n <= params.layer < n:
         raise ParamError("layer", f"layer {params.layer} is out of range; the model has {n} hidden states (0..{n - 1}, or -{n}..-1)")
+    if params.pooling is Pooling.CLS and not model.bidirectional:
+        raise ParamError(
+            "pooling",
+            "cls reads the first token, which in a causal model sees nothing after it; use mean or last",
+        )
     for i, text in enumerate(params.texts):
         if not text:
             raise ParamError(f"texts[{i}]", "must not be empty")
-        model.fit(len(model.encode(text)), f"texts[{i}]")
+        ids = model.encode(text)
+        model.fit(len(ids), f"texts[{i}]")
+        if params.pooling is not Pooling.CLS and not model.own(ids):
+            raise ParamError(f"texts[{i}]", "has no tokens of its own, only the tokenizer's special tokens")
 
 
-def _pooled(states: torch.Tensor, params: EmbedParams) -> torch.Tensor:
-    """One text's vector(s) from its real tokens' states, as `params` asks."""
-    if params.pooling is Pooling.MEAN:
-        states = states.mean(0)
+def _plan(model: Model, jobs: list[EmbedParams], by_length: bool = True) -> list[Chunk]:
+    items = [((job, i), model.encode(text)) for job, params in enumerate(jobs) for i, text in enumerate(params.texts)]
+    return sorted_chunks(items, EMBED_BATCH, by_length=by_length)
+
+
+def _pooled(states: torch.Tensor, own: list[int], params: EmbedParams) -> torch.Tensor:
+    """One text's vector(s) from its unpadded states, as `params` asks."""
+    if params.pooling is Pooling.CLS:
+        states = states[0]
+    elif params.pooling is Pooling.MEAN:
+        states = states[own].mean(0)
     elif params.pooling is Pooling.LAST:
-        states = states[-1]
+        states = states[own[-1]]
+    else:
+        states = states[own]
     return torch.nn.functional.normalize(states, dim=-1) if params.normalize else states
 
 
-def _embed_many(model: Model, jobs: list[EmbedParams], ctxs: list[Context]) -> list[EmbedResult]:
-    # The texts of every job, in right-padded chunks; each job reads its own layer and pooling.
+def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
     n_states = _n_states(model)
-    encoded = [[model.encode(text) for text in params.texts] for params in jobs]
-    flat = [(job, i) for job, texts in enumerate(encoded) for i in range(len(texts))]
-    out: list[list[Any]] = [[None] * len(texts) for texts in encoded]
-    done = [0] * len(jobs)
-    body = anatomy(model)
-    for start in range(0, len(flat), EMBED_BATCH):
-        chunk = flat[start : start + EMBED_BATCH]
-        input_ids, mask = right_padded(model, [encoded[job][i] for job, i in chunk])
-        with body.capture([], check=lambda: raise_if_all_cancelled(ctxs)):
-            states = model.module(input_ids=input_ids, attention_mask=mask, output_hidden_states=True).hidden_states
-        for row, (job, i) in enumerate(chunk):
-            params = jobs[job]
-            real = states[params.layer % n_states][row, : len(encoded[job][i])].float()
-            out[job][i] = _array(_pooled(real, params), params.precision)
-            done[job] += 1
-        for job in sorted({job for job, _ in chunk}):
-            ctxs[job].progress(done[job], len(encoded[job]), "texts")
-    return [
-        EmbedResult(
-            dim=model.module.config.hidden_size if hasattr(model.module.config, "hidden_size") else len(vectors[0][0]),
-            layer=params.layer % n_states,
-            pooling=params.pooling,
-            embeddings=vectors,
-            tokens=[[model.token_text(t) for t in ids] for ids in texts] if params.pooling is Pooling.NONE else None,
+    input_ids, mask = right_padded(model, chunk.data)
+    states = model.hidden_states(input_ids, mask)
+    out = []
+    for row, ((job, _), ids) in enumerate(zip(chunk.items, chunk.data)):
+        params = jobs[job]
+        real = states[params.layer % n_states][row, : len(ids)].float()
+        out.append(_array(_pooled(real, model.own(ids), params), params.precision))
+    return out
+
+
+def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[tuple[int, int], Any]) -> list[EmbedResult]:
+    results = []
+    for job, params in enumerate(jobs):
+        vectors = [outputs[job, i] for i in range(len(params.texts))]
+        tokens = None
+        if _per_token(params.pooling):
+            tokens = []
+            for text in params.texts:
+                ids = model.encode(text)
+                tokens.append([model.token_text(ids[i]) for i in model.own(ids)])
+        results.append(
+            EmbedResult(
+                dim=int(vectors[0].shape[-1]),
+                layer=params.layer % _n_states(model),
+                pooling=params.pooling,
+                embeddings=vectors,
+                tokens=tokens,
+            )
         )
-        for params, texts, vectors in zip(jobs, encoded, out)
-    ]
+    return results
 
 
-@tool(check=check, caps={"texts": "max_prompts"}, batch=one_pass(_embed_many))
+work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="texts")
+
+
+@tool(
+    check=check,
+    caps={"texts": "max_sequences"},
+    batch=one_pass(work.many),
+    spread=work,
+    needs={Capability.HIDDEN_STATES},
+)
 def embed(model: Model, params: EmbedParams, ctx: Context) -> EmbedResult:
-    """Hidden-state embeddings of each text at one layer, mean- or last-pooled, or per token."""
-    return _embed_many(model, [params], [ctx])[0]
+    """Hidden-state embeddings of each text at one layer: mean over its own tokens, cls, last, or per token."""
+    return work.many(model, [params], [ctx])[0]

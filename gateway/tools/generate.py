@@ -1,11 +1,13 @@
 """`generate`: sample completions for a batch of prompts, streaming tokens as `partial` events.
 
-Decoding is a plain loop over the model's forward pass with a KV cache rather
-than `model.generate()`: the loop is where cancellation is checked between
-tokens, where each new token becomes a `partial` frame, where stop strings
-end one completion while the others go on, and where jobs join and leave a
-running batch (`Generation`). Prompts are left-padded; position ids come from
-the attention mask, so padding changes nothing.
+Decoding is a plain loop over the model's forward pass rather than
+`model.generate()`: the loop is where cancellation is checked between tokens,
+where each new token becomes a `partial` frame, where stop strings end one
+completion while the others go on, and where jobs join and leave a running
+batch (`Generation`). A model with a KV cache decodes one token a step with
+prompts left-padded (position ids come from the attention mask, so padding
+changes nothing); a custom model with its own state steps that; a model with
+neither runs its whole context again for each token, slower and the same.
 
 Text sent as `partial` is final: a tail that could still become a stop string,
 or an incomplete UTF-8 character, is held back until it is decided.
@@ -14,13 +16,15 @@ or an incomplete UTF-8 character, is held back until it is decided.
 from __future__ import annotations
 
 import random
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, Protocol
 
 import msgspec
 import torch
 from transformers.cache_utils import DynamicLayer
 
 from gateway.errors import ParamError
+from gateway.models.base import Capability, Kind
 from gateway.tools.base import Cancelled, Context, Model, tool
 from gateway.tools.batching import run_alone
 
@@ -61,8 +65,8 @@ class GeneratePartial(msgspec.Struct):
 def check(model: Model, params: GenerateParams) -> None:
     for i, prompt in enumerate(params.prompts):
         model.fit(len(model.encode(prompt)) + params.max_tokens, f"prompts[{i}]", "prompt + max_tokens")
-    if params.top_k is not None and params.top_k > model.module.config.vocab_size:
-        raise ParamError("top_k", f"must be <= the vocabulary size {model.module.config.vocab_size}")
+    if params.top_k is not None and params.top_k > model.vocab_size:
+        raise ParamError("top_k", f"must be <= the vocabulary size {model.vocab_size}")
 
 
 class _Completion:
@@ -179,27 +183,22 @@ class Generation:
     """`generate`'s continuous batch: every member's rows decode together, a token per step.
 
     A job that ends (or is cancelled) leaves at the end of its step, and a job
-    added between steps is prefilled at the next one and merged in, so no job
-    waits for the longest completion in the batch. Merging left-pads the
-    shorter KV cache; the attention mask hides the padding and each row's
-    position ids count only its own tokens, so a row computes what it would
-    alone. Caches other than plain dynamic ones (sliding-window layers) cannot
-    be padded that way: with them new jobs wait for the batch to empty.
+    added between steps is prefilled at the next one and joins the running
+    rows, so no job waits for the longest completion in the batch. How the
+    rows' contexts are kept is the decoder's business (`decoder_for`): a KV
+    cache, a custom model's own state, or the whole context run again.
     """
 
     def __init__(self, model: Model) -> None:
         self.model = model
         self.members: list[_Member] = []  # in row order: each owns a contiguous block
         self.joining: list[_Member] = []
-        self.cache: Any = None
-        self.mask: torch.Tensor | None = None  # (rows, cached tokens + 1): the +1 is the pending token
-        self.positions: torch.Tensor | None = None  # (rows, 1): the pending token's position
+        self.decoder = decoder_for(model)
         self.pending: torch.Tensor | None = None  # (rows,): the token each row feeds next
-        self.mergeable = True
 
     @property
     def continuous(self) -> bool:
-        return self.mergeable or not self.members
+        return self.decoder.mergeable or not self.members
 
     def __len__(self) -> int:
         return len(self.members) + len(self.joining)
@@ -219,80 +218,35 @@ class Generation:
                 ended.append((member.ctx, Cancelled()))
         self._keep([m for m in self.members if not m.ctx.cancelled])
         if self.members:
-            self._decode()
+            assert self.pending is not None
+            pending = self.pending
+            logits = self._forward(self.members, lambda: self.decoder.decode(pending))
+            self.pending = self._sample(self.members, logits)
         if joining:
-            self._prefill(joining)
+            rows = [ids for member in joining for ids in member.encoded]
+            logits = self._forward(joining, lambda: self.decoder.prefill(rows))
+            tokens = self._sample(joining, logits)
+            self.pending = tokens if self.pending is None else torch.cat([self.pending, tokens])
+            self.members.extend(joining)
         finished = [m for m in self.members if m.done]
         ended.extend((m.ctx, m.result(self.model)) for m in finished)
         self._keep([m for m in self.members if not m.done])
         return ended
 
-    def _decode(self) -> None:
-        assert self.pending is not None
-        out = self._forward(
-            self.members,
-            input_ids=self.pending[:, None],
-            attention_mask=self.mask,
-            position_ids=self.positions,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
-        self.cache = out.past_key_values
-        self.pending = self._sample(self.members, out.logits[:, -1, :].float())
-        self._advance()
-
-    def _prefill(self, joining: list[_Member]) -> None:
-        # Left padding: every prompt ends at the last column, where its next token is read.
-        rows = [ids for member in joining for ids in member.encoded]
-        width = max(len(ids) for ids in rows)
-        input_ids = torch.full((len(rows), width), self.model.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for row, ids in enumerate(rows):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids)
-            mask[row, width - len(ids) :] = 1
-        input_ids, mask = input_ids.to(self.model.device), mask.to(self.model.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self._forward(joining, input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        tokens = self._sample(joining, out.logits[:, -1, :].float())
-        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
-        positions = positions[:, -1:] + 1
-        if not self.members:
-            self.cache, self.mask, self.positions, self.pending = out.past_key_values, mask, positions, tokens
-            self.mergeable = _paddable(self.cache)
-        else:
-            self._merge(out.past_key_values, mask, positions, tokens)
-        self.members.extend(joining)
-
-    def _forward(self, members: list[_Member], **inputs: Any) -> Any:
+    def _forward(self, members: list[_Member], run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """One forward pass over `members`' rows, in order (sae_steer wraps it to steer each row)."""
-        return self.model.module(**inputs)
+        return run()
 
     def _sample(self, members: list[_Member], logits: torch.Tensor) -> torch.Tensor:
         taken, start = [], 0
         for member in members:
             end = start + len(member.rows)
-            taken.append(member.take(logits[start:end], self.model))
+            taken.append(member.take(logits[start:end].float(), self.model))
             start = end
         return torch.cat(taken)
 
-    def _advance(self) -> None:
-        assert self.mask is not None and self.positions is not None
-        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
-        self.positions = self.positions + 1
-
-    def _merge(self, cache: Any, mask: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
-        assert self.mask is not None and self.positions is not None and self.pending is not None
-        width = max(self.mask.shape[1], mask.shape[1])
-        ours, theirs = width - self.mask.shape[1], width - mask.shape[1]
-        for mine, new in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, ours), _left_pad(new.keys, theirs)])
-            mine.values = torch.cat([_left_pad(mine.values, ours), _left_pad(new.values, theirs)])
-        self.mask = torch.cat([_left_pad(self.mask, ours, dim=1), _left_pad(mask, theirs, dim=1)])
-        self.positions = torch.cat([self.positions, positions])
-        self.pending = torch.cat([self.pending, tokens])
-
     def _keep(self, members: list[_Member]) -> None:
-        """Keep only these members' rows; drop cache columns that are padding in every row left."""
+        """Keep only these members' rows."""
         if members == self.members:
             return
         keep, start = [], 0
@@ -302,19 +256,176 @@ class Generation:
             start += len(member.rows)
         self.members = members
         if not members:
-            self.cache = self.mask = self.positions = self.pending = None
-            self.mergeable = True
+            self.pending = None
+            self.decoder = decoder_for(self.model)
             return
-        assert self.mask is not None and self.positions is not None and self.pending is not None
-        index = torch.tensor(keep, device=self.mask.device)
+        assert self.pending is not None
+        self.pending = self.pending[torch.tensor(keep, device=self.pending.device)]
+        self.decoder.keep(keep)
+
+
+class Decoder(Protocol):
+    """How a generation batch keeps its rows' contexts between tokens."""
+
+    @property
+    def mergeable(self) -> bool:
+        """True while new rows can join the rows decoding."""
+
+    def prefill(self, rows: list[list[int]]) -> torch.Tensor:
+        """Take new rows (their prompts) after those there are; their next-token logits (rows × vocab)."""
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed each row its next token; the next-token logits of every row."""
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order."""
+
+
+def decoder_for(model: Model) -> Decoder:
+    """The fastest decoder the model's capabilities allow; each gives the same tokens."""
+    if not model.has(Capability.INCREMENTAL):
+        return Recompute(model)
+    if model.kind is Kind.CUSTOM:
+        return ModelState(model)
+    return KVCache(model)
+
+
+class KVCache:
+    """A transformers KV cache, left-padded so that rows of any length decode together.
+
+    Merging left-pads the shorter cache; the attention mask hides the padding
+    and each row's position ids count only its own tokens, so a row computes
+    what it would alone. Caches other than plain dynamic ones (sliding-window
+    layers) cannot be padded that way: with them new jobs wait for the batch
+    to empty.
+    """
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None  # (rows, cached tokens + 1): the +1 is the pending token
+        self.positions: torch.Tensor | None = None  # (rows, 1): the pending token's position
+        self.mergeable = True
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.mask is not None and self.positions is not None
+        out = self.model.module(
+            input_ids=tokens[:, None],
+            attention_mask=self.mask,
+            position_ids=self.positions,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cache = out.past_key_values
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+        self.positions = self.positions + 1
+        return out.logits[:, -1, :]
+
+    def prefill(self, rows: list[list[int]]) -> torch.Tensor:
+        # Left padding: every prompt ends at the last column, where its next token is read.
+        width = max(len(ids) for ids in rows)
+        input_ids = torch.full((len(rows), width), self.model.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, ids in enumerate(rows):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            mask[row, width - len(ids) :] = 1
+        input_ids, mask = input_ids.to(self.model.device), mask.to(self.model.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model.module(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+        positions = positions[:, -1:] + 1
+        if self.cache is None:
+            self.cache, self.mask, self.positions = out.past_key_values, mask, positions
+            self.mergeable = _paddable(self.cache)
+        else:
+            self._merge(out.past_key_values, mask, positions)
+        return out.logits[:, -1, :]
+
+    def _merge(self, cache: Any, mask: torch.Tensor, positions: torch.Tensor) -> None:
+        assert self.mask is not None and self.positions is not None
+        width = max(self.mask.shape[1], mask.shape[1])
+        ours, theirs = width - self.mask.shape[1], width - mask.shape[1]
+        for mine, new in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, ours), _left_pad(new.keys, theirs)])
+            mine.values = torch.cat([_left_pad(mine.values, ours), _left_pad(new.values, theirs)])
+        self.mask = torch.cat([_left_pad(self.mask, ours, dim=1), _left_pad(mask, theirs, dim=1)])
+        self.positions = torch.cat([self.positions, positions])
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these rows; drop cache columns that are padding in every row left."""
+        assert self.mask is not None and self.positions is not None
+        index = torch.tensor(rows, device=self.mask.device)
         self.cache.batch_select_indices(index)
-        self.mask, self.positions, self.pending = self.mask[index], self.positions[index], self.pending[index]
+        self.mask, self.positions = self.mask[index], self.positions[index]
         if self.mergeable:
             unused = int(self.mask.any(dim=0).long().argmax())
             if unused:
                 for layer in self.cache.layers:
                     layer.keys, layer.values = layer.keys[..., unused:, :], layer.values[..., unused:, :]
                 self.mask = self.mask[:, unused:]
+
+
+class ModelState:
+    """A custom model's own incremental state (`start`, `step`, `select`; gateway/models/custom.py).
+
+    The state is the model's: rows leave through its `select`, but new rows
+    cannot be merged into it, so jobs join only a batch that is empty.
+    """
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.state: Any = None
+
+    @property
+    def mergeable(self) -> bool:
+        return self.state is None
+
+    def prefill(self, rows: list[list[int]]) -> torch.Tensor:
+        assert self.state is None, "a custom model's state takes rows only when empty"
+        logits, self.state = self.model.module.start(rows)
+        return logits
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits, self.state = self.model.module.step(self.state, tokens)
+        return logits
+
+    def keep(self, rows: list[int]) -> None:
+        self.state = self.model.module.select(self.state, torch.tensor(rows, device=self.model.device))
+
+
+class Recompute:
+    """Every row's whole context, run again each token: for a model with no incremental step.
+
+    Slower by the context's length, and exactly what the model computes:
+    rows are right-padded and each row's next token is read at its own last
+    position.
+    """
+
+    mergeable = True
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.rows: list[list[int]] = []
+
+    def _last_logits(self, rows: list[list[int]]) -> torch.Tensor:
+        from gateway.tools.base import right_padded
+
+        input_ids, mask = right_padded(self.model, rows)
+        logits = self.model.logits(input_ids, mask)
+        last = torch.tensor([len(ids) - 1 for ids in rows], device=logits.device)
+        return logits[torch.arange(len(rows), device=logits.device), last]
+
+    def prefill(self, rows: list[list[int]]) -> torch.Tensor:
+        self.rows.extend(list(ids) for ids in rows)
+        return self._last_logits(rows)
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        for ids, token in zip(self.rows, tokens.tolist()):
+            ids.append(token)
+        return self._last_logits(self.rows)
+
+    def keep(self, rows: list[int]) -> None:
+        self.rows = [self.rows[i] for i in rows]
 
 
 def _paddable(cache: Any) -> bool:
@@ -335,6 +446,7 @@ def _left_pad(t: torch.Tensor, n: int, dim: int = -2) -> torch.Tensor:
     check=check,
     caps={"prompts": "max_prompts", "max_tokens": "max_tokens"},
     batch=Generation,
+    needs={Capability.NEXT_TOKEN},
 )
 def generate(model: Model, params: GenerateParams, ctx: Context) -> GenerateResult:
     """Complete each prompt, streaming tokens as they are sampled."""

@@ -25,7 +25,7 @@ import torch
 
 from gateway.errors import ParamError
 from gateway.tools.anatomy import anatomy, resolve_layers, resolve_positions, single_token
-from gateway.tools.base import Context, Model, tool
+from gateway.tools.base import Capability, Context, Model, tool
 from gateway.tools.numbers import floats
 from gateway.tools.predict import TokenProb
 
@@ -124,7 +124,7 @@ def lens(
     body = anatomy(model)
     input_ids = torch.tensor([ids], device=model.device)
     with body.capture(layers, check=ctx.raise_if_cancelled) as captured:
-        model.module(input_ids=input_ids)
+        model.logits(input_ids, torch.ones_like(input_ids))
     index = torch.tensor(positions, device=model.device)
     for done, layer in enumerate(layers, 1):
         ctx.raise_if_cancelled()
@@ -157,12 +157,12 @@ def check_lens(model: Model, params: LogitLensParams) -> None:
         single_token(model, text, f"track[{i}]")
 
 
-@tool(check=check_lens)
+@tool(check=check_lens, needs={Capability.LAYERS})
 def logit_lens(model: Model, params: LogitLensParams, ctx: Context) -> LogitLensResult:
     """Each layer's residual stream through the final norm and unembedding: top tokens, entropy, tracked tokens."""
     ids, layers, positions = _prepare(model, params.prompt, params.layers, params.positions)
     tracked_ids = [single_token(model, t, f"track[{i}]") for i, t in enumerate(params.track or [])]
-    top_k = min(params.top_k, model.module.config.vocab_size)
+    top_k = min(params.top_k, model.vocab_size)
     topk, entropies, tracked = [], [], []
     for _, probs in lens(model, ids, layers, positions, ctx):
         top = probs.topk(top_k, dim=-1)
@@ -204,7 +204,7 @@ def check_line(model: Model, params: LensLineParams) -> None:
         single_token(model, params.token, "token")
 
 
-@tool(check=check_line)
+@tool(check=check_line, needs={Capability.LAYERS})
 def lens_line(model: Model, params: LensLineParams, ctx: Context) -> LensLineResult:
     """One token's probability or rank, or the entropy, across layers at one position: a line chart."""
     ids, layers, _ = _prepare(model, params.prompt, params.layers, None)
@@ -223,7 +223,7 @@ def check_grid(model: Model, params: LensGridParams) -> None:
     _prepare(model, params.prompt, params.layers, params.positions)
 
 
-@tool(check=check_grid)
+@tool(check=check_grid, needs={Capability.LAYERS})
 def lens_grid(model: Model, params: LensGridParams, ctx: Context) -> LensGridResult:
     """A statistic at every layer × position, with each layer's top token: a heatmap."""
     ids, layers, positions = _prepare(model, params.prompt, params.layers, params.positions)
@@ -244,8 +244,9 @@ def lens_grid(model: Model, params: LensGridParams, ctx: Context) -> LensGridRes
 
 
 def _final_prediction(model: Model, ids: list[int], positions: Sequence[int]) -> torch.Tensor:
-    """The model's own most likely next token at each position."""
-    logits = model.module(input_ids=torch.tensor([ids], device=model.device)).logits[0]
+    """The model's own most likely token at each position (the next one, for a causal model)."""
+    input_ids = torch.tensor([ids], device=model.device)
+    logits = model.logits(input_ids, torch.ones_like(input_ids))[0]
     return logits[list(positions)].float().argmax(dim=-1)
 
 

@@ -13,7 +13,7 @@ import msgspec
 import torch
 
 from gateway.errors import ParamError
-from gateway.tools.base import Context, Model, right_padded, tool
+from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import one_pass
 
 
@@ -55,7 +55,7 @@ def _loglikelihood_many(
     pairs = [_pairs(model, params) for params in jobs]
     flat = [pair for job in pairs for pair in job]
     input_ids, mask = right_padded(model, [context + continuation for context, continuation in flat])
-    logprobs = model.module(input_ids=input_ids, attention_mask=mask).logits.float().log_softmax(dim=-1)
+    logprobs = model.logits(input_ids, mask).float().log_softmax(dim=-1)
     results, row = [], 0
     for job, ctx in zip(pairs, ctxs):
         ll, greedy = [], []
@@ -75,6 +75,7 @@ def _loglikelihood_many(
     check=check,
     caps={"prompts": "max_prompts", "continuations": "max_prompts"},
     batch=one_pass(_loglikelihood_many),
+    needs={Capability.NEXT_TOKEN},
 )
 def loglikelihood(model: Model, params: LoglikelihoodParams, ctx: Context) -> LoglikelihoodResult:
     """Sum of the continuation tokens' log-probabilities given the prompt, and whether greedy decoding would produce them."""

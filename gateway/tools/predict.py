@@ -8,7 +8,7 @@ import msgspec
 import torch
 
 from gateway.errors import ParamError
-from gateway.tools.base import Context, Model, right_padded, tool
+from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import one_pass
 from gateway.tools.numbers import floats
 
@@ -30,15 +30,15 @@ class PredictResult(msgspec.Struct):
 
 def check(model: Model, params: PredictParams) -> None:
     model.fit(len(model.encode(params.prompt)), "prompt")
-    if params.top_k > model.module.config.vocab_size:
-        raise ParamError("top_k", f"must be <= the vocabulary size {model.module.config.vocab_size}")
+    if params.top_k > model.vocab_size:
+        raise ParamError("top_k", f"must be <= the vocabulary size {model.vocab_size}")
 
 
 def _predict_many(model: Model, jobs: list[PredictParams], ctxs: list[Context]) -> list[PredictResult]:
     # Right padding: causal attention keeps each prompt's real tokens from seeing the pads after them.
     encoded = [model.encode(params.prompt) for params in jobs]
     input_ids, mask = right_padded(model, encoded)
-    logits = model.module(input_ids=input_ids, attention_mask=mask).logits
+    logits = model.logits(input_ids, mask)
     last = torch.tensor([len(ids) - 1 for ids in encoded], device=logits.device)
     probs = logits[torch.arange(len(encoded), device=logits.device), last].float().softmax(dim=-1)
     results = []
@@ -55,7 +55,7 @@ def _predict_many(model: Model, jobs: list[PredictParams], ctxs: list[Context]) 
     return results
 
 
-@tool(check=check, batch=one_pass(_predict_many))
+@tool(check=check, batch=one_pass(_predict_many), needs={Capability.NEXT_TOKEN})
 def predict(model: Model, params: PredictParams, ctx: Context) -> PredictResult:
     """The top-k next tokens after the prompt, with their probabilities."""
     return _predict_many(model, [params], [ctx])[0]

@@ -17,7 +17,7 @@ same batch or the next.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -26,7 +26,7 @@ import torch
 from gateway.errors import ParamError
 from gateway.sae import SAE
 from gateway.tools.anatomy import anatomy
-from gateway.tools.base import Context, Model, Tool, tool
+from gateway.tools.base import Capability, Context, Model, Tool, tool
 from gateway.tools.batching import run_alone
 from gateway.tools.generate import GenerateParams, GeneratePartial, GenerateResult, Generation, _Member
 from gateway.tools.generate import check as generate_check
@@ -159,7 +159,7 @@ def _check_annotate(model: Model, params: AnnotateParams) -> None:
     model.fit(len(model.encode(params.prompt)), "prompt")
 
 
-@tool(check=_check_annotate)
+@tool(check=_check_annotate, needs={Capability.LAYERS})
 def sae_annotate(model: Model, params: AnnotateParams, ctx: Context) -> AnnotateResult:
     """Per token of a prompt: its most active SAE features (or the chosen ones) and the reconstruction error."""
     _check_annotate(model, params)  # also when called directly, without the gateway's check
@@ -167,7 +167,8 @@ def sae_annotate(model: Model, params: AnnotateParams, ctx: Context) -> Annotate
     ids = model.encode(params.prompt)
     layer = sae.spec.layer
     with anatomy(model).capture([layer]) as captured:
-        model.module(input_ids=torch.tensor([ids], device=model.device))
+        input_ids = torch.tensor([ids], device=model.device)
+        model.logits(input_ids, torch.ones_like(input_ids))
     x = captured[layer][0].float()
     f = sae.encode(x)
     error = (x - sae.decode(f)).norm(dim=-1)
@@ -253,7 +254,7 @@ class Steering(Generation):
         self.sae = resolve_sae(self.model, params.sae)
         super().add(params, ctx)
 
-    def _forward(self, members: list[_Member], **inputs: Any) -> Any:
+    def _forward(self, members: list[_Member], run: Callable[[], torch.Tensor]) -> torch.Tensor:
         assert self.sae is not None
         rows, start = [], 0
         for member in members:
@@ -261,7 +262,7 @@ class Steering(Generation):
             rows.append((start, end, member.params.clamps))  # type: ignore[attr-defined]
             start = end
         with steering(self.model, self.sae, rows):
-            return super()._forward(members, **inputs)
+            return super()._forward(members, run)
 
 
 @tool(
@@ -270,6 +271,7 @@ class Steering(Generation):
     caps={"prompts": "max_prompts", "max_tokens": "max_tokens"},
     batch=Steering,
     batch_key=lambda params: params.sae,
+    needs={Capability.NEXT_TOKEN, Capability.LAYERS},
 )
 def sae_steer(model: Model, params: SteerParams, ctx: Context) -> GenerateResult:
     """Generate like `generate`, with SAE features clamped to given strengths at the SAE's layer."""

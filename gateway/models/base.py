@@ -1,0 +1,137 @@
+"""What a tool sees of a model, whatever its kind, and the capabilities a kind may have.
+
+A `Model` is a loaded model and its tokenizer on one device. Tools never ask
+what family or class it is: they call `encode`, `logits`, `hidden_states`
+and the layer stack (`gateway/tools/anatomy.py`), and they state which
+`Capability` they need. Each kind of model (one module each beside this one)
+loads a checkpoint and says which capabilities it has, each one proven on the
+loaded weights by a probe (`gateway/models/probes.py`) rather than assumed
+from a class name; a capability a model lacks carries the reason, so that a
+refusal can say it (`gateway/models/capabilities.py`).
+
+This class is the Hugging Face implementation (a transformers module and
+tokenizer); `gateway/models/custom.py` is the one for a user's own model.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import TooLong
+
+
+class Capability(str, enum.Enum):
+    """What a tool may need from a model."""
+
+    NEXT_TOKEN = "next_token"
+    MASKED_LM = "masked_lm"
+    HIDDEN_STATES = "hidden_states"
+    LAYERS = "layers"
+    INCREMENTAL = "incremental"
+
+    @property
+    def meaning(self) -> str:
+        return _MEANING[self]
+
+
+_MEANING = {
+    Capability.NEXT_TOKEN: "causal next-token logits",
+    Capability.MASKED_LM: "a masked-LM head",
+    Capability.HIDDEN_STATES: "hidden states per layer",
+    Capability.LAYERS: "a layer stack with a readout to logits",
+    Capability.INCREMENTAL: "an incremental decoding step",
+}
+
+
+class Kind(str, enum.Enum):
+    """What a served model is, as its config (or its loader) says."""
+
+    CAUSAL_LM = "causal_lm"
+    MASKED_LM = "masked_lm"
+    ENCODER = "encoder"  # hidden states only: a base model without a head
+    CUSTOM = "custom"  # a user's model through --model-loader
+
+
+@dataclass(eq=False)
+class Model:
+    """A loaded model and its tokenizer on one device, as tools see it."""
+
+    name: str
+    module: Any  # a transformers PreTrainedModel (or a custom model), in eval mode, on `device`
+    tokenizer: Any
+    device: Any
+    dtype: Any
+    context_length: int
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    kind: Kind = Kind.CAUSAL_LM
+    vocab_size: int = 0
+    pad_token_id: int = 0
+    # Tokens the tokenizer adds around a text (<cls>, <eos>, BOS, <sep>): never a text's own.
+    special_ids: frozenset[int] = field(default_factory=frozenset)
+    mask_token_id: int | None = None
+    # True when every position sees the whole sequence (encoders), False when only what precedes it.
+    bidirectional: bool = False
+    capabilities: frozenset[Capability] = field(default_factory=frozenset)
+    # Why each capability the model lacks is missing, in words for a refusal.
+    missing: dict[Capability, str] = field(default_factory=dict)
+    # The sparse autoencoders served with it (`--sae`), by name: gateway/sae.py.
+    saes: dict[str, Any] = field(default_factory=dict, repr=False)
+    # What tools work out once per model and reuse (e.g. where its layers are).
+    memo: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def has(self, capability: Capability) -> bool:
+        return capability in self.capabilities
+
+    # -- tokens ---------------------------------------------------------------------------
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of `text`, with the tokenizer's special tokens around it when `special`."""
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt, with the tokenizer's special tokens, never empty."""
+        ids = self.tokenize(text)
+        if not ids:
+            # A model needs at least one token to predict from.
+            start = getattr(self.tokenizer, "bos_token_id", None)
+            ids = [start if start is not None else min(self.eos_token_ids or {self.pad_token_id})]
+        return ids
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of text that follows a prompt: no special tokens."""
+        return self.tokenize(text, special=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+
+    def own(self, ids: list[int]) -> list[int]:
+        """Indices of a text's own tokens in `ids`: the special tokens the tokenizer added left out."""
+        return [i for i, t in enumerate(ids) if t not in self.special_ids]
+
+    def fit(self, n_tokens: int, field: str, what: str = "input") -> None:
+        """Raise `TooLong` (413) if `n_tokens` exceed the model's context."""
+        if n_tokens > self.context_length:
+            raise TooLong(
+                field,
+                f"{what} needs {n_tokens} tokens; the model's context is {self.context_length}",
+            )
+
+    # -- forward passes (on the worker's thread) ------------------------------------------
+
+    def logits(self, input_ids: Any, attention_mask: Any) -> Any:
+        """Logits (batch × tokens × vocabulary) for a right-padded batch.
+
+        A causal model's logits at t score token t + 1; a masked LM's score token t itself.
+        """
+        return self.module(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def hidden_states(self, input_ids: Any, attention_mask: Any) -> tuple[Any, ...]:
+        """The embeddings and every layer's output (transformers' `hidden_states`): layers + 1 tensors."""
+        return tuple(
+            self.module(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
+        )

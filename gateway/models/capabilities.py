@@ -1,0 +1,43 @@
+"""The one capability check: can this model run this tool, and if not, why.
+
+Each tool states the capabilities it needs (`Tool.needs`); each loaded model
+has the ones its probes proved (`Model.capabilities`). `GET /tools`, the
+OpenAPI document, the dashboard, the local backend and the executor all ask
+here, so a tool is refused for the same reason everywhere: before the job is
+queued, with 422 `unsupported_by_model` naming the tool, the model's kind and
+what is missing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gateway.errors import ApiError
+from gateway.protocol import Code
+
+if TYPE_CHECKING:
+    from gateway.models.base import Model
+    from gateway.tools.base import Tool
+
+
+def unsupported(tool: Tool, model: Model) -> str | None:
+    """Why `model` cannot run `tool`, in one sentence; None when it can."""
+    lacking = [cap for cap in tool.needs if cap not in model.capabilities]
+    if not lacking:
+        return None
+    reasons = "; ".join(
+        f"{cap.meaning}" + (f" ({model.missing[cap]})" if cap in model.missing else "") for cap in lacking
+    )
+    return f"{tool.name} needs what the model {model.name} ({model.kind.value}) does not have: {reasons}"
+
+
+def refuse(reason: str) -> ApiError:
+    """The 422 for a tool the served model cannot run (`reason` from `unsupported`)."""
+    return ApiError(Code.UNSUPPORTED_BY_MODEL, reason)
+
+
+def check(tool: Tool, model: Model) -> None:
+    """Raise the 422 `unsupported_by_model` if `model` cannot run `tool`."""
+    reason = unsupported(tool, model)
+    if reason is not None:
+        raise refuse(reason)

@@ -1,0 +1,114 @@
+"""`pseudo_loglikelihood`: a masked LM's score of a whole sequence, each position masked in turn.
+
+For a sequence of n own tokens (residues), n copies are run, copy i with its
+token i replaced by the mask; the pseudo-log-likelihood is the sum over i of
+log p(token i | every other token) (Salazar et al. 2020; the standard score
+of protein sequences and their variants with ESM). The special tokens the
+tokenizer adds are never masked or scored.
+
+The copies of every job's sequences are sorted by length into chunks of at
+most `PLL_TOKENS` padded tokens and run chunk by chunk, or on every device at
+once (`--devices`) for one big job. A sequence of n tokens costs n forward
+rows of n tokens: a 500-residue protein is 500 rows.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+import torch
+
+from gateway.errors import ParamError
+from gateway.tools.base import Capability, Context, Model, right_padded, tool
+from gateway.tools.batching import Chunk, Chunked, one_pass, sorted_chunks
+from gateway.tools.numbers import floats
+
+PLL_ROWS = 64  # masked copies per forward pass at most
+PLL_TOKENS = 16384  # padded tokens per forward pass at most
+
+
+class PseudoLoglikelihoodParams(msgspec.Struct, forbid_unknown_fields=True):
+    sequences: Annotated[list[str], msgspec.Meta(min_length=1, description="Sequences (or texts) to score.")]
+    per_position: Annotated[
+        bool, msgspec.Meta(description="Also return each own token's log-probability with it masked, and the tokens.")
+    ] = False
+
+
+class PseudoLoglikelihoodResult(msgspec.Struct, omit_defaults=True):
+    pll: list[float]
+    """Per sequence: the sum of its tokens' log-probabilities, each masked in turn (nats)."""
+    tokens_scored: list[int]
+    """Per sequence: how many tokens were masked and scored (its own tokens)."""
+    per_position: list[list[float]] | None = None
+    tokens: list[list[str]] | None = None
+
+
+def check(model: Model, params: PseudoLoglikelihoodParams) -> None:
+    for i, sequence in enumerate(params.sequences):
+        if not sequence:
+            raise ParamError(f"sequences[{i}]", "must not be empty")
+        ids = model.encode(sequence)
+        model.fit(len(ids), f"sequences[{i}]")
+        if not model.own(ids):
+            raise ParamError(f"sequences[{i}]", "has no tokens of its own, only the tokenizer's special tokens")
+        if model.mask_token_id in ids:
+            raise ParamError(f"sequences[{i}]", "already holds the mask token; give the sequence itself")
+
+
+def _plan(model: Model, jobs: list[PseudoLoglikelihoodParams], by_length: bool = True) -> list[Chunk]:
+    # One item per masked copy: (job, (sequence, position, the true token)).
+    items: list[tuple[tuple[int, Any], list[int]]] = []
+    for job, params in enumerate(jobs):
+        for s, sequence in enumerate(params.sequences):
+            ids = model.encode(sequence)
+            for at in model.own(ids):
+                masked = list(ids)
+                masked[at] = model.mask_token_id
+                items.append(((job, (s, at, ids[at])), masked))
+    return sorted_chunks(items, PLL_ROWS, max_tokens=PLL_TOKENS, by_length=by_length)  # type: ignore[arg-type]
+
+
+def _run(model: Model, jobs: list[PseudoLoglikelihoodParams], chunk: Chunk) -> list[float]:
+    input_ids, mask = right_padded(model, chunk.data)
+    logprobs = model.logits(input_ids, mask).float().log_softmax(dim=-1)
+    rows = torch.arange(len(chunk.items), device=logprobs.device)
+    at = torch.tensor([key[1] for _, key in chunk.items], device=logprobs.device)
+    true = torch.tensor([key[2] for _, key in chunk.items], device=logprobs.device)
+    return floats(logprobs[rows, at, true])
+
+
+def _assemble(
+    model: Model, jobs: list[PseudoLoglikelihoodParams], outputs: dict[tuple[int, Any], float]
+) -> list[PseudoLoglikelihoodResult]:
+    by_sequence: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
+    for (job, (s, at, token)), value in outputs.items():
+        by_sequence.setdefault((job, s), []).append((at, token, value))
+    results = []
+    for job, params in enumerate(jobs):
+        scored = [sorted(by_sequence[job, s]) for s in range(len(params.sequences))]
+        results.append(
+            PseudoLoglikelihoodResult(
+                # Summed in float64 in position order: the same sum whichever device scored which copy.
+                pll=[float(sum(v for _, _, v in per)) for per in scored],
+                tokens_scored=[len(per) for per in scored],
+                per_position=[[v for _, _, v in per] for per in scored] if params.per_position else None,
+                tokens=[[model.token_text(t) for _, t, _ in per] for per in scored] if params.per_position else None,
+            )
+        )
+    return results
+
+
+work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="positions")  # type: ignore[arg-type]
+
+
+@tool(
+    check=check,
+    caps={"sequences": "max_sequences"},
+    batch=one_pass(work.many),
+    spread=work,
+    needs={Capability.MASKED_LM},
+)
+def pseudo_loglikelihood(model: Model, params: PseudoLoglikelihoodParams, ctx: Context) -> PseudoLoglikelihoodResult:
+    """Each sequence's pseudo-log-likelihood: every own token masked in turn, its log-probability summed."""
+    return work.many(model, [params], [ctx])[0]
