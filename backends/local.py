@@ -227,7 +227,7 @@ class LocalBackend(Backend):
         return (len(self.queue) if self.queue is not None else 0) + sum(len(w.running) for w in self.workers)
 
     def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"backend": "local", "model": self.spec.name}
+        info: dict[str, Any] = {"backend": "local", "model": self.model.name if self.model else self.spec.name}
         if self.model is not None:
             info["kind"] = self.model.kind.value
             info["capabilities"] = sorted(c.value for c in self.model.capabilities)

@@ -374,5 +374,12 @@ def tools(url: str, as_json: bool) -> None:
         return
     width = max((len(t["name"]) for t in listed), default=0)
     for t in listed:
+        if t.get("unsupported"):
+            continue
         summary = (t["description"].splitlines() or [""])[0]
         click.echo(f"{t['name']:<{width}}  {summary}")
+    refused = [t for t in listed if t.get("unsupported")]
+    if refused:
+        click.echo("\nnot for this model:")
+        for t in refused:
+            click.echo(f"{t['name']:<{width}}  {t['unsupported']}")

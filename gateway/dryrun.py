@@ -25,11 +25,15 @@ def report(backend: Any, settings: Settings) -> None:
         click.echo("dry run: configuration checked; executors were not contacted")
         return
     info, tools = _load(backend)
-    click.echo(f"model: {info.get('model')}")
+    click.echo(f"model: {info.get('model')} ({info.get('kind')})")
     click.echo(f"device: {info.get('device')}")
     click.echo(f"dtype: {info.get('dtype')}")
     click.echo(f"context: {info.get('context_length')} tokens")
-    click.echo(f"tools: {', '.join(tools)}")
+    click.echo(f"capabilities: {', '.join(info.get('capabilities', [])) or 'none'}")
+    click.echo(f"tools: {', '.join(name for name, reason in tools.items() if reason is None)}")
+    for name, reason in tools.items():
+        if reason is not None:
+            click.echo(f"not for this model: {reason}")
     if info.get("saes"):
         click.echo(f"saes: {'; '.join(info['saes'])}")
     if settings.tools:
@@ -37,12 +41,12 @@ def report(backend: Any, settings: Settings) -> None:
     click.echo("dry run: loaded; not serving")
 
 
-def _load(backend: Any) -> tuple[dict[str, Any], list[str]]:
-    async def load() -> tuple[dict[str, Any], list[str]]:
+def _load(backend: Any) -> tuple[dict[str, Any], dict[str, str | None]]:
+    async def load() -> tuple[dict[str, Any], dict[str, str | None]]:
         await backend.start()
         try:
             await backend.wait_ready()
-            return backend.describe(), list(backend.tools)
+            return backend.describe(), {name: backend.unsupported(t) for name, t in backend.tools.items()}
         finally:
             await backend.stop()
 

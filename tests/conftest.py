@@ -246,9 +246,12 @@ USER_TOOLS = "tests.user_tools"  # every executor loads it (processes.start_exec
 
 # Settings of the process that holds the model, as `streamgate executor` flags; the
 # rest (max_body_bytes, ping_interval, retry_ms, …) belong to the gateway alone.
-EXECUTOR_FLAGS = {"queue_size": "--queue-size", "max_prompts": "--max-prompts", "max_tokens": "--max-tokens"}
+EXECUTOR_FLAGS = {
+    "queue_size": "--queue-size", "max_prompts": "--max-prompts", "max_tokens": "--max-tokens",
+    "max_sequences": "--max-sequences",
+}
 # Caps that bind both: the gateway checks them and shows them in its schemas, the executor enforces them.
-SHARED_SETTINGS = {"max_prompts", "max_tokens"}
+SHARED_SETTINGS = {"max_prompts", "max_tokens", "max_sequences"}
 
 
 class Executors:

@@ -42,7 +42,7 @@ from tests.conftest import Server, make_server, parse_sse, wait_until
 
 # Small caps: a generated job runs in milliseconds on the tiny model. max_tokens stays at
 # generate's default (16): below it, a request that leaves max_tokens out is refused.
-CAPS = dict(max_prompts=2, max_tokens=16, max_body_bytes=16 * 1024, queue_size=16, detach_grace=0)
+CAPS = dict(max_prompts=2, max_tokens=16, max_sequences=2, max_body_bytes=16 * 1024, queue_size=16, detach_grace=0)
 TOKEN = "fuzz-token-0123456789abcdef"
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
@@ -102,8 +102,11 @@ ST_CONFIG = schemathesis.Config.from_dict(
 
 def test_document_lists_the_tools_served(fuzz_server: Server) -> None:
     doc = httpx.get(f"{fuzz_server.url}/openapi.json").json()
-    served = {t["name"] for t in httpx.get(f"{fuzz_server.url}/tools").json()}
+    listed = httpx.get(f"{fuzz_server.url}/tools").json()
+    # The document has the tools the model can run; /tools lists the others too, with the reason.
+    served = {t["name"] for t in listed if t["unsupported"] is None}
     assert {p.split("/")[1] for p in doc["paths"] if p.endswith("/run")} == served
+    assert {t["name"] for t in listed} - served == {"fill_mask", "pseudo_loglikelihood"}
     schemas = doc["components"]["schemas"]
     # The user tool's nested Struct is a component of its own, referenced from its params.
     assert schemas["spans.params"]["properties"]["spans"]["items"] == {"$ref": "#/components/schemas/spans.Span"}
@@ -121,14 +124,22 @@ def test_document_lists_the_tools_served(fuzz_server: Server) -> None:
 def test_document_of_remote_tools_is_the_same() -> None:
     # A remote gateway knows its tools only from their published schemas; it must describe them alike.
     local = builtin_tools() + [spans]
-    limits = {"max_prompts": 2, "max_tokens": 16}
+    limits = {"max_prompts": 2, "max_tokens": 16, "max_sequences": 2}
     remote = [remote_tool(info) for info in describe(local, limits)]
     assert openapi.document(remote, limits) == openapi.document(local, limits)
 
 
 def test_document_follows_the_backend_tools() -> None:
-    backend = SimpleNamespace(tools={"spans": spans})
-    handler = openapi.endpoint(backend, {"max_prompts": 2, "max_tokens": 16}, secured=True)  # type: ignore[arg-type]
+    class Learning(SimpleNamespace):
+        """A backend whose tools change under it, as a remote one's do; its model runs them all."""
+
+        tools_version = property(lambda self: id(self.tools))
+
+        def unsupported(self, tool: Any) -> None:
+            return None
+
+    backend = Learning(tools={"spans": spans})
+    handler = openapi.endpoint(backend, {"max_prompts": 2, "max_tokens": 16, "max_sequences": 2}, secured=True)  # type: ignore[arg-type]
     first = json.loads(asyncio.run(handler(None)).body)  # type: ignore[arg-type]
     backend.tools = collect(builtin_tools()[:1])  # a remote backend learning its tools
     second = json.loads(asyncio.run(handler(None)).body)  # type: ignore[arg-type]
