@@ -59,10 +59,15 @@ def result_of(proc: subprocess.CompletedProcess[str]) -> Any:
 def test_tools_lists_builtin_and_user_tools(gateway):
     proc = cli("tools", "--url", gateway.url)
     assert proc.returncode == 0, proc.stderr
-    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+    served, _, refused = proc.stdout.partition("\nnot for this model:\n")
+    lines = {line.split()[0]: line for line in served.splitlines() if line.strip()}
     builtin = {t.name for t in builtin_tools()}
     assert {"generate", "loglikelihood", "predict", "logit_lens", "embed"} <= builtin
-    assert set(lines) == builtin | {"echo", "fail"}
+    # The masked-LM tools are listed apart, with why this causal LM cannot run them.
+    masked = {"fill_mask", "pseudo_loglikelihood"}
+    assert set(lines) == (builtin - masked) | {"echo", "fail"}
+    apart = {line.split()[0]: line for line in refused.splitlines() if line.strip()}
+    assert set(apart) == masked and all("a masked-LM head" in line for line in apart.values())
     # Each with the first line of its description.
     assert "Return the text, repeated" in lines["echo"]
     assert "Always raises" in lines["fail"]
