@@ -466,3 +466,13 @@ def test_the_readmes_loader_example_loads_and_passes_its_checks(tmp_path: Path, 
         sys.modules.pop("readme_loader", None)
     assert model.kind.value == "custom"
     assert {c.value for c in model.capabilities} == {"next_token", "incremental"}, model.missing
+
+
+def test_embed_refuses_cls_on_a_causal_model_and_a_text_of_special_tokens_only(servers: dict[str, Server]) -> None:
+    r = httpx.post(servers["llama"].url + "/embed/run", json={"texts": ["ab"], "pooling": "cls"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "pooling", r.text
+    assert "causal" in r.json()["error"]["message"]
+    r = httpx.post(servers["esm_mlm"].url + "/embed/run", json={"texts": ["MKT", "<eos>"]})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "texts[1]", r.text
+    r = httpx.post(servers["esm_mlm"].url + "/pseudo_loglikelihood/run", json={"sequences": ["MK<mask>"]})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "sequences[0]", r.text

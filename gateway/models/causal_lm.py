@@ -30,6 +30,7 @@ def load(name: str, source: str, device: str, dtype: torch.dtype, trust_remote_c
             Capability.LAYERS: lambda ids: probes.layers(model, ids, lambda: find(model.module)),
         },
     )
+    model.missing[Capability.MASKED_LM] = "a causal LM predicts the next token; it has no masked-LM head"
     return model
 
 
