@@ -26,6 +26,7 @@ from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.models import capabilities
+from gateway.models.base import Capability
 from gateway.protocol import Code
 from gateway.tools.base import Model, Tool
 
@@ -231,6 +232,8 @@ class LocalBackend(Backend):
         if self.model is not None:
             info["kind"] = self.model.kind.value
             info["capabilities"] = sorted(c.value for c in self.model.capabilities)
+            if self.model.has(Capability.MASKED_LM) and self.model.mask_token_id is not None:
+                info["mask_token"] = self.model.token_text(self.model.mask_token_id)
             info["device"] = ",".join(str(w.model.device) for w in self.workers) or str(self.model.device)
             info["dtype"] = str(self.model.dtype).removeprefix("torch.")
             info["context_length"] = self.model.context_length

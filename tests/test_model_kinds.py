@@ -85,6 +85,7 @@ def servers(paths: dict[str, Path]) -> Iterator[dict[str, Server]]:
 def test_each_checkpoint_loads_as_the_kind_its_config_says(servers: dict[str, Server], kind: str, expected: str) -> None:
     ready = httpx.get(servers[kind].url + "/readyz").json()
     assert ready["kind"] == expected, ready
+    assert ready.get("mask_token") == {"esm_mlm": "<mask>", "bert_mlm": "[MASK]"}.get(kind), ready
 
 
 def test_an_encoder_decoder_fails_dry_run_and_start_with_one_sentence(paths: dict[str, Path]) -> None:

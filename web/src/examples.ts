@@ -11,6 +11,9 @@ export const EXAMPLES: {[K in keyof BuiltinTools]: BuiltinTools[K]['params']} = 
   // Prompts of the same length in tokens, so every position pairs up.
   activation_patching: {src_prompt: 'The capital of Greece is', tgt_prompt: 'The capital of France is'},
   embed: {texts: ['cat', 'dog', 'kitten', 'car', 'truck', 'bicycle', 'Paris', 'London'], pooling: 'mean'},
+  // The masked-LM tools, on proteins (ESM-2): one site masked (BERT's mask is [MASK]); a sequence and a one-residue variant of it.
+  fill_mask: {texts: ['MKT<mask>YIAK'], top_k: 5},
+  pseudo_loglikelihood: {sequences: ['MKTAYIAKQR', 'MKTAYLAKQR'], per_position: true},
 }
 
 /** The same for the SAE tools, which a gateway serves only with `--sae` (feature 0 exists in any SAE). */

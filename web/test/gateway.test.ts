@@ -57,16 +57,31 @@ describe('against a real gateway', () => {
     assert.equal(partials.map((p) => p.text).join(''), result.completions[0])
   })
 
-  test('every built-in tool runs with its example params', async () => {
+  test('every built-in tool runs with its example params; one the model cannot run is refused with its reason', async () => {
     const tools = (await (await fetch(`${gateway.url}/tools`)).json()) as ToolInfo[]
     const names = Object.keys(EXAMPLES) as (keyof BuiltinTools)[]
     assert.deepEqual(tools.map((t) => t.name).sort(), [...names].sort())
     for (const name of names) {
+      const unsupported = tools.find((t) => t.name === name)!.unsupported
       const statuses: string[] = []
-      const result = await runTool(gateway.url, name, EXAMPLES[name], {onStatus: (frame) => statuses.push(frame.status)})
+      const run = runTool(gateway.url, name, EXAMPLES[name], {onStatus: (frame) => statuses.push(frame.status)})
+      if (unsupported) {
+        // Refused before it is queued: no stream, no status.
+        const error = await run.catch((e: unknown) => e)
+        assert.ok(error instanceof HttpError, `${name}: ${String(error)}`)
+        assert.equal(error.status, 422, name)
+        assert.equal(error.code, 'unsupported_by_model', name)
+        assert.equal(error.message, unsupported, name)
+        assert.equal(error.retryable, false, name)
+        assert.deepEqual(statuses, [], name)
+        continue
+      }
+      const result = await run
       assert.equal(typeof result, 'object', name)
       assert.equal(statuses.at(-1), 'RUNNING', name)
     }
+    // The tiny Llama is a causal LM: the masked-LM tools are the ones it cannot run.
+    assert.deepEqual(tools.filter((t) => t.unsupported).map((t) => t.name), ['fill_mask', 'pseudo_loglikelihood'])
   })
 
   test('logit_lens: a layer × position × k grid', async () => {

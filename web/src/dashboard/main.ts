@@ -10,24 +10,53 @@ import './style.css'
 const base = new URL('.', location.href)
 const $ = <T extends HTMLElement>(selector: string) => document.querySelector(selector) as T
 
-async function readiness(): Promise<void> {
+/** The model line at the top; `onReady` runs when a gateway that was not ready (its model loading) becomes ready. */
+async function readiness(onReady: () => void, waited = false): Promise<void> {
   const line = $<HTMLElement>('#model')
+  const again = (ms: number) => setTimeout(() => void readiness(onReady, true), ms)
   try {
     const response = await fetch(new URL('readyz', base))
-    const body = (await response.json()) as {ready: boolean; model?: string; device?: string; dtype?: string; reason?: string}
-    line.textContent = body.ready ? [body.model, body.device, body.dtype].filter(Boolean).join(' · ') : `not ready: ${body.reason ?? ''}`
+    const body = (await response.json()) as {
+      ready: boolean
+      model?: string
+      kind?: string
+      capabilities?: string[]
+      device?: string
+      dtype?: string
+      reason?: string
+    }
+    line.textContent = body.ready
+      ? [body.model, body.kind, body.device, body.dtype].filter(Boolean).join(' · ')
+      : `not ready: ${body.reason ?? ''}`
+    line.title = body.capabilities?.length ? `capabilities: ${body.capabilities.join(', ')}` : ''
     line.classList.toggle('warn', !body.ready)
-    if (!body.ready) setTimeout(readiness, 2000)
+    if (!body.ready) again(2000)
+    else if (waited) onReady()
   } catch {
     line.textContent = 'the gateway cannot be reached'
     line.classList.add('warn')
-    setTimeout(readiness, 5000)
+    again(5000)
   }
 }
 
+/** `GET /tools`, split: the tools the served model can run, and those it cannot (`unsupported` holds why). */
+async function listTools(): Promise<{runnable: ToolInfo[]; unsupported: ToolInfo[]}> {
+  const all = (await (await fetch(new URL('tools', base))).json()) as ToolInfo[]
+  return {runnable: all.filter((t) => !t.unsupported), unsupported: all.filter((t) => t.unsupported)}
+}
+
+/** The tools the model cannot run, kept out of the picker: their names on one line, the gateway's reasons under it. */
+function showUnsupported(box: HTMLDetailsElement, unsupported: ToolInfo[]): void {
+  box.hidden = unsupported.length === 0
+  box.replaceChildren(
+    h('summary', {}, 'Not on this model: ', unsupported.map((t, i) => [i ? ', ' : '', h('code', {}, t.name)])),
+    h('ul', {}, unsupported.map((t) => h('li', {'data-tool': t.name}, t.unsupported))),
+  )
+}
+
 async function main(): Promise<void> {
-  void readiness()
   const picker = $<HTMLSelectElement>('#tool')
+  const unsupportedBox = $<HTMLDetailsElement>('#unsupported')
   const description = $<HTMLElement>('#description')
   const formSlot = $<HTMLElement>('#form')
   const jobs = $<HTMLElement>('#jobs')
@@ -35,20 +64,17 @@ async function main(): Promise<void> {
   const formError = $<HTMLElement>('#form-error')
   const login = new Login(base, $<HTMLFormElement>('#login'))
 
-  let tools: ToolInfo[]
-  try {
-    tools = (await (await fetch(new URL('tools', base))).json()) as ToolInfo[]
-  } catch (error) {
-    formError.textContent = `could not list the tools: ${(error as Error).message}`
-    formError.hidden = false
-    return
-  }
-  picker.replaceChildren(...tools.map((t) => h('option', {value: t.name}, t.name)))
-
+  let tools: ToolInfo[] = []
   const forms = new Map<string, ToolForm>()
-  const current = () => tools.find((t) => t.name === picker.value) ?? tools[0]!
+  const current = (): ToolInfo | undefined => tools.find((t) => t.name === picker.value) ?? tools[0]
   const show = () => {
     const tool = current()
+    form.querySelector<HTMLButtonElement>('button[type=submit]')!.disabled = !tool
+    if (!tool) {
+      description.textContent = 'The served model can run none of the tools.'
+      formSlot.replaceChildren()
+      return
+    }
     let toolForm = forms.get(tool.name)
     if (!toolForm) {
       // The SAE tools' examples only matter when the gateway lists them (it serves an SAE).
@@ -61,14 +87,22 @@ async function main(): Promise<void> {
     formError.hidden = true
     if (location.hash.slice(1) !== tool.name) history.replaceState(null, '', `#${tool.name}`)
   }
-  const wanted = decodeURIComponent(location.hash.slice(1))
-  if (tools.some((t) => t.name === wanted)) picker.value = wanted
+  /** Fill the picker with the tools the model can run, keeping the chosen one (or the URL's) when it still is one. */
+  const offer = ({runnable, unsupported}: Awaited<ReturnType<typeof listTools>>) => {
+    const wanted = picker.value || decodeURIComponent(location.hash.slice(1))
+    tools = runnable
+    picker.replaceChildren(...tools.map((t) => h('option', {value: t.name}, t.name)))
+    if (tools.some((t) => t.name === wanted)) picker.value = wanted
+    showUnsupported(unsupportedBox, unsupported)
+    show()
+  }
+
   picker.addEventListener('change', show)
-  show()
 
   form.addEventListener('submit', (event) => {
     event.preventDefault()
     const tool = current()
+    if (!tool) return
     const toolForm = forms.get(tool.name)!
     toolForm.clearErrors()
     formError.hidden = true
@@ -81,7 +115,7 @@ async function main(): Promise<void> {
     }
     const card = startJob(base, login, tool, params, {
       onRefused: (field, message) => {
-        if (current().name === tool.name) toolForm.showError(field, message)
+        if (current()?.name === tool.name) toolForm.showError(field, message)
       },
     })
     jobs.prepend(card)
@@ -89,6 +123,16 @@ async function main(): Promise<void> {
     // On a narrow screen the jobs are below the form: bring the new one into view.
     if (card.getBoundingClientRect().top > window.innerHeight) card.scrollIntoView({behavior: 'smooth', block: 'start'})
   })
+
+  const list = () =>
+    listTools().then(offer, (error: Error) => {
+      formError.textContent = `could not list the tools: ${error.message}`
+      formError.hidden = false
+    })
+  // While a local model loads, the gateway cannot yet say what it cannot run (nor while it cannot be
+  // reached): list the tools again once it is ready.
+  void readiness(() => void list())
+  await list()
 }
 
 void main()

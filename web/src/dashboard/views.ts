@@ -2,6 +2,8 @@
 import type {
   BuiltinTools,
   EmbedResult,
+  FillMaskParams,
+  FillMaskResult,
   GenerateParams,
   GenerateResult,
   LensGridResult,
@@ -11,7 +13,10 @@ import type {
   LoglikelihoodResult,
   PatchingResult,
   PredictResult,
+  PseudoLoglikelihoodParams,
+  PseudoLoglikelihoodResult,
   SaeTools,
+  TokenProb,
 } from '../generated/types.ts'
 import {bars, diverging, heatmap, legend, lineChart, scatter, sequential} from './charts.ts'
 import {fmt, h, percent, showToken} from './dom.ts'
@@ -30,6 +35,8 @@ const VIEWS: Views = {
   lens_grid: lensGridView,
   activation_patching: patchingView,
   embed: embedView,
+  fill_mask: fillMaskView,
+  pseudo_loglikelihood: pllView,
   sae_features: featuresView,
   sae_annotate: annotateView,
   sae_steer: (result, params) => steerView(generateView, result, params),
@@ -107,8 +114,10 @@ function loglikelihoodView(result: LoglikelihoodResult, params: LoglikelihoodPar
   )
 }
 
+const tokenBars = (predictions: TokenProb[]) => bars(predictions.map((p) => ({label: showToken(p.text), value: p.prob, text: percent(p.prob)})))
+
 function predictView(result: PredictResult): Node {
-  return bars(result.predictions.map((p) => ({label: showToken(p.text), value: p.prob, text: percent(p.prob)})))
+  return tokenBars(result.predictions)
 }
 
 // -- the lens ----------------------------------------------------------------
@@ -283,9 +292,95 @@ function patchingView(result: PatchingResult): Node {
   )
 }
 
+// -- masked LMs --------------------------------------------------------------
+
+/**
+ * Per text: the text with each mask showing its top token, then each mask's top-k as bars.
+ * The gateway names the mask token, so the masks are found in the text as written; should
+ * they not pair up with the fills (the tokenizer read the text otherwise), the text is shown as it is.
+ */
+function fillMaskView(result: FillMaskResult, params: FillMaskParams): Node {
+  return h(
+    'div',
+    {class: 'fill-mask'},
+    result.fills.map((fills, i) => {
+      const text = params.texts[i] ?? ''
+      const pieces = result.mask_token ? text.split(result.mask_token) : [text]
+      const marks = fills.map((fill) =>
+        h('mark', {class: 'mask-fill', title: `${result.mask_token} at position ${fill.position}`}, showToken(fill.predictions[0]?.text ?? '?')),
+      )
+      const filled = pieces.length === fills.length + 1 ? pieces.map((piece, k) => [piece, marks[k]]) : [text]
+      return h(
+        'section',
+        {class: 'fill-text', 'data-text': i},
+        h('p', {class: 'mono filled'}, filled),
+        fills.map((fill) =>
+          h('div', {class: 'mask-site', 'data-position': fill.position}, h('p', {class: 'muted'}, `${result.mask_token} at position ${fill.position}`), tokenBars(fill.predictions)),
+        ),
+      )
+    }),
+  )
+}
+
+/** At most this many sequences' per-position lines share one chart (one colour each). */
+const PLL_LINES = 6
+
+/** A table of each sequence's pseudo-log-likelihood; with `per_position`, each position's log-probability by position. */
+function pllView(result: PseudoLoglikelihoodResult, params: PseudoLoglikelihoodParams): Node {
+  const name = (i: number) => {
+    const sequence = params.sequences[i] ?? `#${i + 1}`
+    return sequence.length > 18 ? `${sequence.slice(0, 17)}…` : sequence
+  }
+  const parts: Node[] = [
+    h(
+      'table',
+      {class: 'table pll'},
+      h('thead', {}, h('tr', {}, h('th', {}, 'sequence'), h('th', {}, 'pll'), h('th', {}, 'tokens scored'), h('th', {}, 'pll per token'))),
+      h(
+        'tbody',
+        {},
+        result.pll.map((pll, i) =>
+          h(
+            'tr',
+            {},
+            h('td', {class: 'mono sequence'}, params.sequences[i] ?? ''),
+            h('td', {class: 'num'}, fmt(pll)),
+            h('td', {class: 'num'}, String(result.tokens_scored[i] ?? '')),
+            h('td', {class: 'num'}, fmt(pll / (result.tokens_scored[i] || 1))),
+          ),
+        ),
+      ),
+    ),
+    h('p', {class: 'muted'}, 'Pseudo-log-likelihood (nats): the sum over the sequence’s own tokens of log p(token | every other token), each masked in turn.'),
+  ]
+  const lines = result.per_position?.slice(0, PLL_LINES) ?? []
+  if (lines.length) {
+    const longest = Math.max(...lines.map((l) => l.length))
+    parts.push(
+      h(
+        'p',
+        {class: 'muted'},
+        'Each position’s log-probability with it masked',
+        result.pll.length > lines.length ? ` (the first ${lines.length} of ${result.pll.length} sequences)` : '',
+        ':',
+      ),
+      lineChart({
+        x: Array.from({length: longest}, (_, i) => i),
+        series: lines.map((y, i) => ({name: name(i), y})),
+        xLabel: 'position',
+        yLabel: 'log p (nats)',
+        tip: (s, i) => [`${name(s)}, position ${i} (${showToken(result.tokens?.[s]?.[i] ?? '')})`, `log p = ${fmt(lines[s]?.[i] ?? NaN)}`],
+      }),
+    )
+  }
+  return h('div', {}, parts)
+}
+
 // -- embeddings --------------------------------------------------------------
 
 function embedView(result: EmbedResult, params: {texts: string[]}): Node {
+  // `none` is the older name of `per_token`: one vector per token, with the tokens.
+  const perToken = result.pooling === 'per_token' || result.pooling === 'none'
   const vectors: number[][] = []
   const labels: string[] = []
   const groups: number[] = []
@@ -309,10 +404,10 @@ function embedView(result: EmbedResult, params: {texts: string[]}): Node {
       points: points.map(([x, y], i) => ({x, y, label: labels[i]!, group: groups[i]!})),
       xLabel: `PC1 (${percent(explained[0])} of variance)`,
       yLabel: `PC2 (${percent(explained[1])})`,
-      tip: (i) => [labels[i]!, result.pooling === 'none' ? `text ${groups[i]! + 1}: ${params.texts[groups[i]!] ?? ''}` : `vector ${i + 1}`],
+      tip: (i) => [labels[i]!, perToken ? `text ${groups[i]! + 1}: ${params.texts[groups[i]!] ?? ''}` : `vector ${i + 1}`],
     }),
   ]
-  if (result.pooling !== 'none' && vectors.length > 1 && vectors.length <= 32) {
+  if (!perToken && vectors.length > 1 && vectors.length <= 32) {
     const sims = cosines(vectors)
     // Hidden states are often all alike (cosines near 1): colour the range the pairs span.
     const pairs = sims.flatMap((row, r) => row.filter((_, c) => c !== r))

@@ -32,6 +32,7 @@ export type Code =
   | 'tool_error'
   | 'unauthorized'
   | 'unknown_tool'
+  | 'unsupported_by_model'
 
 /**
  * The data of each event type that has a fixed frame, by event name (`partial` and `data` are per tool).
@@ -125,6 +126,7 @@ export interface ToolInfo {
   partial_schema?: {
     [k: string]: unknown | undefined
   } | null
+  unsupported?: string | null
 }
 /**
  * This interface was referenced by `Frames`'s JSON-Schema
@@ -165,7 +167,7 @@ export type Stat = 'entropy' | 'probability' | 'rank'
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
  * via the `definition` "Pooling".
  */
-export type Pooling = 'last' | 'mean' | 'none'
+export type Pooling = 'cls' | 'last' | 'mean' | 'none' | 'per_token'
 
 /**
  * Each built-in tool's params, result and partial (null: the tool streams none), by tool name.
@@ -209,6 +211,16 @@ export interface BuiltinTools {
   embed: {
     params: EmbedParams
     result: EmbedResult
+    partial: null
+  }
+  fill_mask: {
+    params: FillMaskParams
+    result: FillMaskResult
+    partial: null
+  }
+  pseudo_loglikelihood: {
+    params: PseudoLoglikelihoodParams
+    result: PseudoLoglikelihoodResult
     partial: null
   }
 }
@@ -439,8 +451,10 @@ export interface PatchingResult {
  */
 export interface EmbedParams {
   /**
+   * Texts, or protein or DNA sequences.
+   *
    * @minItems 1
-   * @maxItems 32
+   * @maxItems 4096
    */
   texts: string[]
   /**
@@ -448,7 +462,7 @@ export interface EmbedParams {
    */
   layer?: number
   /**
-   * mean or last token per text, or none: one vector per token.
+   * mean (the default): the average over the text's own tokens, the special tokens the tokenizer adds (<cls>, <eos>, BOS) left out: for a protein, the mean over its residues. cls: the first token's vector (<cls>; encoders only). last: the text's last own token (for a causal model, the one that has seen the whole text). per_token: one vector per own token (a residue), with the tokens. none: the older name of per_token.
    */
   pooling?: Pooling
   /**
@@ -466,9 +480,66 @@ export interface EmbedResult {
   layer: number
   pooling: Pooling
   /**
-   * Per text: a vector (mean, last) or a list of per-token vectors (none).
+   * Per text: a vector (mean, cls, last) or a list of per-token vectors (per_token).
    */
   embeddings: (number[] | number[][])[]
+  tokens?: string[][] | null
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "FillMaskParams".
+ */
+export interface FillMaskParams {
+  /**
+   * Texts (or sequences), each with one or more of the model's mask token.
+   *
+   * @minItems 1
+   * @maxItems 32
+   */
+  texts: string[]
+  top_k?: number
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "FillMaskResult".
+ */
+export interface FillMaskResult {
+  mask_token: string
+  fills: MaskFill[][]
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "MaskFill".
+ */
+export interface MaskFill {
+  position: number
+  predictions: TokenProb[]
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "PseudoLoglikelihoodParams".
+ */
+export interface PseudoLoglikelihoodParams {
+  /**
+   * Sequences (or texts) to score.
+   *
+   * @minItems 1
+   * @maxItems 4096
+   */
+  sequences: string[]
+  /**
+   * Also return each own token's log-probability with it masked, and the tokens.
+   */
+  per_position?: boolean
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "PseudoLoglikelihoodResult".
+ */
+export interface PseudoLoglikelihoodResult {
+  pll: number[]
+  tokens_scored: number[]
+  per_position?: number[][] | null
   tokens?: string[][] | null
 }
 /**

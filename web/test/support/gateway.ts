@@ -1,4 +1,4 @@
-/** A real gateway for tests: `streamgate serve` on the tiny model, on a free loopback port. */
+/** A real gateway for tests: `streamgate serve` on the tiny model (or another), on a free loopback port. */
 import {execFileSync, spawn, type ChildProcess} from 'node:child_process'
 import {existsSync, mkdtempSync} from 'node:fs'
 import {createServer} from 'node:net'
@@ -20,6 +20,12 @@ export function tinyModel(): string {
   return path
 }
 
+/** A tiny random model of another kind (tests/model_kinds.py: `esm_mlm`, `bert_mlm`, …) built at `path`. */
+export function buildModel(kind: string, path: string): string {
+  execFileSync(join(VENV, 'bin', 'python'), [join(WEB, 'test', 'support', 'tiny_model.py'), path, kind], {stdio: ['ignore', 'ignore', 'pipe']})
+  return path
+}
+
 export async function freePort(): Promise<number> {
   return new Promise((resolve, reject) => {
     const server = createServer()
@@ -38,12 +44,13 @@ export interface Gateway {
   stop: () => Promise<void>
 }
 
-export async function startGateway(args: string[] = []): Promise<Gateway> {
+/** `streamgate serve` on `model` (the tiny Llama unless given), with `args` after the defaults. */
+export async function startGateway(args: string[] = [], model = tinyModel()): Promise<Gateway> {
   const port = await freePort()
   const url = `http://127.0.0.1:${port}`
   const child: ChildProcess = spawn(
     join(VENV, 'bin', 'streamgate'),
-    ['serve', '--model', tinyModel(), '--device', 'cpu', '--host', '127.0.0.1', '--port', String(port), '--log-level', 'warning', ...args],
+    ['serve', '--model', model, '--device', 'cpu', '--host', '127.0.0.1', '--port', String(port), '--log-level', 'warning', ...args],
     {stdio: ['ignore', 'pipe', 'pipe'], env: {...process.env, PYTHONUNBUFFERED: '1'}},
   )
   let output = ''
