@@ -142,3 +142,24 @@ def test_batching():
     assert all(value is None for value in batched) or all(value is not None for value in batched), batched
     assert len(printed.targets) == 6
 
+
+
+def test_embeddings():
+    printed = run_bench("embeddings")
+    gateway, sorting, checks = printed.tables
+    assert [row["configuration"] for row in gateway.rows] == ["one device", "two workers", "one device, 2x threads"]
+    assert gateway.numbers("workers") == [1, 2, 1]
+    for column in ("best s", "sequences/s"):
+        assert all(value is not None and value > 0 for value in gateway.numbers(column)), (column, gateway.rows)
+    assert [row["chunk order"] for row in sorting.rows] == ["by length (embed's)", "as sent", "as sent / by length"]
+    assert sorting.numbers("chunks")[:2] == [3, 3]  # --quick: 48 sequences, chunks of 16
+    real, padded = sorting.numbers("real tokens"), sorting.numbers("padded tokens")
+    assert real[0] == real[1] and real[0] is not None
+    # Sorting by length never pads more than the order sent; both pad at least the real tokens.
+    assert padded[1] is not None and padded[0] is not None and real[0] <= padded[0] <= padded[1]
+    assert all(value is not None and value > 0 for value in sorting.numbers("best s"))
+    # The embeddings agree every way (the script exits 1 otherwise); a benchmark of wrong results is no benchmark.
+    assert [row[checks.columns[-1]] for row in checks.rows] == ["yes"] * 4
+    assert printed.targets == [
+        ("two workers return the one-device embeddings (max abs diff <= 0.0001): " + checks.rows[0]["max abs diff"], "met")
+    ]
