@@ -148,9 +148,10 @@ def step(batch: Batch, joining: list[tuple[Any, Context]], encode: Callable[[Any
     return [(ctx, outcome if isinstance(outcome, BaseException) else msgspec.Raw(encode(outcome))) for ctx, outcome in ended]
 
 
-def _plan(work: Chunked, model: Model, params: list[Any]) -> list[Chunk]:
+def _plan(work: Chunked, model: Model, params: list[Any], ctxs: list[Context]) -> tuple[list[Chunk], Progress]:
     with torch.inference_mode():
-        return work.plan(model, params)
+        chunks = work.plan(model, params)
+    return chunks, Progress(chunks, ctxs, work.unit)
 
 
 def _run_chunk(work: Chunked, model: Model, params: list[Any], chunk: Chunk) -> list[Any]:
@@ -293,7 +294,10 @@ class Worker:
                     added.append((job.params, ctx))
             self.batch_sizes[len(members)] += 1
             if tool.spread is not None and len(self.peers) > 1 and len(members) == len(added):
-                ended = await self._spread(tool, batch, added)
+                try:
+                    ended = await self._spread(tool, batch, added)
+                except Exception as exc:  # even the one-device rerun failed: every member ends with it
+                    ended = [(ctx, exc) for ctx in members]
                 for ctx, outcome in ended:
                     job, started = members.pop(ctx)
                     self._finish(job, tool, outcome, loop.time() - started)
@@ -312,27 +316,40 @@ class Worker:
     async def _spread(self, tool: Tool, batch: Batch, added: list[tuple[Any, Context]]) -> list[tuple[Context, Outcome]]:
         """Run a batch's chunks on every device at once; its members' outcomes, encoded.
 
-        If any chunk fails, the batch runs again the ordinary way on this device,
-        where a failure reaches only the job at fault.
+        Busy peers take no chunks (this worker always does), so a chunk never waits
+        behind another job's long step. If any chunk fails, no device starts
+        another, and the batch runs again the ordinary way on this device, where
+        a failure reaches only the job at fault; a device failure on a peer is
+        handled as on that peer's own jobs (memory freed; a fatal one restarts).
         """
         loop = asyncio.get_running_loop()
         work = tool.spread
         params = [p for p, _ in added]
         ctxs = [c for _, c in added]
         try:
-            chunks = await loop.run_in_executor(self._thread, _plan, work, self.model, params)
+            chunks, progress = await loop.run_in_executor(self._thread, _plan, work, self.model, params, ctxs)
             left = collections.deque(chunks)
-            progress = Progress(chunks, ctxs, work.unit)
             outputs: dict[tuple[int, int], Any] = {}
 
             async def device(worker: Worker) -> None:
-                while left and not all(ctx.cancelled for ctx in ctxs):
+                while left and not all(ctx.cancelled for ctx in ctxs) and (worker is self or not worker.busy):
                     chunk = left.popleft()
-                    out = await loop.run_in_executor(worker._thread, _run_chunk, work, worker.model, params, chunk)
+                    try:
+                        out = await loop.run_in_executor(worker._thread, _run_chunk, work, worker.model, params, chunk)
+                    except BaseException as exc:
+                        left.clear()  # the others stop after their chunk in flight
+                        if (failure := device_failure(exc)) == "oom":
+                            free_device_memory()
+                        elif failure == "fatal" and worker.on_fatal is not None:
+                            worker.on_fatal(exc)
+                        raise
                     outputs.update(zip(chunk.items, out))
                     progress.advance(chunk)
 
-            await asyncio.gather(*(device(worker) for worker in self.peers))
+            others = [worker for worker in self.peers if worker is not self]
+            failed = [r for r in await asyncio.gather(*(device(w) for w in [self, *others]), return_exceptions=True) if r]
+            if failed:
+                raise failed[0]
             if all(ctx.cancelled for ctx in ctxs):
                 return [(ctx, Cancelled()) for ctx in ctxs]
             return await loop.run_in_executor(self._thread, _assemble, work, self.model, params, outputs, ctxs, self.encode)

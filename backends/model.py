@@ -168,6 +168,7 @@ def load(
     """Load `spec` onto a device as the kind its config says (or through `loader`), converting a GGUF file first."""
     from gateway.models import causal_lm, custom, encoder, masked_lm
     from gateway.models.base import Kind
+    from gateway.models.detect import UnsupportedModel
 
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)
@@ -184,7 +185,10 @@ def load(
         source = str(path)
     kind = detect_kind(source, trust_remote_code)
     load_kind = {Kind.CAUSAL_LM: causal_lm.load, Kind.MASKED_LM: masked_lm.load, Kind.ENCODER: encoder.load}[kind]
-    return load_kind(spec.name, source, device, torch_dtype, trust_remote_code)
+    try:
+        return load_kind(spec.name, source, device, torch_dtype, trust_remote_code)
+    except UnsupportedModel as exc:
+        raise ModelError(f"--model {spec.source}: {exc}") from None
 
 
 def detect_kind(source: str, trust_remote_code: bool = False):  # -> Kind

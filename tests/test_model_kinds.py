@@ -477,3 +477,85 @@ def test_embed_refuses_cls_on_a_causal_model_and_a_text_of_special_tokens_only(s
     assert r.status_code == 422 and r.json()["error"]["field"] == "texts[1]", r.text
     r = httpx.post(servers["esm_mlm"].url + "/pseudo_loglikelihood/run", json={"sequences": ["MK<mask>"]})
     assert r.status_code == 422 and r.json()["error"]["field"] == "sequences[0]", r.text
+
+
+def test_a_task_head_checkpoint_serves_its_encoder_and_a_causal_base_model_no_cls(tmp_path: Path) -> None:
+    from backends import model as models
+
+    path = build("bert_mlm", tmp_path / "bert-cls")
+    tok = tf.AutoTokenizer.from_pretrained(path)
+    config = tf.AutoConfig.from_pretrained(path)
+    tf.BertForSequenceClassification(config).save_pretrained(path)  # its LM head is not saved
+    loaded = models.load(models.resolve(str(path)), "cpu")
+    assert loaded.kind.value == "encoder" and loaded.bidirectional, loaded
+    assert tok is not None
+    llama = build_tiny_model(tmp_path / "llama")
+    base = tf.AutoModel.from_pretrained(llama)
+    base.save_pretrained(tmp_path / "llama-base")
+    tf.AutoTokenizer.from_pretrained(llama).save_pretrained(tmp_path / "llama-base")
+    loaded = models.load(models.resolve(str(tmp_path / "llama-base")), "cpu")
+    # A causal family's base model: hidden states, and its first token sees nothing after it.
+    assert loaded.kind.value == "encoder" and not loaded.bidirectional
+
+
+# A tool whose chunks run on every device and fail on some inputs, or whose result cannot be written.
+from gateway.tools import Context, Model, tool  # noqa: E402
+from gateway.tools.batching import Chunk, Chunked, one_pass, sorted_chunks  # noqa: E402
+import msgspec  # noqa: E402
+
+
+class SpreadParams(msgspec.Struct):
+    texts: list[str]
+
+
+def _spread_plan(model: Model, jobs: list[SpreadParams]) -> list[Chunk]:
+    return sorted_chunks([((j, i), model.encode(t)) for j, p in enumerate(jobs) for i, t in enumerate(p.texts)], 2)
+
+
+def _spread_run(model: Model, jobs: list[SpreadParams], chunk: Chunk) -> list[Any]:
+    texts = [jobs[j].texts[i] for j, i in chunk.items]
+    if "boom" in texts:
+        raise ValueError("boom")
+    return [object() if t == "unwritable" else len(t) for t in texts]
+
+
+_spread_work = Chunked(
+    plan=_spread_plan, run=_spread_run, assemble=lambda m, jobs, out: [[out[j, i] for i in range(len(p.texts))] for j, p in enumerate(jobs)], unit="texts"
+)
+
+
+@tool(batch=one_pass(_spread_work.many), spread=_spread_work)
+def spread_probe(model: Model, params: SpreadParams, ctx: Context) -> list[Any]:
+    """Lengths of texts, chunk by chunk on every device."""
+    return _spread_work.many(model, [params], [ctx])[0]
+
+
+def test_a_spread_job_that_fails_ends_once_and_the_workers_go_on(paths: dict[str, Path]) -> None:
+    server = make_server(paths["llama"], devices=["cpu", "cpu"], tools=[spread_probe])
+    try:
+        texts = [f"t{i}" * (i + 1) for i in range(9)]
+        ok = result(server.url, "spread_probe", {"texts": texts})
+        assert ok == [len(t) for t in texts]
+        for bad in ("boom", "unwritable"):
+            s = run_stream(server.url, "spread_probe", {"texts": [*texts, bad]})
+            assert [e["event"] for e in s.events].count("error") == 1 and s.terminal["event"] == "error", s.events[-3:]
+            assert s.of("data") == []
+        # Both workers are still alive and serving.
+        assert all(w._task is not None and not w._task.done() for w in server.backend.workers)
+        assert result(server.url, "spread_probe", {"texts": texts}) == ok
+    finally:
+        server.stop()
+
+
+def test_recomputing_the_context_gives_the_tokens_of_the_kv_cache(paths: dict[str, Path]) -> None:
+    from gateway.models.base import Capability
+
+    server = make_server(paths["opt350"])
+    try:
+        params = {"prompts": ["Hello there", "a", "The quick brown"], "max_tokens": 10}
+        cached = result(server.url, "generate", params)
+        for worker in server.backend.workers:  # as for a model whose cache failed its probe
+            worker.model.capabilities = worker.model.capabilities - {Capability.INCREMENTAL}
+        assert result(server.url, "generate", params) == cached
+    finally:
+        server.stop()

@@ -25,7 +25,7 @@ def load(name: str, source: str, device: str, dtype: torch.dtype, trust_remote_c
         model,
         {
             Capability.NEXT_TOKEN: lambda ids: probes.causal(model, ids),
-            Capability.INCREMENTAL: lambda ids: probes.incremental(model, ids, lambda ids: cached_step(model, ids)),
+            Capability.INCREMENTAL: lambda ids: cache_as_generate_uses_it(model, ids),
             Capability.HIDDEN_STATES: lambda ids: probes.hidden_states(model, ids),
             Capability.LAYERS: lambda ids: probes.layers(model, ids, lambda: find(model.module)),
         },
@@ -34,11 +34,24 @@ def load(name: str, source: str, device: str, dtype: torch.dtype, trust_remote_c
     return model
 
 
-def cached_step(model: Model, ids: list[int]) -> torch.Tensor:
-    """The last token's logits from a cache of the tokens before it: what `generate` does each step."""
-    input_ids = torch.tensor([ids], device=model.device)
-    first = model.module(input_ids=input_ids[:, :-1], use_cache=True)
-    if first.past_key_values is None:
-        raise ValueError("the model returns no cache")
-    out = model.module(input_ids=input_ids[:, -1:], past_key_values=first.past_key_values, use_cache=True)
-    return out.logits[0, -1]
+def cache_as_generate_uses_it(model: Model, ids: list[int]) -> str | None:
+    """None if `generate`'s KV cache (left padding, position ids, rows leaving) gives each row's
+    full-pass logits; else why not (then `generate` recomputes the context instead)."""
+    from gateway.tools.generate import KVCache
+
+    long, short = ids, ids[: max(2, len(ids) // 2)]
+    extra = long[1]
+    try:
+        cache = KVCache(model)
+        cache.prefill([long[:-1], short[:-1]])  # rows of two lengths: the short one left-padded
+        got = [cache.decode(torch.tensor([long[-1], short[-1]], device=model.device))]
+        cache.keep([1])  # the long row leaves, as a finished job does
+        got.append(cache.decode(torch.tensor([extra], device=model.device)))
+    except Exception as exc:
+        return f"its cache cannot be used to decode a batch: {type(exc).__name__}: {exc}"
+    pairs = [(got[0][0], long), (got[0][1], short), (got[1][0], short + [extra])]
+    for logits, row in pairs:
+        want = model.logits(*probes.batch(model, row))[0, -1]
+        if not probes.close(logits, want, model.dtype):
+            return "decoding on its cache does not give the logits of the whole sequence"
+    return None

@@ -9,7 +9,7 @@ before it is used, like a transformers model's (`probes.py`):
 
 - `step`: an incremental step with the model's own state (`start`, `step`,
   `select`), for fast generation. Without it, `generate` runs the whole
-  context again for every token: slower, and the same tokens.
+  context again for every token: slower, and the same tokens (in float32).
 - `hidden_states`: the embeddings and each layer's output, for `embed`.
 - `layers` and `readout`: the blocks whose outputs are the residual stream
   (forward hooks read and overwrite them) and the function from a block's

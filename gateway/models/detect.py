@@ -5,9 +5,11 @@ its `auto_map` (a checkpoint with its own code, under
 `--trust-remote-code`), then its `model_type` and `is_decoder` against
 transformers' own tables. A causal LM loads as one; a masked LM or a base
 encoder as what it is, so an encoder is never run as a causal LM (BERT's
-config says `is_decoder: false`; its attention is bidirectional). An
-encoder-decoder, or a config none of these name, stops the start with one
-sentence saying what it is and what can be served.
+config says `is_decoder: false`; its attention is bidirectional). A
+checkpoint saved with a task head (`…ForSequenceClassification`) has no LM
+head to serve: its encoder is served. An encoder-decoder, or a config none
+of these name, stops the start with one sentence saying what it is and what
+can be served.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def detect(config: Any) -> Kind:
     causal = set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     masked = set(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES.values())
     base = set(auto.MODEL_MAPPING_NAMES.values())
-    for arch in getattr(config, "architectures", None) or []:
+    architectures = getattr(config, "architectures", None) or []
+    for arch in architectures:
         if arch in causal:
             if arch in masked or not _causal_config(config, arch):
                 break  # a class that is either, by its config: decided below
@@ -44,6 +47,11 @@ def detect(config: Any) -> Kind:
         if arch in masked:
             return Kind.MASKED_LM
         if arch in base:
+            return Kind.ENCODER
+    else:
+        if architectures and getattr(config, "model_type", None) in auto.MODEL_MAPPING_NAMES and not getattr(config, "auto_map", None):
+            # Saved with a task head (…ForSequenceClassification): its LM head is not in the
+            # checkpoint, so only its encoder is served, never a head filled with random weights.
             return Kind.ENCODER
     auto_map = getattr(config, "auto_map", None) or {}
     if "AutoModelForCausalLM" in auto_map:

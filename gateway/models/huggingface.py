@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from gateway.models.base import Kind, Model
+from gateway.models.detect import UnsupportedModel
 
 log = logging.getLogger("streamgate.model")
 
@@ -37,7 +38,16 @@ def load(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    module = auto_class.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
+    module, info = auto_class.from_pretrained(
+        source, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+    )
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        # transformers fills them with random values and only logs it: those numbers would be noise.
+        raise UnsupportedModel(
+            f"the checkpoint lacks {len(missing)} weights {type(module).__name__} needs "
+            f"(e.g. {missing[0]}); served, they would be random"
+        )
     module.to(device).eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
@@ -52,6 +62,9 @@ def load(
     config = text_config(module.config)
     vocab = int(getattr(config, "vocab_size", None) or len(tokenizer))
     context = context_length(module.config, tokenizer)
+    if kind in (Kind.MASKED_LM, Kind.ENCODER) and tokenizer.model_max_length < 1 << 20:
+        # RoBERTa-style positions start after the padding index: the tokenizer knows the usable length.
+        context = min(context, int(tokenizer.model_max_length))
     log.info("loaded %s (%s, %s) on %s (%s), context %d tokens", name, kind.value, type(module).__name__, device, dtype, context)
     return Model(
         name=name,

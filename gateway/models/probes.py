@@ -42,25 +42,25 @@ def probe_ids(model: Model) -> list[int]:
     return list(build(ids)) if build is not None else ids
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, dtype: Any) -> bool:
+def close(a: torch.Tensor, b: torch.Tensor, dtype: Any) -> bool:
     # The same computation in another order: float32 agrees to rounding, half precision less closely.
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
     a, b = a.float(), b.float()
     return bool(torch.allclose(a, b, atol=tol * max(1.0, float(b.abs().max())), rtol=tol))
 
 
-def _batch(model: Model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(model: Model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     input_ids = torch.tensor([ids], device=model.device)
     return input_ids, torch.ones_like(input_ids)
 
 
 def causal(model: Model, ids: list[int]) -> str | None:
     """None if the logits are causal; else why not."""
-    first = model.logits(*_batch(model, ids))
+    first = model.logits(*batch(model, ids))
     changed = list(ids)
     changed[-1] = next(t for t in probe_ids(model) + list(range(model.vocab_size)) if t != ids[-1])
-    second = model.logits(*_batch(model, changed))
-    if not _close(first[0, :-1], second[0, :-1], model.dtype):
+    second = model.logits(*batch(model, changed))
+    if not close(first[0, :-1], second[0, :-1], model.dtype):
         return "its logits at a position change with the tokens after it, so they are not next-token predictions"
     return None
 
@@ -68,13 +68,24 @@ def causal(model: Model, ids: list[int]) -> str | None:
 def hidden_states(model: Model, ids: list[int]) -> str | None:
     """None if the model returns a hidden state per token for each layer (how many is kept for `embed`); else why not."""
     try:
-        states = model.hidden_states(*_batch(model, ids))
+        states = model.hidden_states(*batch(model, ids))
     except Exception as exc:  # a model whose forward has no hidden states
         return f"asking it for hidden states fails: {type(exc).__name__}: {exc}"
     if not states or any(not isinstance(s, torch.Tensor) or s.shape[:2] != (1, len(ids)) for s in states):
         return "it returns no hidden state per token for each layer"
     model.memo["n_states"] = len(states)
     return None
+
+
+def bidirectional(model: Model) -> bool:
+    """True if the first position's last hidden state changes with the last token: every position sees all."""
+    ids = probe_ids(model)
+    changed = list(ids)
+    changed[-1] = next(t for t in range(model.vocab_size) if t != ids[-1] and t not in model.special_ids)
+    with torch.inference_mode():
+        first = model.hidden_states(*batch(model, ids))[-1][0, 0]
+        second = model.hidden_states(*batch(model, changed))[-1][0, 0]
+    return not close(first, second, model.dtype)
 
 
 def layers(model: Model, ids: list[int], find: Callable[[], Any]) -> str | None:
@@ -88,14 +99,14 @@ def layers(model: Model, ids: list[int], find: Callable[[], Any]) -> str | None:
     if not len(body.layers):
         return "it has no blocks"
     with body.capture([body.n_layers - 1]) as captured:
-        want = model.logits(*_batch(model, ids))
+        want = model.logits(*batch(model, ids))
     if body.n_layers - 1 not in captured:
         return "its blocks did not run in its forward pass"
     try:
         got = body.logits(captured[body.n_layers - 1])
     except Exception as exc:
         return f"its readout ({body.path}) cannot read a block's output: {type(exc).__name__}: {exc}"
-    if got.shape != want.shape or not _close(got, want, model.dtype):
+    if got.shape != want.shape or not close(got, want, model.dtype):
         return f"the readout found ({body.path}) does not reproduce its own logits from its last block"
     model.memo["anatomy"] = body
     model.memo["layer_width"] = int(captured[body.n_layers - 1].shape[-1])
@@ -108,8 +119,8 @@ def incremental(model: Model, ids: list[int], step: Callable[[list[int]], torch.
         got = step(ids)
     except Exception as exc:
         return f"its incremental step fails: {type(exc).__name__}: {exc}"
-    want = model.logits(*_batch(model, ids))[0, -1]
-    if got.shape != want.shape or not _close(got, want, model.dtype):
+    want = model.logits(*batch(model, ids))[0, -1]
+    if got.shape != want.shape or not close(got, want, model.dtype):
         return "its incremental step does not give the logits of the whole sequence"
     return None
 

@@ -61,14 +61,15 @@ def _fill_many(model: Model, jobs: list[FillMaskParams], ctxs: list[Context]) ->
     encoded = [[model.encode(text) for text in params.texts] for params in jobs]
     rows = [ids for texts in encoded for ids in texts]
     input_ids, mask = right_padded(model, rows)
-    probs = model.logits(input_ids, mask).float().softmax(dim=-1)
+    logits = model.logits(input_ids, mask)
     results, row = [], 0
     for params, texts, ctx in zip(jobs, encoded, ctxs):
         fills = []
         for ids in texts:
             own = {at: n for n, at in enumerate(model.own(ids))}
             masks = [at for at, t in enumerate(ids) if t == model.mask_token_id]
-            top = probs[row, masks].topk(params.top_k, dim=-1)
+            # Only the masked positions' distributions: rows × tokens × vocabulary would be large.
+            top = logits[row, masks].float().softmax(dim=-1).topk(params.top_k, dim=-1)
             fills.append(
                 [
                     MaskFill(

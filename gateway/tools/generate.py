@@ -246,7 +246,7 @@ class Generation:
         return torch.cat(taken)
 
     def _keep(self, members: list[_Member]) -> None:
-        """Keep only these members' rows."""
+        """Keep only these members' rows (with none left, the next batch starts afresh)."""
         if members == self.members:
             return
         keep, start = [], 0
@@ -257,7 +257,7 @@ class Generation:
         self.members = members
         if not members:
             self.pending = None
-            self.decoder = decoder_for(self.model)
+            self.decoder = type(self.decoder)(self.model)
             return
         assert self.pending is not None
         self.pending = self.pending[torch.tensor(keep, device=self.pending.device)]

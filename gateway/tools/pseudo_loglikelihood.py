@@ -61,21 +61,21 @@ def _plan(model: Model, jobs: list[PseudoLoglikelihoodParams], by_length: bool =
     items: list[tuple[tuple[int, Any], list[int]]] = []
     for job, params in enumerate(jobs):
         for s, sequence in enumerate(params.sequences):
+            # The copies share the sequence's ids; each is masked only when its chunk runs.
             ids = model.encode(sequence)
             for at in model.own(ids):
-                masked = list(ids)
-                masked[at] = model.mask_token_id
-                items.append(((job, (s, at, ids[at])), masked))
+                items.append(((job, (s, at, ids[at])), ids))
     return sorted_chunks(items, PLL_ROWS, max_tokens=PLL_TOKENS, by_length=by_length)  # type: ignore[arg-type]
 
 
 def _run(model: Model, jobs: list[PseudoLoglikelihoodParams], chunk: Chunk) -> list[float]:
     input_ids, mask = right_padded(model, chunk.data)
-    logprobs = model.logits(input_ids, mask).float().log_softmax(dim=-1)
-    rows = torch.arange(len(chunk.items), device=logprobs.device)
-    at = torch.tensor([key[1] for _, key in chunk.items], device=logprobs.device)
-    true = torch.tensor([key[2] for _, key in chunk.items], device=logprobs.device)
-    return floats(logprobs[rows, at, true])
+    rows = torch.arange(len(chunk.items), device=input_ids.device)
+    at = torch.tensor([key[1] for _, key in chunk.items], device=input_ids.device)
+    true = torch.tensor([key[2] for _, key in chunk.items], device=input_ids.device)
+    input_ids[rows, at] = model.mask_token_id
+    logits = model.logits(input_ids, mask)[rows, at]  # each copy's masked position only
+    return floats(logits.float().log_softmax(dim=-1)[torch.arange(len(rows), device=logits.device), true])
 
 
 def _assemble(

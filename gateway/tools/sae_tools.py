@@ -28,7 +28,15 @@ from gateway.sae import SAE
 from gateway.tools.anatomy import anatomy
 from gateway.tools.base import Capability, Context, Model, Tool, tool
 from gateway.tools.batching import run_alone
-from gateway.tools.generate import GenerateParams, GeneratePartial, GenerateResult, Generation, _Member
+from gateway.tools.generate import (
+    GenerateParams,
+    GeneratePartial,
+    GenerateResult,
+    Generation,
+    ModelState,
+    Recompute,
+    _Member,
+)
 from gateway.tools.generate import check as generate_check
 
 # Beyond this a clamp only blows the residual stream up; real activations are far smaller.
@@ -248,6 +256,10 @@ class Steering(Generation):
     def __init__(self, model: Model) -> None:
         super().__init__(model)
         self.sae: SAE | None = None
+        if isinstance(self.decoder, ModelState):
+            # A custom model's `start` may read rows one at a time, so a block's output would not
+            # hold every row of the batch for `steering` to tell apart: run whole batches instead.
+            self.decoder = Recompute(model)
 
     def add(self, params: SteerParams, ctx: Context) -> None:
         _check_steer(self.model, params)  # a job at fault fails alone, even if `check` was skipped
