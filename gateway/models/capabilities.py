@@ -34,10 +34,3 @@ def unsupported(tool: Tool, model: Model) -> str | None:
 def refuse(reason: str) -> ApiError:
     """The 422 for a tool the served model cannot run (`reason` from `unsupported`)."""
     return ApiError(Code.UNSUPPORTED_BY_MODEL, reason)
-
-
-def check(tool: Tool, model: Model) -> None:
-    """Raise the 422 `unsupported_by_model` if `model` cannot run `tool`."""
-    reason = unsupported(tool, model)
-    if reason is not None:
-        raise refuse(reason)

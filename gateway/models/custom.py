@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 
@@ -30,7 +30,6 @@ from gateway.models import probes
 from gateway.models.base import Capability, Kind, Model
 
 
-@runtime_checkable
 class CustomModel(Protocol):
     """What a `--model-loader` function returns."""
 

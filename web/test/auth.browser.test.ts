@@ -13,7 +13,7 @@ import {after, before, describe, test} from 'node:test'
 
 import {type BrowserContext, type Locator, type Page, type Request} from 'playwright-core'
 
-import {ARTIFACTS, launch, SKIP} from './support/browser.ts'
+import {ARTIFACTS, finished, launch, run, SKIP} from './support/browser.ts'
 import {startGateway, type Gateway} from './support/gateway.ts'
 import {startProxy} from './support/proxy.ts'
 
@@ -51,19 +51,6 @@ async function open(base = gateway.url): Promise<Watched> {
   await page.goto(`${base}/#generate`)
   await page.waitForSelector('#form [data-field]')
   return watched
-}
-
-async function run(page: Page): Promise<Locator> {
-  const before = await page.locator('article.job').count()
-  await page.click('#run button[type=submit]')
-  await page.waitForFunction((n) => document.querySelectorAll('article.job').length > n, before)
-  return page.locator('article.job').first()
-}
-
-async function finished(job: Locator, state = 'done'): Promise<void> {
-  await job.locator(`xpath=self::*[@data-state!="running"]`).waitFor({timeout: 60_000})
-  const actual = await job.getAttribute('data-state')
-  if (actual !== state) assert.fail(`the job ended ${actual}, not ${state}:\n${await job.innerText()}`)
 }
 
 const steps = (job: Locator) => job.locator('.timeline li').evaluateAll((items) => items.map((li) => li.getAttribute('data-status')))

@@ -12,10 +12,10 @@ import {tmpdir} from 'node:os'
 import {join} from 'node:path'
 import {after, before, describe, test} from 'node:test'
 
-import {type BrowserContext, type Locator, type Page} from 'playwright-core'
+import {type BrowserContext, type Page} from 'playwright-core'
 
 import {EXAMPLES, runTool, type EmbedResult, type FillMaskResult, type PseudoLoglikelihoodResult, type ToolInfo} from '../src/index.ts'
-import {ARTIFACTS, launch, SKIP} from './support/browser.ts'
+import {ARTIFACTS, finished, launch, rawResult, run, SKIP} from './support/browser.ts'
 import {DRAWN} from './support/drawn.ts'
 import {buildModel, startGateway, type Gateway} from './support/gateway.ts'
 
@@ -35,19 +35,6 @@ async function open(tool: string): Promise<Page & {errors: string[]}> {
   return page
 }
 
-async function run(page: Page): Promise<Locator> {
-  const before = await page.locator('article.job').count()
-  await page.click('#run button[type=submit]')
-  await page.waitForFunction((n) => document.querySelectorAll('article.job').length > n, before)
-  return page.locator('article.job').first()
-}
-
-async function finished(job: Locator): Promise<void> {
-  await job.locator(`xpath=self::*[@data-state!="running"]`).waitFor({timeout: 60_000})
-  assert.equal(await job.getAttribute('data-state'), 'done', await job.innerText())
-}
-
-const rawResult = async <T>(job: Locator) => JSON.parse((await job.locator('.raw pre').textContent()) ?? '{}') as T
 
 describe('the dashboard on a masked LM (ESM-2)', {skip: SKIP}, () => {
   before(async () => {

@@ -10,10 +10,10 @@ import {tmpdir} from 'node:os'
 import {join} from 'node:path'
 import {after, before, describe, test} from 'node:test'
 
-import {type BrowserContext, type Locator, type Page} from 'playwright-core'
+import {type BrowserContext, type Page} from 'playwright-core'
 
 import {runTool, SAE_EXAMPLES, type AnnotateResult, type GenerateResult} from '../src/index.ts'
-import {ARTIFACTS, launch, SKIP} from './support/browser.ts'
+import {ARTIFACTS, finished, launch, rawResult, run, SKIP} from './support/browser.ts'
 import {ROOT, startGateway, tinyModel, WEB, type Gateway} from './support/gateway.ts'
 
 const VENV = process.env.STREAMGATE_VENV ?? join(ROOT, '.venv')
@@ -34,19 +34,6 @@ async function open(tool: string): Promise<Page & {errors: string[]}> {
   return page
 }
 
-async function run(page: Page): Promise<Locator> {
-  const before = await page.locator('article.job').count()
-  await page.click('#run button[type=submit]')
-  await page.waitForFunction((n) => document.querySelectorAll('article.job').length > n, before)
-  return page.locator('article.job').first()
-}
-
-async function finished(job: Locator): Promise<void> {
-  await job.locator(`xpath=self::*[@data-state!="running"]`).waitFor({timeout: 60_000})
-  assert.equal(await job.getAttribute('data-state'), 'done', await job.innerText())
-}
-
-const rawResult = async <T>(job: Locator) => JSON.parse((await job.locator('.raw pre').textContent()) ?? '{}') as T
 
 describe('the dashboard with an SAE', {skip: SKIP}, () => {
   before(async () => {
