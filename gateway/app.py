@@ -139,16 +139,23 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             params = params_mod.decode_query(tool, request.query_params)
         if (problem := getattr(store, "problem", None)) is not None:  # a shared store that is unreachable
             raise ApiError(Code.NOT_READY, problem, retry_after=5)
-        key = request.headers.get("idempotency-key")
-        if key:
-            # Per tool, and per token: one token cannot attach to another's job by guessing its key.
-            key = f"{principal.name if principal else ''}:{tool.name}:{key}"
+        given = request.headers.get("idempotency-key")
+        # Per token: one token cannot attach to another's job by guessing its key.
+        key = f"{principal.name if principal else ''}:{given}" if given else None
         job = Job(tool.name, params)
         metrics.track(job)
-        if key and (bound := await store.reserve(key, job.id)) is not None:
+        digest = params_mod.digest(tool.name, params)
+        if key and (bound := await store.reserve(key, job.id, digest)) is not None:
+            if bound.request != digest:
+                # A key names one request: the same key on another body is a client's bug, never a new job.
+                raise ApiError(
+                    Code.IDEMPOTENCY_KEY_REUSED,
+                    f"Idempotency-Key {given!r} was first sent with another request (tool or params); "
+                    "use a new key for a new request",
+                )
             # The same request again (a client replaying its POST): attach to the job it started.
-            after = resumed[1] if resumed is not None and resumed[0] == bound else 0
-            return _resume(await _job(bound), after)
+            after = resumed[1] if resumed is not None and resumed[0] == bound.job_id else 0
+            return _resume(await _job(bound.job_id), after)
         try:
             release = auth.limits.admit(principal)
         except ApiError:

@@ -10,7 +10,9 @@ named in a tool's `caps` are applied to validation and schema alike, so what
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
+import hashlib
 import itertools
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -87,7 +89,7 @@ def decode_body(tool: Tool, body: bytes, what: str = "the body") -> Any:
             raise ApiError(Code.BAD_REQUEST, f"{what} is not valid JSON: {bad}") from None
         if " - at `$" not in str(exc) and str(exc).startswith("Expected `object`"):
             raise ApiError(Code.BAD_REQUEST, f"{what} must be a JSON object of params") from None
-        raise from_validation_error(exc) from None
+        raise _with_suggestion(tool, from_validation_error(exc)) from None
     except msgspec.DecodeError as exc:
         raise ApiError(Code.BAD_REQUEST, f"{what} is not valid JSON: {exc}") from None
 
@@ -118,7 +120,50 @@ def decode_query(tool: Tool, query: QueryParams) -> Any:
     try:
         return msgspec.convert(obj, tool.params, strict=False)
     except msgspec.ValidationError as exc:
-        raise from_validation_error(exc) from None
+        raise _with_suggestion(tool, from_validation_error(exc)) from None
+
+
+def _with_suggestion(tool: Tool, error: ApiError) -> ApiError:
+    """An unknown field close to a real one (a typo, a missing plural) says which it meant."""
+    if error.field is None or "unknown field" not in error.message:
+        return error
+    parent, _, name = error.field.rpartition(".")
+    close = difflib.get_close_matches(name, _names_at(tool.params, parent), n=1, cutoff=0.75)
+    if close:
+        error.message += f"; did you mean `{close[0]}`?"
+    return error
+
+
+def _names_at(tp: type, path: str) -> list[str]:
+    """The field names of the Struct at `path` (`messages[0]`, `clamps[2]`) inside params Struct `tp`."""
+    info: Any = _info(tp)
+    for part in filter(None, re.sub(r"\[\d+\]", "", path).split(".")):
+        field = next((f for f in info.fields if f.encode_name == part), None) if hasattr(info, "fields") else None
+        if field is None:
+            return []
+        info = _struct_in(field.type)
+    return [f.encode_name for f in info.fields] if hasattr(info, "fields") else []
+
+
+def _struct_in(t: Any) -> Any:
+    """The Struct a field holds, directly or as the items of a list; None if none."""
+    for alternative in _alternatives(t):
+        if isinstance(alternative, msgspec.inspect.StructType):
+            return alternative
+        if isinstance(alternative, _SEQUENCES):
+            found = _struct_in(alternative.item_type)
+            if found is not None:
+                return found
+    return None
+
+
+def digest(tool_name: str, params: Any) -> str:
+    """What identifies a request for its idempotency key: the tool and its decoded params.
+
+    Decoded, so key order, spacing and defaults left out or written out do not
+    make two requests differ; the GET form and the POST body of the same params agree.
+    """
+    return hashlib.sha256(tool_name.encode() + b"\0" + msgspec.json.encode(params)).hexdigest()[:32]
 
 
 def apply_caps(tool: Tool, params: Any, limits: Mapping[str, int]) -> None:

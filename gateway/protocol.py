@@ -43,6 +43,7 @@ class Code(str, enum.Enum):
     TOO_LONG = "too_long"
     INVALID_PARAMS = "invalid_params"
     UNSUPPORTED_BY_MODEL = "unsupported_by_model"
+    IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
     QUEUE_FULL = "queue_full"

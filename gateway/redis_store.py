@@ -19,7 +19,7 @@ owner itself always serves its jobs from memory.
 Keys (prefix `streamgate:`): `job:{id}` (hash: owner, snapshot, last_seq,
 terminal seq and type, idempotency key, cancel flag), `events:{id}` (stream),
 `attached:{id}` (sorted set of replicas following the job, scored by
-deadline), `key:{idempotency key}` (the job id), `replica:{replica id}` (the
+deadline), `key:{idempotency key}` (the job id and a digest of its request), `replica:{replica id}` (the
 owner's liveness key; also the name of the channel the owner listens on).
 
 **Expiry.** While a job runs its owner re-leases its keys every `heartbeat` s
@@ -100,7 +100,7 @@ except ImportError:  # pragma: no cover
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType, JobSnapshot, TerminalEvent, encode, now
-from gateway.store import JobHandle, JobStore
+from gateway.store import Binding, JobHandle, JobStore
 
 log = logging.getLogger("streamgate.redis")
 
@@ -176,8 +176,10 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms)
 return redis.call('ZCARD', KEYS[1])
 """
 
+# Unbind a key from a job. KEYS: the key. ARGV: the job id (the value is "<job id> <request digest>").
 _RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+local bound = redis.call('GET', KEYS[1])
+if bound and string.sub(bound, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
@@ -376,14 +378,15 @@ class RedisStore(JobStore):
 
     # -- idempotency keys ----------------------------------------------------------
 
-    async def reserve(self, key: str, job_id: str) -> str | None:
+    async def reserve(self, key: str, job_id: str, request: str) -> Binding | None:
         try:
             while True:
-                if await self._redis.set(self._idem(key), job_id, nx=True, px=self._lease_ms):
+                if await self._redis.set(self._idem(key), f"{job_id} {request}", nx=True, px=self._lease_ms):
                     return None
                 bound = await self._redis.get(self._idem(key))
                 if bound is not None:  # else it expired in between: try again
-                    return bound.decode()
+                    bound_id, _, bound_request = bound.decode().partition(" ")
+                    return Binding(bound_id, bound_request)
         except RedisError as exc:
             raise self._unavailable(exc) from exc
 

@@ -17,12 +17,19 @@ import abc
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from gateway.jobs import Job
 from gateway.protocol import Event, JobSnapshot
 
 SWEEP_INTERVAL_S = 1.0
+
+
+class Binding(NamedTuple):
+    """What an idempotency key is bound to: the job it started, and a digest of the request that started it."""
+
+    job_id: str
+    request: str
 
 
 class JobHandle(Protocol):
@@ -51,8 +58,9 @@ class JobStore(abc.ABC):
     async def stop(self) -> None: ...
 
     @abc.abstractmethod
-    async def reserve(self, key: str, job_id: str) -> str | None:
-        """Bind idempotency `key` to `job_id` unless it is bound already: then the bound job's id."""
+    async def reserve(self, key: str, job_id: str, request: str) -> Binding | None:
+        """Bind idempotency `key` to `job_id`, started by `request` (a digest of the tool and its
+        params), unless it is bound already: then what it is bound to."""
 
     @abc.abstractmethod
     async def release(self, key: str, job_id: str) -> None:
@@ -91,7 +99,7 @@ class MemoryStore(JobStore):
         self.detach_grace = detach_grace
         self.retention = retention
         self.jobs: dict[str, Job] = {}
-        self.keys: dict[str, str] = {}
+        self.keys: dict[str, Binding] = {}
         self._reserved: set[str] = set()  # ids bound to a key whose job is being admitted
         self._attached: dict[str, int] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -106,17 +114,18 @@ class MemoryStore(JobStore):
         for timer in self._timers.values():
             timer.cancel()
 
-    async def reserve(self, key: str, job_id: str) -> str | None:
+    async def reserve(self, key: str, job_id: str, request: str) -> Binding | None:
         bound = self.keys.get(key)
-        if bound is not None and (bound in self.jobs or bound in self._reserved):
+        if bound is not None and (bound.job_id in self.jobs or bound.job_id in self._reserved):
             return bound
-        self.keys[key] = job_id
+        self.keys[key] = Binding(job_id, request)
         self._reserved.add(job_id)
         return None
 
     async def release(self, key: str, job_id: str) -> None:
         self._reserved.discard(job_id)
-        if self.keys.get(key) == job_id:
+        bound = self.keys.get(key)
+        if bound is not None and bound.job_id == job_id:
             del self.keys[key]
 
     async def add(self, job: Job) -> None:
@@ -164,5 +173,6 @@ class MemoryStore(JobStore):
         self.jobs.pop(job.id, None)
         self._attached.pop(job.id, None)
         key = job.idempotency_key
-        if key and self.keys.get(key) == job.id:
+        bound = self.keys.get(key) if key else None
+        if bound is not None and bound.job_id == job.id:
             del self.keys[key]

@@ -33,8 +33,19 @@ FAMILIES = ("llama", "gpt2", "gpt_neox", "qwen2", "gemma", "gemma2")
 TINY_SOFTCAP = 5.0  # gemma2's final_logit_softcapping: small, so that it changes the numbers
 
 
-def byte_tokenizer() -> tuple[PreTrainedTokenizerFast, dict[str, int]]:
-    """A byte-level tokenizer (one token per byte, then <s> </s> <pad>) that prepends <s>."""
+# ChatML, as SmolLM2 and Qwen write it, with the refusal real templates make of a misplaced system message.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' and not loop.first %}{{ raise_exception('the system message must come first') }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def byte_tokenizer(chat: bool = True) -> tuple[PreTrainedTokenizerFast, dict[str, int]]:
+    """A byte-level tokenizer (one token per byte, then <s> </s> <pad>) that prepends <s>;
+    with `chat`, CHAT_TEMPLATE as its chat template."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     for special in ("<s>", "</s>", "<pad>"):
@@ -49,6 +60,8 @@ def byte_tokenizer() -> tuple[PreTrainedTokenizerFast, dict[str, int]]:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
+    if chat:
+        tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer, vocab
 
 
@@ -91,7 +104,7 @@ def _tiny_config(family: str, vocab: dict[str, int], layers: int, init: float | 
 
 
 def build_tiny_model(
-    path: Path, *, seed: int = 0, family: str = "llama", layers: int = 2, init: float | None = None
+    path: Path, *, seed: int = 0, family: str = "llama", layers: int = 2, init: float | None = None, chat: bool = True
 ) -> Path:
     """A tiny random causal LM with a byte-level tokenizer (one token per byte), saved at `path`.
 
@@ -103,8 +116,9 @@ def build_tiny_model(
     chance: tests that need EOS say which token it is. Where the head is tied to the
     input embeddings (gpt2, gemma, gemma2) the shared row is zeroed, which also
     zeroes EOS's input embedding; no prompt ever contains EOS, so only its logit changes.
+    `chat=False` leaves the tokenizer without a chat template.
     """
-    tokenizer, vocab = byte_tokenizer()
+    tokenizer, vocab = byte_tokenizer(chat)
     config, model_class = _tiny_config(family, vocab, layers, init)
     torch.manual_seed(seed)
     model = model_class(config)

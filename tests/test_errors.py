@@ -310,6 +310,7 @@ INVALID = [
     ("generate", {"prompts": ["a"], "top_k": 0}, "top_k"),
     ("generate", {"prompts": ["a"], "top_k": 10_000}, "top_k"),  # over the vocabulary (259)
     ("generate", {"prompts": ["a"], "seed": -1}, "seed"),
+    ("generate", {"prompts": ["a"], "seed": 2**53}, "seed"),  # past what a JavaScript client holds exactly
     ("generate", {"prompts": ["a"], "stop": [""]}, "stop[0]"),
     ("generate", {"prompts": ["a"], "stop": ["x", 3]}, "stop[1]"),
     ("generate", {"prompts": ["a"], "stop": ["s"] * 17}, "stop"),
@@ -369,11 +370,36 @@ def test_invalid_get_query_is_422_naming_the_field(srv, query, field):
     assert_error(r, 422, "invalid_params", field=field)
 
 
+@pytest.mark.parametrize(
+    ("tool_name", "body", "field", "meant"),
+    [
+        ("generate", {"prompt": ["a"]}, "prompt", "prompts"),
+        ("generate", {"prompts": ["a"], "max_token": 3}, "max_token", "max_tokens"),
+        ("generate", {"prompts": ["a"], "temprature": 1}, "temprature", "temperature"),
+        ("generate", {"messages": [{"rol": "user", "content": "a"}]}, "messages[0].rol", "role"),
+        ("predict", {"prompts": "a"}, "prompts", "prompt"),
+        ("generate", {"prompts": ["a"], "bogus": 1}, "bogus", None),
+    ],
+)
+def test_an_unknown_field_near_a_real_one_says_which_was_meant(srv, tool_name, body, field, meant):
+    for r in (post(srv.url, f"/{tool_name}/run", json_body=body), httpx.get(srv.url + f"/{tool_name}/run", params={"params": json.dumps(body)}, timeout=TIMEOUT)):
+        assert_error(r, 422, "invalid_params", field=field)
+        message = r.json()["error"]["message"]
+        assert (f"did you mean `{meant}`?" in message) if meant else ("did you mean" not in message), message
+
+
+def test_an_unknown_query_key_near_a_real_one_says_which_was_meant(srv):
+    r = httpx.get(srv.url + "/generate/run", params={"prompt": "a"}, timeout=TIMEOUT)
+    assert_error(r, 422, "invalid_params", field="prompt")
+    assert "did you mean `prompts`?" in r.json()["error"]["message"]
+
+
 def test_schema_advertises_the_caps_that_are_enforced(srv):
     tools = {t["name"]: t for t in httpx.get(srv.url + "/tools", timeout=TIMEOUT).json()}
     props = tools["generate"]["params_schema"]["properties"]
     assert props["max_tokens"]["maximum"] == MAX_TOKENS
-    assert props["prompts"]["maxItems"] == MAX_PROMPTS
+    (prompts,) = [v for v in props["prompts"]["anyOf"] if v["type"] == "array"]  # prompts, or messages
+    assert prompts["maxItems"] == MAX_PROMPTS
     # ... and exactly the cap is accepted.
     s = run_stream(srv.url, "generate", {"prompts": ["a"] * MAX_PROMPTS, "max_tokens": 1})
     assert s.terminal["event"] == "data"

@@ -174,6 +174,26 @@ def test_the_same_idempotency_key_attaches_to_the_same_job(gw):
     GATES[gate].set()
 
 
+def test_an_idempotency_key_sent_with_another_request_is_refused(gw):
+    gate = new_gate()
+    key = uuid.uuid4().hex
+    with opened(gw.url, json={"gate": gate}, headers={"Idempotency-Key": key}) as (first, chunks):
+        job_id = first.headers["x-job-id"]
+        read_events(chunks, 2)
+        other = new_gate()
+        for tool, params in (("gated", {"gate": other}), ("gated", {"gate": gate, "parts": 2}), ("predict", {"prompt": "hi"})):
+            refused = httpx.post(f"{gw.url}/{tool}/run", json=params, headers={"Idempotency-Key": key})
+            assert refused.status_code == 422, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "idempotency_key_reused" and error["retryable"] is False
+            assert key in error["message"]
+        # The same params written another way (the GET form, a default spelt out) are the same request.
+        for form in ({"params": '{"parts": 3, "gate": "%s"}' % gate}, {"gate": gate}):
+            with httpx.stream("GET", f"{gw.url}/gated/run", params=form, headers={"Idempotency-Key": key}) as same:
+                assert same.status_code == 200 and same.headers["x-job-id"] == job_id
+    GATES[gate].set()
+
+
 def test_delete_cancels_a_running_job_and_a_queued_one(gw):
     running, queued = new_gate(), new_gate()
     with opened(gw.url, json={"gate": running}) as (r1, c1), opened(gw.url, json={"gate": queued}) as (r2, c2):

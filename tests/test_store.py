@@ -42,7 +42,7 @@ class Replica:
     async def add(self, key: str | None = None) -> Job:
         job = Job("echo", {"text": "hi"})
         if key:
-            assert await self.store.reserve(key, job.id) is None
+            assert await self.store.reserve(key, job.id, "request") is None
             job.idempotency_key = key
         await self.store.add(job)
         return job
@@ -136,12 +136,13 @@ async def test_follow_events_to_the_terminal(store_kind: str, replicas: Any) -> 
 async def test_idempotency_keys(store_kind: str, replicas: Any) -> None:
     a = await replicas(store_kind)
     k = key()
-    assert await a.store.reserve(k, "job-1") is None
-    assert await a.store.reserve(k, "job-2") == "job-1"
+    assert await a.store.reserve(k, "job-1", "first") is None
+    assert await a.store.reserve(k, "job-2", "second") == ("job-1", "first")  # what it is bound to
     await a.store.release(k, "job-2")  # not its binding: nothing happens
-    assert await a.store.reserve(k, "job-3") == "job-1"
+    await a.store.release(k, "job")  # a prefix of the bound id is not it either
+    assert await a.store.reserve(k, "job-3", "first") == ("job-1", "first")
     await a.store.release(k, "job-1")
-    assert await a.store.reserve(k, "job-4") is None
+    assert await a.store.reserve(k, "job-4", "second") is None
 
 
 async def test_cancel_runs_the_backend_cancel_once(store_kind: str, replicas: Any) -> None:
@@ -259,7 +260,7 @@ async def test_idempotency_key_across_replicas(replicas: Any) -> None:
     a, b = await replicas("redis"), await replicas("redis")
     k = key()
     job = await a.add(k)
-    assert await b.store.reserve(k, "another") == job.id
+    assert await b.store.reserve(k, "another", "other request") == (job.id, "request")
     assert (await b.store.get(job.id)).id == job.id
 
 

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -55,11 +56,19 @@ class Reference:
 
     @torch.no_grad()
     def greedy(self, prompt: str, n: int) -> list[int]:
-        inputs = self.tok(prompt, return_tensors="pt")
+        return self.greedy_ids(self.encode(prompt), n)
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation as transformers renders and tokenizes it for a reply."""
+        return list(self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+
+    def greedy_ids(self, ids: list[int], n: int) -> list[int]:
+        inputs = torch.tensor([ids])
         out = self.model.generate(
-            **inputs, do_sample=False, max_new_tokens=n, pad_token_id=self.tok.pad_token_id
+            input_ids=inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=n,
+            pad_token_id=self.tok.pad_token_id,
         )
-        tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
+        tokens = out[0, inputs.shape[1] :].tolist()
         assert len(tokens) == n  # the tiny model never produces EOS
         return tokens
 
@@ -227,6 +236,65 @@ def test_a_batch_of_different_lengths_equals_each_prompt_alone(server, ref):
         assert streamed_text(partials, i) == batch["completions"][i]
     assert batch["usage"]["prompt_tokens"] == sum(len(ref.encode(p)) for p in prompts)
     assert batch["usage"]["completion_tokens"] == n * len(prompts)
+
+
+# -- generate: a conversation through the chat template ------------------------
+
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "Another one?"},
+]
+
+
+def test_messages_generate_the_reply_to_the_rendered_conversation(server, ref):
+    n = 12
+    out, partials = generate(server.url, {"messages": CONVERSATION, "max_tokens": n})
+    ids = ref.chat_ids(CONVERSATION)
+    assert ref.decode(ids).endswith("<|im_start|>assistant\n")  # the premise: rendered for the reply
+    want = ref.greedy_ids(ids, n)
+    assert [t for p in partials[0] for t in p["token_ids"]] == want
+    assert out["completions"] == [ref.decode(want)]
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    assert streamed_text(partials, 0) == out["completions"][0]
+
+
+def test_messages_and_prompts_are_one_or_the_other(server):
+    for params, field in (({"max_tokens": 2}, "prompts"), ({"prompts": ["a"], "messages": CONVERSATION}, "messages")):
+        s = run_stream(server.url, "generate", params)
+        assert s.status == 422, s.raw
+        assert s.body["error"]["code"] == "invalid_params" and s.body["error"]["field"] == field
+
+
+@pytest.mark.parametrize(
+    ("messages", "field", "says"),
+    [
+        ([{"role": "user", "content": "a"}, {"role": "system", "content": "late"}], "messages", "system message must come first"),
+        ([{"role": "robot", "content": "a"}], "messages[0].role", "robot"),
+        ([{"role": "user"}], "messages[0].content", "content"),
+        ([], "messages", "length >= 1"),
+    ],
+)
+def test_a_conversation_the_template_or_schema_refuses_is_a_422_naming_it(server, messages, field, says):
+    s = run_stream(server.url, "generate", {"messages": messages})
+    assert s.status == 422, s.raw
+    error = s.body["error"]
+    assert (error["code"], error["field"]) == ("invalid_params", field), error
+    assert says in error["message"]
+
+
+def test_a_model_without_a_chat_template_refuses_messages_before_queueing(serve, tmp_path):
+    from tests.conftest import build_tiny_model
+
+    gw = serve(model_path=build_tiny_model(tmp_path / "plain", chat=False))
+    assert "chat" not in httpx.get(f"{gw.url}/readyz").json()["capabilities"]
+    s = run_stream(gw.url, "generate", {"messages": [{"role": "user", "content": "hi"}]})
+    assert s.status == 422, s.raw
+    error = s.body["error"]
+    assert (error["code"], error["field"]) == ("unsupported_by_model", "messages")
+    assert "no chat template" in error["message"]
+    assert result(gw.url, "generate", {"prompts": ["hi"], "max_tokens": 2})["completions"]  # prompts still run
 
 
 def test_order_in_the_batch_does_not_matter(server):

@@ -30,6 +30,7 @@ class Capability(str, enum.Enum):
     HIDDEN_STATES = "hidden_states"
     LAYERS = "layers"
     INCREMENTAL = "incremental"
+    CHAT = "chat"
 
     @property
     def meaning(self) -> str:
@@ -42,6 +43,7 @@ _MEANING = {
     Capability.HIDDEN_STATES: "hidden states per layer",
     Capability.LAYERS: "a layer stack with a readout to logits",
     Capability.INCREMENTAL: "an incremental decoding step",
+    Capability.CHAT: "a chat template",
 }
 
 
@@ -98,6 +100,15 @@ class Model:
             start = getattr(self.tokenizer, "bos_token_id", None)
             ids = [start if start is not None else min(self.eos_token_ids or {self.pad_token_id})]
         return ids
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation rendered by the tokenizer's chat template, ready for the reply.
+
+        The template writes every special token itself (BOS included, where the
+        model wants one), so the rendered text is tokenized without adding more.
+        """
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenize(text, special=False)
 
     def encode_continuation(self, text: str) -> list[int]:
         """Token ids of text that follows a prompt: no special tokens."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gateway.models.base import Capability
+
 from gateway.errors import ApiError
 from gateway.protocol import Code
 
@@ -34,3 +36,14 @@ def unsupported(tool: Tool, model: Model) -> str | None:
 def refuse(reason: str) -> ApiError:
     """The 422 for a tool the served model cannot run (`reason` from `unsupported`)."""
     return ApiError(Code.UNSUPPORTED_BY_MODEL, reason)
+
+
+def require(model: Model, capability: Capability, field: str) -> None:
+    """Refuse a param (`field`) that needs what the model lacks: 422 `unsupported_by_model` naming it."""
+    if capability not in model.capabilities:
+        why = model.missing.get(capability, f"it has no {capability.meaning}")
+        raise ApiError(
+            Code.UNSUPPORTED_BY_MODEL,
+            f"{field} needs {capability.meaning}, which the model {model.name} ({model.kind.value}) does not have: {why}",
+            field=field,
+        )

@@ -28,6 +28,7 @@ def load(name: str, source: str, device: str, dtype: torch.dtype, trust_remote_c
             Capability.INCREMENTAL: lambda ids: cache_as_generate_uses_it(model, ids),
             Capability.HIDDEN_STATES: lambda ids: probes.hidden_states(model, ids),
             Capability.LAYERS: lambda ids: probes.layers(model, ids, lambda: find(model.module)),
+            Capability.CHAT: lambda ids: probes.chat(model),
         },
     )
     model.missing[Capability.MASKED_LM] = "a causal LM predicts the next token; it has no masked-LM head"

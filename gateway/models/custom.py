@@ -148,6 +148,7 @@ def load(spec: str, source: str | None, device: str, dtype: torch.dtype) -> Mode
     else:
         model.missing[Capability.LAYERS] = "it has no layers and readout"
     model.missing[Capability.MASKED_LM] = "a custom model is a causal LM"
+    model.missing[Capability.CHAT] = "a custom model has no chat template; send prompts as plain text"
     probes.prove(model, claimed)
     return model
 

@@ -13,7 +13,9 @@ grants a capability or records, in words, why it is missing:
 - `layers`: the blocks and readout found for the lens reproduce the model's
   own logits from its last block's output;
 - `masked_lm`: the tokenizer has a mask token and the head scores every
-  position over the vocabulary.
+  position over the vocabulary;
+- `chat`: the tokenizer has a chat template, and it renders a conversation
+  (`generate`'s `messages`) into tokens.
 
 So a tool either computes what the model computes, or is refused with the
 reason (`gateway/models/capabilities.py`): never a silently wrong number.
@@ -63,6 +65,17 @@ def causal(model: Model, ids: list[int]) -> str | None:
     if not close(first[0, :-1], second[0, :-1], model.dtype):
         return "its logits at a position change with the tokens after it, so they are not next-token predictions"
     return None
+
+
+def chat(model: Model) -> str | None:
+    """None if the tokenizer's chat template renders a conversation; else why not."""
+    if not getattr(model.tokenizer, "chat_template", None):
+        return "its tokenizer has no chat template; send prompts as plain text"
+    try:
+        ids = model.encode_chat([{"role": "user", "content": "Hello"}])
+    except Exception as exc:
+        return f"its chat template cannot render a conversation: {type(exc).__name__}: {exc}"
+    return None if ids else "its chat template renders a conversation as no tokens"
 
 
 def hidden_states(model: Model, ids: list[int]) -> str | None:

@@ -17,27 +17,46 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 import torch
 from transformers.cache_utils import DynamicLayer
 
 from gateway.errors import ParamError
+from gateway.models import capabilities
 from gateway.models.base import Capability, Kind
 from gateway.tools.base import Cancelled, Context, Model, tool
 from gateway.tools.batching import run_alone
 
 
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: Annotated[
+        Literal["system", "user", "assistant"], msgspec.Meta(description="Who says it.")
+    ]
+    content: str
+
+
 class GenerateParams(msgspec.Struct, forbid_unknown_fields=True):
-    prompts: Annotated[list[str], msgspec.Meta(min_length=1, description="Prompts, completed as one batch.")]
+    prompts: Annotated[
+        list[str], msgspec.Meta(min_length=1, description="Prompts, completed as one batch (raw text, no chat template).")
+    ] | None = None
+    messages: Annotated[
+        list[ChatMessage],
+        msgspec.Meta(
+            min_length=1,
+            description="A conversation instead of prompts: rendered by the model's chat template, "
+            "and the reply to it generated (one completion).",
+        ),
+    ] | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=1, description="Most tokens to generate per prompt.")] = 16
     temperature: Annotated[
         float, msgspec.Meta(ge=0, le=2, description="0 picks the most likely token (greedy).")
     ] = 0.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1, description="Nucleus sampling mass.")] = 1.0
     top_k: Annotated[int, msgspec.Meta(ge=1, description="Sample from the k most likely tokens.")] | None = None
-    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1, description="Same seed, same completions.")] | None = None
+    # 2**53 - 1: the largest integer every JSON client (JavaScript's numbers) holds exactly.
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**53 - 1, description="Same seed, same completions.")] | None = None
     stop: Annotated[
         list[Annotated[str, msgspec.Meta(min_length=1)]],
         msgspec.Meta(max_length=16, description="Strings that end a completion (not included)."),
@@ -62,8 +81,26 @@ class GeneratePartial(msgspec.Struct):
     token_ids: list[int]
 
 
+def inputs(model: Model, params: GenerateParams) -> list[list[int]]:
+    """The token ids to complete: one row per prompt, or the conversation rendered for its reply."""
+    if params.messages is not None:
+        return [model.encode_chat([msgspec.structs.asdict(m) for m in params.messages])]
+    return [model.encode(prompt) for prompt in params.prompts or []]
+
+
 def check(model: Model, params: GenerateParams) -> None:
-    for i, prompt in enumerate(params.prompts):
+    if params.prompts is None and params.messages is None:
+        raise ParamError("prompts", "required: prompts (plain text), or messages (a conversation)")
+    if params.prompts is not None and params.messages is not None:
+        raise ParamError("messages", "give prompts (plain text) or messages (a conversation), not both")
+    if params.messages is not None:
+        capabilities.require(model, Capability.CHAT, "messages")
+        try:
+            ids = inputs(model, params)[0]
+        except Exception as exc:  # a template may refuse a conversation (e.g. roles that do not alternate)
+            raise ParamError("messages", f"the model's chat template cannot render them: {exc}") from None
+        model.fit(len(ids) + params.max_tokens, "messages", "messages + max_tokens")
+    for i, prompt in enumerate(params.prompts or []):
         model.fit(len(model.encode(prompt)) + params.max_tokens, f"prompts[{i}]", "prompt + max_tokens")
     if params.top_k is not None and params.top_k > model.vocab_size:
         raise ParamError("top_k", f"must be <= the vocabulary size {model.vocab_size}")
@@ -137,7 +174,7 @@ class _Member:
 
     def __init__(self, model: Model, params: GenerateParams, ctx: Context) -> None:
         self.params, self.ctx = params, ctx
-        self.encoded = [model.encode(prompt) for prompt in params.prompts]
+        self.encoded = inputs(model, params)
         self.rows = [_Completion(params.stop or []) for _ in self.encoded]
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         # A generator per job: its samples do not depend on who else is in the batch.

@@ -17,6 +17,7 @@ export type Code =
   | 'bad_request'
   | 'cancelled'
   | 'forbidden'
+  | 'idempotency_key_reused'
   | 'internal'
   | 'invalid_params'
   | 'method_not_allowed'
@@ -229,13 +230,8 @@ export interface BuiltinTools {
  * via the `definition` "GenerateParams".
  */
 export interface GenerateParams {
-  /**
-   * Prompts, completed as one batch.
-   *
-   * @minItems 1
-   * @maxItems 32
-   */
-  prompts: string[]
+  prompts?: string[] | null
+  messages?: ChatMessage[] | null
   /**
    * Most tokens to generate per prompt.
    */
@@ -251,6 +247,17 @@ export interface GenerateParams {
   top_k?: number | null
   seed?: number | null
   stop?: string[] | null
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "ChatMessage".
+ */
+export interface ChatMessage {
+  /**
+   * Who says it.
+   */
+  role: 'assistant' | 'system' | 'user'
+  content: string
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -633,13 +640,8 @@ export interface Clamp {
  * via the `definition` "SteerParams".
  */
 export interface SteerParams {
-  /**
-   * Prompts, completed as one batch.
-   *
-   * @minItems 1
-   * @maxItems 32
-   */
-  prompts: string[]
+  prompts?: string[] | null
+  messages?: ChatMessage[] | null
   /**
    * Most tokens to generate per prompt.
    */
