@@ -1,14 +1,17 @@
 # `make serve` and `make test` are the two set-up commands: each creates the
 # virtual environment on first use, installs the project into it, then runs.
 # `make test` also installs web/'s npm packages (npm ci) and runs its tests:
-# the TypeScript client's, and the dashboard's in Debian's Chromium.
+# the TypeScript client's, and the dashboard's in Debian's Chromium. Before any of
+# that, scripts/check-system checks the system tools the tests need (redis-server,
+# Chromium, Node.js 20+ and npm) and stops with the apt-get command naming the
+# missing ones: without them tests would fail, and none are skipped.
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 NPM ?= npm
 ARGS ?=
 
-.PHONY: install web-install serve test test-web clean
+.PHONY: check-system install web-install serve test test-web clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +32,15 @@ web-install: web/node_modules/.installed
 serve: install
 	$(BIN)/streamgate serve $(ARGS)
 
-test: install web-install
+check-system:
+	scripts/check-system
+
+# Even under -j, `make test` installs nothing until the system check has passed.
+ifneq ($(filter test,$(MAKECMDGOALS)),)
+$(BIN)/.installed web/node_modules/.installed: | check-system
+endif
+
+test: check-system install web-install
 	$(BIN)/pytest $(ARGS)
 	cd web && $(NPM) test
 

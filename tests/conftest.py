@@ -483,3 +483,13 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 30, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.005)
+
+
+def floats_not_float32_shortest(value: Any) -> list[float]:
+    """The floats in a decoded JSON value that are not a float32 in its shortest form (protocol: numbers)."""
+    import numpy as np
+
+    if isinstance(value, float):
+        return [] if value != value or float(str(np.float32(value))) == value else [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return [bad for item in items for bad in floats_not_float32_shortest(item)]

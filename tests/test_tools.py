@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import run_stream
+from tests.conftest import floats_not_float32_shortest, run_stream
 
 PROMPTS = ["Hello there", "a", "The quick brown fox", "x" * 40, "", "0123456789", "caf\u00e9 \u2603"]
 
@@ -104,6 +104,25 @@ def generate(url: str, params: dict[str, Any]) -> tuple[dict[str, Any], dict[int
 
 def streamed_text(partials: dict[int, list[dict[str, Any]]], index: int) -> str:
     return "".join(p["text"] for p in partials.get(index, []))
+
+
+# -- every tool: numbers as the protocol writes them --------------------------
+
+EVERY_TOOL = [
+    ("loglikelihood", {"prompts": ["Hello", "a"], "continuations": [" there", "b c"]}),
+    ("predict", {"prompt": "Hello there", "top_k": 5}),
+    ("logit_lens", {"prompt": "Hello there", "top_k": 3}),
+    ("lens_line", {"prompt": "Hello there", "token": "e"}),
+    ("lens_grid", {"prompt": "Hello there", "stat": "entropy"}),
+    ("activation_patching", {"src_prompt": "The cat", "tgt_prompt": "The dog"}),
+    ("embed", {"texts": ["Hello there", "a"]}),
+]
+
+
+@pytest.mark.parametrize(("tool_name", "params"), EVERY_TOOL, ids=[t for t, _ in EVERY_TOOL])
+def test_every_float_is_written_in_float32s_shortest_form(server, tool_name, params):
+    out = result(server.url, tool_name, params)
+    assert floats_not_float32_shortest(out) == []
 
 
 # -- loglikelihood -----------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 from gateway.errors import ParamError
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import one_pass
+from gateway.tools.numbers import floats
 
 
 class LoglikelihoodParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -63,7 +64,7 @@ def _loglikelihood_many(
             # Logits at position t predict token t + 1.
             span = logprobs[row, len(context) - 1 : len(context) + len(continuation) - 1]
             target = torch.tensor(continuation, device=span.device)
-            ll.append(span.gather(1, target[:, None]).sum().item())
+            ll.append(floats(span.gather(1, target[:, None]).sum()))
             greedy.append(bool((span.argmax(dim=-1) == target).all()))
             row += 1
         ctx.progress(len(job), len(job), "pairs")

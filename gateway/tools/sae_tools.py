@@ -28,6 +28,7 @@ from gateway.sae import SAE
 from gateway.tools.anatomy import anatomy
 from gateway.tools.base import Capability, Context, Model, Tool, tool
 from gateway.tools.batching import run_alone
+from gateway.tools.numbers import floats
 from gateway.tools.generate import (
     GenerateParams,
     GeneratePartial,
@@ -111,7 +112,7 @@ def sae_features(model: Model, params: FeaturesParams, ctx: Context) -> Features
         needle = params.query.lower()
         matching = [i for i in sorted(labels) if needle in labels[i].lower()]
     page = matching[params.offset : params.offset + params.limit]
-    norms, biases = sae.decoder_norms.tolist(), sae.b_enc.cpu().tolist()
+    norms, biases = floats(sae.decoder_norms), floats(sae.b_enc)
     return FeaturesResult(
         sae=sae.name,
         layer=sae.spec.layer,
@@ -185,11 +186,12 @@ def sae_annotate(model: Model, params: AnnotateParams, ctx: Context) -> Annotate
         assert params.feature_ids is not None
         chosen = torch.tensor(params.feature_ids, device=f.device)
         picked = [params.feature_ids] * len(ids)
-        values = f[:, chosen].tolist()
+        values = floats(f[:, chosen])
     else:
         top = torch.topk(f, min(params.k, sae.n_features), dim=-1)
-        picked, values = top.indices.tolist(), top.values.tolist()
+        picked, values = top.indices.tolist(), floats(top.values)
     labels = sae.spec.labels
+    errors, relatives = floats(error), floats(relative)
     tokens = []
     for pos, token_id in enumerate(ids):
         acts = [
@@ -198,7 +200,7 @@ def sae_annotate(model: Model, params: AnnotateParams, ctx: Context) -> Annotate
             if params.mode == "pick" or value > 0  # `top` lists active features only
         ]
         tokens.append(
-            TokenAnnotation(model.token_text(token_id), token_id, acts, float(error[pos]), float(relative[pos]))
+            TokenAnnotation(model.token_text(token_id), token_id, acts, errors[pos], relatives[pos])
         )
     return AnnotateResult(sae=sae.name, layer=layer, tokens=tokens)
 
