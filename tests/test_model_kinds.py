@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from gateway import cli
 from gateway.tools import builtin_tools
 from tests import custom_model
-from tests.conftest import Server, build_tiny_model, make_server, run_stream
+from tests.conftest import Server, build_tiny_model, floats_not_float32_shortest, make_server, run_stream
 from tests.model_kinds import BERT_VOCAB, ESM_VOCAB, PROTEINS, build
 
 ATOL = 1e-5
@@ -170,6 +170,7 @@ def test_esm_fill_mask_equals_the_heads_softmax(servers: dict[str, Server], esm:
             assert [p["id"] for p in fill["predictions"]] == top.indices.tolist()
             assert [p["text"] for p in fill["predictions"]] == [ESM_VOCAB[i] for i in top.indices.tolist()]
             close([p["prob"] for p in fill["predictions"]], top.values)
+    assert floats_not_float32_shortest(out) == []
 
 
 def test_esm_pseudo_loglikelihood_masks_each_residue_in_turn(servers: dict[str, Server], esm: tuple[Any, Any]) -> None:
@@ -188,6 +189,7 @@ def test_esm_pseudo_loglikelihood_masks_each_residue_in_turn(servers: dict[str, 
         assert out["tokens"][i] == list(protein)
         close(out["per_position"][i], torch.tensor(scores))
         assert math.isclose(out["pll"][i], sum(scores), abs_tol=1e-4)
+    assert floats_not_float32_shortest(out) == []
 
 
 @pytest.mark.parametrize("model_kind", ["esm_mlm", "bert_mlm"])

@@ -35,7 +35,7 @@ from gateway.tools.sae_tools import (
     sae_features,
     sae_steer,
 )
-from tests.conftest import run_stream
+from tests.conftest import floats_not_float32_shortest, run_stream
 from tests.test_batching import Recorder
 
 D, N, LAYER, DEAD = 32, 16, 0, 15
@@ -120,6 +120,7 @@ def test_annotate_matches_a_direct_encode(model: Any) -> None:
         assert [i for i, _ in got] == [i for i, _ in want]
         assert all(abs(a - b) < 1e-5 for (_, a), (_, b) in zip(got, want))
     assert picked.tokens[0].features[0].label == "dogs"
+    assert floats_not_float32_shortest(msgspec.to_builtins([picked, top])) == []
     assert any(top.tokens[p].features for p in range(len(top.tokens))), "some feature should fire"
 
 
@@ -130,6 +131,7 @@ def test_features_filter_and_paginate(model: Any) -> None:
     assert page.total == N and [f.id for f in page.features] == [10, 11, 12, 13]
     assert abs(page.features[0].decoder_norm - 1.0) < 1e-5  # rows were normalised
     assert page.features[0].label is None
+    assert floats_not_float32_shortest(msgspec.to_builtins(page)) == []
 
 
 def test_steering_a_silent_feature_to_zero_changes_nothing(model: Any) -> None:
