@@ -255,11 +255,14 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             await store.stop()
             await backend.stop()
 
+    from gateway.apidocs import endpoint as api_docs
     from gateway.openapi import endpoint as openapi_json
 
+    openapi_document = openapi_json(backend, limits, secured=auth.enabled)
     app = Starlette(
         routes=[
-            Route("/openapi.json", openapi_json(backend, limits, secured=auth.enabled), methods=["GET"]),
+            Route("/openapi.json", openapi_document, methods=["GET"]),
+            Route("/docs", api_docs(openapi_document), methods=["GET"]),
             Route("/tools", tools, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),

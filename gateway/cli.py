@@ -1,9 +1,10 @@
-"""The `streamgate` command: `serve`, `executor`, `run` and `tools`.
+"""The `streamgate` command: `serve`, `executor`, `run`, `chat` and `tools`.
 
 Every `serve` and `executor` flag can also be set with a `STREAMGATE_*` variable (shown in `--help`).
-`run` exits 0 with the result on stdout, 1 on an `error` event, 2 when the
-server refuses the request before streaming, 3 when the server cannot be
-reached or the stream breaks.
+`run` and `chat` exit 0 with the result (`chat`: the reply) on stdout, 1 on an
+`error` event, 2 when the server refuses the request before streaming, 3 when
+the server cannot be reached or the stream breaks, 130 on Ctrl-C (the job is
+cancelled).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import click
 
 from gateway import configfile
 from gateway.config import Settings
+from gateway.schema_text import Fields
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 _D = Settings()  # the defaults, shown in --help
@@ -265,22 +267,189 @@ def _params_from_pairs(pairs: tuple[str, ...]) -> list[tuple[str, str]]:
     return query
 
 
+def _client_options(command: Any) -> Any:
+    """The options of a command that talks to a gateway: `run`, `tools` and `chat`."""
+    command = _option("--token", default=None, help="A client token, sent as Authorization: Bearer (prefer the env var: a command line is visible to other users).")(command)
+    return _option("--url", default=DEFAULT_URL, help="The gateway's address.")(command)
+
+
+def _client(url: str, token: str | None) -> Any:
+    from gateway.client import Client
+
+    return Client(url, headers={"Authorization": f"Bearer {token}"} if token else None)
+
+
+def _printable(text: str) -> str:
+    """`text` safe to show on a terminal: control characters but newline and tab as visible symbols.
+
+    Generated text is arbitrary: an escape sequence in it would be run by the
+    terminal, a carriage return would overwrite the line. C0 controls become
+    their Unicode pictures (␛, ␍), DEL ␡, and C1 controls, which some
+    terminals obey too, �. The JSON result keeps the exact text.
+    """
+    return text.translate(_CONTROL_PICTURES)
+
+
+_CONTROL_PICTURES = {
+    **{c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"},
+    0x7F: 0x2421,
+    **{c: 0xFFFD for c in range(0x80, 0xA0)},
+}
+
+
+def _expected_texts(params: dict[str, Any] | None, query: list[tuple[str, str]] | None) -> int:
+    """How many texts a job will stream side by side: one per prompt in `prompts`, else one."""
+    if params is not None:
+        prompts = params.get("prompts")
+        return len(prompts) if isinstance(prompts, list) and prompts else 1
+    return max(1, sum(1 for key, _ in query or () if key == "prompts"))
+
+
+class _RunView:
+    """What `run` shows on stderr while a job runs: statuses, logs, a progress bar, streamed text.
+
+    One streamed text is written as it comes, token by token, and takes the
+    bar's place: the text is itself the progress, and a bar kept below text
+    that wraps and grows would need the cursor moved back into the text for
+    every token, which breaks on wide characters and on a resized window.
+    Several texts (a job of several prompts, partials with their `index`)
+    arrive interleaved token by token, so they are shown line by line
+    instead, each labelled `[index]`, wrapped at the terminal's width, with
+    the bar kept below them. The bar is drawn only on a terminal: piped, its
+    carriage-return redraws would be mixed into the text.
+    """
+
+    def __init__(self, err: Any, texts: int, quiet: bool) -> None:
+        self.err, self.quiet = err, quiet
+        self.tty = err.isatty()
+        self.labelled = texts > 1
+        self.bar: Any = None
+        self.streamed = False  # one text has streamed: no bar from then on
+        self.mid_line = False  # the cursor is after streamed text, not at a line's start
+        self.first_index: int | None = None
+        self.lines: dict[int, str] = {}  # labelled: each text's line not yet shown
+
+    def status(self, frame: dict[str, Any]) -> None:
+        progress = frame.get("progress")
+        if progress:
+            self._progress(progress)
+            return
+        line = frame["status"]
+        if frame.get("position") is not None:
+            line += f" (position {frame['position']} of {frame.get('queue_size', '?')})"
+        if frame.get("message"):
+            line += f": {frame['message']}"
+        self.line(line)
+
+    def log(self, frame: dict[str, Any]) -> None:
+        self.line(f"[{frame['level']}] {frame['message']}")
+
+    def line(self, text: str) -> None:
+        """Show a whole line above the bar, after any text streamed so far."""
+        if self.quiet:
+            return
+        self._end_line()
+        if self.bar is not None:
+            self.bar.clear()
+        self.err.write(text + "\n")
+        self.err.flush()
+        if self.bar is not None:
+            self.bar.refresh()
+
+    def partial(self, data: Any) -> None:
+        if self.quiet or not isinstance(data, dict) or not isinstance(data.get("text"), str):
+            return
+        index = data.get("index") if isinstance(data.get("index"), int) else 0
+        if self.first_index is None:
+            self.first_index = index
+        if not self.labelled and index != self.first_index:
+            # More texts than the params said: label them from here on.
+            self.labelled = True
+        if self.labelled:
+            self._add_line_text(index, data["text"])
+            return
+        if self.bar is not None:
+            self.bar.close()  # leave=False: clears its line
+            self.bar = None
+        text = _printable(data["text"])
+        if text:
+            self.streamed = True
+            self.err.write(text)
+            self.err.flush()
+            self.mid_line = not text.endswith("\n")
+
+    def finish(self) -> None:
+        """Show what is left of the texts and take the bar away: the job ended."""
+        for index in sorted(self.lines):
+            if self.lines[index]:
+                self.line(f"[{index}] {self.lines[index]}")
+        self.lines.clear()
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        self._end_line()
+
+    def _progress(self, progress: dict[str, Any]) -> None:
+        if self.quiet or not self.tty or self.streamed:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self._end_line()
+            self.bar = tqdm(total=progress.get("total"), unit=progress.get("unit") or "it", file=self.err, leave=False)
+        self.bar.n = progress["done"]
+        self.bar.refresh()
+
+    def _add_line_text(self, index: int, text: str) -> None:
+        width = max(20, _terminal_width(self.err) - len(f"[{index}] "))
+        pending = self.lines.get(index, "") + _printable(text)
+        while True:
+            head, newline, rest = pending.partition("\n")
+            if newline:
+                line, pending = head, rest
+            elif len(head) > width:
+                # Break at the last space that fits, or mid-word in a word longer than the line.
+                cut = head.rfind(" ", 0, width + 1)
+                cut = cut + 1 if cut > 0 else width
+                line, pending = head[:cut].rstrip(" "), head[cut:]
+            else:
+                break
+            self.line(f"[{index}] {line}" if line else f"[{index}]")
+        self.lines[index] = pending
+
+    def _end_line(self) -> None:
+        if self.mid_line:
+            self.err.write("\n")
+            self.err.flush()
+            self.mid_line = False
+
+
+def _terminal_width(stream: Any = None) -> int:
+    """The width of the terminal `stream` (stderr by default) writes to; else $COLUMNS, else 100."""
+    import shutil
+
+    try:
+        return os.get_terminal_size((stream or sys.stderr).fileno()).columns
+    except (OSError, ValueError, AttributeError):  # not a terminal: a pipe, a file, a test's buffer
+        return shutil.get_terminal_size((100, 24)).columns
+
+
 @main.command()
 @click.argument("tool")
 @click.argument("pairs", nargs=-1, metavar="[KEY=VALUE]...")
 @click.option("--json", "params_json", default=None, help="All params as one JSON object.")
-@_option("--url", default=DEFAULT_URL, help="The gateway's address.")
+@_client_options
 @click.option("--quiet", "-q", is_flag=True, help="Print only the result.")
-def run(tool: str, pairs: tuple[str, ...], params_json: str | None, url: str, quiet: bool) -> None:
+def run(tool: str, pairs: tuple[str, ...], params_json: str | None, url: str, token: str | None, quiet: bool) -> None:
     """Run TOOL and print its result as JSON (and, on stderr, a view of it).
 
     KEY=VALUE pairs use the server's query form (repeat a key for a list:
-    prompts=a prompts=b); --json sends a JSON body instead.
+    prompts=a prompts=b); --json sends a JSON body instead. Streamed text is
+    shown on stderr as it comes.
     """
     import httpx
-    from tqdm import tqdm
 
-    from gateway.client import Client, HttpError, JobError, StreamEndedError
+    from gateway.client import HttpError, JobError, StreamEndedError
 
     if params_json is not None and pairs:
         raise click.UsageError("give KEY=VALUE pairs or --json, not both")
@@ -295,73 +464,177 @@ def run(tool: str, pairs: tuple[str, ...], params_json: str | None, url: str, qu
     else:
         query = _params_from_pairs(pairs)
 
-    bar: tqdm | None = None
-    err = click.get_text_stream("stderr")
-
-    def on_status(frame: dict[str, Any]) -> None:
-        nonlocal bar
-        if quiet:
-            return
-        progress = frame.get("progress")
-        if progress:
-            if bar is None:
-                bar = tqdm(total=progress.get("total"), unit=progress.get("unit") or "it", file=err, leave=False)
-            bar.n = progress["done"]
-            bar.refresh()
-            return
-        line = frame["status"]
-        if frame.get("position") is not None:
-            line += f" (position {frame['position']} of {frame.get('queue_size', '?')})"
-        if frame.get("message"):
-            line += f": {frame['message']}"
-        click.echo(line, err=True)
-
-    def on_log(frame: dict[str, Any]) -> None:
-        if not quiet:
-            click.echo(f"[{frame['level']}] {frame['message']}", err=True)
-
-    def on_partial(data: Any) -> None:
-        if not quiet and isinstance(data, dict) and isinstance(data.get("text"), str) and bar is None:
-            err.write(data["text"])
-            err.flush()
-
+    shown = _RunView(sys.stderr, _expected_texts(params, query), quiet)
     try:
-        with Client(url) as client:
-            result = client.run(
-                tool, params, query=query, on_status=on_status, on_log=on_log, on_partial=on_partial
-            )
-    except HttpError as exc:
-        click.echo(f"error: {exc}" + (f" (field: {exc.field})" if exc.field else ""), err=True)
-        sys.exit(2)
-    except JobError as exc:
-        click.echo(f"\njob failed: {exc}", err=True)
-        sys.exit(1)
-    except (httpx.HTTPError, StreamEndedError) as exc:
-        click.echo(f"error: cannot get a result from {url}: {exc}", err=True)
-        sys.exit(3)
-    finally:
-        if bar is not None:
-            bar.close()
+        with _client(url, token) as client:
+            try:
+                result = client.run(
+                    tool, params, query=query, on_status=shown.status, on_log=shown.log, on_partial=shown.partial
+                )
+            except KeyboardInterrupt:
+                shown.finish()
+                _cancel(client)
+                sys.exit(130)
+    except (HttpError, JobError, httpx.HTTPError, StreamEndedError) as exc:
+        shown.finish()
+        sys.exit(_report(exc, url))
+    shown.finish()
     click.echo(json.dumps(result, ensure_ascii=False, indent=2))
     if not quiet:
         from gateway.render import view
 
-        shown = view(tool, result)
-        if shown:
-            click.echo(shown, err=True)
+        rendered = view(tool, result)
+        if rendered:
+            click.echo(rendered, err=True)
+
+
+def _report(exc: Exception, url: str) -> int:
+    """Say on stderr why a job gave no result; return the exit code that goes with it."""
+    from gateway.client import HttpError, JobError
+
+    if isinstance(exc, HttpError):
+        click.echo(f"error: {exc}" + (f" (field: {exc.field})" if exc.field else ""), err=True)
+        return 2
+    if isinstance(exc, JobError):
+        click.echo(f"job failed: {exc}", err=True)
+        return 1
+    click.echo(f"error: cannot get a result from {url}: {exc}", err=True)
+    return 3
+
+
+def _cancel(client: Any) -> None:
+    """Cancel the client's job on Ctrl-C, rather than leave it running through the server's detach grace."""
+    import httpx
+
+    from gateway.client import ClientError
+
+    click.echo("cancelled", err=True)
+    if client.job_id is not None:
+        try:
+            client.cancel()
+        except (httpx.HTTPError, ClientError):
+            pass  # leaving anyway: the server cancels it once its grace for a gone client ends
 
 
 @main.command()
-@_option("--url", default=DEFAULT_URL, help="The gateway's address.")
-@click.option("--json", "as_json", is_flag=True, help="Print the full descriptions with JSON Schema.")
-def tools(url: str, as_json: bool) -> None:
-    """List the tools a gateway serves."""
+@click.argument("message", required=False)
+@click.option("--system", default=None, help="A system message that opens the conversation.")
+@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1), help="Most tokens in one reply.")
+@click.option("--temperature", default=None, type=click.FloatRange(0, 2), help="0 picks the most likely token; higher samples more freely. Default: the server's (0).")
+@click.option("--seed", default=None, type=click.IntRange(min=0), help="Same seed, same reply (with --temperature above 0).")
+@_client_options
+def chat(
+    message: str | None, system: str | None, max_tokens: int, temperature: float | None, seed: int | None,
+    url: str, token: str | None,
+) -> None:
+    """Chat with the served model: send MESSAGE, print the reply on stdout as it comes.
+
+    The model's chat template shapes the conversation (generate's `messages`).
+    With no MESSAGE, the message is read from stdin when stdin is piped; on a
+    terminal, the chat goes on turn by turn, each reply seeing the whole
+    conversation, until Ctrl-D.
+    """
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system is not None else []
+    options: dict[str, Any] = {"max_tokens": max_tokens}
+    options.update({k: v for k, v in (("temperature", temperature), ("seed", seed)) if v is not None})
+    interactive = message is None and sys.stdin.isatty()
+    if message is None and not interactive:
+        message = sys.stdin.read().strip()
+        if not message:
+            raise click.UsageError("no message: give one as an argument, or on stdin")
+    with _client(url, token) as client:
+        if not interactive:
+            assert message is not None
+            _chat_turn(client, url, [*history, {"role": "user", "content": message}], options)
+            return
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                click.echo()
+                return
+            except KeyboardInterrupt:
+                click.echo()
+                sys.exit(130)
+            if not line.strip():
+                continue
+            turn = [*history, {"role": "user", "content": line}]
+            reply = _chat_turn(client, url, turn, options, interactive=True)
+            if reply is not None:
+                history = [*turn, {"role": "assistant", "content": reply}]
+
+
+def _chat_turn(
+    client: Any, url: str, messages: list[dict[str, str]], options: dict[str, Any], interactive: bool = False
+) -> str | None:
+    """Run one reply to `messages`, streamed to stdout; its text, or None for a turn that failed.
+
+    A failure that the next turn could escape (the job failed, the queue was
+    full) is reported and the interactive chat goes on without the turn; any
+    other, and any in a single run, exits with `run`'s code.
+    """
     import httpx
 
-    from gateway.client import Client, HttpError
+    from gateway.client import HttpError, JobError, StreamEndedError
+
+    out = sys.stdout
+    shown = _printable if out.isatty() else str
+    sent: list[str] = []
+
+    def on_partial(data: Any) -> None:
+        if isinstance(data, dict) and data.get("index", 0) == 0 and isinstance(data.get("text"), str):
+            sent.append(data["text"])
+            out.write(shown(data["text"]))
+            out.flush()
+
+    def on_log(frame: dict[str, Any]) -> None:
+        if frame.get("level") in ("warning", "error"):
+            click.echo(f"[{frame['level']}] {frame['message']}", err=True)
 
     try:
-        with Client(url) as client:
+        try:
+            result = client.run("generate", {"messages": messages, **options}, on_log=on_log, on_partial=on_partial)
+        except KeyboardInterrupt:
+            out.write("\n")
+            _cancel(client)
+            if interactive:
+                return None
+            sys.exit(130)
+    except (HttpError, JobError, httpx.HTTPError, StreamEndedError) as exc:
+        if sent:
+            out.write("\n")
+            out.flush()
+        code = _report(exc, url)
+        if interactive and (isinstance(exc, JobError) or (isinstance(exc, HttpError) and exc.retryable)):
+            return None
+        sys.exit(code)
+    reply = result["completions"][0]
+    streamed = "".join(sent)
+    if reply.startswith(streamed) and len(reply) > len(streamed):
+        out.write(shown(reply[len(streamed) :]))  # partials missed (none should be): the result has it all
+    out.write("" if reply.endswith("\n") else "\n")
+    out.flush()
+    if (result.get("finish_reasons") or [None])[0] == "length":
+        click.echo(f"(the reply reached --max-tokens {options['max_tokens']})", err=True)
+    return reply
+
+
+@main.command()
+@click.argument("tool", required=False)
+@_client_options
+@click.option("--json", "as_json", is_flag=True, help="Print the full descriptions with JSON Schema.")
+def tools(tool: str | None, url: str, token: str | None, as_json: bool) -> None:
+    """List the tools a gateway serves, or describe TOOL: its params, their limits and defaults."""
+    import httpx
+
+    from gateway.client import HttpError
+
+    try:
+        with _client(url, token) as client:
             listed = client.tools()
     except HttpError as exc:
         click.echo(f"error: {exc}", err=True)
@@ -369,6 +642,18 @@ def tools(url: str, as_json: bool) -> None:
     except httpx.HTTPError as exc:
         click.echo(f"error: cannot reach {url}: {exc}", err=True)
         sys.exit(3)
+    if tool is not None:
+        entry = next((t for t in listed if t["name"] == tool), None)
+        if entry is None:
+            import difflib
+
+            names = [t["name"] for t in listed]
+            message = f"error: unknown tool {tool}; the server has: {', '.join(names)}"
+            close = difflib.get_close_matches(tool, names, n=1)
+            click.echo(message + (f"\ndid you mean {close[0]}?" if close else ""), err=True)
+            sys.exit(2)
+        click.echo(json.dumps(entry, indent=2) if as_json else describe_tool(entry, _terminal_width(sys.stdout)))
+        return
     if as_json:
         click.echo(json.dumps(listed, indent=2))
         return
@@ -383,3 +668,21 @@ def tools(url: str, as_json: bool) -> None:
         click.echo("\nnot for this model:")
         for t in refused:
             click.echo(f"{t['name']:<{width}}  {t['unsupported']}")
+
+
+def describe_tool(entry: dict[str, Any], width: int = 100) -> str:
+    """One tool of `GET /tools` for a person: what it does, whether it streams, and each param."""
+    import textwrap
+
+    lines = [entry["name"]]
+    for paragraph in (entry.get("description") or "").strip().splitlines():
+        lines += textwrap.wrap(paragraph, max(40, width - 2), initial_indent="  ", subsequent_indent="  ") or [""]
+    lines += ["", f"streams partial results: {'yes' if entry.get('streams_partial') else 'no'}"]
+    unsupported = entry.get("unsupported")
+    lines.append(f"runs on this model: no: {unsupported}" if unsupported else "runs on this model: yes")
+    schema = entry.get("params_schema") or {}
+    fields = Fields(schema, width).of(schema, indent=2)
+    lines += ["", "params:", *fields] if fields else ["", "params: none"]
+    return "\n".join(lines)
+
+

@@ -98,6 +98,15 @@ class Client:
         _raise_for_status(response)
         return response.json()
 
+    def cancel(self, job_id: str | None = None) -> dict[str, Any]:
+        """Cancel a job (by default the one this client ran last); `{"job_id", "cancelled", "status"}`."""
+        job_id = job_id or self.job_id
+        if job_id is None:
+            raise ValueError("no job to cancel: none started yet")
+        response = self._http.delete(f"/jobs/{job_id}")
+        _raise_for_status(response)
+        return response.json()
+
     def stream(
         self,
         tool: str,

@@ -92,7 +92,11 @@ def endpoint(backend: Backend, limits: Mapping[str, int], *, secured: bool) -> C
         if built[0] != backend.tools_version:
             # Only the tools the served model can run: the others answer 422 unsupported_by_model.
             served = [t for t in backend.tools.values() if backend.unsupported(t) is None]
-            built[:] = [backend.tools_version, encode(document(served, limits, secured=secured))]
+            doc = document(served, limits, secured=secured)
+            refused = {t.name: why for t in backend.tools.values() if (why := backend.unsupported(t)) is not None}
+            if refused:
+                doc["info"]["x-unsupported-tools"] = refused
+            built[:] = [backend.tools_version, encode(doc)]
         return Response(built[1], media_type="application/json")
 
     return openapi_json
@@ -369,6 +373,11 @@ def _other_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
         "/openapi.json": {
             "get": op("openapi", "This document",
                       {"200": json({"type": "object"}, "OpenAPI 3.1.")}, tags=["discovery"]),
+        },
+        "/docs": {
+            "get": op("docs", "This document as a page to read", {
+                "200": {"description": "Its page.", "content": {"text/html": {"schema": {"type": "string"}}}},
+            }, tags=["discovery"]),
         },
         "/": {
             "get": op("dashboard", "The dashboard", {

@@ -13,12 +13,14 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import click
 import httpx
+import msgspec
 import pytest
 
+from gateway.cli import describe_tool
 from gateway.cli import serve as serve_command
 from gateway.tools import builtin_tools
 from tests.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
@@ -82,6 +84,115 @@ def test_tools_json_gives_the_schemas(gateway):
     assert set(by_name["echo"]["result_schema"]["properties"]) == {"text", "tokens"}
     assert by_name["generate"]["streams_partial"] is True
     assert listed == httpx.get(gateway.url + "/tools", timeout=30).json()
+
+
+def param_blocks(text: str) -> dict[str, list[str]]:
+    """`tools TOOL`'s params: each param's name to its lines (its head first), dedented."""
+    blocks: dict[str, list[str]] = {}
+    lines = text.split("\nparams:\n", 1)[1].splitlines()
+    for line in lines:
+        if line.startswith("  ") and not line.startswith("   "):
+            name = line.split()[0]
+            blocks[name] = [line.strip()]
+        else:
+            blocks[name].append(line.strip())
+    return blocks
+
+
+def test_tools_tool_describes_its_params(gateway):
+    proc = cli("tools", "generate", "--url", gateway.url)
+    assert proc.returncode == 0, proc.stderr
+    entry = next(t for t in httpx.get(gateway.url + "/tools", timeout=30).json() if t["name"] == "generate")
+    props = entry["params_schema"]["properties"]
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["generate", "  " + entry["description"]]
+    assert "streams partial results: yes" in lines and "runs on this model: yes" in lines
+    params = param_blocks(proc.stdout)
+    assert list(params) == list(props)
+    # Name and default (or "required"), the type with its limits, the description.
+    assert params["max_tokens"] == [
+        "max_tokens = 16", f"integer (1 ≤ x ≤ {props['max_tokens']['maximum']})", "Most tokens to generate per prompt."
+    ]
+    assert params["top_p"] == ["top_p = 1.0", "number (0 < x ≤ 1)", "Nucleus sampling mass."]
+    # An Optional's description sits in its non-null alternative; lengths of the list and of its items.
+    assert params["stop"] == [
+        "stop = null",
+        "list (at most 16 items) of string (at least 1 character), or null",
+        "Strings that end a completion (not included).",
+    ]
+    prompts = props["prompts"]["anyOf"][0]
+    assert params["prompts"][1] == f"list ({prompts['minItems']} to {prompts['maxItems']} items) of string, or null"
+    # A list of objects: its items' fields under it, behind their $ref.
+    messages = params["messages"]
+    assert messages[1] == "list (at least 1 item) of ChatMessage, or null"
+    nested = messages[messages.index("ChatMessage:") + 1:]
+    assert nested[:2] == ["role (required)", 'one of "assistant", "system", "user"']
+    assert nested[3:5] == ["content (required)", "string"]
+
+
+def test_tools_tool_resolves_enums_and_says_why_a_model_cannot_run_it(gateway):
+    embed = param_blocks(cli("tools", "embed", "--url", gateway.url).stdout)
+    assert embed["texts"][0] == "texts (required)"
+    assert embed["pooling"][:2] == ['pooling = "mean"', 'one of "cls", "last", "mean", "none", "per_token"']
+    assert embed["pooling"][2].startswith("mean (the default)")
+    echo = cli("tools", "echo", "--url", gateway.url).stdout
+    assert "streams partial results: no" in echo
+    assert param_blocks(echo) == {
+        "text": ["text (required)", "string"], "repeat": ["repeat = 1", "integer"], "delay": ["delay = 0.0", "number"],
+    }
+    fill_mask = cli("tools", "fill_mask", "--url", gateway.url).stdout
+    assert "runs on this model: no: fill_mask needs what the model" in fill_mask and "a masked-LM head" in fill_mask
+    assert cli("tools", "fail", "--url", gateway.url).stdout.endswith('message = "boom"\n      string\n')
+
+
+def test_tools_tool_json_is_its_entry(gateway):
+    entry = result_of(cli("tools", "echo", "--json", "--url", gateway.url))
+    assert entry == next(t for t in httpx.get(gateway.url + "/tools", timeout=30).json() if t["name"] == "echo")
+
+
+def test_tools_unknown_tool_exits_2_with_the_names_and_a_near_one(gateway):
+    names = [t["name"] for t in httpx.get(gateway.url + "/tools", timeout=30).json()]
+    proc = cli("tools", "genrate", "--url", gateway.url)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"error: unknown tool genrate; the server has: {', '.join(names)}\ndid you mean generate?\n"
+    far = cli("tools", "qqqq", "--url", gateway.url)
+    assert far.returncode == 2 and "did you mean" not in far.stderr and "unknown tool qqqq" in far.stderr
+
+
+# Nested structs, as a tool's params might have them (at module level: annotations are resolved there).
+class Point(msgspec.Struct):
+    x: Annotated[int, msgspec.Meta(ge=0)]
+    y: int = 0
+
+
+class Node(msgspec.Struct):
+    label: Annotated[str, msgspec.Meta(min_length=1, max_length=8)]
+    children: list[Node] = []
+
+
+class Params(msgspec.Struct):
+    points: Annotated[list[Point], msgspec.Meta(max_length=4, description="Where.")]
+    named: dict[str, Point] = {}
+    tree: Node | None = None
+    pair: tuple[int, str] = (1, "a")
+    mode: Literal["a", "b"] = "a"
+    scale: Annotated[float, msgspec.Meta(gt=0, lt=1, multiple_of=0.25)] = 0.5
+
+
+def test_describe_tool_lists_nested_objects_once():
+    schema = msgspec.json.schema(Params)  # the root itself a $ref, as msgspec makes it for a struct
+    text = describe_tool({"name": "t", "description": "Test.", "params_schema": schema, "streams_partial": False,
+                          "unsupported": "no reason"}, width=80)
+    assert text.splitlines()[:5] == ["t", "  Test.", "", "streams partial results: no", "runs on this model: no: no reason"]
+    params = param_blocks(text)
+    assert params["points"] == ["points (required)", "list (at most 4 items) of Point", "Where.", "Point:",
+                                "x (required)", "integer (x ≥ 0)", "y = 0", "integer"]
+    assert params["named"] == ["named = {}", "map of string to Point"]  # Point is listed once, above
+    assert params["tree"] == ["tree = null", "Node, or null", "Node:", "label (required)",
+                              "string (1 to 8 characters)", "children = []", "list of Node"]
+    assert params["pair"] == ['pair = [1, "a"]', "list (2 items) of (integer, string)"]
+    assert params["mode"] == ['mode = "a"', 'one of "a", "b"']
+    assert params["scale"] == ["scale = 0.5", "number (0 < x < 1, a multiple of 0.25)"]
 
 
 def test_url_can_come_from_the_environment(gateway):
@@ -278,7 +389,7 @@ def test_serve_is_configured_entirely_by_streamgate_variables(tiny_model_path, t
         assert {"echo", "fail"} <= set(tools)  # STREAMGATE_TOOLS
         props = tools["generate"]["params_schema"]["properties"]
         assert props["max_tokens"]["maximum"] == 7
-        assert props["prompts"]["maxItems"] == 2
+        assert props["prompts"]["anyOf"][0]["maxItems"] == 2  # prompts, or else messages: null allowed
         r = httpx.post(url + "/generate/run", json={"prompts": ["a"], "max_tokens": 8}, timeout=30)
         assert r.status_code == 422 and r.json()["error"]["field"] == "max_tokens"
         r = httpx.post(url + "/generate/run", json={"prompts": ["a", "b", "c"]}, timeout=30)
