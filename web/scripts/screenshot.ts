@@ -20,7 +20,7 @@ const context = await chromium.launchPersistentContext(profile, {
 try {
   const page: Page = await context.newPage()
   await page.goto(url)
-  await page.waitForSelector('#tool option', {state: 'attached'})
+  await page.waitForSelector('#run[data-tools=gateway]', {state: 'attached'}) // the tools listed by the gateway itself
   const run = async (tool: string) => {
     await page.selectOption('#tool', tool)
     await page.click('#run button[type=submit]')

@@ -8,10 +8,11 @@ import {tmpdir} from 'node:os'
 import {join} from 'node:path'
 import {after, before, describe, test} from 'node:test'
 
-import {type BrowserContext, type Page} from 'playwright-core'
+import {type BrowserContext, type Locator, type Page} from 'playwright-core'
 
 import {EXAMPLES, type ToolInfo} from '../src/index.ts'
-import {ARTIFACTS, launch, SKIP} from './support/browser.ts'
+import {ARTIFACTS, launch} from './support/browser.ts'
+import {contrastRatio, luminance} from './support/contrast.ts'
 import {DRAWN} from './support/drawn.ts'
 import {startGateway, type Gateway} from './support/gateway.ts'
 import {startProxy} from './support/proxy.ts'
@@ -30,7 +31,7 @@ async function open(width = 1280, tool?: string, base = gateway.url): Promise<Pa
   page.on('console', (message) => message.type() === 'error' && !/status of 4\d\d/.test(message.text()) && errors.push(message.text()))
   ;(page as Page & {errors: string[]}).errors = errors
   await page.goto(`${base}/${tool ? `#${tool}` : ''}`)
-  await page.waitForSelector('#tool option', {state: 'attached'})
+  await page.waitForSelector('#run[data-tools=gateway]', {state: 'attached'}) // the gateway's /tools answered, not the copy kept from a visit before
   return page
 }
 
@@ -63,7 +64,7 @@ async function shot(page: Page, name: string): Promise<void> {
   await page.screenshot({path: join(ARTIFACTS, `${name}.png`), fullPage: true})
 }
 
-describe('the dashboard', {skip: SKIP}, () => {
+describe('the dashboard', () => {
   before(async () => {
     // --retry-ms 100: a browser that reconnected after the end of a job would do it at once.
     // --max-batch-size 1: a job waits its turn rather than joining generate's running batch.
@@ -135,6 +136,50 @@ describe('the dashboard', {skip: SKIP}, () => {
     await shot(page, 'logit_lens')
     assert.deepEqual(pageErrors(page), [])
     await page.close()
+  })
+
+  test('heatmap labels: each contrasts with its cell at least 4.5:1 (WCAG AA), in light and dark mode', async () => {
+    for (const colorScheme of ['light', 'dark'] as const) {
+      const page = await open()
+      await page.emulateMedia({colorScheme})
+      const cells: {fill: string; ink: string; label: string; where: string}[] = []
+      /** The fill of each labelled cell (the rect drawn just before its label) and the label's colour, as computed. */
+      const read = async (job: Locator, where: string) => {
+        const found = await job.locator('.result svg.heatmap text.in-cell').evaluateAll((texts) =>
+          texts.map((text) => ({fill: getComputedStyle(text.previousElementSibling!).fill, ink: getComputedStyle(text).fill, label: text.textContent ?? ''})),
+        )
+        assert.ok(found.length > 0, `${where}: no labelled cell`)
+        cells.push(...found.map((cell) => ({...cell, where})))
+      }
+      // The logit lens coloured by top-1 probability (low on the tiny random model: pale cells), then
+      // by entropy (near its maximum everywhere: the darkest cells).
+      await pick(page, 'logit_lens')
+      let job = await run(page)
+      await finished(job)
+      await read(job, 'logit_lens by top-1 probability')
+      await job.locator('.result .lens select').selectOption({label: 'entropy'})
+      await read(job, 'logit_lens by entropy')
+      // lens_grid by rank: rank 1 darkest, and a random model's ranks spread over the ramp.
+      await pick(page, 'lens_grid')
+      await page.selectOption('[data-field=stat] select', 'rank')
+      job = await run(page)
+      await finished(job)
+      await read(job, 'lens_grid by rank')
+      // embed's cosine table: its colours stretched over the range the pairs span.
+      await pick(page, 'embed')
+      job = await run(page)
+      await finished(job)
+      await read(job, 'embed cosines')
+      for (const cell of cells) {
+        const ratio = contrastRatio(cell.fill, cell.ink)
+        assert.ok(ratio >= 4.5, `${colorScheme}, ${cell.where}: "${cell.label}" in ${cell.ink} on ${cell.fill} is ${ratio.toFixed(2)}:1`)
+      }
+      const fills = cells.map((cell) => luminance(cell.fill))
+      assert.ok(Math.min(...fills) < 0.05 && Math.max(...fills) > 0.8, `the cells span only luminances ${Math.min(...fills)} to ${Math.max(...fills)}`)
+      await shot(page, `heatmap-labels-${colorScheme}`)
+      assert.deepEqual(pageErrors(page), [])
+      await page.close()
+    }
   })
 
   test('an invalid field: the 422 shown with its code and message, on the field', async () => {

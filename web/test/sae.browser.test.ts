@@ -13,7 +13,8 @@ import {after, before, describe, test} from 'node:test'
 import {type BrowserContext, type Page} from 'playwright-core'
 
 import {runTool, SAE_EXAMPLES, type AnnotateResult, type GenerateResult} from '../src/index.ts'
-import {ARTIFACTS, finished, launch, rawResult, run, SKIP} from './support/browser.ts'
+import {ARTIFACTS, finished, launch, rawResult, run} from './support/browser.ts'
+import {contrastRatio, luminance} from './support/contrast.ts'
 import {ROOT, startGateway, tinyModel, WEB, type Gateway} from './support/gateway.ts'
 
 const VENV = process.env.STREAMGATE_VENV ?? join(ROOT, '.venv')
@@ -29,13 +30,13 @@ async function open(tool: string): Promise<Page & {errors: string[]}> {
   page.on('pageerror', (error) => page.errors.push(error.message))
   page.on('console', (message) => message.type() === 'error' && page.errors.push(message.text()))
   await page.goto(`${gateway.url}/#${tool}`)
-  await page.waitForSelector('#form [data-field]')
+  await page.waitForSelector('#run[data-tools=gateway] #form [data-field]') // drawn from the gateway's /tools, not the copy kept from a visit before
   assert.equal(await page.locator('#tool').inputValue(), tool)
   return page
 }
 
 
-describe('the dashboard with an SAE', {skip: SKIP}, () => {
+describe('the dashboard with an SAE', () => {
   before(async () => {
     scratch = mkdtempSync(join(tmpdir(), 'streamgate-sae-'))
     const sae = execFileSync(join(VENV, 'bin', 'python'), [join(WEB, 'test', 'support', 'tiny_sae.py'), tinyModel(), join(scratch, 'sae')], {
@@ -102,6 +103,40 @@ describe('the dashboard with an SAE', {skip: SKIP}, () => {
     await page.screenshot({path: join(ARTIFACTS, 'sae-annotate-pick.png'), fullPage: true})
     assert.deepEqual(page.errors, [])
     await page.close()
+  })
+
+  test('feature chips: their text contrasts with their colour at least 4.5:1 (WCAG AA), in light and dark mode', async () => {
+    for (const colorScheme of ['light', 'dark'] as const) {
+      const page = await open('sae_annotate')
+      await page.emulateMedia({colorScheme})
+      const chips: {background: string; colors: string[]; opacity: string; where: string}[] = []
+      for (const [mode, ids] of [['top', ''], ['pick', '0, 2, 5, 9, 13']] as const) {
+        await page.selectOption('[data-field=mode] select', mode)
+        if (ids) await page.fill('[data-field=feature_ids] input', ids)
+        const job = await run(page)
+        await finished(job)
+        const found = await job.locator('.result .sae-chip').evaluateAll((items) =>
+          items.map((chip) => ({
+            background: getComputedStyle(chip).backgroundColor,
+            colors: [chip, ...chip.querySelectorAll('span')].map((e) => getComputedStyle(e).color),
+            opacity: getComputedStyle(chip).opacity,
+          })),
+        )
+        assert.ok(found.length > 0, `${mode}: no chip`)
+        chips.push(...found.map((chip) => ({...chip, where: mode})))
+      }
+      for (const chip of chips) {
+        assert.equal(chip.opacity, '1', `${colorScheme}, ${chip.where}: a chip faded, its text blended into the page`)
+        for (const color of chip.colors) {
+          const ratio = contrastRatio(chip.background, color)
+          assert.ok(ratio >= 4.5, `${colorScheme}, ${chip.where}: ${color} on ${chip.background} is ${ratio.toFixed(2)}:1`)
+        }
+      }
+      // The strongest activation's chip is the darkest colour.
+      assert.ok(Math.min(...chips.map((chip) => luminance(chip.background))) < 0.05)
+      assert.deepEqual(page.errors, [])
+      await page.close()
+    }
   })
 
   test('sae_features: a table of ids, labels and stats', async () => {

@@ -3,7 +3,7 @@ import {fmt, h, svg} from './dom.ts'
 
 // -- colour ------------------------------------------------------------------
 
-type RGB = [number, number, number]
+export type RGB = [number, number, number]
 const hex = (s: string): RGB => [1, 3, 5].map((i) => parseInt(s.slice(i, i + 2), 16)) as RGB
 const BLUES = ['#f7fbff', '#c6dbef', '#6baed6', '#2171b5', '#08306b'].map(hex)
 const DIVERGING = ['#2166ac', '#92c5de', '#f7f7f7', '#f4a582', '#b2182b'].map(hex)
@@ -18,7 +18,31 @@ function ramp(stops: RGB[], t: number): RGB {
 }
 
 export const css = ([r, g, b]: RGB) => `rgb(${r},${g},${b})`
-export const ink = ([r, g, b]: RGB) => (0.299 * r + 0.587 * g + 0.114 * b > 140 ? '#111' : '#fff')
+
+/** WCAG 2.x relative luminance of an sRGB colour (0–255 channels). */
+export function luminance(rgb: RGB): number {
+  const [r, g, b] = rgb.map((v) => {
+    const c = v / 255
+    return c <= 0.04045 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4
+  }) as RGB
+  return 0.2126 * r + 0.7152 * g + 0.0722 * b
+}
+
+/** WCAG 2.x contrast ratio of two colours, 1 to 21. */
+export function contrast(a: RGB, b: RGB): number {
+  const [hi, lo] = [luminance(a), luminance(b)].sort((x, y) => y - x) as [number, number]
+  return (hi + 0.05) / (lo + 0.05)
+}
+
+const BLACK: RGB = [0, 0, 0]
+const WHITE: RGB = [255, 255, 255]
+
+/**
+ * Text colour for a label on `fill`: black or white, whichever contrasts more. Pure black,
+ * not a softer near-black: only with the extremes is the better of the two at least 4.58:1
+ * (WCAG AA's 4.5 for normal text) on every fill, mid-greys and mid-blues included.
+ */
+export const ink = (fill: RGB): string => (contrast(fill, BLACK) >= contrast(fill, WHITE) ? '#000' : '#fff')
 
 /** 0 → pale, 1 → dark blue. */
 export const sequential = (t: number): RGB => ramp(BLUES, t)
@@ -115,7 +139,8 @@ export function heatmap(spec: HeatmapSpec): HTMLElement {
       const text = spec.text?.(r, c)
       if (text && color) {
         const short = text.length > 8 ? `${text.slice(0, 7)}…` : text
-        cells.push(svg('text', {x: x + cellW / 2, y: y + 15, fill: ink(color), 'text-anchor': 'middle', class: 'in-cell'}, short))
+        // A style, not the fill attribute: the stylesheet's `svg text` fill would win over an attribute.
+        cells.push(svg('text', {x: x + cellW / 2, y: y + 15, style: `fill: ${ink(color)}`, 'text-anchor': 'middle', class: 'in-cell'}, short))
       }
     }),
   )

@@ -5,6 +5,7 @@
  */
 import type {ToolInfo} from '../generated/types.ts'
 import {h} from './dom.ts'
+import {exactInteger, parseExact, stringifyExact} from './exact.ts'
 
 type Schema = {[key: string]: unknown}
 type Kind = 'string' | 'text' | 'strings' | 'numbers' | 'number' | 'bool' | 'enum' | 'json'
@@ -17,13 +18,28 @@ interface Field {
   error: HTMLElement
 }
 
+/** A value the form will not send as typed, and the field it is in. */
+export class FieldError extends Error {
+  constructor(
+    readonly field: string,
+    message: string,
+  ) {
+    super(message)
+  }
+}
+
 export interface ToolForm {
   element: HTMLElement
-  /** The params to send; throws a message for the caller to show when the JSON view does not parse. */
+  /**
+   * The params to send; throws a FieldError for a value it cannot send exactly, and an
+   * Error when the JSON view does not parse, for the caller to show.
+   */
   read: () => Record<string, unknown>
   /** Mark the field named in an error (`prompts[3]` marks `prompts`), or the form as a whole. */
   showError: (field: string | undefined, message: string) => void
   clearErrors: () => void
+  /** Leave these fields out: hidden, and not in what `read` gives; `json`: whether the JSON view may be used meanwhile. */
+  omit: (names: string[], json: boolean) => void
 }
 
 const obj = (x: unknown): Schema => (x && typeof x === 'object' && !Array.isArray(x) ? (x as Schema) : {})
@@ -46,6 +62,13 @@ function unwrap(node: Schema, root: Schema): {schema: Schema; nullable: boolean}
   const nullable = real.length < alternatives.length
   if (real.length === 1) return {schema: {...real[0], ...rest, description: rest.description ?? real[0]!.description}, nullable}
   return {schema: rest, nullable}
+}
+
+/** The schema of the tool's param `name` (or of `node`, a schema inside it), `$ref`s followed and `anyOf [X, null]` unwrapped. */
+export function paramSchema(tool: ToolInfo, name: string, node?: unknown): Schema | undefined {
+  const root = tool.params_schema as Schema
+  const given = node ?? obj(root.properties)[name]
+  return given && typeof given === 'object' ? unwrap(obj(given), root).schema : undefined
 }
 
 function kindOf(name: string, schema: Schema): Kind {
@@ -80,7 +103,7 @@ function rules(schema: Schema, kind: Kind): string {
   if (kind === 'numbers') out.push('separated by commas or spaces')
   if (schema.type === 'array') out.push(range(schema.minItems, schema.maxItems) && `items ${range(schema.minItems, schema.maxItems)}`)
   if (kind === 'numbers') out.push(range(items.minimum, items.maximum))
-  if (schema.default !== undefined && schema.default !== null) out.push(`default ${JSON.stringify(schema.default)}`)
+  if (schema.default !== undefined && schema.default !== null) out.push(`default ${stringifyExact(schema.default)}`)
   return out.filter(Boolean).join('; ')
 }
 
@@ -128,8 +151,22 @@ function field(name: string, node: Schema, root: Schema, required: boolean, init
     if (value === undefined || value === null) input.value = ''
     else if (kind === 'strings' && Array.isArray(value)) input.value = value.join('\n')
     else if (kind === 'numbers' && Array.isArray(value)) input.value = value.join(', ')
-    else if (kind === 'json') input.value = JSON.stringify(value)
+    else if (kind === 'json') input.value = stringifyExact(value)
     else input.value = String(value)
+  }
+  /**
+   * A number as typed; for an integer, exactly: digits past 2^53 − 1 go as a bigint, and an
+   * integer that large in another notation (1e20) is refused rather than rounded.
+   */
+  const number = (text: string, integer: boolean): unknown => {
+    const exact = integer ? exactInteger(text) : undefined
+    if (exact !== undefined) return exact
+    const value = Number(text)
+    if (Number.isNaN(value)) return text
+    if (integer && Number.isInteger(value) && !Number.isSafeInteger(value)) {
+      throw new FieldError(name, `${name}: write ${text.trim()} in plain digits, so that it is sent exactly`)
+    }
+    return value
   }
   const read = (): {value?: unknown} => {
     if (input instanceof HTMLInputElement && input.type === 'checkbox') return {value: input.checked}
@@ -141,15 +178,18 @@ function field(name: string, node: Schema, root: Schema, required: boolean, init
         return raw === '' && optional ? {} : {value: raw}
       case 'strings':
         return {value: raw.split('\n').filter((line) => line !== '')}
-      case 'numbers':
-        return {value: raw.split(/[\s,]+/).filter(Boolean).map((t) => (/^[-+]?\d+(\.\d+)?$/.test(t) ? Number(t) : t))}
+      case 'numbers': {
+        const integer = obj(schema.items).type === 'integer'
+        return {value: raw.split(/[\s,]+/).filter(Boolean).map((t) => (/^[-+]?\d+(\.\d+)?$/.test(t) || integer ? number(t, integer) : t))}
+      }
       case 'number':
-        return {value: Number.isNaN(Number(raw)) ? raw : Number(raw)}
+        return {value: number(raw, schema.type === 'integer')}
       case 'enum':
-        return {value: raw}
+        // The schema's own value (an integer enum's numbers too), not the option's text.
+        return {value: (schema.enum as unknown[]).find((v) => String(v) === raw) ?? raw}
       default:
         try {
-          return {value: JSON.parse(raw)}
+          return {value: parseExact(raw)}
         } catch {
           return {value: raw}
         }
@@ -176,9 +216,11 @@ export function buildForm(tool: ToolInfo, initial: Record<string, unknown>): Too
   const root = tool.params_schema as Schema
   const required = new Set(Array.isArray(root.required) ? (root.required as string[]) : [])
   const fields = Object.entries(obj(root.properties)).map(([name, node]) => field(name, obj(node), root, required.has(name), initial[name]))
+  let omitted = new Set<string>()
   const fromFields = () => {
     const params: Record<string, unknown> = {}
     for (const f of fields) {
+      if (omitted.has(f.name)) continue
       const {value} = f.read()
       if (value !== undefined) params[f.name] = value
     }
@@ -191,19 +233,37 @@ export function buildForm(tool: ToolInfo, initial: Record<string, unknown>): Too
   const toggle = h('input', {type: 'checkbox', class: 'json-toggle'})
   toggle.addEventListener('change', () => {
     if (toggle.checked) {
-      json.value = JSON.stringify(fromFields(), null, 2)
+      try {
+        json.value = stringifyExact(fromFields(), 2)
+      } catch (error) {
+        toggle.checked = false
+        showError(error instanceof FieldError ? error.field : undefined, (error as Error).message)
+        return
+      }
     } else {
       try {
-        const params = obj(JSON.parse(json.value))
+        const params = obj(parseExact(json.value))
         for (const f of fields) f.write(params[f.name])
       } catch {
         // Leave the fields as they were.
       }
     }
-    jsonRow.hidden = !toggle.checked
-    for (const f of fields) f.row.hidden = toggle.checked
+    showFields()
   })
+  const showFields = () => {
+    jsonRow.hidden = !toggle.checked
+    for (const f of fields) f.row.hidden = toggle.checked || omitted.has(f.name)
+  }
+  const jsonLabel = h('label', {class: 'inline muted'}, toggle, ' edit as JSON')
 
+  function showError(path: string | undefined, message: string): void {
+    const name = path?.split(/[.[]/)[0]
+    const target = fields.find((f) => f.name === name)
+    const slot = target && !toggle.checked ? target.error : formError
+    slot.textContent = message
+    slot.hidden = false
+    target?.row.classList.add('invalid')
+  }
   const clearErrors = () => {
     formError.hidden = true
     for (const f of fields) {
@@ -212,23 +272,26 @@ export function buildForm(tool: ToolInfo, initial: Record<string, unknown>): Too
     }
   }
   return {
-    element: h('div', {class: 'fields'}, fields.map((f) => f.row), jsonRow, formError, h('label', {class: 'inline muted'}, toggle, ' edit as JSON')),
+    element: h('div', {class: 'fields'}, fields.map((f) => f.row), jsonRow, formError, jsonLabel),
     read: () => {
       if (!toggle.checked) return fromFields()
       try {
-        return obj(JSON.parse(json.value))
+        return obj(parseExact(json.value))
       } catch (error) {
         throw new Error(`the params are not valid JSON: ${(error as Error).message}`)
       }
     },
-    showError: (path, message) => {
-      const name = path?.split(/[.[]/)[0]
-      const target = fields.find((f) => f.name === name)
-      const slot = target && !toggle.checked ? target.error : formError
-      slot.textContent = message
-      slot.hidden = false
-      target?.row.classList.add('invalid')
-    },
+    showError,
     clearErrors,
+    omit: (names, json) => {
+      if (!json && toggle.checked) {
+        // Back to the fields, with what the JSON view held.
+        toggle.checked = false
+        toggle.dispatchEvent(new Event('change'))
+      }
+      omitted = new Set(names)
+      jsonLabel.hidden = !json
+      showFields()
+    },
   }
 }

@@ -21,12 +21,27 @@ import {HttpError, ProtocolError} from '../errors.ts'
 import type {ErrorInfo, GeneratePartial, ToolInfo} from '../generated/types.ts'
 import {JobTracker, type JobEvent} from '../job.ts'
 import {fmt, h} from './dom.ts'
+import {stringifyExact} from './exact.ts'
 import type {Login} from './login.ts'
 import {renderResult, streamHeader} from './views.ts'
+
+/** How a job ended, when not with its result: as its card shows it. */
+export interface Failure {
+  code: string
+  message: string
+  field?: string | null | undefined
+  status?: number | undefined
+}
 
 export interface JobHooks {
   /** The gateway refused the params: show `message` on `field` in the form. */
   onRefused: (field: string | undefined, message: string) => void
+  /** Each `partial` event's payload, as it comes. */
+  onPartial?: (partial: unknown) => void
+  /** The result. */
+  onDone?: (result: unknown) => void
+  /** The job ended without a result (refused, failed, cancelled, lost): the error its card shows. */
+  onFailed?: (failure: Failure) => void
 }
 
 type Outcome = 'running' | 'done' | 'error' | 'cancelled'
@@ -62,7 +77,7 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
   const errorBox = h('div', {class: 'error', role: 'alert', hidden: true})
   const raw = h('pre', {class: 'json'})
   const rawBox = h('details', {class: 'raw', hidden: true}, h('summary', {}, 'JSON'), raw)
-  const request = h('details', {class: 'request'}, h('summary', {}, 'Request'), h('pre', {class: 'json'}, `GET ${url.pathname}\n${JSON.stringify(params, null, 2)}`))
+  const request = h('details', {class: 'request'}, h('summary', {}, 'Request'), h('pre', {class: 'json'}, `GET ${url.pathname}\n${stringifyExact(params, 2)}`))
   const card = h(
     'article',
     {class: 'job', 'data-tool': tool.name, 'data-state': 'running'},
@@ -80,7 +95,9 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
   )
   const ticker = setInterval(() => (elapsed.textContent = seconds(performance.now() - started)), 250)
 
+  let failure: Failure | undefined
   const finish = (outcome: Outcome) => {
+    if (card.dataset.state !== 'running') return
     source?.close()
     clearInterval(ticker)
     elapsed.textContent = seconds(performance.now() - started)
@@ -90,8 +107,10 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
     queue.hidden = true
     cancel.hidden = true
     remove.hidden = false
+    if (outcome !== 'done') hooks.onFailed?.(failure ?? {code: outcome, message: `the job ended ${outcome}`})
   }
   const showError = (error: {code: ErrorInfo['code'] | 'protocol' | 'stream_ended' | 'http_error' | 'unreachable'; message: string; field?: string | null | undefined}, status?: number) => {
+    failure = {code: error.code, message: error.message, field: error.field, status}
     errorBox.replaceChildren(
       h('span', {class: 'code'}, status ? `${status} ${error.code}` : error.code),
       ' ',
@@ -135,6 +154,7 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
         break
       case 'partial':
         showPartial(event.partial)
+        hooks.onPartial?.(event.partial)
         break
       case 'data':
         step('done', '', 'done')
@@ -146,6 +166,7 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
         raw.textContent = JSON.stringify(event.result, null, 2)
         rawBox.hidden = false
         finish('done')
+        hooks.onDone?.(event.result)
         break
       case 'error':
         step('error', event.error.code, 'failed')
@@ -333,12 +354,12 @@ export function runUrl(base: URL, tool: ToolInfo, params: Record<string, unknown
   const url = new URL(`${encodeURIComponent(tool.name)}/run`, base)
   const properties = (tool.params_schema as {properties?: Record<string, unknown>}).properties ?? {}
   if (!('params' in properties)) {
-    url.searchParams.set('params', JSON.stringify(params))
+    url.searchParams.set('params', stringifyExact(params))
     return url
   }
   for (const [key, value] of Object.entries(params)) {
     for (const item of Array.isArray(value) ? value : [value]) {
-      url.searchParams.append(key, typeof item === 'object' && item !== null ? JSON.stringify(item) : String(item))
+      url.searchParams.append(key, typeof item === 'object' && item !== null ? stringifyExact(item) : String(item))
     }
   }
   return url

@@ -2,8 +2,10 @@
 import {EXAMPLES, SAE_EXAMPLES} from '../examples.ts'
 import type {ToolInfo} from '../generated/types.ts'
 import {h} from './dom.ts'
-import {buildForm, type ToolForm} from './form.ts'
-import {startJob} from './jobs.ts'
+import {Chat, CHAT_INPUTS, takesMessages} from './chat.ts'
+import {parseExact, stringifyExact} from './exact.ts'
+import {buildForm, FieldError, type ToolForm} from './form.ts'
+import {startJob, type JobHooks} from './jobs.ts'
 import {Login} from './login.ts'
 import './style.css'
 
@@ -39,12 +41,6 @@ async function readiness(onReady: () => void, waited = false): Promise<void> {
   }
 }
 
-/** `GET /tools`, split: the tools the served model can run, and those it cannot (`unsupported` holds why). */
-async function listTools(): Promise<{runnable: ToolInfo[]; unsupported: ToolInfo[]}> {
-  const all = (await (await fetch(new URL('tools', base))).json()) as ToolInfo[]
-  return {runnable: all.filter((t) => !t.unsupported), unsupported: all.filter((t) => t.unsupported)}
-}
-
 /** The tools the model cannot run, kept out of the picker: their names on one line, the gateway's reasons under it. */
 function showUnsupported(box: HTMLDetailsElement, unsupported: ToolInfo[]): void {
   box.hidden = unsupported.length === 0
@@ -54,6 +50,48 @@ function showUnsupported(box: HTMLDetailsElement, unsupported: ToolInfo[]): void
   )
 }
 
+/** localStorage, where the browser lets the page use it; per gateway path, for gateways behind one origin. */
+const saved = {
+  get: (key: string): string | null => {
+    try {
+      return localStorage.getItem(`streamgate.${key}:${base.pathname}`)
+    } catch {
+      return null
+    }
+  },
+  set: (key: string, value: string): void => {
+    try {
+      localStorage.setItem(`streamgate.${key}:${base.pathname}`, value)
+    } catch {
+      // Storage disabled or full: the next load waits for /tools, as a first visit does.
+    }
+  },
+}
+
+/** `GET /tools` as text: parsed with every integer exact, and kept as it came for the next load. */
+async function fetchTools(): Promise<string> {
+  const response = await fetch(new URL('tools', base))
+  if (!response.ok) throw new Error(`GET /tools answered ${response.status}`)
+  return response.text()
+}
+
+/** A `GET /tools` answer, split: the tools the served model can run, and those it cannot (`unsupported` holds why). */
+function splitTools(text: string): {runnable: ToolInfo[]; unsupported: ToolInfo[]} {
+  const all = parseExact(text)
+  if (!Array.isArray(all)) throw new Error('GET /tools did not answer a list')
+  const tools = all as ToolInfo[]
+  return {runnable: tools.filter((t) => !t.unsupported), unsupported: tools.filter((t) => t.unsupported)}
+}
+
+/** A tool's part of the page: its form, and for a tool that takes a conversation, the chat and the switch to it. */
+interface ToolView {
+  element: HTMLElement
+  form: ToolForm
+  schema: string
+  chat?: Chat
+  chatting: () => boolean
+}
+
 async function main(): Promise<void> {
   const picker = $<HTMLSelectElement>('#tool')
   const unsupportedBox = $<HTMLDetailsElement>('#unsupported')
@@ -61,74 +99,146 @@ async function main(): Promise<void> {
   const formSlot = $<HTMLElement>('#form')
   const jobs = $<HTMLElement>('#jobs')
   const form = $<HTMLFormElement>('#run')
+  const runButton = form.querySelector<HTMLButtonElement>('button[type=submit]')!
+  const toolsState = $<HTMLElement>('#tools-state')
   const formError = $<HTMLElement>('#form-error')
   const login = new Login(base, $<HTMLFormElement>('#login'))
 
   let tools: ToolInfo[] = []
-  const forms = new Map<string, ToolForm>()
+  /** The tool asked for: by the URL, or the last one chosen here; a list that lacks it leaves it asked for. */
+  let chosen = decodeURIComponent(location.hash.slice(1)) || saved.get('tool') || ''
+  const views = new Map<string, ToolView>()
   const current = (): ToolInfo | undefined => tools.find((t) => t.name === picker.value) ?? tools[0]
+
+  /** Run `tool` with `params`: a new job card on top of the others. */
+  const launch = (tool: ToolInfo, toolForm: ToolForm, params: Record<string, unknown>, hooks: Partial<JobHooks> = {}, reveal = true) => {
+    const card = startJob(base, login, tool, params, {
+      onRefused: (field, message) => {
+        if (current()?.name === tool.name) toolForm.showError(field, message)
+      },
+      ...hooks,
+    })
+    jobs.prepend(card)
+    $<HTMLElement>('#empty').hidden = true
+    // On a narrow screen the jobs are below the form: bring the new one into view.
+    if (reveal && card.getBoundingClientRect().top > window.innerHeight) card.scrollIntoView({behavior: 'smooth', block: 'start'})
+  }
+
+  const viewOf = (tool: ToolInfo): ToolView => {
+    const schema = stringifyExact(tool.params_schema)
+    const kept = views.get(tool.name)
+    if (kept?.schema === schema) return kept
+    // The SAE tools' examples only matter when the gateway lists them (it serves an SAE).
+    const examples = {...EXAMPLES, ...SAE_EXAMPLES} as unknown as Record<string, Record<string, unknown> | undefined>
+    const toolForm = buildForm(tool, examples[tool.name] ?? {})
+    let view: ToolView = {element: toolForm.element, form: toolForm, schema, chatting: () => false}
+    if (takesMessages(tool)) {
+      const chat = new Chat(toolForm, (params, hooks) => launch(tool, toolForm, params, hooks, false))
+      const mode = (value: string, label: string) =>
+        h('label', {}, h('input', {type: 'radio', name: `mode-${tool.name}`, value, checked: value === 'prompts'}), label)
+      const modes = h('div', {class: 'modes', role: 'radiogroup', 'aria-label': 'input'}, mode('prompts', 'Prompts'), mode('chat', 'Chat'))
+      const chatting = () => modes.querySelector<HTMLInputElement>('input[value=chat]')!.checked
+      const sync = () => {
+        for (const label of modes.querySelectorAll('label')) label.classList.toggle('on', label.querySelector('input')!.checked)
+        chat.element.hidden = !chatting()
+        toolForm.omit(chatting() ? CHAT_INPUTS : ['messages'], !chatting())
+        runButton.hidden = chatting()
+      }
+      modes.addEventListener('change', sync)
+      sync()
+      view = {element: h('div', {class: 'tool-view'}, modes, chat.element, toolForm.element), form: toolForm, schema, chat, chatting}
+    }
+    views.set(tool.name, view)
+    return view
+  }
+
   const show = () => {
     const tool = current()
-    form.querySelector<HTMLButtonElement>('button[type=submit]')!.disabled = !tool
+    runButton.disabled = !tool
+    runButton.hidden = false
     if (!tool) {
       description.textContent = 'The served model can run none of the tools.'
       formSlot.replaceChildren()
       return
     }
-    let toolForm = forms.get(tool.name)
-    if (!toolForm) {
-      // The SAE tools' examples only matter when the gateway lists them (it serves an SAE).
-      const examples = {...EXAMPLES, ...SAE_EXAMPLES} as unknown as Record<string, Record<string, unknown> | undefined>
-      toolForm = buildForm(tool, examples[tool.name] ?? {})
-      forms.set(tool.name, toolForm)
-    }
+    const view = viewOf(tool)
     description.textContent = tool.description
-    formSlot.replaceChildren(toolForm.element)
-    formError.hidden = true
+    // The same form again (a fresh /tools with its schema unchanged): left in place, so what is typed, and focus, stay.
+    if (formSlot.firstElementChild !== view.element) {
+      formSlot.replaceChildren(view.element)
+      formError.hidden = true
+    }
+    runButton.hidden = view.chatting()
     if (location.hash.slice(1) !== tool.name) history.replaceState(null, '', `#${tool.name}`)
   }
-  /** Fill the picker with the tools the model can run, keeping the chosen one (or the URL's) when it still is one. */
-  const offer = ({runnable, unsupported}: Awaited<ReturnType<typeof listTools>>) => {
-    const wanted = picker.value || decodeURIComponent(location.hash.slice(1))
+  /**
+   * Fill the picker with the tools the model can run, showing the one chosen when it is one.
+   * `from`: the last answer kept here, or the gateway's own.
+   */
+  const offer = (text: string, from: 'saved' | 'gateway') => {
+    const {runnable, unsupported} = splitTools(text)
     tools = runnable
-    picker.replaceChildren(...tools.map((t) => h('option', {value: t.name}, t.name)))
-    if (tools.some((t) => t.name === wanted)) picker.value = wanted
+    const names = tools.map((t) => t.name)
+    if ([...picker.options].map((o) => o.value).join() !== names.join()) picker.replaceChildren(...names.map((name) => h('option', {value: name}, name)))
+    picker.disabled = false
+    if (names.includes(chosen)) {
+      picker.value = chosen
+      saved.set('tool', chosen)
+    }
     showUnsupported(unsupportedBox, unsupported)
+    form.dataset.tools = from
+    toolsState.hidden = true
     show()
   }
 
-  picker.addEventListener('change', show)
+  picker.addEventListener('change', () => {
+    chosen = picker.value
+    saved.set('tool', chosen)
+    show()
+  })
 
   form.addEventListener('submit', (event) => {
     event.preventDefault()
     const tool = current()
     if (!tool) return
-    const toolForm = forms.get(tool.name)!
+    const view = viewOf(tool)
+    if (view.chat && view.chatting()) {
+      view.chat.send()
+      return
+    }
+    const toolForm = view.form
     toolForm.clearErrors()
     formError.hidden = true
     let params: Record<string, unknown>
     try {
       params = toolForm.read()
     } catch (error) {
-      toolForm.showError(undefined, (error as Error).message)
+      toolForm.showError(error instanceof FieldError ? error.field : undefined, (error as Error).message)
       return
     }
-    const card = startJob(base, login, tool, params, {
-      onRefused: (field, message) => {
-        if (current()?.name === tool.name) toolForm.showError(field, message)
-      },
-    })
-    jobs.prepend(card)
-    $<HTMLElement>('#empty').hidden = true
-    // On a narrow screen the jobs are below the form: bring the new one into view.
-    if (card.getBoundingClientRect().top > window.innerHeight) card.scrollIntoView({behavior: 'smooth', block: 'start'})
+    launch(tool, toolForm, params)
   })
 
+  // The last answer kept here draws the form at once; the gateway's own answer replaces it when it comes.
+  const kept = saved.get('tools')
+  if (kept) {
+    try {
+      offer(kept, 'saved')
+    } catch {
+      // Not a list of tools after all: wait for the gateway's.
+    }
+  }
   const list = () =>
-    listTools().then(offer, (error: Error) => {
-      formError.textContent = `could not list the tools: ${error.message}`
-      formError.hidden = false
-    })
+    fetchTools()
+      .then((text) => {
+        offer(text, 'gateway')
+        saved.set('tools', text)
+      })
+      .catch((error: Error) => {
+        formError.textContent = `could not list the tools: ${error.message}`
+        formError.hidden = false
+        toolsState.hidden = true
+      })
   // While a local model loads, the gateway cannot yet say what it cannot run (nor while it cannot be
   // reached): list the tools again once it is ready.
   void readiness(() => void list())

@@ -62,14 +62,19 @@ export function renderResult(tool: string, result: unknown, params: unknown): No
 // -- text tools --------------------------------------------------------------
 
 function generateView(result: GenerateResult, params: GenerateParams): Node {
+  const messages = params.messages ?? []
+  const asked = [...messages].reverse().find((m) => m.role === 'user')
   return h(
     'div',
     {class: 'generated'},
+    messages.length
+      ? h('p', {class: 'muted chat-context'}, `The reply to ${messages.length === 1 ? 'one message' : `${messages.length} messages`}`, asked ? [', the last: ', h('q', {}, asked.content)] : '')
+      : null,
     result.completions.map((text, i) =>
       h(
         'p',
         {class: 'completion'},
-        h('span', {class: 'prompt'}, params.prompts[i] ?? ''),
+        h('span', {class: 'prompt'}, params.prompts?.[i] ?? ''),
         h('span', {class: 'completion-text'}, text),
         h('span', {class: 'finish', title: 'finish reason'}, result.finish_reasons[i] ?? ''),
       ),

@@ -10,13 +10,10 @@ import {WEB} from './gateway.ts'
 
 export const CHROMIUM = process.env.CHROMIUM_PATH ?? '/usr/bin/chromium'
 export const ARTIFACTS = join(WEB, 'test-artifacts')
-const found = existsSync(CHROMIUM)
-if (!found && process.env.STREAMGATE_REQUIRE_BROWSER) {
+// The browser tests are part of every run: without Chromium they fail, never skip.
+if (!existsSync(CHROMIUM)) {
   throw new Error(`no Chromium at ${CHROMIUM}: install Debian's \`chromium\` (apt-get install chromium) or set CHROMIUM_PATH`)
 }
-
-/** The `skip` of a suite that needs the browser (CI sets STREAMGATE_REQUIRE_BROWSER, so it never skips there). */
-export const SKIP: string | false = found ? false : `no Chromium at ${CHROMIUM} (apt-get install chromium)`
 
 /** A headless Chromium with its profile in `profile`; screenshots go to ARTIFACTS. */
 export function launch(profile: string): Promise<BrowserContext> {

@@ -1,6 +1,6 @@
 /** A real gateway for tests: `streamgate serve` on the tiny model (or another), on a free loopback port. */
 import {execFileSync, spawn, type ChildProcess} from 'node:child_process'
-import {existsSync, mkdtempSync} from 'node:fs'
+import {cpSync, existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync} from 'node:fs'
 import {createServer} from 'node:net'
 import {tmpdir} from 'node:os'
 import {dirname, join} from 'node:path'
@@ -26,6 +26,30 @@ export function buildModel(kind: string, path: string): string {
   return path
 }
 
+/** ChatML, as SmolLM2 and Qwen write it: for a copy of the tiny model that must have a chat template. */
+const CHATML =
+  "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}" +
+  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+
+/**
+ * A copy of the tiny model at `path` whose tokenizer has a chat template (`chat`: its own, or
+ * ChatML where it has none) or has none (the gateway then refuses `messages`).
+ */
+export function tinyModelCopy(path: string, chat: boolean): string {
+  cpSync(tinyModel(), path, {recursive: true})
+  const jinja = join(path, 'chat_template.jinja')
+  const configPath = join(path, 'tokenizer_config.json')
+  const config = JSON.parse(readFileSync(configPath, 'utf8')) as {chat_template?: unknown}
+  if (chat) {
+    if (!existsSync(jinja) && !config.chat_template) writeFileSync(jinja, CHATML)
+  } else {
+    rmSync(jinja, {force: true})
+    delete config.chat_template
+    writeFileSync(configPath, JSON.stringify(config, null, 2))
+  }
+  return path
+}
+
 export async function freePort(): Promise<number> {
   return new Promise((resolve, reject) => {
     const server = createServer()
@@ -44,14 +68,14 @@ export interface Gateway {
   stop: () => Promise<void>
 }
 
-/** `streamgate serve` on `model` (the tiny Llama unless given), with `args` after the defaults. */
-export async function startGateway(args: string[] = [], model = tinyModel()): Promise<Gateway> {
+/** `streamgate serve` on `model` (the tiny Llama unless given), with `args` after the defaults and `env` added to its environment. */
+export async function startGateway(args: string[] = [], model = tinyModel(), env: Record<string, string> = {}): Promise<Gateway> {
   const port = await freePort()
   const url = `http://127.0.0.1:${port}`
   const child: ChildProcess = spawn(
     join(VENV, 'bin', 'streamgate'),
     ['serve', '--model', model, '--device', 'cpu', '--host', '127.0.0.1', '--port', String(port), '--log-level', 'warning', ...args],
-    {stdio: ['ignore', 'pipe', 'pipe'], env: {...process.env, PYTHONUNBUFFERED: '1'}},
+    {stdio: ['ignore', 'pipe', 'pipe'], env: {...process.env, PYTHONUNBUFFERED: '1', ...env}},
   )
   let output = ''
   child.stdout?.on('data', (b: Buffer) => (output += b.toString()))
