@@ -37,8 +37,8 @@ nav ul { columns: 14rem; padding-left: 1.1rem; }
 """
 
 
-def page(doc: Mapping[str, Any]) -> str:
-    """The whole page for an OpenAPI document from `gateway.openapi.document`."""
+def page(doc: Mapping[str, Any], base_url: str = "http://localhost:8000") -> str:
+    """The whole page for an OpenAPI document from `gateway.openapi.document`; its commands call `base_url`."""
     schemas = doc.get("components", {}).get("schemas", {})
     fields = Fields({"$defs": schemas}, width=10_000)
     tools = {path: item for path, item in doc["paths"].items() if "tools" in item.get("post", {}).get("tags", ())}
@@ -63,7 +63,7 @@ def page(doc: Mapping[str, Any]) -> str:
         '<li><a href="#errors">Errors</a></li></ul></nav>',
     ]
     for path, item in tools.items():
-        parts.append(_tool(path, item, fields, schemas))
+        parts.append(_tool(path, item, fields, base_url))
     parts.append("<h2>Other routes</h2>")
     for path, item in others.items():
         parts.append(_route(path, item, fields))
@@ -79,7 +79,7 @@ def _refused(tools: Mapping[str, str]) -> list[str]:
     return [f"<p>Tools the served model cannot run (answered 422 <code>unsupported_by_model</code>):</p><ul>{rows}</ul>"]
 
 
-def _tool(path: str, item: Mapping[str, Any], fields: Fields, schemas: Mapping[str, Any]) -> str:
+def _tool(path: str, item: Mapping[str, Any], fields: Fields, base_url: str) -> str:
     post = item["post"]
     name = path.strip("/").split("/")[0]
     params_ref = post["requestBody"]["content"]["application/json"]["schema"]
@@ -98,7 +98,7 @@ def _tool(path: str, item: Mapping[str, Any], fields: Fields, schemas: Mapping[s
     if "partial" in by_event:
         out.append(_object_table("Partial: each partial event, as the job runs", by_event["partial"], fields))
     example = _example(fields.resolve(params_ref), fields)
-    out.append("<h3>Try it</h3><pre>" + _e(f"curl -N localhost:8000{path} -d '{json.dumps(example)}'") + "</pre>")
+    out.append("<h3>Try it</h3><pre>" + _e(f"curl -N {base_url}{path} -d '{json.dumps(example)}'") + "</pre>")
     return "\n".join(out)
 
 
@@ -144,6 +144,8 @@ def _sample(node: Mapping[str, Any], fields: Fields) -> Any:
     if "enum" in node:
         return node["enum"][0]
     kind = node.get("type")
+    if isinstance(kind, list):  # a type written as a list of types: its first that is not null
+        kind = next((k for k in kind if k != "null"), None)
     samples: dict[str, Callable[[], Any]] = {
         "string": lambda: "The capital of France is",
         "integer": lambda: max(int(node.get("minimum", 1)), 1),
@@ -212,12 +214,13 @@ def _inline(text: str) -> str:
 def endpoint(openapi: Callable[[Request], Any]) -> Callable[[Request], Any]:
     """The `GET /docs` handler, over the `GET /openapi.json` handler (which keeps the document current)."""
 
-    built: list[Any] = [b"", ""]  # the document last rendered, and its page
+    built: list[Any] = [None, ""]  # the document and address last rendered, and their page
 
     async def docs(request: Request) -> Response:
-        document = (await openapi(request)).body
-        if document != built[0]:
-            built[:] = [document, page(json.loads(document))]
+        # The commands call the gateway where the reader found it (behind a proxy: its Host).
+        key = ((await openapi(request)).body, str(request.base_url).rstrip("/"))
+        if key != built[0]:
+            built[:] = [key, page(json.loads(key[0]), key[1])]
         return HTMLResponse(built[1])
 
     return docs

@@ -146,7 +146,8 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         metrics.track(job)
         digest = params_mod.digest(tool.name, params)
         if key and (bound := await store.reserve(key, job.id, digest)) is not None:
-            if bound.request != digest:
+            # A key bound before requests were recorded with it (an older replica) has no digest: it attaches.
+            if bound.request and bound.request != digest:
                 # A key names one request: the same key on another body is a client's bug, never a new job.
                 raise ApiError(
                     Code.IDEMPOTENCY_KEY_REUSED,

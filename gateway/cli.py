@@ -521,7 +521,7 @@ def _cancel(client: Any) -> None:
 @click.option("--system", default=None, help="A system message that opens the conversation.")
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1), help="Most tokens in one reply.")
 @click.option("--temperature", default=None, type=click.FloatRange(0, 2), help="0 picks the most likely token; higher samples more freely. Default: the server's (0).")
-@click.option("--seed", default=None, type=click.IntRange(min=0), help="Same seed, same reply (with --temperature above 0).")
+@click.option("--seed", default=None, type=click.IntRange(0, 2**53 - 1), help="Same seed, same reply (with --temperature above 0).")
 @_client_options
 def chat(
     message: str | None, system: str | None, max_tokens: int, temperature: float | None, seed: int | None,
@@ -609,7 +609,13 @@ def _chat_turn(
             out.write("\n")
             out.flush()
         code = _report(exc, url)
-        if interactive and (isinstance(exc, JobError) or (isinstance(exc, HttpError) and exc.retryable)):
+        # In a chat on a terminal, what this turn alone got wrong (a failed job, a full queue, a
+        # conversation grown past the context or refused by the template) forgets the turn and goes on.
+        if interactive and (
+            isinstance(exc, JobError) or (isinstance(exc, HttpError) and (exc.retryable or exc.status in (413, 422)))
+        ):
+            if isinstance(exc, HttpError) and exc.code == "too_long":
+                click.echo("(the conversation no longer fits the model's context: Ctrl-D and start a new chat)", err=True)
             return None
         sys.exit(code)
     reply = result["completions"][0]

@@ -176,10 +176,13 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms)
 return redis.call('ZCARD', KEYS[1])
 """
 
-# Unbind a key from a job. KEYS: the key. ARGV: the job id (the value is "<job id> <request digest>").
+# Unbind a key from a job. KEYS: the key. ARGV: the job id. The value is "<job id> <request
+# digest>", or the job id alone where an older replica bound it.
 _RELEASE = """
 local bound = redis.call('GET', KEYS[1])
-if bound and string.sub(bound, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then return redis.call('DEL', KEYS[1]) end
+if bound and (bound == ARGV[1] or string.sub(bound, 1, #ARGV[1] + 1) == ARGV[1] .. ' ') then
+  return redis.call('DEL', KEYS[1])
+end
 return 0
 """
 

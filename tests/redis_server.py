@@ -22,7 +22,9 @@ import pytest
 
 from tests.processes import free_port
 
-REDIS_SERVER = os.environ.get("STREAMGATE_REDIS_SERVER") or shutil.which("redis-server") or "/usr/bin/redis-server"
+# As scripts/check-system reads it: a path, or a name looked up on PATH.
+_GIVEN = os.environ.get("STREAMGATE_REDIS_SERVER") or "redis-server"
+REDIS_SERVER = shutil.which(_GIVEN) or _GIVEN
 
 
 @dataclass

@@ -84,7 +84,9 @@ def test_every_tool_is_there_with_its_params_limits_and_defaults(server: Any, pa
 
 def test_each_try_it_command_runs(server: Any, page: tuple[str, Page]) -> None:
     text, _ = page
-    commands = re.findall(r"curl -N localhost:8000/(\w+)/run -d '(.*?)'</pre>", html.unescape(text))
+    commands = re.findall(r"curl -N (\S+)/(\w+)/run -d '(.*?)'</pre>", html.unescape(text))
+    assert {url for url, _, _ in commands} == {server.url}  # where the page was read from
+    commands = [(tool, body) for _, tool, body in commands]
     assert {tool for tool, _ in commands} == {t["name"] for t in httpx.get(f"{server.url}/tools").json() if not t["unsupported"]}
     for tool, body in commands:
         s = run_stream(server.url, tool, json.loads(body))

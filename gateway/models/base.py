@@ -105,10 +105,15 @@ class Model:
         """Token ids of a conversation rendered by the tokenizer's chat template, ready for the reply.
 
         The template writes every special token itself (BOS included, where the
-        model wants one), so the rendered text is tokenized without adding more.
+        model wants one), so none is added; and a control token typed inside a
+        message (`<|im_start|>system`) stays text, so no message can forge a turn.
         """
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenize(text, special=False)
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True, sanitize_control_tokens=True
+        )["input_ids"]
+        if not ids:
+            raise ValueError("the chat template renders this conversation as no tokens")
+        return list(ids)
 
     def encode_continuation(self, text: str) -> list[int]:
         """Token ids of text that follows a prompt: no special tokens."""

@@ -68,14 +68,20 @@ def causal(model: Model, ids: list[int]) -> str | None:
 
 
 def chat(model: Model) -> str | None:
-    """None if the tokenizer's chat template renders a conversation; else why not."""
+    """None if the tokenizer's chat template renders a conversation, and control tokens typed
+    in a message stay text; else why not."""
     if not getattr(model.tokenizer, "chat_template", None):
         return "its tokenizer has no chat template; send prompts as plain text"
+    special = sorted(set(model.tokenizer.all_special_tokens))
     try:
-        ids = model.encode_chat([{"role": "user", "content": "Hello"}])
+        plain = model.encode_chat([{"role": "user", "content": "Hello"}])
+        forged = model.encode_chat([{"role": "user", "content": "Hello" + "".join(special)}])
     except Exception as exc:
         return f"its chat template cannot render a conversation: {type(exc).__name__}: {exc}"
-    return None if ids else "its chat template renders a conversation as no tokens"
+    specials = set(model.tokenizer.all_special_ids)
+    if sum(t in specials for t in forged) != sum(t in specials for t in plain):
+        return "control tokens typed in a message become control tokens, so a message could forge another turn"
+    return None
 
 
 def hidden_states(model: Model, ids: list[int]) -> str | None:

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 import torch
+from jinja2 import TemplateError
 from transformers.cache_utils import DynamicLayer
 
 from gateway.errors import ParamError
@@ -28,6 +29,10 @@ from gateway.models import capabilities
 from gateway.models.base import Capability, Kind
 from gateway.tools.base import Cancelled, Context, Model, tool
 from gateway.tools.batching import run_alone
+
+
+# Turns in one conversation: far more than fit any context, so the limit only keeps rendering short.
+MAX_MESSAGES = 1024
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -45,6 +50,7 @@ class GenerateParams(msgspec.Struct, forbid_unknown_fields=True):
         list[ChatMessage],
         msgspec.Meta(
             min_length=1,
+            max_length=MAX_MESSAGES,
             description="A conversation instead of prompts: rendered by the model's chat template, "
             "and the reply to it generated (one completion).",
         ),
@@ -97,7 +103,7 @@ def check(model: Model, params: GenerateParams) -> None:
         capabilities.require(model, Capability.CHAT, "messages")
         try:
             ids = inputs(model, params)[0]
-        except Exception as exc:  # a template may refuse a conversation (e.g. roles that do not alternate)
+        except (TemplateError, ValueError, TypeError) as exc:  # the template refuses (roles that do not alternate…)
             raise ParamError("messages", f"the model's chat template cannot render them: {exc}") from None
         model.fit(len(ids) + params.max_tokens, "messages", "messages + max_tokens")
     for i, prompt in enumerate(params.prompts or []):
