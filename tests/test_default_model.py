@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from backends import model as models
@@ -70,3 +71,25 @@ def test_the_lens_finds_paris_in_the_last_layers(smol):
     assert " Paris" not in tops[:10]  # early layers have not got there yet
     paris = [row[0] for row in lens["tracked"][" Paris"]]
     assert paris[-1] > 0.5 and max(paris[:20]) < 0.01
+
+
+def test_the_documented_chat_is_the_reply_transformers_generates(smol):
+    """README's chat example: the reply equals greedy decoding of the template's rendering in plain transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    messages = [
+        {"role": "system", "content": "You answer in one sentence."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    out = run_stream(smol.url, "generate", {"messages": messages, "max_tokens": 32}).terminal["data"]
+    assert "chat" in httpx.get(f"{smol.url}/readyz").json()["capabilities"]
+    path = models.converted_path(models.resolve(None), models.cache_root())
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        generated = model.generate(**ids, do_sample=False, max_new_tokens=32)
+    reply = tok.decode(generated[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert out["completions"] == [reply] and "Paris" in reply
+    assert out["usage"]["prompt_tokens"] == ids["input_ids"].shape[1]
