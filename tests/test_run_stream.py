@@ -75,9 +75,10 @@ def test_tools_lists_generated_schemas(server):
     assert gen["streams_partial"] is True
     props = gen["params_schema"]["properties"]
     assert props["max_tokens"]["maximum"] == 512  # the server's cap, applied to the schema
-    assert props["prompts"]["maxItems"] == 32
+    (prompts,) = [v for v in props["prompts"]["anyOf"] if v["type"] == "array"]  # prompts, or messages
+    assert prompts["maxItems"] == 32
     assert props["temperature"]["maximum"] == 2
-    assert gen["params_schema"]["required"] == ["prompts"]
+    assert not gen["params_schema"].get("required")  # prompts or messages: the tool checks there is one
     assert set(gen["result_schema"]["properties"]) == {"completions", "usage", "finish_reasons"}
     assert by_name["predict"]["streams_partial"] is False
 

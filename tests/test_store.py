@@ -196,13 +196,13 @@ async def test_retention(store_kind: str, replicas: Any) -> None:
     job.succeed({"text": "hi"})
     await asyncio.sleep(0.1)
     assert await a.store.get(job.id) is job
-    assert await a.store.reserve(k, "other") == job.id
+    assert await a.store.reserve(k, "other", "request") == (job.id, "request")
     for _ in range(300):  # the memory store sweeps once a second
         if await a.store.get(job.id) is None:
             break
         await asyncio.sleep(0.01)
     assert await a.store.get(job.id) is None
-    assert await a.store.reserve(k, "other") is None  # the key was forgotten with its job
+    assert await a.store.reserve(k, "other", "request") is None  # the key was forgotten with its job
 
 
 # -- only a shared store: two replicas on one Redis ---------------------------------------------
@@ -322,7 +322,7 @@ async def test_redis_unreachable(replicas: Any) -> None:
     a = await replicas("redis", url=f"redis://127.0.0.1:{free_port()}/0")
     assert a.store.problem is not None and "unreachable" in a.store.problem
     with pytest.raises(ApiError) as refused:
-        await a.store.reserve(key(), "job")
+        await a.store.reserve(key(), "job", "request")
     assert refused.value.status == 503 and refused.value.code is Code.NOT_READY
     job = Job("echo", {"text": "hi"})
     with pytest.raises(ApiError) as refused:
