@@ -124,7 +124,7 @@ def test_tools_tool_describes_its_params(gateway):
     assert params["prompts"][1] == f"list ({prompts['minItems']} to {prompts['maxItems']} items) of string, or null"
     # A list of objects: its items' fields under it, behind their $ref.
     messages = params["messages"]
-    assert messages[1] == "list (at least 1 item) of ChatMessage, or null"
+    assert messages[1] == "list (1 to 1024 items) of ChatMessage, or null"
     nested = messages[messages.index("ChatMessage:") + 1:]
     assert nested[:2] == ["role (required)", 'one of "assistant", "system", "user"']
     assert nested[3:5] == ["content (required)", "string"]
