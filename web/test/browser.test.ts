@@ -113,6 +113,10 @@ describe('the dashboard', () => {
     const requests = gateway.output().match(/"GET \/generate\/run\?params=[^"]*Once/g) ?? []
     assert.equal(requests.length, 1, gateway.output())
     assert.deepEqual(pageErrors(page), [])
+    // The header's link to the API's own page, served by the gateway.
+    await page.click('a.docs')
+    assert.match(await page.locator('h1').innerText(), /streamgate API/)
+    assert.equal(await page.locator('h2#generate').count(), 1)
     await page.close()
   })
 
