@@ -26,7 +26,7 @@ from starlette.staticfiles import StaticFiles
 
 from backends.base import Backend
 from gateway import params as params_mod
-from gateway.auth import Auth, load_principals
+from gateway.auth import Auth, Principal, load_principals
 from gateway.config import Settings
 from gateway.drain import Drain, on_sigterm
 from gateway.errors import ApiError, api_error_handler, http_error_handler
@@ -126,13 +126,20 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
 
     async def run(request: Request) -> Response:
         principal = auth.authenticate(request)
-        resumed = _last_event_id(request)
-        if resumed is not None and request.method == "GET":
-            # An EventSource reconnecting to the URL it first opened: the same job, not a new one.
-            return _resume(await _job(resumed[0]), resumed[1])
-        drain.refuse()
         tool = backend.tool(request.path_params["tool"])
         auth.authorize(principal, tool.name)
+        resumed = _last_event_id(request)
+        if resumed is not None and (request.method == "GET" or not request.headers.get("idempotency-key")):
+            # A client reconnecting to the URL it first opened: an EventSource (GET), or a POST sent
+            # again by a retrying client (fetch-event-source sends Last-Event-ID, no key). The same job.
+            job = await _job(resumed[0], principal)
+            if job.snapshot().tool != tool.name:
+                raise ApiError(
+                    Code.BAD_REQUEST,
+                    f"Last-Event-ID {resumed[0]}:{resumed[1]} is an event of a {job.snapshot().tool} job, not of {tool.name}",
+                )
+            return _resume(job, resumed[1])
+        drain.refuse()
         if request.method == "POST":
             params = params_mod.decode_body(tool, await params_mod.read_body(request, settings.max_body_bytes))
         else:
@@ -142,7 +149,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         given = request.headers.get("idempotency-key")
         # Per token: one token cannot attach to another's job by guessing its key.
         key = f"{principal.name if principal else ''}:{given}" if given else None
-        job = Job(tool.name, params)
+        job = Job(tool.name, params, owner=principal.name if principal else None)
         metrics.track(job)
         digest = params_mod.digest(tool.name, params)
         if key and (bound := await store.reserve(key, job.id, digest)) is not None:
@@ -156,7 +163,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
                 )
             # The same request again (a client replaying its POST): attach to the job it started.
             after = resumed[1] if resumed is not None and resumed[0] == bound.job_id else 0
-            return _resume(await _job(bound.job_id), after)
+            return _resume(await _job(bound.job_id, principal), after)
         try:
             release = auth.limits.admit(principal)
         except ApiError:
@@ -176,9 +183,10 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         await store.add(job)
         return follow(job)
 
-    async def _job(job_id: str) -> JobHandle:
+    async def _job(job_id: str, principal: Principal | None) -> JobHandle:
         job = await store.get(job_id)
-        if job is None:
+        # Another token's job is answered as an unknown one: its existence is not the caller's to learn.
+        if job is None or not auth.sees(principal, job.snapshot().owner):
             raise ApiError(Code.NOT_FOUND, f"no job {job_id} (unknown, or finished more than {settings.retention:g} s ago)")
         return job
 
@@ -189,21 +197,18 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         return follow(job, after)
 
     async def job_events(request: Request) -> Response:
-        auth.authenticate(request)
-        job = await _job(request.path_params["job_id"])
+        job = await _job(request.path_params["job_id"], auth.authenticate(request))
         resumed = _last_event_id(request)
         if resumed is not None and resumed[0] != job.id:
             raise ApiError(Code.BAD_REQUEST, f"Last-Event-ID {resumed[0]}:{resumed[1]} is not an event of job {job.id}")
         return _resume(job, resumed[1] if resumed else 0)
 
     async def job_snapshot(request: Request) -> Response:
-        auth.authenticate(request)
-        job = await _job(request.path_params["job_id"])
+        job = await _job(request.path_params["job_id"], auth.authenticate(request))
         return Response(encode(job.snapshot()), media_type="application/json")
 
     async def cancel_job(request: Request) -> Response:
-        auth.authenticate(request)
-        job = await _job(request.path_params["job_id"])
+        job = await _job(request.path_params["job_id"], auth.authenticate(request))
         running = not job.done
         if running:
             await store.cancel(job)

@@ -23,6 +23,11 @@ query is refused outright rather than ignored.
 
 Limits are counted by each gateway process; behind several replicas a token
 gets its limits at each one.
+
+A job belongs to the token that started it (`JobSnapshot.owner`): every job
+route answers another token 404, exactly as for an id that does not exist, so
+that a job's existence leaks nothing. A token with `admin = true` in the
+tokens file sees and cancels every job, for operators.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class Principal:
     tools: frozenset[str] | None = None  # None: every tool
     max_concurrent: int | None = None
     jobs_per_minute: int | None = None
+    admin: bool = False  # sees and cancels every token's jobs (operators)
 
     @property
     def digest(self) -> bytes:
@@ -85,12 +91,14 @@ def load_principals(
             where = f"--tokens-file {tokens_file}: [tokens.{name}]"
             if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
                 raise AuthConfigError(f"{where}: needs token = \"…\"")
-            unknown = set(entry) - {"token", "tools", "max_concurrent", "jobs_per_minute"}
+            unknown = set(entry) - {"token", "tools", "max_concurrent", "jobs_per_minute", "admin"}
             if unknown:
                 raise AuthConfigError(f"{where}: unknown keys {sorted(unknown)}")
             tools = entry.get("tools")
             if tools is not None and not (isinstance(tools, list) and all(isinstance(t, str) for t in tools)):
                 raise AuthConfigError(f"{where}: tools must be a list of tool names")
+            if not isinstance(entry.get("admin", False), bool):
+                raise AuthConfigError(f"{where}: admin must be true or false")
             for key in ("max_concurrent", "jobs_per_minute"):
                 value = entry.get(key)
                 if value is not None and not (isinstance(value, int) and value >= 1):
@@ -102,6 +110,7 @@ def load_principals(
                     tools=frozenset(tools) if tools is not None else None,
                     max_concurrent=entry.get("max_concurrent", max_concurrent),
                     jobs_per_minute=entry.get("jobs_per_minute", jobs_per_minute),
+                    admin=entry.get("admin", False),
                 )
             )
     for i, item in enumerate(t.strip() for t in tokens):
@@ -155,6 +164,10 @@ class Auth:
                 raise _unauthorized("a ticket is only for GET streams; send `Authorization: Bearer …`")
             return self._check_ticket(ticket)
         raise _unauthorized("this gateway needs `Authorization: Bearer <token>` (or, for a GET stream, ?ticket=)")
+
+    def sees(self, principal: Principal | None, owner: str | None) -> bool:
+        """Whether `principal` may see (read, follow, cancel) a job started by the token named `owner`."""
+        return principal is None or principal.admin or owner == principal.name
 
     def authorize(self, principal: Principal | None, tool: str) -> None:
         """403 if `principal` may not use `tool`."""

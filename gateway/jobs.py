@@ -50,9 +50,10 @@ PROGRESS_INTERVAL_S = 0.1  # RUNNING frames are coalesced to at most ~10/s per j
 class Job:
     """One run of one tool, from RECEIVED to its terminal event."""
 
-    def __init__(self, tool: str, params: Any, job_id: str | None = None) -> None:
+    def __init__(self, tool: str, params: Any, job_id: str | None = None, owner: str | None = None) -> None:
         self.id = job_id or uuid.uuid4().hex
         self.tool = tool
+        self.owner = owner  # the token's name that started it; None without tokens
         self.params = params
         self.created = now()
         self.started: float | None = None
@@ -186,6 +187,7 @@ class Job:
             progress=self.last_progress,
             last_event_id=self.events[-1].id if self.events else None,
             terminal=TerminalEvent(terminal.type.value, msgspec.Raw(terminal.data)) if terminal else None,
+            owner=self.owner,
         )
 
     # -- following ------------------------------------------------------------

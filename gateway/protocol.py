@@ -153,6 +153,8 @@ class JobSnapshot(msgspec.Struct, omit_defaults=True):
     progress: Progress | None = None
     last_event_id: str | None = None
     terminal: TerminalEvent | None = None
+    # The name of the token that started the job (none without tokens): only it, or an admin, sees the job.
+    owner: str | None = None
 
 
 class Event(msgspec.Struct, frozen=True):

@@ -157,6 +157,7 @@ export interface JobSnapshot {
   progress?: Progress | null
   last_event_id?: string | null
   terminal?: TerminalEvent | null
+  owner?: string | null
 }
 
 /**

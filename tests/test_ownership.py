@@ -1,0 +1,162 @@
+"""Whose job is whose: every job route answers another token as for an unknown job, an admin
+sees them all, and a resume is checked like a run (its tool, its owner). Real servers on
+loopback; across two gateway replicas on a real Redis too."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import make_server, run_stream, track_jobs, wait_until
+from gateway.tools import load_module
+from tests.redis_server import RedisServer, redis_server  # noqa: F401
+from tests.test_redis_replicas import read_some, slow_echo
+from tests.user_tools import echo
+
+ALICE = "alice-token-0123456789abcdef"
+BOB = "bob-token-0123456789abcdef00"
+CAROL = "carol-token-0123456789abcdef"  # an operator: admin = true
+TOKENS = f"""
+[tokens.alice]
+token = "{ALICE}"
+
+[tokens.bob]
+token = "{BOB}"
+tools = ["predict", "echo"]
+
+[tokens.carol]
+token = "{CAROL}"
+admin = true
+"""
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture(scope="module")
+def tokens_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tokens") / "tokens.toml"
+    path.write_text(TOKENS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_model_path: Path, tokens_file: Path) -> Any:
+    server = make_server(tiny_model_path, tools=[echo], tokens_file=str(tokens_file), detach_grace=30)
+    yield server
+    server.stop()
+
+
+def started(url: str, token: str, tool: str = "echo", params: Any = None, n: int = 3) -> tuple[str, list[dict[str, Any]]]:
+    """Start a job as `token`, read its first `n` events and hang up (it runs on); its id and events."""
+    headers, events = read_some(url, f"/{tool}/run", n, method="POST", json=params or slow_echo(40), headers=bearer(token))
+    return headers["x-job-id"], events
+
+
+def test_another_tokens_job_is_answered_as_an_unknown_one(gateway: Any) -> None:
+    job_id, events = started(gateway.url, ALICE)
+    unknown = uuid.uuid4().hex
+    for method, path, headers in (
+        ("GET", f"/jobs/{job_id}", {}),
+        ("GET", f"/jobs/{job_id}/events", {}),
+        ("DELETE", f"/jobs/{job_id}", {}),
+        ("GET", "/echo/run", {"Last-Event-ID": events[-1]["id"]}),
+        ("POST", "/echo/run", {"Last-Event-ID": events[-1]["id"]}),
+    ):
+        theirs = httpx.request(method, gateway.url + path, headers={**bearer(BOB), **headers}, timeout=30)
+        none = httpx.request(
+            method, gateway.url + path.replace(job_id, unknown), timeout=30,
+            headers={**bearer(BOB), **{k: v.replace(job_id, unknown) for k, v in headers.items()}},
+        )
+        assert (theirs.status_code, none.status_code) == (404, 404), (method, path, theirs.text)
+        assert theirs.json()["error"]["message"].replace(job_id, unknown) == none.json()["error"]["message"], (method, path)
+    # Bob's attempts changed nothing: the job is alice's, running, and hers to read.
+    mine = httpx.get(f"{gateway.url}/jobs/{job_id}", headers=bearer(ALICE)).json()
+    assert mine["owner"] == "alice" and mine["status"] in ("QUEUED", "RUNNING")
+    assert httpx.delete(f"{gateway.url}/jobs/{job_id}", headers=bearer(ALICE)).json()["cancelled"] is True
+
+
+def test_an_admin_sees_and_cancels_any_job(gateway: Any) -> None:
+    job_id, _ = started(gateway.url, ALICE)
+    assert httpx.get(f"{gateway.url}/jobs/{job_id}", headers=bearer(CAROL)).json()["owner"] == "alice"
+    _, events = read_some(gateway.url, f"/jobs/{job_id}/events", 2, headers=bearer(CAROL))
+    assert [e["id"] for e in events] == [f"{job_id}:1", f"{job_id}:2"]
+    assert httpx.delete(f"{gateway.url}/jobs/{job_id}", headers=bearer(CAROL)).json()["cancelled"] is True
+    snapshot = lambda: httpx.get(f"{gateway.url}/jobs/{job_id}", headers=bearer(ALICE)).json()  # noqa: E731
+    wait_until(lambda: snapshot()["status"] == "FAILED", what="the cancel")
+    assert snapshot()["terminal"]["data"]["error"]["code"] == "cancelled"
+
+
+def test_a_tool_limited_token_cannot_follow_another_tools_job(gateway: Any) -> None:
+    job_id, events = started(gateway.url, ALICE, "generate", {"prompts": ["a"], "max_tokens": 64})
+    # Bob may not use generate at all, and alice's job is not his to read by id either.
+    resumed = httpx.get(f"{gateway.url}/generate/run", headers={**bearer(BOB), "Last-Event-ID": events[-1]["id"]})
+    assert resumed.status_code == 403 and resumed.json()["error"]["code"] == "forbidden"
+    assert httpx.get(f"{gateway.url}/jobs/{job_id}/events", headers=bearer(BOB)).status_code == 404
+
+
+def test_a_resume_through_another_tools_url_is_a_400_naming_both(gateway: Any) -> None:
+    job_id, events = started(gateway.url, ALICE)
+    for method in ("GET", "POST"):
+        answer = httpx.request(method, f"{gateway.url}/predict/run", headers={**bearer(ALICE), "Last-Event-ID": events[-1]["id"]})
+        assert answer.status_code == 400, answer.text
+        message = answer.json()["error"]["message"]
+        assert "echo" in message and "predict" in message and job_id in message
+    httpx.delete(f"{gateway.url}/jobs/{job_id}", headers=bearer(ALICE))
+
+
+def test_a_post_sent_again_with_last_event_id_resumes_its_job(gateway: Any) -> None:
+    """What fetch-event-source sends after a cut: the same POST, Last-Event-ID, no Idempotency-Key."""
+    ran = track_jobs(gateway)
+    body = {"prompts": ["Once upon a time"], "max_tokens": 40}
+    job_id, first = started(gateway.url, ALICE, "generate", body, n=6)
+    assert any(e["event"] == "partial" for e in first)  # the premise: some text came before the cut
+    again = run_stream(gateway.url, "generate", body, headers={**bearer(ALICE), "Last-Event-ID": first[-1]["id"]})
+    assert again.status == 200 and again.headers["x-job-id"] == job_id
+    seqs = [int(e["id"].rsplit(":", 1)[1]) for e in first + [e for e in again.events if "id" in e]]
+    assert seqs == list(range(1, len(seqs) + 1))  # every event once: none again, none missing
+    assert list(ran) == [job_id]  # one job: the POST did not start a duplicate
+    text = "".join(e["data"]["text"] for e in first + again.events if e.get("event") == "partial")
+    assert text == again.terminal["data"]["completions"][0]  # the text once, whole
+
+
+# -- across replicas --------------------------------------------------------------------
+
+
+@pytest.fixture
+def replicas(tiny_model_path: Path, tokens_file: Path, redis_server: RedisServer) -> Any:  # noqa: F811
+    servers = [
+        make_server(tiny_model_path, tools=load_module("tests.user_tools"), tokens_file=str(tokens_file),
+                    store=redis_server.url, detach_grace=30)
+        for _ in range(2)
+    ]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def test_ownership_holds_on_every_replica(replicas: Any) -> None:
+    a, b = replicas
+    job_id, events = started(a.url, ALICE)
+    assert httpx.get(f"{b.url}/jobs/{job_id}", headers=bearer(BOB)).status_code == 404
+    assert httpx.delete(f"{b.url}/jobs/{job_id}", headers=bearer(BOB)).status_code == 404
+    assert httpx.get(f"{b.url}/echo/run", headers={**bearer(BOB), "Last-Event-ID": events[-1]["id"]}).status_code == 404
+    assert httpx.get(f"{b.url}/jobs/{job_id}", headers=bearer(ALICE)).json()["owner"] == "alice"
+    assert httpx.get(f"{b.url}/jobs/{job_id}", headers=bearer(CAROL)).status_code == 200
+    assert httpx.delete(f"{b.url}/jobs/{job_id}", headers=bearer(ALICE)).json()["cancelled"] is True
+
+
+def test_admin_is_true_or_false(tmp_path: Path) -> None:
+    from gateway.auth import AuthConfigError, load_principals
+
+    path = tmp_path / "tokens.toml"
+    path.write_text(f'[tokens.ops]\ntoken = "{CAROL}"\nadmin = "yes"\n')
+    with pytest.raises(AuthConfigError, match=r"\[tokens.ops\]: admin must be true or false"):
+        load_principals(str(path))
+    path.write_text(TOKENS)
+    assert {p.name: p.admin for p in load_principals(str(path))} == {"alice": False, "bob": False, "carol": True}
