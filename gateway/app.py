@@ -34,7 +34,7 @@ from gateway.jobs import Job
 from gateway.logs import RequestIds, request_id_headers
 from gateway.metrics import Metrics
 from gateway.protocol import Code, encode, parse_event_id
-from gateway.store import JobHandle, JobStore, MemoryStore
+from gateway.store import JobHandle, JobStore, MemoryStore, jobs_query
 from gateway.stream import job_response
 
 log = logging.getLogger("streamgate.app")
@@ -214,6 +214,12 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             await store.cancel(job)
         return JSONResponse({"job_id": job.id, "cancelled": running, "status": job.snapshot().status})
 
+    async def list_jobs(request: Request) -> Response:
+        principal = auth.authenticate(request)
+        query = jobs_query(request)
+        mine = [s for s in await store.snapshots() if auth.sees(principal, s.owner) and query.wants(s)]
+        return Response(encode(query.page(mine)), media_type="application/json")
+
     async def ticket(request: Request) -> Response:
         principal = auth.authenticate(request)
         if principal is None:
@@ -274,6 +280,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics.endpoint, methods=["GET"]),
             Route("/{tool}/run", run, methods=["GET", "POST"]),
+            Route("/jobs", list_jobs, methods=["GET"]),
             Route("/jobs/{job_id}", job_snapshot, methods=["GET"]),
             Route("/jobs/{job_id}", cancel_job, methods=["DELETE"]),
             Route("/jobs/{job_id}/events", job_events, methods=["GET"]),

@@ -32,7 +32,8 @@ from starlette.responses import Response
 from backends.base import Backend
 from gateway import params as params_mod
 from gateway.errors import STATUS_OF
-from gateway.protocol import ErrorBody, ErrorFrame, JobSnapshot, LogFrame, StatusFrame, ToolInfo, encode
+from gateway.store import MAX_PAGE, STATES
+from gateway.protocol import ErrorBody, ErrorFrame, JobList, JobSnapshot, LogFrame, StatusFrame, ToolInfo, encode
 
 OPENAPI_VERSION = "3.1.1"
 REF = "#/components/schemas/{name}"
@@ -78,7 +79,7 @@ class Ticket(msgspec.Struct):
     expires_in: float
 
 
-PROTOCOL = (StatusFrame, LogFrame, ErrorFrame, ErrorBody, JobSnapshot, ToolInfo, Health, Readiness, Cancellation, Ticket)
+PROTOCOL = (StatusFrame, LogFrame, ErrorFrame, ErrorBody, JobSnapshot, JobList, ToolInfo, Health, Readiness, Cancellation, Ticket)
 
 # What each error status means, from the codes that answer it.
 ERROR_STATUSES = (400, 401, 403, 404, 413, 422, 429, 503)
@@ -339,6 +340,18 @@ def _other_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
         return {"operationId": op_id, "summary": summary, "responses": responses, **more}
 
     return {
+        "/jobs": {
+            "get": op("jobs", "The caller's jobs (an admin's: everyone's), newest first, a page at a time",
+                      {"200": json(ref["JobList"], "A page of jobs; `next` is the cursor of the next."), **errors(401, 422)},
+                      parameters=[
+                          {"name": "state", "in": "query", "required": False, "description": "A status, or `active` or `finished`.",
+                           "schema": {"type": "string", "enum": list(STATES)}},
+                          {"name": "limit", "in": "query", "required": False,
+                           "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 50}},
+                          {"name": "cursor", "in": "query", "required": False, "description": "The `next` of the page before.",
+                           "schema": {"type": "string"}},
+                      ], tags=["jobs"]),
+        },
         "/jobs/{job_id}": {
             "get": op("job", "Where a job stands", {"200": json(ref["JobSnapshot"], "The job's snapshot."), **errors(401, 404)},
                       parameters=[job_id], tags=["jobs"]),

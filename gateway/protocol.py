@@ -157,6 +157,13 @@ class JobSnapshot(msgspec.Struct, omit_defaults=True):
     owner: str | None = None
 
 
+class JobList(msgspec.Struct):
+    """`GET /jobs`: the caller's jobs (an admin's: everyone's), newest first; `next` is the cursor of the next page."""
+
+    jobs: list[JobSnapshot]
+    next: str | None = None
+
+
 class Event(msgspec.Struct, frozen=True):
     """One event of a job, encoded: `id` is `<job_id>:<seq>`, `data` is JSON."""
 

@@ -19,7 +19,7 @@ owner itself always serves its jobs from memory.
 Keys (prefix `streamgate:`): `job:{id}` (hash: owner, snapshot, last_seq,
 terminal seq and type, idempotency key, cancel flag), `events:{id}` (stream),
 `attached:{id}` (sorted set of replicas following the job, scored by
-deadline), `key:{idempotency key}` (the job id and a digest of its request), `replica:{replica id}` (the
+deadline), `jobs` (sorted set of every job's id, scored by its creation time), `key:{idempotency key}` (the job id and a digest of its request), `replica:{replica id}` (the
 owner's liveness key; also the name of the channel the owner listens on).
 
 **Expiry.** While a job runs its owner re-leases its keys every `heartbeat` s
@@ -316,6 +316,10 @@ class RedisStore(JobStore):
     def _attached_key(self, job_id: str) -> str:
         return f"{self.prefix}attached:{job_id}"
 
+    @property
+    def _index(self) -> str:
+        return f"{self.prefix}jobs"
+
     def _idem(self, key: str) -> str:
         return f"{self.prefix}key:{key}"
 
@@ -410,6 +414,10 @@ class RedisStore(JobStore):
                 mapping={"owner": self.replica_id, "snapshot": encode(job.snapshot()), "last_seq": 0, "key": key or ""},
             )
             pipe.pexpire(self._hash(job.id), self._lease_ms)
+            # The index of every job, for listing; members whose job has expired are dropped
+            # as it is read, and any older than a lease past retention here.
+            pipe.zadd(self._index, {job.id: job.created})
+            pipe.zremrangebyscore(self._index, "-inf", time.time() - (self._lease_ms / 1000) * 2)
             if key:
                 pipe.pexpire(self._idem(key), self._lease_ms)
             await pipe.execute()
@@ -443,6 +451,20 @@ class RedisStore(JobStore):
             return view
         except RedisError as exc:
             raise self._unavailable(exc) from exc
+
+    async def snapshots(self) -> list[JobSnapshot]:
+        try:
+            ids = [member.decode() for member in await self._redis.zrange(self._index, 0, -1)]
+            pipe = self._redis.pipeline(transaction=False)
+            for job_id in ids:
+                pipe.hget(self._hash(job_id), "snapshot")
+            found = await pipe.execute() if ids else []
+            gone = [job_id for job_id, snapshot in zip(ids, found) if snapshot is None]
+            if gone:  # expired jobs leave the index as it is read
+                await self._redis.zrem(self._index, *gone)
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+        return [msgspec.json.decode(snapshot, type=JobSnapshot) for snapshot in found if snapshot is not None]
 
     async def cancel(self, job: JobHandle) -> None:
         if isinstance(job, Job):

@@ -8,7 +8,8 @@ seconds is cancelled (0: at once, as when a disconnect meant cancel). Finished
 jobs, their logs and their idempotency keys are kept for `retention` seconds,
 then forgotten (404).
 
-`MemoryStore` keeps all this in this process, for one gateway.
+`MemoryStore` keeps all this in this process, for one gateway. `GET /jobs`
+lists the jobs kept, a page at a time (`JobsQuery`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ import abc
 import asyncio
 import time
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
+from gateway.errors import ParamError
 from gateway.jobs import Job
-from gateway.protocol import Event, JobSnapshot
+from gateway.protocol import Event, JobList, JobSnapshot
 
 SWEEP_INTERVAL_S = 1.0
+
+# `GET /jobs?state=`: a status (in lower case), or a group of them.
+STATE_GROUPS = {"active": ("RECEIVED", "QUEUED", "DISPATCHED", "RUNNING"), "finished": ("SUCCEEDED", "FAILED")}
+STATES = ("received", "queued", "dispatched", "running", "succeeded", "failed", *STATE_GROUPS)
+MAX_PAGE = 500
 
 
 class Binding(NamedTuple):
@@ -73,6 +80,10 @@ class JobStore(abc.ABC):
     @abc.abstractmethod
     async def get(self, job_id: str) -> JobHandle | None:
         """The job, or None if unknown or past its retention."""
+
+    @abc.abstractmethod
+    async def snapshots(self) -> list[JobSnapshot]:
+        """Every job kept (running, or finished within retention), on every replica sharing the store."""
 
     @abc.abstractmethod
     async def cancel(self, job: JobHandle) -> None:
@@ -135,6 +146,9 @@ class MemoryStore(JobStore):
     async def get(self, job_id: str) -> Job | None:
         return self.jobs.get(job_id)
 
+    async def snapshots(self) -> list[JobSnapshot]:
+        return [job.snapshot() for job in self.jobs.values()]
+
     async def cancel(self, job: JobHandle) -> None:
         if isinstance(job, Job) and not job.done:
             self._cancel(job)
@@ -176,3 +190,46 @@ class MemoryStore(JobStore):
         bound = self.keys.get(key) if key else None
         if bound is not None and bound.job_id == job.id:
             del self.keys[key]
+
+
+class JobsQuery:
+    """`GET /jobs`'s query: which states, how many per page, and where the page starts."""
+
+    def __init__(self, state: str | None, limit: int, cursor: tuple[float, str] | None) -> None:
+        self.statuses = None if state is None else STATE_GROUPS.get(state, (state.upper(),))
+        self.limit = limit
+        self.cursor = cursor
+
+    def wants(self, snapshot: JobSnapshot) -> bool:
+        return self.statuses is None or snapshot.status in self.statuses
+
+    def page(self, snapshots: list[JobSnapshot]) -> JobList:
+        """Newest first, after the cursor; `next` set when more follow."""
+        ordered = sorted(snapshots, key=lambda s: (s.created, s.job_id), reverse=True)
+        if self.cursor is not None:
+            ordered = [s for s in ordered if (s.created, s.job_id) < self.cursor]
+        page = ordered[: self.limit]
+        more = len(ordered) > self.limit
+        return JobList(page, f"{page[-1].created!r}:{page[-1].job_id}" if more else None)
+
+
+def jobs_query(request: Any) -> JobsQuery:
+    """The query of `GET /jobs`, or 422 naming the key at fault."""
+    q = request.query_params
+    state = q.get("state")
+    if state is not None and state not in STATES:
+        raise ParamError("state", f"one of {', '.join(STATES)}")
+    try:
+        limit = int(q.get("limit", 50))
+    except ValueError:
+        raise ParamError("limit", "expected an integer") from None
+    if not 1 <= limit <= MAX_PAGE:
+        raise ParamError("limit", f"expected an integer from 1 to {MAX_PAGE}")
+    cursor = None
+    if "cursor" in q:
+        created, _, job_id = q["cursor"].partition(":")
+        try:
+            cursor = (float(created), job_id)
+        except ValueError:
+            raise ParamError("cursor", "not a cursor this gateway gave (the `next` of a page)") from None
+    return JobsQuery(state, limit, cursor)

@@ -160,3 +160,58 @@ def test_admin_is_true_or_false(tmp_path: Path) -> None:
         load_principals(str(path))
     path.write_text(TOKENS)
     assert {p.name: p.admin for p in load_principals(str(path))} == {"alice": False, "bob": False, "carol": True}
+
+
+# -- listing ----------------------------------------------------------------------------
+
+
+def listed(url: str, token: str, **query: Any) -> dict[str, Any]:
+    answer = httpx.get(f"{url}/jobs", params=query, headers=bearer(token))
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_get_jobs_lists_the_callers_own_jobs_newest_first_a_page_at_a_time(gateway: Any) -> None:
+    # Two events each (RECEIVED, QUEUED): the jobs wait behind one another, all of them active.
+    alices = [started(gateway.url, ALICE, n=2)[0] for _ in range(3)]
+    bobs = started(gateway.url, BOB, n=2)[0]
+    running = listed(gateway.url, ALICE, state="active")["jobs"]
+    assert [j["job_id"] for j in running if j["job_id"] in alices] == alices[::-1]  # newest first
+    assert all(j["owner"] == "alice" for j in listed(gateway.url, ALICE)["jobs"])
+    assert bobs not in [j["job_id"] for j in listed(gateway.url, ALICE)["jobs"]]
+    assert [j["job_id"] for j in listed(gateway.url, BOB, state="active")["jobs"]] == [bobs]
+    everyone = {j["job_id"] for j in listed(gateway.url, CAROL, state="active", limit=500)["jobs"]}
+    assert set(alices) | {bobs} <= everyone  # an admin's list: every token's jobs
+    # Pages: each job once, in order, until `next` runs out.
+    seen, cursor = [], None
+    while True:
+        page = listed(gateway.url, ALICE, limit=2, **({"cursor": cursor} if cursor else {}))
+        assert len(page["jobs"]) <= 2
+        seen += [j["job_id"] for j in page["jobs"]]
+        cursor = page["next"]
+        if cursor is None:
+            break
+    assert seen == [j["job_id"] for j in listed(gateway.url, ALICE, limit=500)["jobs"]] and len(set(seen)) == len(seen)
+    for job_id in [*alices, bobs]:
+        httpx.delete(f"{gateway.url}/jobs/{job_id}", headers=bearer(CAROL))
+    wait_until(lambda: not {*alices, bobs} & {j["job_id"] for j in listed(gateway.url, CAROL, state="active")["jobs"]},
+               what="the cancels")
+    assert set(alices) <= {j["job_id"] for j in listed(gateway.url, ALICE, state="failed")["jobs"]}
+
+
+@pytest.mark.parametrize(("query", "field"), [({"state": "sleeping"}, "state"), ({"limit": "0"}, "limit"),
+                                              ({"limit": "x"}, "limit"), ({"cursor": "nope"}, "cursor")])
+def test_get_jobs_names_a_bad_query_key(gateway: Any, query: dict[str, str], field: str) -> None:
+    answer = httpx.get(f"{gateway.url}/jobs", params=query, headers=bearer(ALICE))
+    assert answer.status_code == 422 and answer.json()["error"]["field"] == field
+
+
+def test_get_jobs_lists_the_jobs_of_every_replica(replicas: Any) -> None:
+    a, b = replicas
+    mine = started(a.url, ALICE, n=2)[0]
+    theirs = started(b.url, BOB, n=2)[0]
+    assert mine in [j["job_id"] for j in listed(b.url, ALICE, state="active")["jobs"]]
+    assert theirs not in [j["job_id"] for j in listed(b.url, ALICE)["jobs"]]
+    assert {mine, theirs} <= {j["job_id"] for j in listed(a.url, CAROL)["jobs"]}
+    for job_id in (mine, theirs):
+        httpx.delete(f"{a.url}/jobs/{job_id}", headers=bearer(CAROL))
