@@ -55,7 +55,7 @@ def page(doc: Mapping[str, Any], base_url: str = "http://localhost:8000") -> str
         "<code>log</code>, <code>partial</code> output, then exactly one <code>data</code> (the result) or <code>error</code>. "
         'The same as JSON: <a href="/openapi.json">/openapi.json</a>. Try tools in the <a href="/">dashboard</a>.</p>',
         "<nav><h3>Tools</h3><ul>",
-        *(f'<li><a href="#{_anchor(path)}">{_e(path.strip("/").split("/")[0])}</a></li>' for path in tools),
+        *(f'<li><a href="#{_anchor(path)}">{_e(_tool_name(path))}</a></li>' for path in tools),
         "</ul>",
         *_refused(info.get("x-unsupported-tools", {})),
         "<h3>Other routes</h3><ul>",
@@ -81,7 +81,7 @@ def _refused(tools: Mapping[str, str]) -> list[str]:
 
 def _tool(path: str, item: Mapping[str, Any], fields: Fields, base_url: str) -> str:
     post = item["post"]
-    name = path.strip("/").split("/")[0]
+    name = _tool_name(path)
     params_ref = post["requestBody"]["content"]["application/json"]["schema"]
     event = fields.resolve(post["responses"]["200"]["content"]["text/event-stream"]["schema"])
     by_event = {
@@ -197,8 +197,15 @@ def _errors(doc: Mapping[str, Any], fields: Fields) -> str:
     )
 
 
+def _tool_name(path: str) -> str:
+    return path.strip("/").split("/")[0]
+
+
 def _anchor(path: str) -> str:
-    return "route-" + "".join(c if c.isalnum() else "-" for c in path.strip("/")) if not path.endswith("/run") else path.strip("/").split("/")[0]
+    """A tool's section is its name; another route's, its path spelt with dashes."""
+    if path.endswith("/run"):
+        return _tool_name(path)
+    return "route-" + "".join(c if c.isalnum() else "-" for c in path.strip("/"))
 
 
 def _e(text: Any) -> str:

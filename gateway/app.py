@@ -133,10 +133,10 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             # A client reconnecting to the URL it first opened: an EventSource (GET), or a POST sent
             # again by a retrying client (fetch-event-source sends Last-Event-ID, no key). The same job.
             job = await _job(resumed[0], principal)
-            if job.snapshot().tool != tool.name:
+            if (its_tool := job.snapshot().tool) != tool.name:
                 raise ApiError(
                     Code.BAD_REQUEST,
-                    f"Last-Event-ID {resumed[0]}:{resumed[1]} is an event of a {job.snapshot().tool} job, not of {tool.name}",
+                    f"Last-Event-ID {resumed[0]}:{resumed[1]} is an event of a {its_tool} job, not of {tool.name}",
                 )
             return _resume(job, resumed[1])
         drain.refuse()

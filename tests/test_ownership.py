@@ -12,9 +12,8 @@ import httpx
 import pytest
 
 from tests.conftest import make_server, run_stream, track_jobs, wait_until
-from gateway.tools import load_module
-from tests.redis_server import RedisServer, redis_server  # noqa: F401
-from tests.test_redis_replicas import read_some, slow_echo
+from tests.redis_server import redis_server  # noqa: F401
+from tests.test_redis_replicas import read_some, replicas, slow_echo  # noqa: F401
 from tests.user_tools import echo
 
 ALICE = "alice-token-0123456789abcdef"
@@ -128,20 +127,8 @@ def test_a_post_sent_again_with_last_event_id_resumes_its_job(gateway: Any) -> N
 # -- across replicas --------------------------------------------------------------------
 
 
-@pytest.fixture
-def replicas(tiny_model_path: Path, tokens_file: Path, redis_server: RedisServer) -> Any:  # noqa: F811
-    servers = [
-        make_server(tiny_model_path, tools=load_module("tests.user_tools"), tokens_file=str(tokens_file),
-                    store=redis_server.url, detach_grace=30)
-        for _ in range(2)
-    ]
-    yield servers
-    for server in servers:
-        server.stop()
-
-
-def test_ownership_holds_on_every_replica(replicas: Any) -> None:
-    a, b = replicas
+def test_ownership_holds_on_every_replica(replicas: Any, tokens_file: Path) -> None:  # noqa: F811
+    a, b = replicas(tokens_file=str(tokens_file), detach_grace=30)
     job_id, events = started(a.url, ALICE)
     assert httpx.get(f"{b.url}/jobs/{job_id}", headers=bearer(BOB)).status_code == 404
     assert httpx.delete(f"{b.url}/jobs/{job_id}", headers=bearer(BOB)).status_code == 404
@@ -206,8 +193,8 @@ def test_get_jobs_names_a_bad_query_key(gateway: Any, query: dict[str, str], fie
     assert answer.status_code == 422 and answer.json()["error"]["field"] == field
 
 
-def test_get_jobs_lists_the_jobs_of_every_replica(replicas: Any) -> None:
-    a, b = replicas
+def test_get_jobs_lists_the_jobs_of_every_replica(replicas: Any, tokens_file: Path) -> None:  # noqa: F811
+    a, b = replicas(tokens_file=str(tokens_file), detach_grace=30)
     mine = started(a.url, ALICE, n=2)[0]
     theirs = started(b.url, BOB, n=2)[0]
     assert mine in [j["job_id"] for j in listed(b.url, ALICE, state="active")["jobs"]]

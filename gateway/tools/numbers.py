@@ -27,8 +27,3 @@ def shortest(array: np.ndarray) -> Any:
     # numpy prints float32 in its shortest round-tripping form; parsing that text
     # as float64 gives a value msgspec prints in the same few digits.
     return array.astype(str).astype(np.float64).tolist()
-
-
-def float32(value: float) -> float:
-    """One number rounded to float32, in float32's shortest form (a sum kept in float64, say)."""
-    return shortest(np.array(value, dtype=np.float32))

@@ -22,7 +22,7 @@ import torch
 from gateway.errors import ParamError
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import Chunk, Chunked, one_pass, sorted_chunks
-from gateway.tools.numbers import float32, floats
+from gateway.tools.numbers import floats
 
 PLL_ROWS = 64  # masked copies per forward pass at most
 PLL_TOKENS = 16384  # padded tokens per forward pass at most
@@ -90,7 +90,7 @@ def _assemble(
         results.append(
             PseudoLoglikelihoodResult(
                 # Summed in float64 in position order: the same sum whichever device scored which copy.
-                pll=[float32(sum(v for _, _, v in per)) for per in scored],
+                pll=floats(torch.tensor([sum(v for _, _, v in per) for per in scored], dtype=torch.float64)),
                 tokens_scored=[len(per) for per in scored],
                 per_position=[[v for _, _, v in per] for per in scored] if params.per_position else None,
                 tokens=[[model.token_text(t) for _, t, _ in per] for per in scored] if params.per_position else None,
