@@ -93,7 +93,13 @@ def open_store(settings: Settings, cancel: Any) -> JobStore:
         return MemoryStore(cancel, detach_grace=settings.detach_grace, retention=settings.retention)
     from gateway.redis_store import RedisStore
 
-    return RedisStore(settings.store, cancel, detach_grace=settings.detach_grace, retention=settings.retention)
+    return RedisStore(
+        settings.store,
+        cancel,
+        detach_grace=settings.detach_grace,
+        retention=settings.retention,
+        outage_grace=settings.store_outage_grace,
+    )
 
 
 def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
@@ -145,7 +151,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         else:
             params = params_mod.decode_query(tool, request.query_params)
         if (problem := getattr(store, "problem", None)) is not None:  # a shared store that is unreachable
-            raise ApiError(Code.NOT_READY, problem, retry_after=5)
+            raise ApiError(Code.STORE_UNAVAILABLE, problem, retry_after=5)
         given = request.headers.get("idempotency-key")
         # Per token: one token cannot attach to another's job by guessing its key.
         key = f"{principal.name if principal else ''}:{given}" if given else None
@@ -179,7 +185,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
                 await store.release(key, job.id)
             raise
         job.on_end.append(lambda _: release())
-        job.idempotency_key = key
+        job.idempotency_key, job.request_digest = key, digest
         await store.add(job)
         return follow(job)
 

@@ -172,6 +172,7 @@ def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @_option("--detach-grace", default=_D.detach_grace, type=click.FloatRange(min=0), help="Seconds a job runs on with no client attached before it is cancelled (0: cancel on disconnect).")
 @_option("--retention", default=_D.retention, type=click.FloatRange(min=0), help="Seconds a finished job and its events stay readable.")
 @_option("--store", default=_D.store, callback=_check_store, help="Where jobs are kept: memory (this process), or redis://host:port/db, shared by every replica.")
+@_option("--store-outage-grace", default=_D.store_outage_grace, type=click.FloatRange(min=1), help="Seconds a Redis store may be unreachable while jobs run on and their events wait for it; also how long a silent replica counts as alive.")
 @_option("--ping-interval", default=_D.ping_interval, type=click.FloatRange(min=0), help="Seconds of quiet before a ': ping' comment (0: none).")
 @_option("--retry-ms", default=_D.retry_ms, type=click.IntRange(min=0), help="The reconnect delay sent to EventSource clients.")
 @_option("--tokens-file", default=None, type=click.Path(exists=True, dir_okay=False), help="A TOML file of client tokens ([tokens.<name>] token, tools, max_concurrent, jobs_per_minute). With tokens, runs need a bearer token.")

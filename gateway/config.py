@@ -32,6 +32,7 @@ class Settings(msgspec.Struct, kw_only=True):
     detach_grace: float = 30.0
     retention: float = 600.0
     store: str = "memory"  # or redis://host:port/db: jobs shared by every replica (gateway/redis_store.py)
+    store_outage_grace: float = 30.0  # seconds a Redis outage is ridden out (gateway/redis_store.py)
     backend: str = "local"
     executors: list[str] = msgspec.field(default_factory=list)
     executor_token: str | None = None

@@ -33,6 +33,7 @@ STATUS_OF = {
     Code.RATE_LIMITED: 429,
     Code.INTERNAL: 500,
     Code.NOT_READY: 503,
+    Code.STORE_UNAVAILABLE: 503,
     Code.SHUTTING_DOWN: 503,
 }
 

@@ -62,6 +62,7 @@ class Job:
         self.position: int | None = None
         self.last_progress: Progress | None = None
         self.idempotency_key: str | None = None
+        self.request_digest = ""  # what the key was bound with (params.digest)
         # Called once with the job when its terminal event is appended (e.g. to free a per-token slot).
         self.on_end: list[Callable[[Job], None]] = []
         self.events: list[Event] = []

@@ -49,6 +49,7 @@ class Code(str, enum.Enum):
     QUEUE_FULL = "queue_full"
     RATE_LIMITED = "rate_limited"
     NOT_READY = "not_ready"
+    STORE_UNAVAILABLE = "store_unavailable"
     SHUTTING_DOWN = "shutting_down"
     # In-stream only.
     CANCELLED = "cancelled"
@@ -64,6 +65,7 @@ RETRYABLE = frozenset(
         Code.QUEUE_FULL,
         Code.RATE_LIMITED,
         Code.NOT_READY,
+        Code.STORE_UNAVAILABLE,
         Code.SHUTTING_DOWN,
         Code.BACKEND_UNAVAILABLE,
         Code.TIMEOUT,

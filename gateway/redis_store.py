@@ -50,27 +50,35 @@ cancels a followed job early, since a live member always counts). As with the
 memory store, only a job that had a client is ever cancelled for having none.
 While Redis cannot be read the owner cancels nothing for want of clients.
 
-**An owner that dies.** Its liveness key lapses after `3 × heartbeat`. Any
-replica that then reads the unfinished job (`get`, or a follower waiting on
-its stream) ends it with `error` `backend_unavailable` at the next seq — a
+**An owner that dies.** Its liveness key lapses once it has been silent for
+the outage grace (`--store-outage-grace`, plus `3 × heartbeat`): deliberately
+no sooner, since a replica cut off from a stalled or restarting Redis looks
+just like a dead one, and its jobs must outlive such an outage. Any replica
+that then reads the unfinished job (`get`, or a follower waiting on its
+stream) ends it with `error` `backend_unavailable` at the next seq — a
 compare-and-set in Lua, so it happens once and only if the owner is really
-silent. An owner that was only cut off from Redis and finds its job ended
-that way cancels the work. A replica that shuts down ends its unfinished jobs
-with `shutting_down`, copies those events out (for up to 2 s), then drops its
-liveness key.
+silent. An owner that was only cut off from Redis for longer than the grace
+and finds its job ended that way cancels the work (its own clients get that
+one terminal event). A replica that shuts down ends its unfinished jobs with
+`shutting_down`, copies those events out (for up to 2 s), then drops its
+liveness key, so nobody waits out a grace for it.
 
-**Redis down.** `/readyz` answers 503 naming the store, and so do new runs
-(503 `not_ready`, `Retry-After`) — before anything is submitted when the
-heartbeat already knows, otherwise the just-submitted job is cancelled; no
-run hangs or answers 500. `GET /jobs/{id}` and `DELETE` answer 503 for jobs
-owned elsewhere. Jobs already running go on: their owner keeps streaming them
-to its own clients from memory, its mirror retries, and once Redis is back
-every event is copied in order, none lost or doubled — the whole log again
-if Redis came back empty (it is not meant to persist anything: a restart loses
-finished jobs, never a running one's events). Followers on other
-replicas see only `: ping` meanwhile; one whose Redis stays unreachable for
-`down_deadline` s has its response ended without a terminal event, so the
-client reconnects (EventSource does) with its `Last-Event-ID`.
+**Redis down, stalled or restarted** (up to the outage grace). Every call on
+a request's path waits at most `ANSWER_S` (2 s): new runs, `GET /jobs/{id}`,
+`DELETE` and `GET /jobs` of jobs owned elsewhere answer 503
+`store_unavailable` with `Retry-After` — before anything is submitted when the
+heartbeat already knows (it too gives Redis 2 s), otherwise the
+just-submitted job is ended with that error and its key unbound; no request
+hangs or answers 500. `/readyz` is 503 with the reason. Jobs already running
+go on: their owner keeps streaming them to its own clients from memory (the
+job's own log is the buffer), its mirror retries, and once Redis is back every
+event is copied in order, none lost or doubled — the whole log again, with the
+job's index entry and idempotency key, if Redis came back empty (it is not
+meant to persist anything: a restart loses finished jobs, never a running
+one's events). Followers on other replicas see only `: ping` meanwhile and
+then every seq once; one whose Redis stays unreachable past the grace has its
+response ended without a terminal event, so the client reconnects (EventSource
+does) with its `Last-Event-ID` and catches up once Redis is back.
 """
 
 from __future__ import annotations
@@ -100,36 +108,48 @@ except ImportError:  # pragma: no cover
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType, JobSnapshot, TerminalEvent, encode, now
-from gateway.store import Binding, JobHandle, JobStore
+from gateway.store import Binding, JobHandle, JobStore, StoreUnavailable
 
 log = logging.getLogger("streamgate.redis")
 
 STOP_FLUSH_S = 2.0  # how long `stop` waits for the last events to reach Redis
+ANSWER_S = 2.0  # the longest a request, or a heartbeat, waits on Redis: a stalled one is a 503, never a hang
 READ_COUNT = 1000  # most events one XREAD returns
 
-# Copy a batch of events and the snapshot. KEYS: hash, stream, attached,
-# [idempotency key]. ARGV: snapshot, retention ms, terminal seq ('' while
-# running), terminal type, owner, idempotency key, lease ms, then (seq, type,
-# data) triples. 1 written; 0 the job was ended elsewhere; 2 Redis lost the job
-# (restarted empty): send its log again from seq 1.
+# Copy a batch of events and the snapshot. KEYS: hash, stream, attached, the
+# owner's liveness key, the index, [idempotency key]. ARGV: job id, snapshot,
+# retention ms, terminal seq ('' while running), terminal type, owner,
+# idempotency key, the key's value, lease ms, liveness ms, created, then (seq,
+# type, data) triples. 1 written; 0 the job was ended elsewhere; 2 Redis lost
+# the job (restarted empty): send its log again from seq 1.
+#
+# Writing is a sign of life (the liveness key), so a job Redis lost and gets
+# back is never taken for an orphan between its copy and the next heartbeat; and
+# a job copied afresh is listed and keeps its idempotency key again.
 _MIRROR = """
 if redis.call('HEXISTS', KEYS[1], 'tseq') == 1 then return 0 end
 local fresh = redis.call('EXISTS', KEYS[1]) == 0
-if fresh and tonumber(ARGV[8]) > 1 then return 2 end
+if fresh and tonumber(ARGV[12]) > 1 then return 2 end
+redis.call('SET', KEYS[4], '1', 'PX', ARGV[10])
 local last = tonumber(redis.call('HGET', KEYS[1], 'last_seq') or '0')
-for i = 8, #ARGV, 3 do
+for i = 12, #ARGV, 3 do
   local seq = tonumber(ARGV[i])
   if seq > last then
     redis.call('XADD', KEYS[2], ARGV[i] .. '-0', 'type', ARGV[i + 1], 'data', ARGV[i + 2])
     last = seq
   end
 end
-redis.call('HSET', KEYS[1], 'last_seq', last, 'snapshot', ARGV[1], 'owner', ARGV[5], 'key', ARGV[6])
-if ARGV[3] ~= '' then
-  redis.call('HSET', KEYS[1], 'tseq', ARGV[3], 'ttype', ARGV[4])
-  for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+redis.call('HSET', KEYS[1], 'last_seq', last, 'snapshot', ARGV[2], 'owner', ARGV[6], 'key', ARGV[7])
+local own = {KEYS[1], KEYS[2], KEYS[3], KEYS[6]}
+if fresh then
+  redis.call('ZADD', KEYS[5], ARGV[11], ARGV[1])
+  if KEYS[6] then redis.call('SET', KEYS[6], ARGV[8], 'NX') end
+end
+if ARGV[4] ~= '' then
+  redis.call('HSET', KEYS[1], 'tseq', ARGV[4], 'ttype', ARGV[5])
+  for _, key in ipairs(own) do redis.call('PEXPIRE', key, ARGV[3]) end
 elseif fresh then
-  for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[7]) end
+  for _, key in ipairs(own) do redis.call('PEXPIRE', key, ARGV[9]) end
 end
 return 1
 """
@@ -191,10 +211,6 @@ _FLAG_CANCEL = """
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'cancel', '1') return 1 end
 return 0
 """
-
-
-class StoreUnavailable(RuntimeError):
-    """Redis has been unreachable for too long while following a job."""
 
 
 def is_redis_url(value: str) -> bool:
@@ -261,7 +277,7 @@ class RedisStore(JobStore):
         detach_grace: float = 30.0,
         retention: float = 600.0,
         heartbeat: float = 1.0,
-        down_deadline: float = 30.0,
+        outage_grace: float = 30.0,
         prefix: str = "streamgate:",
     ) -> None:
         if not is_redis_url(url):
@@ -271,10 +287,13 @@ class RedisStore(JobStore):
         self.detach_grace = detach_grace
         self.retention = retention
         self.heartbeat = heartbeat
-        self.down_deadline = down_deadline
+        self.outage_grace = outage_grace
         self.prefix = prefix
         self.replica_id = uuid.uuid4().hex
-        self.ttl = 3 * heartbeat  # of a liveness key and an attachment
+        self.ttl = 3 * heartbeat  # of an attachment
+        # A replica silent for this long is taken for dead and its jobs ended: no sooner than an
+        # outage it must be able to ride out, or a stall would end jobs that are running fine.
+        self.liveness = outage_grace + self.ttl
         self._block = max(0.05, min(5.0, self.ttl))  # one XREAD BLOCK, at most
         self._redis = aioredis.Redis.from_url(
             url,
@@ -331,6 +350,10 @@ class RedisStore(JobStore):
         keys = [self._hash(job_id), self._stream(job_id), self._attached_key(job_id)]
         return keys + [self._idem(key)] if key else keys
 
+    def _mirror_keys(self, job: Job) -> list[str]:
+        keys = [self._hash(job.id), self._stream(job.id), self._attached_key(job.id), self._replica(self.replica_id), self._index]
+        return keys + [self._idem(job.idempotency_key)] if job.idempotency_key else keys
+
     def _ms(self, seconds: float) -> int:
         return max(1, int(seconds * 1000))
 
@@ -339,7 +362,17 @@ class RedisStore(JobStore):
         return self._ms(self.retention + self.ttl)
 
     def _unavailable(self, exc: BaseException) -> ApiError:
-        return ApiError(Code.NOT_READY, f"the job store (Redis at {self._where()}) is unreachable: {exc}", retry_after=5)
+        why = str(exc) or f"no answer in {ANSWER_S:g} s"
+        return ApiError(Code.STORE_UNAVAILABLE, f"the job store (Redis at {self._where()}) is unreachable: {why}", retry_after=5)
+
+    @contextlib.asynccontextmanager
+    async def _answering(self) -> Any:
+        """Redis on a request's path: unreachable, or stalled past ANSWER_S, is a 503 store_unavailable."""
+        try:
+            async with asyncio.timeout(ANSWER_S):
+                yield
+        except (RedisError, TimeoutError) as exc:
+            raise self._unavailable(exc) from exc
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -387,21 +420,40 @@ class RedisStore(JobStore):
 
     async def reserve(self, key: str, job_id: str, request: str) -> Binding | None:
         try:
-            while True:
-                if await self._redis.set(self._idem(key), f"{job_id} {request}", nx=True, px=self._lease_ms):
-                    return None
-                bound = await self._redis.get(self._idem(key))
-                if bound is not None:  # else it expired in between: try again
-                    bound_id, _, bound_request = bound.decode().partition(" ")
-                    return Binding(bound_id, bound_request)
-        except RedisError as exc:
-            raise self._unavailable(exc) from exc
+            async with self._answering():
+                while True:
+                    if await self._redis.set(self._idem(key), f"{job_id} {request}", nx=True, px=self._lease_ms):
+                        return None
+                    bound = await self._redis.get(self._idem(key))
+                    if bound is not None:  # else it expired in between: try again
+                        bound_id, _, bound_request = bound.decode().partition(" ")
+                        return Binding(bound_id, bound_request)
+        except ApiError:
+            # A SET that timed out may still land: unbind it once Redis answers, so that the
+            # client's retry with the same key starts its job rather than finding none.
+            self._spawn(self._release_until_done(key, job_id))
+            raise
 
     async def release(self, key: str, job_id: str) -> None:
         try:
-            await self._release_script(keys=[self._idem(key)], args=[job_id])
-        except RedisError as exc:
-            log.warning("could not release idempotency key %r (it lapses by itself): %s", key, exc)
+            async with asyncio.timeout(ANSWER_S):
+                await self._release_script(keys=[self._idem(key)], args=[job_id])
+        except (RedisError, TimeoutError):
+            self._spawn(self._release_until_done(key, job_id))
+
+    async def _release_until_done(self, key: str, job_id: str) -> None:
+        """Unbind `key` from `job_id` once Redis answers (until the key's own lease would end it)."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self._lease_ms / 1000
+        delay = 0.05
+        while not self._closing and loop.time() < give_up:
+            try:
+                async with asyncio.timeout(ANSWER_S):
+                    await self._release_script(keys=[self._idem(key)], args=[job_id])
+                return
+            except (RedisError, TimeoutError):
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     # -- jobs ----------------------------------------------------------------------
 
@@ -420,13 +472,19 @@ class RedisStore(JobStore):
             pipe.zremrangebyscore(self._index, "-inf", time.time() - (self._lease_ms / 1000) * 2)
             if key:
                 pipe.pexpire(self._idem(key), self._lease_ms)
-            await pipe.execute()
-        except RedisError as exc:
-            # Nobody could find the job again: stop it, free its key, and refuse the run.
+            async with self._answering():
+                await pipe.execute()
+        except ApiError:
+            # Nobody may find the job again: stop it, free its key, and refuse the run. A write
+            # that timed out may still land, so the job's end is copied too once Redis answers:
+            # its record never shows a job running that is not.
+            job.fail(Code.STORE_UNAVAILABLE, "the job store could not record the job")
             self._cancel(job)
             if key:
                 await self.release(key, job.id)
-            raise self._unavailable(exc) from exc
+            self._owned[job.id] = _Owned(job)
+            self._restart_mirror(job)
+            raise
         self._owned[job.id] = _Owned(job)
         self._restart_mirror(job)
 
@@ -438,7 +496,7 @@ class RedisStore(JobStore):
                 self._forget(job_id)
                 return None
             return job
-        try:
+        async with self._answering():
             fields = await self._redis.hgetall(self._hash(job_id))
             if not fields or b"snapshot" not in fields:
                 return None
@@ -449,11 +507,9 @@ class RedisStore(JobStore):
                     return None
                 view._update(fields)
             return view
-        except RedisError as exc:
-            raise self._unavailable(exc) from exc
 
     async def snapshots(self) -> list[JobSnapshot]:
-        try:
+        async with self._answering():
             ids = [member.decode() for member in await self._redis.zrange(self._index, 0, -1)]
             pipe = self._redis.pipeline(transaction=False)
             for job_id in ids:
@@ -462,8 +518,6 @@ class RedisStore(JobStore):
             gone = [job_id for job_id, snapshot in zip(ids, found) if snapshot is None]
             if gone:  # expired jobs leave the index as it is read
                 await self._redis.zrem(self._index, *gone)
-        except RedisError as exc:
-            raise self._unavailable(exc) from exc
         return [msgspec.json.decode(snapshot, type=JobSnapshot) for snapshot in found if snapshot is not None]
 
     async def cancel(self, job: JobHandle) -> None:
@@ -474,15 +528,13 @@ class RedisStore(JobStore):
         assert isinstance(job, RedisJobView)
         if job.done:
             return
-        try:
+        async with self._answering():
             if not await self._flag_cancel_script(keys=[self._hash(job.id)]):
                 return  # expired meanwhile
             message = encode({"op": "cancel", "job_id": job.id})
             heard = await self._redis.publish(self._replica(job.owner), message)
             if not heard:
                 await self._finalize_if_orphan(job)
-        except RedisError as exc:
-            raise self._unavailable(exc) from exc
 
     def _forget(self, job_id: str) -> None:
         owned = self._owned.pop(job_id, None)
@@ -512,18 +564,22 @@ class RedisStore(JobStore):
             snapshot = job.snapshot()  # taken with `events`, so the two agree
             terminal = job.terminal if job.terminal is not None and job.terminal.seq <= events[-1].seq else None
             args: list[Any] = [
+                job.id,
                 encode(snapshot),
                 self._ms(self.retention),
                 terminal.seq if terminal else "",
                 terminal.type.value if terminal else "",
                 self.replica_id,
                 job.idempotency_key or "",
+                f"{job.id} {job.request_digest}",
                 self._lease_ms,
+                self._ms(self.liveness),
+                job.created,
             ]
             for event in events:
                 args += [event.seq, event.type.value, event.data]
             try:
-                ok = await self._mirror_script(keys=self._job_keys(job.id, job.idempotency_key), args=args)
+                ok = await self._mirror_script(keys=self._mirror_keys(job), args=args)
             except RedisError as exc:
                 if not failing:
                     log.warning("job %s: cannot copy events to Redis, retrying: %s", job.id, exc)
@@ -563,8 +619,8 @@ class RedisStore(JobStore):
                 down_since = None
             except RedisError as exc:
                 down_since = down_since or loop.time()
-                if loop.time() - down_since > self.down_deadline:
-                    raise StoreUnavailable(f"Redis unreachable for {self.down_deadline:g} s: {exc}") from exc
+                if loop.time() - down_since > self.outage_grace:
+                    raise StoreUnavailable(f"Redis unreachable for {self.outage_grace:g} s: {exc}") from exc
                 await asyncio.sleep(min(0.5, block))
                 continue
             events = self._events(view.id, reply)
@@ -729,18 +785,20 @@ class RedisStore(JobStore):
         running = [owned for owned in self._owned.values() if not owned.job.done]
         try:
             pipe = self._redis.pipeline(transaction=False)
-            pipe.set(self._replica(self.replica_id), b"1", px=self._ms(self.ttl))
+            pipe.set(self._replica(self.replica_id), b"1", px=self._ms(self.liveness))
             for owned in running:
                 await self._lease_script(
                     keys=self._job_keys(owned.job.id, owned.job.idempotency_key),
                     args=[self._lease_ms],
                     client=pipe,
                 )
-            replies = await pipe.execute()
-        except RedisError as exc:
+            async with asyncio.timeout(ANSWER_S):  # a stalled Redis is found out as soon as a dead one
+                replies = await pipe.execute()
+        except (RedisError, TimeoutError) as exc:
+            why = str(exc) or f"no answer in {ANSWER_S:g} s"
             if self.problem is None:
-                log.warning("Redis at %s is unreachable: %s", self._where(), exc)
-            self.problem = f"the job store (Redis at {self._where()}) is unreachable: {exc}"
+                log.warning("Redis at %s is unreachable: %s", self._where(), why)
+            self.problem = f"the job store (Redis at {self._where()}) is unreachable: {why}"
             return
         if self.problem is not None:
             log.info("Redis at %s is reachable", self._where())

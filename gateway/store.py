@@ -32,6 +32,10 @@ STATES = ("received", "queued", "dispatched", "running", "succeeded", "failed", 
 MAX_PAGE = 500
 
 
+class StoreUnavailable(RuntimeError):
+    """A shared store stayed unreachable past its outage grace while a job was followed from it."""
+
+
 class Binding(NamedTuple):
     """What an idempotency key is bound to: the job it started, and a digest of the request that started it."""
 

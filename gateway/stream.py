@@ -11,13 +11,16 @@ Built on sse-starlette's `EventSourceResponse`, with two deliberate choices:
 The generator follows the job's log from `after` until the terminal event and
 then returns, which ends the response. A client that goes away first detaches
 (see `store.py`): the job runs on, and any client can attach again and read on
-from its last event id. If the server shuts down first, the job is stopped and
+from its last event id. A job followed from a shared store that stays
+unreachable past its outage grace ends the response without a terminal event,
+for the client to reconnect. If the server shuts down first, the job is stopped and
 ends with `error` `shutting_down`, which the client still receives.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import anyio
 from sse_starlette import EventSourceResponse
@@ -27,7 +30,9 @@ from gateway.jobs import Job
 from gateway.logs import bind_job
 from gateway.metrics import Metrics
 from gateway.protocol import PING, Code, retry_line
-from gateway.store import JobHandle, JobStore
+from gateway.store import JobHandle, JobStore, StoreUnavailable
+
+log = logging.getLogger("streamgate.stream")
 
 SHUTDOWN_GRACE_S = 2.0  # time for the terminal event to reach the client on shutdown
 
@@ -69,6 +74,10 @@ def job_response(
                 yield b"".join(event.sse() for event in batch)
                 if job.terminal is not None and seen >= job.terminal.seq:
                     return
+        except StoreUnavailable as exc:
+            # Ended without a terminal event: the client reconnects with its Last-Event-ID and
+            # reads on from wherever the job's events are by then.
+            log.warning("job %s: stream ended early: %s", job.id, exc)
         finally:
             watcher.cancel()
             store.detach(job)

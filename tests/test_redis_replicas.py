@@ -11,18 +11,20 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis
 from click.testing import CliRunner
 
 from gateway.cli import main as cli_main
 from gateway.tools import load_module
 from tests.conftest import Server, make_server, parse_sse, run_stream, track_jobs, wait_until
 from tests.processes import free_port
-from tests.redis_server import RedisServer, redis_server  # noqa: F401
+from tests.redis_server import RedisServer, redis_server, start_redis  # noqa: F401
 
 USER_TOOLS = "tests.user_tools"
 
@@ -224,17 +226,117 @@ def test_unreachable_redis_answers_503(tiny_model_path: Path) -> None:
         assert ready.status_code == 503 and "Redis" in ready.json()["reason"]
         started = time.monotonic()
         refused = run_stream(server.url, "echo", {"text": "x"}, timeout=30)
-        assert refused.status == 503 and refused.body["error"]["code"] == "not_ready"
+        assert refused.status == 503 and refused.body["error"]["code"] == "store_unavailable"
         assert refused.headers["retry-after"] and time.monotonic() - started < 10
         assert snapshot(server.url, "0" * 32).status_code == 503
     finally:
         server.stop()
 
 
+# -- Redis faults: each test has a redis-server of its own to stop, restart or pause ----------
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    server = start_redis(tmp_path)
+    yield server
+    server.stop()
+
+
+def with_ids(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if "id" in e]
+
+
+def followed_on_both(a: Server, b: Server, repeat: int, **kwargs: Any) -> tuple[Follower, Follower, str]:
+    """A slow echo job run on A by one client and followed from B by another, both a few events in."""
+    owner = Follower(a.url, "/echo/run", method="POST", json=slow_echo(repeat, 0.1), **kwargs)
+    wait_until(lambda: owner.headers is not None and len(with_ids(owner.events)) >= 3, what="the job to start")
+    job_id = owner.headers["x-job-id"]
+    follower = Follower(b.url, f"/jobs/{job_id}/events")
+    wait_until(lambda: len(with_ids(follower.events)) >= 3, what="B to follow")
+    return owner, follower, job_id
+
+
+def assert_refused_quickly(url: str) -> None:
+    """A new run while Redis is away: 503 store_unavailable with Retry-After, in about ANSWER_S at most."""
+    started = time.monotonic()
+    refused = run_stream(url, "echo", {"text": "x"}, timeout=30)
+    assert refused.status == 503, refused.raw
+    assert refused.body["error"]["code"] == "store_unavailable" and refused.body["error"]["retryable"] is True
+    assert int(refused.headers["retry-after"]) >= 1
+    assert time.monotonic() - started < 5
+
+
+def test_a_redis_restart_mid_stream_loses_and_doubles_nothing(replicas: Any, own_redis: RedisServer) -> None:
+    a, b = replicas(store=own_redis.url, detach_grace=30, store_outage_grace=20)
+    key = {"Idempotency-Key": uuid.uuid4().hex}
+    owner, follower, job_id = followed_on_both(a, b, 50, headers=key)
+
+    own_redis.stop()
+    wait_until(lambda: httpx.get(f"{a.url}/readyz").status_code == 503, timeout=10, what="A to say it is not ready")
+    assert "Redis" in httpx.get(f"{a.url}/readyz").json()["reason"]
+    assert_refused_quickly(a.url)
+    assert_refused_quickly(b.url)
+    seen = len(with_ids(owner.events))
+    wait_until(lambda: len(with_ids(owner.events)) > seen + 3, timeout=10, what="the job to go on without Redis")
+    own_redis.start()  # empty: it keeps nothing
+
+    events = with_ids(owner.join())
+    check_log(events, job_id)
+    assert events[-1]["event"] == "data" and events[-1]["data"]["text"] == "ab" * 50
+    assert with_ids(follower.join()) == events  # every seq once on the other replica
+    wait_until(lambda: httpx.get(f"{b.url}/readyz").status_code == 200, timeout=10, what="B to be ready again")
+    # Redis has it all again: the snapshot, the whole log, the listing, and the idempotency key.
+    assert snapshot(b.url, job_id).json() == snapshot(a.url, job_id).json()
+    assert events_of(b.url, job_id)[2] == events
+    assert job_id in [j["job_id"] for j in httpx.get(f"{b.url}/jobs").json()["jobs"]]
+    again = run_stream(b.url, "echo", slow_echo(50, 0.1), headers=key)
+    assert again.headers["x-job-id"] == job_id and again.events == events
+
+
+def test_a_stalled_redis_delays_nothing_and_loses_nothing(replicas: Any, own_redis: RedisServer) -> None:
+    a, b = replicas(store=own_redis.url, detach_grace=30, store_outage_grace=20)
+    owner, follower, job_id = followed_on_both(a, b, 60)
+
+    with redis.Redis(port=own_redis.port) as admin:
+        admin.client_pause(5000, all=True)  # every client's commands wait: a stall, not a refusal
+    seen = len(with_ids(owner.events))
+    assert_refused_quickly(a.url)  # never a hang
+    assert len(with_ids(owner.events)) > seen  # the job's own clients were served meanwhile
+
+    events = with_ids(owner.join())
+    check_log(events, job_id)
+    assert events[-1]["event"] == "data"
+    assert with_ids(follower.join()) == events
+    assert snapshot(b.url, job_id).json()["status"] == "SUCCEEDED"
+
+
+def test_past_the_outage_grace_each_replica_ends_cleanly(replicas: Any, own_redis: RedisServer) -> None:
+    a, b = replicas(store=own_redis.url, detach_grace=30, store_outage_grace=1.5)
+    owner, follower, job_id = followed_on_both(a, b, 50)
+
+    own_redis.stop()
+    # B gives up on the job past the grace: its stream ends, with no terminal event, for the client to reconnect.
+    partial = with_ids(follower.join(timeout=20))
+    assert partial and all(e["event"] == "status" or e["event"] == "log" for e in partial), partial[-1]
+    # A's own client still gets the whole job, ended once.
+    events = with_ids(owner.join())
+    check_log(events, job_id)
+    assert events[-1]["event"] == "data"
+    assert partial == events[: len(partial)]
+
+    own_redis.start()
+    wait_until(lambda: httpx.get(f"{b.url}/readyz").status_code == 200, timeout=10, what="B to be ready again")
+    wait_until(lambda: snapshot(b.url, job_id).status_code == 200, timeout=10, what="the job to be copied back")
+    status, _, rest = events_of(b.url, job_id, partial[-1]["id"])
+    assert status == 200 and partial + rest == events  # the reconnect reads on: every seq once
+
+
 def test_store_flag() -> None:
     runner = CliRunner()
     shown = runner.invoke(cli_main, ["serve", "--help"], terminal_width=200)
     assert "--store" in shown.output and "STREAMGATE_STORE" in shown.output
+    assert "--store-outage-grace" in shown.output and "STREAMGATE_STORE_OUTAGE_GRACE" in shown.output
     bad = runner.invoke(cli_main, ["serve", "--store", "postgres://x"])
     assert bad.exit_code == 2 and "Redis URL" in bad.output
     bad = runner.invoke(cli_main, ["serve"], env={"STREAMGATE_STORE": "somewhere"})

@@ -61,6 +61,8 @@ async def replicas(request: pytest.FixtureRequest) -> AsyncIterator[Callable[...
     async def start(kind: str, url: str | None = None, **settings: Any) -> Replica:
         settings.setdefault("detach_grace", 0.0)
         settings.setdefault("retention", 60.0)
+        if kind == "redis":
+            settings.setdefault("outage_grace", 0.5)  # a silent owner is found out in a fraction of a second
         if kind == "memory":
             replica = Replica(lambda cancel: MemoryStore(cancel, **settings))
         else:
@@ -323,7 +325,7 @@ async def test_redis_unreachable(replicas: Any) -> None:
     assert a.store.problem is not None and "unreachable" in a.store.problem
     with pytest.raises(ApiError) as refused:
         await a.store.reserve(key(), "job", "request")
-    assert refused.value.status == 503 and refused.value.code is Code.NOT_READY
+    assert refused.value.status == 503 and refused.value.code is Code.STORE_UNAVAILABLE
     job = Job("echo", {"text": "hi"})
     with pytest.raises(ApiError) as refused:
         await a.store.add(job)

@@ -27,6 +27,7 @@ export type Code =
   | 'rate_limited'
   | 'remote_error'
   | 'shutting_down'
+  | 'store_unavailable'
   | 'timeout'
   | 'too_large'
   | 'too_long'
