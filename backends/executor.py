@@ -127,6 +127,7 @@ class Executor:
         *,
         token: str | None = None,
         max_body_bytes: int = 1 << 20,
+        body_timeout: float = 30.0,
         limits: Mapping[str, int] | None = None,
         result_ttl: float = 600.0,
         session_grace: float = 30.0,
@@ -137,6 +138,7 @@ class Executor:
         self.drain = Drain(drain_timeout)
         self.token = token
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
         self.limits = dict(limits or Settings().limits())
         self.result_ttl = result_ttl
         self.session_grace = session_grace
@@ -163,7 +165,7 @@ class Executor:
         session_id = request.headers.get("x-session-id")
         if not session_id:
             raise ApiError(Code.BAD_REQUEST, "the X-Session-Id header is required")
-        body = await params_mod.read_body(request, self.max_body_bytes)
+        body = await params_mod.read_body(request, self.max_body_bytes, self.body_timeout, self.metrics.client_timeout)
         try:
             submitted = msgspec.json.decode(body, type=SubmitRequest)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:

@@ -18,7 +18,6 @@ import io
 import math
 import os
 import platform
-import resource
 import shutil
 import signal
 import subprocess
@@ -33,6 +32,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from gateway.stream import raise_fd_limit  # noqa: F401  (the benchmarks' clients need what the gateway does)
 from tests.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port
 
 STOP_GRACE_S = 10.0  # then SIGKILL: a gateway with a long queue may take its time to drain
@@ -129,22 +129,12 @@ def stop(process: ServeProcess) -> None:
             proc.wait(timeout=30)
 
 
-def raise_fd_limit(needed: int) -> int:
-    """Raise this process's RLIMIT_NOFILE soft limit towards `needed` (children inherit it); the new limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    if target > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        soft = target
-    return soft
-
-
-def rss_kb(pid: int) -> int:
-    """Resident memory of a process (VmRSS), in KiB."""
+def rss_kb(pid: int, field: str = "VmRSS") -> int:
+    """Resident memory of a process, in KiB: now (VmRSS), or its peak so far (VmHWM)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    raise RuntimeError(f"no {field} for process {pid}")
 
 
 def cpu_seconds(pid: int) -> float:

@@ -94,7 +94,8 @@ class Held:
 
 async def measure(bench: common.Bench, mode: str, streams: int, ping: float, hold: float) -> dict[str, object]:
     gateway = bench.streamgate(
-        "serve", "--queue-size", str(streams + 2 * WARM_UP), "--ping-interval", str(ping),
+        "serve", "--queue-size", str(streams + 2 * WARM_UP), "--max-streams", str(streams + 2 * WARM_UP),
+        "--ping-interval", str(ping),
         model=bench.model(default_tiny=True), name=f"serve-{mode}",
     )
     bench.ready(gateway)

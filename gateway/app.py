@@ -35,7 +35,8 @@ from gateway.logs import RequestIds, request_id_headers
 from gateway.metrics import Metrics
 from gateway.protocol import Code, encode, parse_event_id
 from gateway.store import JobHandle, JobStore, MemoryStore, jobs_query
-from gateway.stream import job_response
+from gateway.tools.base import Tool
+from gateway.stream import Slot, Streams, job_response
 
 log = logging.getLogger("streamgate.app")
 
@@ -117,13 +118,15 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         ticket_ttl=settings.ticket_ttl,
     )
     drain = Drain(settings.drain_timeout)
+    streams = Streams(settings.max_streams)
 
-    def follow(job: JobHandle, after: int = 0) -> Response:
+    def follow(job: JobHandle, slot: Slot, after: int = 0) -> Response:
         return job_response(
             job,
             backend,
             store,
             metrics=metrics,
+            slot=slot,
             ping_interval=settings.ping_interval,
             retry_ms=settings.retry_ms,
             after=after,
@@ -134,20 +137,25 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         principal = auth.authenticate(request)
         tool = backend.tool(request.path_params["tool"])
         auth.authorize(principal, tool.name)
+        with streams.slot() as slot:
+            return await _run(request, principal, tool, slot)
+
+    async def _run(request: Request, principal: Principal | None, tool: Tool, slot: Slot) -> Response:
         resumed = _last_event_id(request)
         if resumed is not None and (request.method == "GET" or not request.headers.get("idempotency-key")):
             # A client reconnecting to the URL it first opened: an EventSource (GET), or a POST sent
             # again by a retrying client (fetch-event-source sends Last-Event-ID, no key). The same job.
-            job = await _job(resumed[0], principal)
+            job = await _job(resumed[0], principal, to_follow=True)
             if (its_tool := job.snapshot().tool) != tool.name:
                 raise ApiError(
                     Code.BAD_REQUEST,
                     f"Last-Event-ID {resumed[0]}:{resumed[1]} is an event of a {its_tool} job, not of {tool.name}",
                 )
-            return _resume(job, resumed[1])
+            return _resume(job, slot, resumed[1])
         drain.refuse()
         if request.method == "POST":
-            params = params_mod.decode_body(tool, await params_mod.read_body(request, settings.max_body_bytes))
+            body = await params_mod.read_body(request, settings.max_body_bytes, settings.body_timeout, metrics.client_timeout)
+            params = params_mod.decode_body(tool, body)
         else:
             params = params_mod.decode_query(tool, request.query_params)
         if (problem := getattr(store, "problem", None)) is not None:  # a shared store that is unreachable
@@ -169,7 +177,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
                 )
             # The same request again (a client replaying its POST): attach to the job it started.
             after = resumed[1] if resumed is not None and resumed[0] == bound.job_id else 0
-            return _resume(await _job(bound.job_id, principal), after)
+            return _resume(await _job(bound.job_id, principal, to_follow=True), slot, after)
         try:
             release = auth.limits.admit(principal)
         except ApiError:
@@ -187,27 +195,32 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         job.on_end.append(lambda _: release())
         job.idempotency_key, job.request_digest = key, digest
         await store.add(job)
-        return follow(job)
+        return follow(job, slot)
 
-    async def _job(job_id: str, principal: Principal | None) -> JobHandle:
-        job = await store.get(job_id)
+    async def _job(job_id: str, principal: Principal | None, *, to_follow: bool = False) -> JobHandle:
+        job = await store.get(job_id, to_follow=to_follow)
         # Another token's job is answered as an unknown one: its existence is not the caller's to learn.
         if job is None or not auth.sees(principal, job.snapshot().owner):
             raise ApiError(Code.NOT_FOUND, f"no job {job_id} (unknown, or finished more than {settings.retention:g} s ago)")
         return job
 
-    def _resume(job: JobHandle, after: int) -> Response:
+    def _resume(job: JobHandle, slot: Slot, after: int) -> Response:
         if job.terminal is not None and after >= job.terminal.seq:
             # The client holds the terminal event: 204 stops an EventSource for good.
             return Response(status_code=204, headers={"X-Job-Id": job.id})
-        return follow(job, after)
+        return follow(job, slot, after)
 
     async def job_events(request: Request) -> Response:
-        job = await _job(request.path_params["job_id"], auth.authenticate(request))
+        principal = auth.authenticate(request)
+        with streams.slot() as slot:
+            return await _job_events(request, principal, slot)
+
+    async def _job_events(request: Request, principal: Principal | None, slot: Slot) -> Response:
+        job = await _job(request.path_params["job_id"], principal, to_follow=True)
         resumed = _last_event_id(request)
         if resumed is not None and resumed[0] != job.id:
             raise ApiError(Code.BAD_REQUEST, f"Last-Event-ID {resumed[0]}:{resumed[1]} is not an event of job {job.id}")
-        return _resume(job, resumed[1] if resumed else 0)
+        return _resume(job, slot, resumed[1] if resumed else 0)
 
     async def job_snapshot(request: Request) -> Response:
         job = await _job(request.path_params["job_id"], auth.authenticate(request))

@@ -57,6 +57,8 @@ def _model_options(command: Any) -> Any:
         _option("--max-tokens", default=_D.max_tokens, type=click.IntRange(min=1), help="Most tokens one generate job may ask for."),
         _option("--max-sequences", default=_D.max_sequences, type=click.IntRange(min=1), help="Most texts or sequences in one embed or pseudo_loglikelihood job."),
         _option("--max-body-bytes", default=_D.max_body_bytes, type=click.IntRange(min=1)),
+        _option("--header-timeout", default=_D.header_timeout, type=click.FloatRange(min=1), help="Seconds a request's line and headers may take to arrive (from connecting, or from the first byte of the next request on a kept-alive connection) before 408 request_timeout and the connection is closed. Real clients send them in one round trip; 10 s allows very slow links yet stops a client that trickles them to hold a connection."),
+        _option("--body-timeout", default=_D.body_timeout, type=click.FloatRange(min=1), help="Seconds a request body may take to arrive in full after its headers before 408 request_timeout; no job is created. 30 s carries the default 1 MiB body at 35 KB/s."),
         _option("--log-level", default=_D.log_level, type=click.Choice(["debug", "info", "warning", "error"])),
         _option("--log-format", default=_D.log_format, type=click.Choice(["text", "json"]), help="Log lines as text, or as one JSON object each (with request_id, job_id)."),
         _option("--debug", is_flag=True, default=False, help="Put tracebacks in tool_error messages."),
@@ -174,6 +176,7 @@ def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @_option("--store", default=_D.store, callback=_check_store, help="Where jobs are kept: memory (this process), or redis://host:port/db, shared by every replica.")
 @_option("--store-outage-grace", default=_D.store_outage_grace, type=click.FloatRange(min=1), help="Seconds a Redis store may be unreachable while jobs run on and their events wait for it; also how long a silent replica counts as alive.")
 @_option("--ping-interval", default=_D.ping_interval, type=click.FloatRange(min=0), help="Seconds of quiet before a ': ping' comment (0: none).")
+@_option("--max-streams", default=_D.max_streams, type=click.IntRange(min=1), help="Event streams held at once; past it new streams get 503 overloaded with Retry-After (each takes a file descriptor and ~45 KB).")
 @_option("--retry-ms", default=_D.retry_ms, type=click.IntRange(min=0), help="The reconnect delay sent to EventSource clients.")
 @_option("--tokens-file", default=None, type=click.Path(exists=True, dir_okay=False), help="A TOML file of client tokens ([tokens.<name>] token, tools, max_concurrent, jobs_per_minute). With tokens, runs need a bearer token.")
 @_option("--tokens", multiple=True, help="Client tokens as name=token (repeatable; prefer the env var: a command line is visible to other users).")
@@ -187,6 +190,7 @@ def serve(**options: Any) -> None:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.slowclients import uvicorn_options
 
     dry_run = options.pop("dry_run")
     settings = _settings(options)
@@ -217,7 +221,18 @@ def serve(**options: Any) -> None:
             "  Give client tokens with --tokens-file or STREAMGATE_TOKENS.\n%s",
             "!" * 78, settings.host, "!" * 78,
         )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None)
+    from gateway.stream import FD_MARGIN, raise_fd_limit
+
+    if (have := raise_fd_limit(settings.max_streams + FD_MARGIN)) < settings.max_streams + FD_MARGIN:
+        logging.getLogger("streamgate").warning(
+            "--max-streams %d, but this process may open only %d files (ulimit -n): past about %d streams "
+            "new connections fail; raise the limit or lower --max-streams",
+            settings.max_streams, have, max(0, have - FD_MARGIN),
+        )
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None,
+        **uvicorn_options(settings, app.state.metrics.client_timeout),
+    )
 
 
 @main.command()
@@ -232,6 +247,7 @@ def executor(**options: Any) -> None:
 
     from backends.executor import Executor, create_executor_app
     from gateway.encoding import to_msgpack
+    from gateway.slowclients import uvicorn_options
 
     dry_run = options.pop("dry_run")
     settings = _settings(options)
@@ -244,6 +260,7 @@ def executor(**options: Any) -> None:
         _local_backend(settings, encode=to_msgpack),
         token=settings.executor_token,
         max_body_bytes=settings.max_body_bytes,
+        body_timeout=settings.body_timeout,
         limits=settings.limits(),
         result_ttl=settings.result_ttl,
         session_grace=settings.session_grace,
@@ -255,7 +272,10 @@ def executor(**options: Any) -> None:
         report(service.backend, settings)
         return
     app = create_executor_app(service)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None, ws="websockets")
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None, ws="websockets",
+        **uvicorn_options(settings, service.metrics.client_timeout),
+    )
 
 
 def _params_from_pairs(pairs: tuple[str, ...]) -> list[tuple[str, str]]:

@@ -24,7 +24,11 @@ class Settings(msgspec.Struct, kw_only=True):
     max_tokens: int = 512
     max_sequences: int = 4096
     max_body_bytes: int = 1 << 20
+    # Slow clients: seconds for a request's headers (gateway/slowclients.py), then its body (gateway/params.py).
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
     ping_interval: float = 15.0
+    max_streams: int = 10_000  # event streams held at once; past it 503 overloaded (gateway/stream.py)
     retry_ms: int = 3000
     debug: bool = False
     log_level: str = "info"

@@ -10,6 +10,8 @@ Kubernetes) means "finish up", so on the first one:
    `--drain-timeout` seconds;
 3. those still going then end with `error` `shutting_down`, and their
    streams carry that terminal event to their clients;
+   streams of jobs that other replicas run (a shared store) end with no
+   terminal event, and their clients reconnect, to another replica;
 4. only then does uvicorn shut down, and the process exits 0.
 
 A second SIGTERM skips the wait. SIGINT (Ctrl-C) keeps uvicorn's quick stop.
@@ -26,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from types import FrameType
 
 import uvicorn
+from sse_starlette.sse import AppStatus
 
 from gateway.errors import ApiError
 from gateway.protocol import Code
@@ -79,6 +82,11 @@ def on_sigterm(drain: Drain, in_flight: Callable[[], int], stop: Callable[[], Aw
         try:
             await drain.run(in_flight, stop)
         finally:
+            # Streams of jobs that run elsewhere (another replica's, through a shared store) end
+            # now, without a terminal event, for their clients to reconnect to another replica.
+            # sse-starlette finds out about a shutdown through uvicorn's SIGTERM handler, which
+            # this one has replaced; this is its documented flag for doing it by hand.
+            AppStatus.should_exit = True
             server = getattr(previous, "__self__", None)
             if isinstance(server, uvicorn.Server):
                 # Not through its handle_exit: uvicorn raises a recorded signal again once it

@@ -24,6 +24,7 @@ STATUS_OF = {
     Code.NOT_FOUND: 404,
     Code.UNKNOWN_TOOL: 404,
     Code.METHOD_NOT_ALLOWED: 405,
+    Code.REQUEST_TIMEOUT: 408,
     Code.TOO_LARGE: 413,
     Code.TOO_LONG: 413,
     Code.INVALID_PARAMS: 422,
@@ -34,6 +35,7 @@ STATUS_OF = {
     Code.INTERNAL: 500,
     Code.NOT_READY: 503,
     Code.STORE_UNAVAILABLE: 503,
+    Code.OVERLOADED: 503,
     Code.SHUTTING_DOWN: 503,
 }
 

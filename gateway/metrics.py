@@ -13,7 +13,9 @@ Shaped this way for three reasons:
 - What only happens in passing is counted where it happens, through hooks kept
   small: a job's end (`Job.on_end`, added to by `track`: outcome, queue wait and run
   time, all observed then so that a job counts once in each, with the same
-  labels) and a client's stream (`stream_opened`/`stream_closed`, `sent`).
+  labels), a client's stream (`stream_opened`/`stream_closed`, `sent`), and a
+  client cut for being too slow (`client_timeout`: gateway/slowclients.py for
+  headers and unread bodies, `read_body` for bodies, the stream for writes).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from gateway.protocol import Code, Event, EventType
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 RUN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Where a slow client was cut: its request headers, its request body, or a write to it.
+TIMEOUT_PHASES = ("headers", "body", "write")
 
 
 class Metrics:
@@ -78,6 +82,14 @@ class Metrics:
         self.events = Counter(
             "streamgate_events_sent", "Events written to clients' streams, by event type", ["event"], registry=self.registry
         )
+        self.client_timeouts = Counter(
+            "streamgate_client_timeouts",
+            "Clients cut for being too slow: sending their headers or body, or reading a stream (phase)",
+            ["phase"],
+            registry=self.registry,
+        )
+        for phase in TIMEOUT_PHASES:  # each at 0 from the start, so that a rate over it is defined
+            self.client_timeouts.labels(phase)
         self.registry.register(_BackendState(backend))
 
     # -- hooks ---------------------------------------------------------------------
@@ -108,6 +120,10 @@ class Metrics:
     def sent(self, events: Iterable[Event]) -> None:
         for event in events:
             self.events.labels(event.type.value).inc()
+
+    def client_timeout(self, phase: str) -> None:
+        """Count a client cut for slowness in `phase`, one of TIMEOUT_PHASES."""
+        self.client_timeouts.labels(phase).inc()
 
     # -- exposition ----------------------------------------------------------------
 

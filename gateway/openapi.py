@@ -82,7 +82,7 @@ class Ticket(msgspec.Struct):
 PROTOCOL = (StatusFrame, LogFrame, ErrorFrame, ErrorBody, JobSnapshot, JobList, ToolInfo, Health, Readiness, Cancellation, Ticket)
 
 # What each error status means, from the codes that answer it.
-ERROR_STATUSES = (400, 401, 403, 404, 413, 422, 429, 503)
+ERROR_STATUSES = (400, 401, 403, 404, 408, 413, 422, 429, 503)
 
 
 def endpoint(backend: Backend, limits: Mapping[str, int], *, secured: bool) -> Callable[[Request], Any]:
@@ -147,7 +147,7 @@ def _run_path(info: ToolInfo, ref: Mapping[str, Any], schemas: dict[str, Any]) -
     result = _hoist(schemas, name, "result", info.result_schema)
     partial = _hoist(schemas, name, "partial", info.partial_schema) if info.partial_schema else None
     schemas[f"{name}.event"] = _event_schema(ref, result=result, partial=partial)
-    stream = _stream_responses({"$ref": REF.format(name=f"{name}.event")}, (400, 401, 403, 404, 413, 422, 429, 503))
+    stream = _stream_responses({"$ref": REF.format(name=f"{name}.event")}, (400, 401, 403, 404, 408, 413, 422, 429, 503))
     idempotency = {
         "name": "Idempotency-Key",
         "in": "header",
@@ -342,7 +342,7 @@ def _other_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "/jobs": {
             "get": op("jobs", "The caller's jobs (an admin's: everyone's), newest first, a page at a time",
-                      {"200": json(ref["JobList"], "A page of jobs; `next` is the cursor of the next."), **errors(401, 422)},
+                      {"200": json(ref["JobList"], "A page of jobs; `next` is the cursor of the next."), **errors(401, 422, 503)},
                       parameters=[
                           {"name": "state", "in": "query", "required": False, "description": "A status, or `active` or `finished`.",
                            "schema": {"type": "string", "enum": list(STATES)}},
@@ -353,14 +353,14 @@ def _other_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
                       ], tags=["jobs"]),
         },
         "/jobs/{job_id}": {
-            "get": op("job", "Where a job stands", {"200": json(ref["JobSnapshot"], "The job's snapshot."), **errors(401, 404)},
+            "get": op("job", "Where a job stands", {"200": json(ref["JobSnapshot"], "The job's snapshot."), **errors(401, 404, 503)},
                       parameters=[job_id], tags=["jobs"]),
-            "delete": op("cancel", "Cancel a job", {"200": json(ref["Cancellation"], "Cancelled, or had ended."), **errors(401, 404)},
+            "delete": op("cancel", "Cancel a job", {"200": json(ref["Cancellation"], "Cancelled, or had ended."), **errors(401, 404, 503)},
                          parameters=[job_id], tags=["jobs"]),
         },
         "/jobs/{job_id}/events": {
             "get": op("events", "A job's stream again, from the start or after Last-Event-ID",
-                      _stream_responses({"$ref": REF.format(name="Event")}, (400, 401, 404)),
+                      _stream_responses({"$ref": REF.format(name="Event")}, (400, 401, 404, 503)),
                       parameters=[job_id, last_event_id], tags=["jobs"]),
         },
         "/tools": {

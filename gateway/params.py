@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import anyio
 import msgspec
 from starlette.datastructures import QueryParams
 from starlette.requests import Request
@@ -27,15 +28,31 @@ from gateway.protocol import Code, ToolInfo
 from gateway.tools.base import Tool
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 `too_large` as soon as it passes `limit` bytes."""
+async def read_body(
+    request: Request, limit: int, timeout: float | None = None, on_timeout: Callable[[str], None] | None = None
+) -> bytes:
+    """The request body, refused with 413 `too_large` as soon as it passes `limit` bytes, and
+    with 408 `request_timeout` when it has not all arrived `timeout` seconds after reading
+    starts, right after the headers (`on_timeout("body")` is called then, to count it)."""
     # Counted while reading, so a missing or untrue Content-Length changes nothing.
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(Code.TOO_LARGE, f"the body is over the limit of {limit} bytes")
-    return bytes(body)
+    # One deadline for the whole body, not one per read: a client trickling a byte at a
+    # time would pass any per-read limit and hold the request (never a job: params are
+    # decoded only after this) for as long as it likes.
+    with anyio.move_on_after(timeout):
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError(Code.TOO_LARGE, f"the body is over the limit of {limit} bytes")
+        return bytes(body)
+    if on_timeout is not None:
+        on_timeout("body")
+    raise ApiError(
+        Code.REQUEST_TIMEOUT,
+        f"the request body did not arrive within {timeout:g} s ({len(body)} bytes came)",
+        # The rest of the body may still come: the connection cannot carry another request.
+        headers={"Connection": "close"},
+    )
 
 
 def describe(

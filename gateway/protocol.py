@@ -50,6 +50,8 @@ class Code(str, enum.Enum):
     RATE_LIMITED = "rate_limited"
     NOT_READY = "not_ready"
     STORE_UNAVAILABLE = "store_unavailable"
+    OVERLOADED = "overloaded"
+    REQUEST_TIMEOUT = "request_timeout"
     SHUTTING_DOWN = "shutting_down"
     # In-stream only.
     CANCELLED = "cancelled"
@@ -66,6 +68,7 @@ RETRYABLE = frozenset(
         Code.RATE_LIMITED,
         Code.NOT_READY,
         Code.STORE_UNAVAILABLE,
+        Code.OVERLOADED,
         Code.SHUTTING_DOWN,
         Code.BACKEND_UNAVAILABLE,
         Code.TIMEOUT,

@@ -88,7 +88,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,12 +108,14 @@ except ImportError:  # pragma: no cover
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType, JobSnapshot, TerminalEvent, encode, now
-from gateway.store import Binding, JobHandle, JobStore, StoreUnavailable
+from gateway.store import Binding, JobHandle, JobStore, StoppedFollowing, StoreUnavailable
 
 log = logging.getLogger("streamgate.redis")
 
 STOP_FLUSH_S = 2.0  # how long `stop` waits for the last events to reach Redis
 ANSWER_S = 2.0  # the longest a request, or a heartbeat, waits on Redis: a stalled one is a 503, never a hang
+COMMAND_CONNECTIONS = 64  # per replica, for requests and copies
+READ_CONNECTIONS = 1024  # per replica: jobs followed from here at once, each one blocking read
 READ_COUNT = 1000  # most events one XREAD returns
 
 # Copy a batch of events and the snapshot. KEYS: hash, stream, attached, the
@@ -242,6 +244,7 @@ class RedisJobView:
         self._update(fields)
 
     def _update(self, fields: dict[bytes, bytes]) -> None:
+        self.fields = fields
         self.owner = fields.get(b"owner", b"").decode()
         self.idempotency_key = fields.get(b"key", b"").decode()
         self.last_seq = int(fields.get(b"last_seq", b"0"))
@@ -266,6 +269,121 @@ class RedisJobView:
     async def wait_events(self, after: int, timeout: float | None = None) -> list[Event]:
         """Events with seq > `after`, waiting up to `timeout` for one; [] on timeout."""
         return await self._store._read(self, after, timeout)
+
+
+class _Tail:
+    """One replica's reading of a job's Redis stream, shared by every client that follows the job here.
+
+    However many clients follow a job through this replica, one task reads its
+    stream (`XREAD BLOCK`, one pooled connection) and keeps the events it read;
+    each client takes its own slice. So a reconnect storm of thousands of
+    followers costs Redis one reader per job, not one per client. The reader
+    stops at the terminal event, after a blocking read in which nobody was
+    waiting, or once Redis has been unreachable past the outage grace (then
+    every waiter gets `StoreUnavailable`, and the next one starts a new tail).
+    """
+
+    def __init__(self, store: RedisStore, view: RedisJobView, fields: dict[bytes, bytes]) -> None:
+        self._store = store
+        self._view = view
+        self._fields = fields
+        self.events: list[Event] = []  # seqs 1..n: a job's stream has no gaps
+        self.failure: StoreUnavailable | None = None
+        self._changed = asyncio.Event()
+        self._waiting = 0
+        self._used = asyncio.get_running_loop().time()
+        self._task = asyncio.create_task(self._run(), name=f"tail {view.id}")
+        store._spawned.add(self._task)
+        self._task.add_done_callback(self._ended)
+
+    def view_for_another(self) -> RedisJobView:
+        """A view of the job for one more client, from what this tail knows."""
+        view = RedisJobView(self._store, self._view.id, self._fields)
+        if self.events and self.events[-1].terminal:
+            view._terminal = self.events[-1]
+        return view
+
+    async def wait(self, after: int, timeout: float | None) -> list[Event]:
+        """Events with seq > `after`, waiting up to `timeout` for one; [] on timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        self._waiting += 1
+        try:
+            while True:
+                self._used = loop.time()
+                if len(self.events) > after:
+                    return self.events[after:]
+                if self.failure is not None:
+                    raise self.failure
+                if self._task.done():
+                    return []  # ended at its terminal event, which this client holds already
+                changed = self._changed
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
+                    return []
+                try:
+                    await asyncio.wait_for(changed.wait(), left)
+                except TimeoutError:
+                    return []
+        finally:
+            self._waiting -= 1
+
+    def stop(self) -> None:
+        """End every wait, now and later, with StoppedFollowing."""
+        self.failure = StoppedFollowing("this gateway is shutting down")
+        self._task.cancel()
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        store = self._store
+        store._spawned.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.failure is None:
+            self.failure = StoreUnavailable(f"reading job {self._view.id} failed: {task.exception()!r}")
+        self._notify()
+        if self.events and self.events[-1].terminal and self.failure is None:
+            # Clients still writing out the last events read the rest from here, not from Redis again.
+            asyncio.get_running_loop().call_later(store._block, self._forget)
+        else:
+            self._forget()
+
+    def _forget(self) -> None:
+        if self._store._tails.get(self._view.id) is self:
+            del self._store._tails[self._view.id]
+
+    async def _run(self) -> None:
+        store, view = self._store, self._view
+        loop = asyncio.get_running_loop()
+        down_since: float | None = None
+        while not store._closing:
+            last = len(self.events)
+            try:
+                reply = await store._reads.xread({store._stream(view.id): f"{last}-0"}, count=READ_COUNT, block=store._ms(store._block))
+                down_since = None
+            except RedisError as exc:
+                down_since = down_since or loop.time()
+                if loop.time() - down_since > store.outage_grace:
+                    self.failure = StoreUnavailable(f"Redis unreachable for {store.outage_grace:g} s: {exc}")
+                    return
+                await asyncio.sleep(min(0.5, store._block))
+                continue
+            events = store._events(view.id, reply)
+            if events:
+                self.events += events
+                self._notify()
+                if events[-1].terminal:
+                    return
+                continue
+            if not self._waiting and loop.time() - self._used > store._block:
+                return  # nobody follows the job here any more
+            if view.done:  # the hash has a terminal event that the stream no longer holds
+                self.failure = StoreUnavailable(f"job {view.id} expired while it was being read")
+                return
+            with contextlib.suppress(RedisError):
+                await store._finalize_if_orphan(view)
 
 
 class RedisStore(JobStore):
@@ -295,13 +413,13 @@ class RedisStore(JobStore):
         # outage it must be able to ride out, or a stall would end jobs that are running fine.
         self.liveness = outage_grace + self.ttl
         self._block = max(0.05, min(5.0, self.ttl))  # one XREAD BLOCK, at most
-        self._redis = aioredis.Redis.from_url(
-            url,
-            socket_connect_timeout=2,
-            socket_timeout=self._block + 5,
-            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
-            **_NO_MAINT,  # one round trip less per connection, and a window less in which a cancel is lost
-        )
+        # Three pools, so that no kind of use starves another: requests and copies share a
+        # bounded one (a burst of thousands of requests queues for its connections, for up
+        # to ANSWER_S, rather than opening thousands); followers' blocking reads, one per
+        # job followed here, have their own; the heartbeat and the owner's channel theirs.
+        self._redis = self._client(aioredis.BlockingConnectionPool, max_connections=COMMAND_CONNECTIONS, timeout=ANSWER_S)
+        self._reads = self._client(aioredis.BlockingConnectionPool, max_connections=READ_CONNECTIONS, timeout=None)
+        self._pulse = self._client(aioredis.ConnectionPool, max_connections=4)
         self._mirror_script = self._redis.register_script(_MIRROR)
         self._finalize_script = self._redis.register_script(_FINALIZE)
         self._lease_script = self._redis.register_script(_LEASE)
@@ -313,6 +431,10 @@ class RedisStore(JobStore):
         self._mirrors: dict[str, asyncio.Task[None]] = {}
         self._attached: dict[str, int] = {}  # clients on this replica, per job (owned or not)
         self._views: dict[str, str] = {}  # remote jobs followed from here -> their owner
+        self._tails: dict[str, _Tail] = {}  # remote jobs read from here, one reader each
+        self._following = True  # until shutdown
+        self._pending: dict[str, asyncio.Future[Any]] = {}  # reads in flight that others may share
+        self._alive_until: dict[str, float] = {}  # replicas seen alive, until when (loop time)
         self._ops: asyncio.Queue[tuple[str, str, str] | None] = asyncio.Queue()
         # Background loops end on this flag rather than on cancellation alone: redis-py can
         # swallow a cancel that lands while it opens a connection (redis/redis-py#2028).
@@ -320,6 +442,19 @@ class RedisStore(JobStore):
         self._tasks: list[asyncio.Task[Any]] = []
         self._spawned: set[asyncio.Task[Any]] = set()
         self.problem: str | None = f"not connected to Redis at {self._where()} yet"
+        self._failed_beats = 0
+
+    def _client(self, pool: type[aioredis.ConnectionPool], **sizing: Any) -> aioredis.Redis:
+        return aioredis.Redis(
+            connection_pool=pool.from_url(
+                self.url,
+                socket_connect_timeout=2,
+                socket_timeout=self._block + 5,
+                retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
+                **_NO_MAINT,  # one round trip less per connection, and a window less in which a cancel is lost
+                **sizing,
+            )
+        )
 
     # -- names -------------------------------------------------------------------
 
@@ -413,8 +548,9 @@ class RedisStore(JobStore):
                     pipe.zrem(self._attached_key(job_id), self.replica_id)
                 pipe.delete(self._replica(self.replica_id))
                 await pipe.execute()
-        with contextlib.suppress(Exception):
-            await self._redis.aclose()
+        for client in (self._redis, self._reads, self._pulse):
+            with contextlib.suppress(Exception):
+                await client.aclose()
 
     # -- idempotency keys ----------------------------------------------------------
 
@@ -488,7 +624,7 @@ class RedisStore(JobStore):
         self._owned[job.id] = _Owned(job)
         self._restart_mirror(job)
 
-    async def get(self, job_id: str) -> JobHandle | None:
+    async def get(self, job_id: str, *, to_follow: bool = False) -> JobHandle | None:
         owned = self._owned.get(job_id)
         if owned is not None:
             job = owned.job
@@ -496,8 +632,13 @@ class RedisStore(JobStore):
                 self._forget(job_id)
                 return None
             return job
+        tail = self._tails.get(job_id)
+        if to_follow and tail is not None and tail.failure is None:
+            # Followed from here already: the job's owner, tool and events are at hand, so a
+            # reconnect storm's clients cost Redis nothing more (their snapshot may be stale).
+            return tail.view_for_another()
         async with self._answering():
-            fields = await self._redis.hgetall(self._hash(job_id))
+            fields = await self._fields(job_id)
             if not fields or b"snapshot" not in fields:
                 return None
             view = RedisJobView(self, job_id, fields)
@@ -507,6 +648,36 @@ class RedisStore(JobStore):
                     return None
                 view._update(fields)
             return view
+
+    async def _shared(self, key: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        """`call()`'s answer; calls for one `key` made while one is in flight share its round trip.
+        A reconnect storm of a job's followers so costs Redis one read of the job, not one per client."""
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = asyncio.ensure_future(call())
+            pending.add_done_callback(lambda done: self._settled(key, done))
+        return await asyncio.shield(pending)
+
+    def _settled(self, key: str, done: asyncio.Future[Any]) -> None:
+        self._pending.pop(key, None)
+        if not done.cancelled():
+            done.exception()  # retrieved: a failure every waiter gave up on is not logged as lost
+
+    async def _fields(self, job_id: str) -> dict[bytes, bytes]:
+        return await self._shared(f"job {job_id}", lambda: self._redis.hgetall(self._hash(job_id)))
+
+    async def _owner_alive(self, owner: str) -> bool:
+        """Whether `owner`'s liveness key exists; a yes is kept for one heartbeat (the key lasts
+        far longer), so that reads of its jobs do not ask again and again."""
+        loop = asyncio.get_running_loop()
+        if self._alive_until.get(owner, 0.0) > loop.time():
+            return True
+        alive = bool(await self._shared(f"alive {owner}", lambda: self._redis.exists(self._replica(owner))))
+        if alive:
+            self._alive_until[owner] = loop.time() + self.heartbeat
+        else:
+            self._alive_until.pop(owner, None)
+        return alive
 
     async def snapshots(self) -> list[JobSnapshot]:
         async with self._answering():
@@ -607,33 +778,15 @@ class RedisStore(JobStore):
     # -- following a job that runs elsewhere -------------------------------------------
 
     async def _read(self, view: RedisJobView, after: int, timeout: float | None) -> list[Event]:
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        down_since: float | None = None
-        while True:
-            block = self._block if deadline is None else min(self._block, deadline - loop.time())
-            if block <= 0:
-                return []
-            try:
-                reply = await self._redis.xread({self._stream(view.id): f"{after}-0"}, count=READ_COUNT, block=self._ms(block))
-                down_since = None
-            except RedisError as exc:
-                down_since = down_since or loop.time()
-                if loop.time() - down_since > self.outage_grace:
-                    raise StoreUnavailable(f"Redis unreachable for {self.outage_grace:g} s: {exc}") from exc
-                await asyncio.sleep(min(0.5, block))
-                continue
-            events = self._events(view.id, reply)
-            if events:
-                if events[-1].terminal:
-                    view._terminal = events[-1]
-                return events
-            if view.done:
-                if after < view._terminal.seq:  # type: ignore[union-attr]
-                    raise StoreUnavailable(f"job {view.id} expired while it was being read")
-                return []
-            with contextlib.suppress(RedisError):
-                await self._finalize_if_orphan(view)
+        if not self._following:
+            raise StoppedFollowing("this gateway is shutting down")
+        tail = self._tails.get(view.id)
+        if tail is None or tail.failure is not None:
+            tail = self._tails[view.id] = _Tail(self, view, view.fields)
+        events = await tail.wait(after, timeout)
+        if events and events[-1].terminal:
+            view._terminal = events[-1]
+        return events
 
     @staticmethod
     def _events(job_id: str, reply: Any) -> list[Event]:
@@ -650,7 +803,7 @@ class RedisStore(JobStore):
     async def _finalize_if_orphan(self, view: RedisJobView) -> bool:
         """End `view`'s job with backend_unavailable if its owner is silent; True if it has ended."""
         for _ in range(5):
-            if await self._redis.exists(self._replica(view.owner)):
+            if await self._owner_alive(view.owner):
                 return False
             fields = await self._redis.hgetall(self._hash(view.id))
             if not fields or b"snapshot" not in fields:
@@ -680,6 +833,11 @@ class RedisStore(JobStore):
             if done == 0:
                 return False
         return False
+
+    def stop_following(self) -> None:
+        self._following = False
+        for tail in list(self._tails.values()):
+            tail.stop()
 
     # -- attach, detach, and detach grace ------------------------------------------------
 
@@ -784,7 +942,7 @@ class RedisStore(JobStore):
         """Stay alive, re-lease running jobs, pick up cancel flags, keep attachments, forget old jobs."""
         running = [owned for owned in self._owned.values() if not owned.job.done]
         try:
-            pipe = self._redis.pipeline(transaction=False)
+            pipe = self._pulse.pipeline(transaction=False)
             pipe.set(self._replica(self.replica_id), b"1", px=self._ms(self.liveness))
             for owned in running:
                 await self._lease_script(
@@ -796,13 +954,18 @@ class RedisStore(JobStore):
                 replies = await pipe.execute()
         except (RedisError, TimeoutError) as exc:
             why = str(exc) or f"no answer in {ANSWER_S:g} s"
-            if self.problem is None:
-                log.warning("Redis at %s is unreachable: %s", self._where(), why)
-            self.problem = f"the job store (Redis at {self._where()}) is unreachable: {why}"
+            self._failed_beats += 1
+            # Twice in a row (or before the first success): once may be this process too busy to hear the answer
+            # in time (a storm of reconnects while the model loads), which is no outage of Redis.
+            if self.problem is not None or self._failed_beats >= 2:
+                if self.problem is None:
+                    log.warning("Redis at %s is unreachable: %s", self._where(), why)
+                self.problem = f"the job store (Redis at {self._where()}) is unreachable: {why}"
             return
         if self.problem is not None:
             log.info("Redis at %s is reachable", self._where())
         self.problem = None
+        self._failed_beats = 0
         for owned, flag in zip(running, replies[1:]):
             if flag == -1 and not owned.job.done:  # Redis lost the job: copy it again
                 self._restart_mirror(owned.job)
@@ -821,7 +984,7 @@ class RedisStore(JobStore):
     async def _listen(self) -> None:
         channel = self._replica(self.replica_id)
         while not self._closing:
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._pulse.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
                 while not self._closing:

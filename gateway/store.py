@@ -36,6 +36,10 @@ class StoreUnavailable(RuntimeError):
     """A shared store stayed unreachable past its outage grace while a job was followed from it."""
 
 
+class StoppedFollowing(StoreUnavailable):
+    """This process is shutting down: jobs that run elsewhere are no longer followed from here."""
+
+
 class Binding(NamedTuple):
     """What an idempotency key is bound to: the job it started, and a digest of the request that started it."""
 
@@ -82,8 +86,9 @@ class JobStore(abc.ABC):
         """Keep `job`, which runs on this replica."""
 
     @abc.abstractmethod
-    async def get(self, job_id: str) -> JobHandle | None:
-        """The job, or None if unknown or past its retention."""
+    async def get(self, job_id: str, *, to_follow: bool = False) -> JobHandle | None:
+        """The job, or None if unknown or past its retention. `to_follow`: the caller wants its
+        events, not a fresh snapshot (a shared store may then answer from what it already reads)."""
 
     @abc.abstractmethod
     async def snapshots(self) -> list[JobSnapshot]:
@@ -92,6 +97,10 @@ class JobStore(abc.ABC):
     @abc.abstractmethod
     async def cancel(self, job: JobHandle) -> None:
         """Cancel the job wherever it runs."""
+
+    def stop_following(self) -> None:
+        """The process is shutting down: every wait on a job that runs elsewhere raises
+        `StoppedFollowing` (a store that keeps only this process's jobs has none)."""
 
     @abc.abstractmethod
     def attach(self, job: JobHandle) -> None:
@@ -147,7 +156,7 @@ class MemoryStore(JobStore):
         self._reserved.discard(job.id)
         self.jobs[job.id] = job
 
-    async def get(self, job_id: str) -> Job | None:
+    async def get(self, job_id: str, *, to_follow: bool = False) -> Job | None:
         return self.jobs.get(job_id)
 
     async def snapshots(self) -> list[JobSnapshot]:

@@ -21,20 +21,111 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import resource
+from collections.abc import Callable
 
 import anyio
 from sse_starlette import EventSourceResponse
+from sse_starlette.sse import SendTimeoutError
+from starlette.types import Receive, Scope, Send
 
 from backends.base import Backend
+from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.logs import bind_job
 from gateway.metrics import Metrics
 from gateway.protocol import PING, Code, retry_line
-from gateway.store import JobHandle, JobStore, StoreUnavailable
+from gateway.store import JobHandle, JobStore, StoppedFollowing, StoreUnavailable
 
 log = logging.getLogger("streamgate.stream")
 
-SHUTDOWN_GRACE_S = 2.0  # time for the terminal event to reach the client on shutdown
+SHUTDOWN_GRACE_S = 5.0  # time for the last events to reach the clients on shutdown (thousands of streams may need it)
+RETRY_AFTER_S = (1, 5)  # an overloaded gateway's Retry-After, drawn at random
+
+
+FD_MARGIN = 256  # file descriptors besides the streams' own: listeners, Redis, executors, files
+
+
+def raise_fd_limit(needed: int) -> int:
+    """Raise this process's RLIMIT_NOFILE soft limit towards `needed` (never past the hard limit,
+    nor down); the soft limit now. Every stream holds a socket, and many systems start at 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft
+
+
+class Streams:
+    """The event streams this process holds, and `--max-streams`.
+
+    A request for a stream takes a slot before any work, so that a burst of
+    requests cannot all pass the check while each awaits its job: past the
+    limit it is refused with 503 `overloaded` and a Retry-After drawn from
+    1-5 s, so that the clients of a reconnect storm come back spread out rather
+    than all at once again. The slot is held by the response until it ends, or
+    freed as soon as the request ends without one.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+
+    def slot(self) -> Slot:
+        if self.open >= self.limit:
+            raise ApiError(
+                Code.OVERLOADED,
+                f"this gateway holds its limit of {self.limit} event streams; try again shortly",
+                retry_after=random.randint(*RETRY_AFTER_S),
+            )
+        self.open += 1
+        return Slot(self)
+
+
+class Slot:
+    """One stream's place: `with streams.slot() as slot:` frees it on leaving unless a response `keep`s it."""
+
+    def __init__(self, streams: Streams) -> None:
+        self._streams = streams
+        self._held = True
+        self._kept = False
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._kept:
+            self.release()
+
+    def keep(self) -> Callable[[], None]:
+        """The response holds the slot from now on; it calls what this returns when it ends."""
+        self._kept = True
+        return self.release
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._streams.open -= 1
+
+
+class _CountedResponse(EventSourceResponse):
+    def __init__(
+        self, *args: object, on_end: Callable[[], None], on_write_timeout: Callable[[], None], **kwargs: object
+    ) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._on_end = on_end
+        self._on_write_timeout = on_write_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            self._on_write_timeout()  # a client that stopped reading, detached after --write-timeout
+            raise
+        finally:
+            self._on_end()
 
 
 def job_response(
@@ -43,6 +134,7 @@ def job_response(
     store: JobStore,
     *,
     metrics: Metrics,
+    slot: Slot,
     ping_interval: float = 15.0,
     retry_ms: int = 3000,
     after: int = 0,
@@ -53,7 +145,9 @@ def job_response(
 
     async def end_on_shutdown() -> None:
         await shutdown.wait()
-        if isinstance(job, Job) and not job.done:  # only the replica running it can end it
+        if not isinstance(job, Job):  # another replica runs it: the stream ends, the client reconnects
+            store.stop_following()
+        elif not job.done:  # only the replica running it can end it
             backend.cancel(job)
             job.fail(Code.SHUTTING_DOWN, "the server is shutting down")
 
@@ -74,6 +168,8 @@ def job_response(
                 yield b"".join(event.sse() for event in batch)
                 if job.terminal is not None and seen >= job.terminal.seq:
                     return
+        except StoppedFollowing:
+            pass  # another replica runs the job: the client reconnects, to a replica that stays
         except StoreUnavailable as exc:
             # Ended without a terminal event: the client reconnects with its Last-Event-ID and
             # reads on from wherever the job's events are by then.
@@ -83,8 +179,10 @@ def job_response(
             store.detach(job)
             metrics.stream_closed()
 
-    return EventSourceResponse(
+    return _CountedResponse(
         events(),
+        on_end=slot.keep(),
+        on_write_timeout=lambda: metrics.client_timeout("write"),
         ping=0,
         sep="\n",
         headers={"Cache-Control": "no-cache", "X-Job-Id": job.id},

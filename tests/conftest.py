@@ -22,6 +22,7 @@ from backends.local import LocalBackend
 from backends.remote import RemoteBackend
 from gateway.app import create_app
 from gateway.config import Settings
+from gateway.slowclients import uvicorn_options
 from gateway.tools import Tool, builtin_tools, collect, load_module
 from tests.processes import ServeProcess, start_executor
 
@@ -158,7 +159,9 @@ class Server:
         return self.app.state.backend
 
     def start(self) -> Server:
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        # As `streamgate serve` builds it: the same protocol, with the app's slow-client deadlines.
+        options = uvicorn_options(self.app.state.settings, self.app.state.metrics.client_timeout)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", **options)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis.asyncio as aioredis
 
 from gateway.errors import ApiError
 from gateway.jobs import Job
@@ -230,6 +231,26 @@ async def test_another_replica_follows_the_job(replicas: Any) -> None:
     finished = await b.store.get(job.id)
     assert finished.done and finished.terminal == job.terminal
     assert encode(finished.snapshot()) == encode(job.snapshot())
+
+
+async def test_followers_on_one_replica_share_one_reader(replicas: Any, redis_server: Any) -> None:
+    """Many clients following one job through one replica: Redis sees one blocked XREAD, not one per client."""
+    a, b = await replicas("redis"), await replicas("redis")
+    job = await a.add()
+    job.set_status(Status.RUNNING)
+    views = [await b.store.get(job.id) for _ in range(50)]
+    readers = [asyncio.create_task(read_all(view, timeout=15)) for view in views]
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await eventually(lambda: job.id in b.store._tails, what="a reader")
+        await asyncio.sleep(0.2)  # every follower is waiting now
+        assert (await admin.info("clients"))["blocked_clients"] == 1
+    finally:
+        await admin.aclose()
+    job.log("one")
+    job.succeed({"text": "hi"})
+    for events in await asyncio.gather(*readers):
+        assert events == job.events
 
 
 async def test_snapshot_on_another_replica_follows_the_job(replicas: Any) -> None:

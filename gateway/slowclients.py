@@ -1,0 +1,157 @@
+"""Deadlines for what a client sends, where uvicorn has none.
+
+uvicorn's h11 protocol waits for a request line and headers for as long as the
+client takes to send them: a client that sends a byte every few seconds (a
+slowloris) holds its connection, and many of them hold every file descriptor
+the process has. `SlowClientProtocol` is uvicorn's h11 protocol with one timer
+more, for what the client owes at the moment:
+
+- **Headers.** The request line and headers must be complete within
+  `--header-timeout` seconds, counted from the connection's start, or on a
+  kept-alive connection from the first byte of the next request. Past it the
+  client is answered `408 Request Timeout` with the protocol's JSON error body
+  (`request_timeout`) and `Connection: close`, and the connection is closed.
+- **A body nobody reads.** When the answer went out before the request's body
+  was all in (a 404, a 401), uvicorn goes on taking the rest of the body for as
+  long as it trickles in. It gets `--body-timeout` seconds from the answer;
+  then the connection is closed (there is nothing left to answer).
+
+Each cut is counted through `on_timeout` (`streamgate_client_timeouts_total{phase}`).
+
+What it deliberately leaves alone:
+
+- An idle kept-alive connection (no byte of a new request yet): uvicorn's own
+  `timeout_keep_alive` closes it, silently, as before. It asked for nothing, so
+  it is not answered.
+- A body the app is reading: the app answers the 408 itself, as any other error
+  (`read_body` in gateway/params.py, the same `--body-timeout`).
+- A slow reader: sse-starlette's `send_timeout` (`--write-timeout`, gateway/stream.py).
+
+`uvicorn_options` is the one way to build the server with it, for `streamgate
+serve`, `streamgate executor` and the tests alike. It names this protocol
+explicitly rather than uvicorn's "auto": the deadlines must be in the protocol
+that actually serves, whatever else (httptools) gets installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
+
+from gateway.config import Settings
+from gateway.errors import ApiError
+from gateway.protocol import Code, ErrorBody, encode
+
+log = logging.getLogger("streamgate.slowclients")
+
+
+class SlowClientProtocol(H11Protocol):
+    """uvicorn's h11 protocol with deadlines for a request's headers and for a body nobody reads."""
+
+    def __init__(
+        self,
+        *args: Any,
+        header_timeout: float,
+        body_timeout: float,
+        on_timeout: Callable[[str], None] = lambda phase: None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.timeouts = {"headers": header_timeout, "body": body_timeout}
+        self.on_timeout = on_timeout
+        self._owed: str | None = None  # what the timer waits for: "headers", "body" or nothing
+        self._due: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._expect("headers")  # from the start: a connection that never sends a byte is a slowloris too
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:
+            if self._owed == "body" and not self.conn.trailing_data[0]:
+                # The unread body is all in: the connection is idle again, keep-alive's to close.
+                self._expect(None)
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+            elif self._owed != "headers":
+                self._expect("headers")  # the first byte of the next request on a kept-alive connection
+        elif not self._unread_body():
+            self._expect(None)  # the headers are in: the app has the request now
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.is_closing():
+            return
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
+            owed = "headers"  # part of a pipelined request arrived while the last one was answered
+        elif self._unread_body():
+            owed = "body"
+        else:
+            return
+        # Data is owed, so this is no idle connection for keep-alive to close (nor does its
+        # timer survive the next byte: uvicorn cancels it on every read).
+        self._unset_keepalive_if_required()
+        self._expect(owed)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._expect(None)
+        super().connection_lost(exc)
+
+    def _unread_body(self) -> bool:
+        return self.conn.their_state is h11.SEND_BODY and self.conn.our_state is h11.DONE
+
+    def _expect(self, owed: str | None) -> None:
+        if self._due is not None:
+            self._due.cancel()
+        self._owed = owed
+        self._due = self.loop.call_later(self.timeouts[owed], self._timed_out) if owed else None
+
+    def _timed_out(self) -> None:
+        owed = self._owed
+        self._owed = self._due = None
+        if owed is None or self.transport.is_closing():
+            return
+        timeout = self.timeouts[owed]
+        log.info("%s: the request's %s did not arrive within %g s: closed", _peer(self.client), owed, timeout)
+        self.on_timeout(owed)
+        if owed == "headers" and self.conn.our_state is h11.IDLE:
+            self._answer_408(timeout)
+        self.transport.close()
+
+    def _answer_408(self, timeout: float) -> None:
+        body = encode(ErrorBody(ApiError(Code.REQUEST_TIMEOUT, _MESSAGE.format(timeout)).info()))
+        headers = [
+            *self.server_state.default_headers,
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        # h11 lets a server answer before any request (its IDLE -> SEND_BODY), as uvicorn's 400 does.
+        response = h11.Response(status_code=408, headers=headers, reason=STATUS_PHRASES[408])
+        for event in (response, h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+
+
+_MESSAGE = "the request line and headers did not arrive within {:g} s"
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return "%s:%d" % client if client else "a client"
+
+
+def uvicorn_options(settings: Settings, on_timeout: Callable[[str], None]) -> dict[str, Any]:
+    """The `uvicorn.run`/`uvicorn.Config` keyword arguments that put these deadlines in the server;
+    `on_timeout(phase)` counts each cut (`Metrics.client_timeout`)."""
+    protocol = functools.partial(
+        SlowClientProtocol,
+        header_timeout=settings.header_timeout,
+        body_timeout=settings.body_timeout,
+        on_timeout=on_timeout,
+    )
+    return {"http": protocol}
