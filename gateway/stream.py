@@ -122,8 +122,10 @@ class _CountedResponse(EventSourceResponse):
         try:
             await super().__call__(scope, receive, send)
         except SendTimeoutError:
-            self._on_write_timeout()  # a client that stopped reading, detached after --write-timeout
-            raise
+            # A client that stopped reading (half-open, or a stalled proxy): detached, and its
+            # connection closed by the server. A known end, not an error with a traceback.
+            self._on_write_timeout()
+            log.warning("a client stopped reading for %g s: detached", self.send_timeout)
         finally:
             self._on_end()
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import make_server, run_stream, track_jobs, wait_until
+from tests.conftest import KINDS, Executors, make_server, run_stream, start_any, track_jobs, wait_until
 from tests.redis_server import redis_server  # noqa: F401
 from tests.test_redis_replicas import read_some, replicas, slow_echo  # noqa: F401
 from tests.user_tools import echo
@@ -44,9 +44,10 @@ def tokens_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def gateway(tiny_model_path: Path, tokens_file: Path) -> Any:
-    server = make_server(tiny_model_path, tools=[echo], tokens_file=str(tokens_file), detach_grace=30)
+@pytest.fixture(scope="module", params=KINDS)
+def gateway(request: pytest.FixtureRequest, tiny_model_path: Path, tokens_file: Path, executors: Executors) -> Any:
+    """A gateway with tokens, the model in process or on an executor: ownership is the gateway's either way."""
+    server = start_any(request.param, executors, tiny_model_path, tokens_file=str(tokens_file), detach_grace=30)
     yield server
     server.stop()
 
