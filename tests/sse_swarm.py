@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import time
 from dataclasses import dataclass, field
 
 import msgspec
