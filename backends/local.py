@@ -22,6 +22,7 @@ from backends import model as models
 from backends.base import Backend
 from backends.execution import JobQueue, Worker
 from gateway import sae as sae_files
+from gateway.config import Settings
 from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
@@ -251,3 +252,31 @@ class LocalBackend(Backend):
         if not means:
             return None
         return position * (sum(means) / len(means)) / len(self.workers)
+
+
+def from_settings(settings: Settings, **kwargs: Any) -> LocalBackend:
+    """The local backend `streamgate serve` (or an executor, or a Ray replica) builds from its settings:
+    the built-in tools and those of `settings.tools`; raises ValueError or ModelError."""
+    from gateway.tools import builtin_tools, collect, load_module
+
+    tools = collect(builtin_tools() + [t for name in settings.tools for t in load_module(name)])
+    backend = LocalBackend(
+        tools,
+        model=settings.model,
+        model_loader=settings.model_loader,
+        trust_remote_code=settings.trust_remote_code,
+        device=settings.device,
+        devices=settings.devices,
+        dtype=settings.dtype,
+        cache_dir=settings.cache_dir,
+        queue_size=settings.queue_size,
+        debug=settings.debug,
+        max_batch_size=settings.max_batch_size,
+        batch_wait=settings.batch_wait_ms / 1000,
+        job_timeout=settings.job_timeout,
+        sae=settings.sae,
+        exit_on_device_failure=True,
+        **kwargs,
+    )
+    backend.check_kind()
+    return backend

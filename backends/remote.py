@@ -43,6 +43,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
 from backends.base import Backend
+from backends.frames import failure, relay
 from backends.schema_structs import struct_from_schema
 from gateway.encoding import from_msgpack, to_json
 from gateway.errors import ApiError
@@ -51,13 +52,10 @@ from gateway.logs import forward_request_id
 from gateway.protocol import (
     Code,
     ErrorBody,
-    ErrorFrame,
-    LogFrame,
     RemoteFrame,
     RemoteKind,
     Resume,
     Status,
-    StatusFrame,
     SubmitRequest,
     ToolInfo,
     encode,
@@ -69,9 +67,6 @@ log = logging.getLogger("streamgate.remote")
 DOWNLOAD_TRIES = 4
 BACKOFF_MAX_S = 2.0
 
-# Executor error codes that keep their meaning at the gateway; any other, a tool that
-# raised included, becomes `remote_error` with the executor's message.
-PASSED_THROUGH = {Code.CANCELLED, Code.TIMEOUT, Code.BACKEND_UNAVAILABLE}
 
 
 class Unreachable(Exception):
@@ -117,30 +112,12 @@ class RemoteJob:
         self._apply(frame)
 
     def _apply(self, frame: RemoteFrame) -> None:
-        job, data = self.job, frame.data
-        if frame.kind is RemoteKind.STATUS:
-            status = msgspec.json.decode(data, type=StatusFrame)
-            if status.progress is not None:
-                # Relayed as sent, not through `job.progress`: the executor already coalesced
-                # them, and coalescing again would drop the ones a resume replays at once.
-                job.set_status(Status.RUNNING, progress=status.progress)
-            elif status.status is Status.QUEUED:
-                job.set_status(
-                    Status.QUEUED, position=status.position, queue_size=status.queue_size, eta_s=status.eta_s
-                )
-            elif status.status is Status.RUNNING:
-                job.set_status(Status.RUNNING, message=status.message)
-        elif frame.kind is RemoteKind.LOG:
-            entry = msgspec.json.decode(data, type=LogFrame)
-            job.log(entry.message, entry.level)
-        elif frame.kind is RemoteKind.PARTIAL:
-            job.partial(data)
-        elif frame.kind is RemoteKind.ERROR:
-            error = msgspec.json.decode(data, type=ErrorFrame).error
-            code = error.code if error.code in PASSED_THROUGH else Code.REMOTE_ERROR
-            self.link.finish(self, code, error.message)
+        if frame.kind is RemoteKind.ERROR:
+            self.link.finish(self, *failure(frame))
         elif frame.kind is RemoteKind.COMPLETED:
             self.link.spawn(self.link.deliver(self))
+        else:
+            relay(self.job, frame)
 
 
 class Link:
@@ -329,7 +306,7 @@ class Link:
                 await asyncio.sleep(0.2 * 2**attempt)
             try:
                 data = await self._download(job_id)
-                result = await asyncio.to_thread(_as_json, data)
+                result = await asyncio.to_thread(as_json, data)
             except _Retry as exc:
                 problem = str(exc)
                 log.warning("job %s: result download failed (%s), try %d", job_id, exc, attempt + 1, extra={"job_id": job_id})
@@ -389,7 +366,7 @@ class Link:
             await self.http.delete(f"/jobs/{job_id}")
 
 
-def _as_json(data: bytes) -> msgspec.Raw:
+def as_json(data: bytes) -> msgspec.Raw:
     """A msgpack result as the JSON a local backend would have sent."""
     return msgspec.Raw(to_json(from_msgpack(data)))
 

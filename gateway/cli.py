@@ -128,32 +128,11 @@ class _HealthChecks(logging.Filter):
 
 
 def _local_backend(settings: Settings, **kwargs: Any) -> Any:
-    from backends.local import LocalBackend
+    from backends.local import from_settings
     from backends.model import ModelError
-    from gateway.tools import builtin_tools, collect, load_module
 
     try:
-        tools = collect(builtin_tools() + [t for name in settings.tools for t in load_module(name)])
-        backend = LocalBackend(
-            tools,
-            model=settings.model,
-            model_loader=settings.model_loader,
-            trust_remote_code=settings.trust_remote_code,
-            device=settings.device,
-            devices=settings.devices,
-            dtype=settings.dtype,
-            cache_dir=settings.cache_dir,
-            queue_size=settings.queue_size,
-            debug=settings.debug,
-            max_batch_size=settings.max_batch_size,
-            batch_wait=settings.batch_wait_ms / 1000,
-            job_timeout=settings.job_timeout,
-            sae=settings.sae,
-            exit_on_device_failure=True,
-            **kwargs,
-        )
-        backend.check_kind()
-        return backend
+        return from_settings(settings, **kwargs)
     except (ValueError, ModelError) as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -168,7 +147,13 @@ def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @_option("--host", default=_D.host, help="Interface to listen on.")
 @_option("--port", default=_D.port, type=int)
 @_model_options
-@_option("--backend", default=_D.backend, type=click.Choice(["local", "remote"]), help="Run tools in this process, or on executors.")
+@_option("--backend", default=_D.backend, type=click.Choice(["local", "remote", "ray"]), help="Run tools in this process, on executors, or on the replicas of a Ray Serve application.")
+@_option("--ray-address", default=None, help="For --backend ray: the Ray cluster (auto, ray://head:10001); default: start or join a local one.")
+@_option("--ray-replicas", default=None, type=click.IntRange(min=1), help="For --backend ray: how many model replicas (default 1).")
+@_option("--ray-min-replicas", default=None, type=click.IntRange(min=0), help="For --backend ray: scale on ongoing requests, from this many replicas…")
+@_option("--ray-max-replicas", default=None, type=click.IntRange(min=1), help="…to this many.")
+@_option("--ray-gpus-per-replica", default=None, type=click.FloatRange(min=0), help="For --backend ray: GPUs each replica takes (default 1 when the cluster has GPUs, else 0).")
+@_option("--ray-cpus-per-replica", default=_D.ray_cpus_per_replica, type=click.FloatRange(min=0), help="For --backend ray: CPUs each replica takes.")
 @_option("--executor", "executors", multiple=True, help="An executor's URL, for --backend remote (repeatable).")
 @_option("--executor-deadline", default=_D.executor_deadline, type=click.FloatRange(min=0), help="Seconds an executor may be unreachable before its jobs end with backend_unavailable.")
 @_option("--detach-grace", default=_D.detach_grace, type=click.FloatRange(min=0), help="Seconds a job runs on with no client attached before it is cancelled (0: cancel on disconnect).")
@@ -194,12 +179,20 @@ def serve(**options: Any) -> None:
 
     dry_run = options.pop("dry_run")
     settings = _settings(options)
-    if settings.backend == "remote":
+    if settings.backend == "ray":
+        from backends.ray_serve import INSTALL_HINT, RayBackend, ray_available
+
+        if not ray_available():
+            raise click.ClickException(INSTALL_HINT)
+        if settings.ray_replicas is not None and (settings.ray_min_replicas, settings.ray_max_replicas) != (None, None):
+            raise click.UsageError("give --ray-replicas, or --ray-min-replicas/--ray-max-replicas, not both")
+        backend: Any = RayBackend(settings)
+    elif settings.backend == "remote":
         from backends.remote import RemoteBackend
 
         if not settings.executors:
             raise click.UsageError("--backend remote needs at least one --executor URL")
-        backend: Any = RemoteBackend(
+        backend = RemoteBackend(
             settings.executors, token=settings.executor_token, deadline=settings.executor_deadline
         )
     else:

@@ -39,6 +39,13 @@ class Settings(msgspec.Struct, kw_only=True):
     store_outage_grace: float = 30.0  # seconds a Redis outage is ridden out (gateway/redis_store.py)
     backend: str = "local"
     executors: list[str] = msgspec.field(default_factory=list)
+    # --backend ray: replicas of a Ray Serve application (backends/ray_serve.py).
+    ray_address: str | None = None  # None: start or join a local Ray; "auto"; "ray://head:10001"
+    ray_replicas: int | None = None  # a fixed number (default 1), or scale between the two below
+    ray_min_replicas: int | None = None
+    ray_max_replicas: int | None = None
+    ray_gpus_per_replica: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    ray_cpus_per_replica: float = 1.0
     executor_token: str | None = None
     # Client access (gateway/auth.py): no tokens, no auth.
     tokens_file: str | None = None

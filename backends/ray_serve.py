@@ -1,0 +1,324 @@
+"""The Ray backend: jobs run on the replicas of a Ray Serve application (`--backend ray`).
+
+The gateway deploys one Serve application, `streamgate` (or attaches to it when
+it is running already), whose deployment is `Replica`: a plain class, each
+instance a local backend (`backends/local.py`) with the model, its queue,
+dynamic batching and workers — the one execution path, with results encoded as
+msgpack as an executor's are. Ray does what it is good at and this module does
+not redo: placing replicas on GPUs, starting a new one when one dies, scaling
+between `--ray-min-replicas` and `--ray-max-replicas` on ongoing requests, and
+routing each call to a replica with room.
+
+A job is one streaming call, `handle.options(stream=True).run.remote(…)`. The
+replica answers with a `Dispatch` (accepted, naming itself; or refused with
+the protocol's error, which the gateway answers as HTTP before any stream),
+then the job's events as `RemoteFrame`s, the executor's frames, and after a
+`completed` frame the result's msgpack bytes, which travel in Ray's object
+store rather than as JSON. The gateway re-emits them on its own `Job`, so its
+clients get the same stream as from the local backend, byte for byte, apart
+from a `DISPATCHED` status.
+
+Cancelling a job (the client's `DELETE`, a client gone past the detach grace,
+the job's deadline) cancels the call: Ray cancels the replica's generator,
+whose `finally` cancels the job there, so the work stops at its next step and
+frees its batch slot. A replica that dies mid-job makes the call raise: the
+job ends with `backend_unavailable` (retryable), once, and Serve starts a new
+replica while new jobs go to the live ones.
+
+`ray[serve]` is an optional extra: without it `--backend ray` stops at start-up
+with one sentence saying what to install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import msgspec
+
+from backends.base import Backend
+from backends.frames import failure, relay
+from backends.remote import as_json, remote_tool
+from gateway import params as params_mod
+from gateway.config import Settings
+from gateway.errors import ApiError
+from gateway.jobs import Job
+from gateway.protocol import Code, ErrorInfo, EventType, RemoteFrame, RemoteKind, Status, ToolInfo, encode, remote_frame
+from gateway.tools.base import Tool
+
+log = logging.getLogger("streamgate.ray")
+
+APP_NAME = "streamgate"
+DEPLOYMENT = "Replica"
+NAMESPACE = "streamgate"
+POLL_S = 1.0  # how often the gateway reads the application's status
+INSTALL_HINT = "--backend ray needs Ray Serve: pip install 'streamgate[ray]' (ray[serve]==2.60.0)"
+
+
+class Dispatch(msgspec.Struct, omit_defaults=True):
+    """A replica's first answer to a job: accepted (and by whom), or refused before it ran."""
+
+    replica: str = ""
+    error: ErrorInfo | None = None
+    status: int = 0  # the HTTP status of a refusal
+
+
+def ray_available() -> bool:
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- the replica: runs in a Ray actor --------------------------------------------------
+
+
+class Replica:
+    """One Serve replica: a local backend whose jobs stream their frames to the gateway that called."""
+
+    async def __init__(self, settings: bytes, paths: list[str]) -> None:
+        from ray import serve
+
+        from backends.local import from_settings
+        from gateway.encoding import to_msgpack
+
+        for path in paths:  # where the gateway found `--tools` modules, when this machine has it too
+            if os.path.isdir(path) and path not in sys.path:
+                sys.path.insert(0, path)
+        self.settings = msgspec.json.decode(settings, type=Settings)
+        self.limits = self.settings.limits()
+        self.name = serve.get_replica_context().replica_tag
+        self.backend = from_settings(self.settings, encode=to_msgpack)
+        await self.backend.start()
+        # Serve counts the replica as up once its constructor returns: only when the model is.
+        while not self.backend.ready:
+            if self.backend.error is not None:
+                raise RuntimeError(f"the model did not load: {self.backend.error}")
+            await asyncio.sleep(0.05)
+
+    async def check_health(self) -> None:
+        """Serve's health check: a replica whose device failed is replaced."""
+        if not self.backend.ready:
+            raise RuntimeError(self.backend.not_ready_reason)
+
+    async def tools(self) -> bytes:
+        return encode(params_mod.describe(self.backend.tools.values(), self.limits, self.backend.unsupported))
+
+    async def run(self, tool_name: str, params: bytes, job_id: str) -> AsyncIterator[bytes]:
+        try:
+            tool = self.backend.tool(tool_name)
+            decoded = params_mod.decode_body(tool, params)
+            await self.backend.admit(tool, decoded, self.limits)
+            job = Job(tool.name, decoded, job_id=job_id)
+            await self.backend.submit(job)
+        except ApiError as exc:
+            yield encode(Dispatch(error=exc.info(), status=exc.status))
+            return
+        yield encode(Dispatch(replica=self.name))
+        seen = 0
+        try:
+            while True:
+                for event in await job.wait_events(seen):
+                    seen = event.seq
+                    yield encode(remote_frame(event))
+                    if event.type is EventType.DATA:
+                        yield event.data  # the msgpack result, through the object store
+                if job.terminal is not None and seen >= job.terminal.seq:
+                    return
+        finally:
+            if not job.done:  # the call was cancelled: stop the work at its next step
+                self.backend.cancel(job)
+
+
+# -- the gateway's side -----------------------------------------------------------------
+
+
+class RayBackend(Backend):
+    """Runs jobs on the replicas of the `streamgate` Serve application."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._tools: dict[str, Tool] = {}
+        self._tool_infos: list[ToolInfo] = []
+        self._handle: Any = None
+        self._replicas: dict[str, int] = {}  # replicas in each state (RUNNING, STARTING, …), from Serve
+        self._problem = "connecting to Ray"
+        self._calls: dict[str, Any] = {}  # job id -> its streaming call
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._main: asyncio.Task[None] | None = None
+
+    # -- what the gateway asks -----------------------------------------------------
+
+    @property
+    def tools(self) -> Mapping[str, Tool]:
+        return self._tools
+
+    def tool(self, name: str) -> Tool:
+        if not self._tools:
+            raise self.not_ready_error()
+        return super().tool(name)
+
+    @property
+    def ready(self) -> bool:
+        return self._handle is not None and bool(self._tools) and self._replicas.get("RUNNING", 0) > 0
+
+    @property
+    def not_ready_reason(self) -> str:
+        if self._handle is not None and not self._replicas.get("RUNNING"):
+            states = ", ".join(f"{n} {state.lower()}" for state, n in sorted(self._replicas.items()) if n) or "none yet"
+            return f"no Ray Serve replica is up (replicas: {states})"
+        return self._problem
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._calls)
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": "ray", "replicas": dict(sorted(self._replicas.items()))}
+
+    # -- start-up: connect, deploy (or attach), then watch -----------------------------
+
+    async def start(self) -> None:
+        if not ray_available():
+            raise RuntimeError(INSTALL_HINT)
+        self._main = asyncio.create_task(self._watch(), name="ray backend")
+
+    async def stop(self) -> None:
+        for call in list(self._calls.values()):
+            with contextlib.suppress(Exception):
+                call.cancel()
+        for job_id in list(self._calls):
+            self._calls.pop(job_id, None)
+        if self._main is not None:
+            self._main.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._main
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _watch(self) -> None:
+        try:
+            self._handle = await asyncio.to_thread(self._deploy)
+        except Exception as exc:  # noqa: BLE001 - any start-up failure is the reason we are not ready
+            self._problem = f"Ray Serve did not start: {exc}"
+            log.error("%s", self._problem)
+            return
+        while True:
+            try:
+                self._replicas = await asyncio.to_thread(_replica_states)
+                if not self._tools and self._replicas.get("RUNNING"):
+                    infos = msgspec.json.decode(await self._handle.tools.remote(), type=list[ToolInfo])
+                    self._tools = {info.name: remote_tool(info) for info in infos}
+            except Exception as exc:  # noqa: BLE001 - Ray's errors are many; say it and try again
+                self._problem = f"cannot read the Serve application's state: {exc}"
+                log.warning("%s", self._problem)
+            await asyncio.sleep(POLL_S)
+
+    def _deploy(self) -> Any:
+        """Connect to (or start) Ray, and deploy the application unless it runs already; its handle."""
+        import ray
+        from ray import serve
+
+        settings = self.settings
+        if not ray.is_initialized():
+            address = None if settings.ray_address in (None, "", "local") else settings.ray_address
+            ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+        # No Serve HTTP proxy: gateways call the replicas through handles (and its default port,
+        # 8000, is the gateway's own).
+        serve.start(proxy_location="Disabled")
+        try:
+            return serve.get_app_handle(APP_NAME)  # attach, by name: another gateway deployed it
+        except Exception:  # noqa: BLE001 - Serve raises a plain exception when the app does not exist
+            pass
+        gpus = settings.ray_gpus_per_replica
+        if gpus is None:
+            gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        options: dict[str, Any] = {
+            "name": DEPLOYMENT,
+            "ray_actor_options": {"num_cpus": settings.ray_cpus_per_replica, "num_gpus": gpus},
+            # A replica takes as many jobs as its queue and one batch hold: batching happens inside it.
+            "max_ongoing_requests": settings.queue_size + settings.max_batch_size,
+            "health_check_period_s": 2,
+        }
+        if settings.ray_min_replicas is not None or settings.ray_max_replicas is not None:
+            low = settings.ray_min_replicas if settings.ray_min_replicas is not None else 1
+            options["autoscaling_config"] = {
+                "min_replicas": low,
+                "max_replicas": settings.ray_max_replicas if settings.ray_max_replicas is not None else max(low, 1),
+                "target_ongoing_requests": settings.max_batch_size,
+            }
+        else:
+            options["num_replicas"] = settings.ray_replicas or 1
+        replica_settings = msgspec.structs.replace(settings, device=None if gpus else "cpu", devices=[])
+        app = serve.deployment(Replica).options(**options).bind(encode(replica_settings), [os.getcwd()])
+        return serve.run(app, name=APP_NAME, route_prefix=None, blocking=False)
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    async def submit(self, job: Job) -> None:
+        tool = self.tool(job.tool)
+        call = self._handle.options(stream=True).run.remote(tool.name, encode(job.params), job.id)
+        try:
+            dispatch = msgspec.json.decode(await call.__anext__(), type=Dispatch)
+        except Exception as exc:  # noqa: BLE001 - the replica died, or Ray could not place the call
+            raise ApiError(Code.NOT_READY, f"no Ray Serve replica took the job: {exc}", retry_after=5) from None
+        if dispatch.error is not None:
+            error = dispatch.error
+            raise ApiError(error.code, error.message, field=error.field, status=dispatch.status, retryable=error.retryable)
+        job.set_status(Status.DISPATCHED, message=f"replica {dispatch.replica}")
+        self._calls[job.id] = call
+        task = asyncio.create_task(self._follow(job, call), name=f"ray job {job.id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _follow(self, job: Job, call: Any) -> None:
+        try:
+            async for item in call:
+                frame = msgspec.json.decode(item, type=RemoteFrame)
+                if frame.kind is RemoteKind.COMPLETED:
+                    result = await call.__anext__()
+                    job.succeed(await asyncio.to_thread(as_json, result))
+                    return
+                if frame.kind is RemoteKind.ERROR:
+                    job.fail(*failure(frame))
+                    return
+                relay(job, frame)
+            if not job.done:
+                job.fail(Code.BACKEND_UNAVAILABLE, "the replica ended the job's stream without its end")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a replica that died, or any failure of the call
+            if not job.done:
+                log.warning("job %s: its Ray Serve replica failed: %s", job.id, exc)
+                job.fail(Code.BACKEND_UNAVAILABLE, "the replica running the job stopped; try again")
+        finally:
+            self._calls.pop(job.id, None)
+
+    def cancel(self, job: Job) -> None:
+        job.cancel()
+        call = self._calls.pop(job.id, None)
+        if call is not None:
+            call.cancel()
+        job.fail(Code.CANCELLED, "the job was cancelled")
+
+
+def _replica_states() -> dict[str, int]:
+    """How many replicas of the deployment are in each state (RUNNING, STARTING, …), from Serve."""
+    from ray import serve
+
+    status = serve.status()
+    app = status.applications.get(APP_NAME)
+    if app is None:
+        return {}
+    deployment = app.deployments.get(DEPLOYMENT)
+    if deployment is None:
+        return {}
+    return {str(getattr(state, "value", state)): n for state, n in (deployment.replica_states or {}).items()}
+
