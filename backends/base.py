@@ -91,3 +91,8 @@ class Backend(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """A few facts for `/readyz`."""
         return {}
+
+    def batch_size_counts(self) -> list[Mapping[int, int]] | None:
+        """For each worker that batches, how many steps ran with how many jobs (the batch-size
+        histogram in `/metrics`); None where the work runs elsewhere and is not reported."""
+        return None

@@ -228,6 +228,9 @@ class LocalBackend(Backend):
     def in_flight(self) -> int:
         return (len(self.queue) if self.queue is not None else 0) + sum(len(w.running) for w in self.workers)
 
+    def batch_size_counts(self) -> list[Mapping[int, int]]:
+        return [w.batch_sizes for w in self.workers]
+
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"backend": "local", "model": self.model.name if self.model else self.spec.name}
         if self.model is not None:

@@ -36,6 +36,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -56,7 +57,8 @@ log = logging.getLogger("streamgate.ray")
 APP_NAME = "streamgate"
 DEPLOYMENT = "Replica"
 NAMESPACE = "streamgate"
-POLL_S = 1.0  # how often the gateway reads the application's status
+POLL_S = 1.0  # how often the gateway reads the application's status, and replicas report their load
+BOARD = "streamgate-load"  # the named actor replicas report their load to
 INSTALL_HINT = "--backend ray needs Ray Serve: pip install 'streamgate[ray]' (ray[serve]==2.60.0)"
 
 
@@ -75,6 +77,35 @@ def ray_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+# -- the replicas' load, for the gateways' /metrics ------------------------------------
+
+
+class Board:
+    """Where every replica reports its load each second, and every gateway reads it: calls are
+    routed to replicas at random, so a gateway cannot ask each one itself."""
+
+    def __init__(self) -> None:
+        self.reports: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    def report(self, replica: str, load: dict[str, Any]) -> None:
+        self.reports[replica] = (time.monotonic(), load)
+
+    def read(self, max_age: float) -> list[dict[str, Any]]:
+        """The latest reports of replicas heard from within `max_age` s (the others are gone)."""
+        now = time.monotonic()
+        self.reports = {r: (at, load) for r, (at, load) in self.reports.items() if now - at <= max_age}
+        return [load for _, load in self.reports.values()]
+
+
+def _board() -> Any:
+    import ray
+
+    # Detached and shared: it outlives any one gateway, and replicas deployed without one find it too.
+    return ray.remote(Board).options(
+        name=BOARD, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", num_cpus=0
+    ).remote()
 
 
 # -- the replica: runs in a Ray actor --------------------------------------------------
@@ -102,6 +133,14 @@ class Replica:
             if self.backend.error is not None:
                 raise RuntimeError(f"the model did not load: {self.backend.error}")
             await asyncio.sleep(0.05)
+        self._reporting = asyncio.create_task(self._report())
+
+    async def _report(self) -> None:
+        board = _board()
+        while True:
+            with contextlib.suppress(Exception):  # a report lost is the next one's to make
+                await board.report.remote(self.name, await self.stats())
+            await asyncio.sleep(POLL_S)
 
     async def check_health(self) -> None:
         """Serve's health check: a replica whose device failed is replaced."""
@@ -110,6 +149,15 @@ class Replica:
 
     async def tools(self) -> bytes:
         return encode(params_mod.describe(self.backend.tools.values(), self.limits, self.backend.unsupported))
+
+    async def stats(self) -> dict[str, Any]:
+        """This replica's name, its jobs queued and in flight, and its batch sizes so far."""
+        sizes: dict[int, int] = {}
+        for counts in self.backend.batch_size_counts():
+            for size, n in counts.items():
+                sizes[size] = sizes.get(size, 0) + n
+        queued = len(self.backend.queue or ())
+        return {"replica": self.name, "queued": queued, "jobs": self.backend.in_flight, "batch_sizes": sizes}
 
     async def run(self, tool_name: str, params: bytes, job_id: str) -> AsyncIterator[bytes]:
         try:
@@ -149,6 +197,7 @@ class RayBackend(Backend):
         self._tool_infos: list[ToolInfo] = []
         self._handle: Any = None
         self._replicas: dict[str, int] = {}  # replicas in each state (RUNNING, STARTING, …), from Serve
+        self._load: list[dict[str, Any]] = []  # each live replica's last report
         self._problem = "connecting to Ray"
         self._calls: dict[str, Any] = {}  # job id -> its streaming call
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -181,7 +230,11 @@ class RayBackend(Backend):
         return len(self._calls)
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": "ray", "replicas": dict(sorted(self._replicas.items()))}
+        load = [{"replica": r["replica"], "jobs": r["jobs"], "queued": r["queued"]} for r in self._load]
+        return {"backend": "ray", "replicas": dict(sorted(self._replicas.items())), "replica_load": load}
+
+    def batch_size_counts(self) -> list[Mapping[int, int]]:
+        return [report["batch_sizes"] for report in self._load]
 
     # -- start-up: connect, deploy (or attach), then watch -----------------------------
 
@@ -210,9 +263,11 @@ class RayBackend(Backend):
             self._problem = f"Ray Serve did not start: {exc}"
             log.error("%s", self._problem)
             return
+        board = await asyncio.to_thread(_board)
         while True:
             try:
                 self._replicas = await asyncio.to_thread(_replica_states)
+                self._load = await board.read.remote(3 * POLL_S)
                 if not self._tools and self._replicas.get("RUNNING"):
                     infos = msgspec.json.decode(await self._handle.tools.remote(), type=list[ToolInfo])
                     self._tools = {info.name: remote_tool(info) for info in infos}

@@ -177,9 +177,17 @@ class _BackendState:
                 jobs.add_metric([executor["url"]], executor["jobs"])
             yield up
             yield jobs
-        workers = getattr(backend, "workers", None)
-        if workers is not None:
-            yield _batch_sizes([w.batch_sizes for w in workers])
+        if "replica_load" in facts:
+            jobs = GaugeMetricFamily("streamgate_replica_jobs", "Jobs queued or running on each Ray Serve replica", labels=["replica"])
+            queued = GaugeMetricFamily("streamgate_replica_queue_depth", "Jobs waiting on each Ray Serve replica", labels=["replica"])
+            for load in facts["replica_load"]:
+                jobs.add_metric([load["replica"]], load["jobs"])
+                queued.add_metric([load["replica"]], load["queued"])
+            yield jobs
+            yield queued
+        counts = backend.batch_size_counts()
+        if counts is not None:
+            yield _batch_sizes(counts)
 
 
 def _batch_sizes(counts: list[Any]) -> HistogramMetricFamily:

@@ -1,0 +1,204 @@
+"""`--backend ray`: a real local Ray instance, a Serve application of two replicas on the tiny model.
+
+One Ray instance and one application for the module (starting them takes tens of
+seconds); a gateway with the local backend beside it for the streams to equal.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import ray  # the ray extra is part of `make test`'s install: these tests never skip
+from ray import serve
+
+from backends.ray_serve import APP_NAME, NAMESPACE, RayBackend
+from gateway.app import create_app
+from gateway.config import Settings
+from tests.conftest import USER_TOOLS, Server, make_server, run_stream, wait_until
+from tests.processes import ROOT
+from tests.test_observability import scrape, value
+
+pytestmark = pytest.mark.ray
+
+REPLICAS = 2
+
+
+@pytest.fixture(scope="module")
+def ray_gateway(tiny_model_path: Path) -> Iterator[Server]:
+    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    settings = Settings(
+        model=str(tiny_model_path), backend="ray", ray_replicas=REPLICAS, ray_cpus_per_replica=0.5,
+        tools=[USER_TOOLS], detach_grace=0,
+    )
+    server = Server(create_app(RayBackend(settings), settings), kind="ray").start()
+    try:
+        yield server.wait_ready(timeout=240)
+    finally:
+        server.stop()
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_gateway(tiny_model_path: Path) -> Iterator[Server]:
+    from gateway.tools import load_module
+
+    server = make_server(tiny_model_path, tools=load_module(USER_TOOLS))
+    yield server
+    server.stop()
+
+
+def comparable(events: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """A stream as a client compares two: event types and payloads, less ids, times and DISPATCHED."""
+    kept = []
+    for event in events:
+        data = dict(event["data"])
+        if data.get("status") == "DISPATCHED":
+            continue
+        for key in ("job_id", "seq", "ts", "eta_s"):
+            data.pop(key, None)
+        kept.append((event["event"], data))
+    return kept
+
+
+def replica_stats() -> list[dict[str, Any]]:
+    """Every replica's jobs in flight, asked of each (calls are routed at random: ask until both answered)."""
+    handle = serve.get_app_handle(APP_NAME)
+    seen: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + 30
+    while len(seen) < REPLICAS and time.monotonic() < deadline:
+        stats = handle.stats.remote().result(timeout_s=30)
+        seen[stats["replica"]] = stats
+    return list(seen.values())
+
+
+@pytest.mark.parametrize(
+    ("tool", "params"),
+    [
+        ("generate", {"prompts": ["hello there", "a b"], "max_tokens": 6}),
+        ("predict", {"prompt": "hello world", "top_k": 3}),
+        ("echo", {"text": "ab", "repeat": 3}),
+    ],
+)
+def test_the_stream_equals_the_local_backends(ray_gateway: Server, local_gateway: Server, tool: str, params: Any) -> None:
+    on_ray = run_stream(ray_gateway.url, tool, params)
+    local = run_stream(local_gateway.url, tool, params)
+    assert on_ray.status == local.status == 200, on_ray.raw
+    assert comparable(on_ray.events) == comparable(local.events)
+    dispatched = [e for e in on_ray.events if e["data"].get("status") == "DISPATCHED"]
+    assert len(dispatched) == 1 and dispatched[0]["data"]["message"].startswith("replica ")
+    # The result, byte for byte: the data event's JSON.
+    def result(raw: bytes) -> bytes:
+        return raw.split(b"event: data\ndata: ", 1)[1].split(b"\n", 1)[0]
+
+    assert result(on_ray.raw) == result(local.raw)
+
+
+def test_a_refusal_is_answered_before_any_stream(ray_gateway: Server) -> None:
+    too_long = run_stream(ray_gateway.url, "generate", {"prompts": ["x " * 5000], "max_tokens": 4})
+    assert too_long.status == 413 and too_long.body["error"]["code"] == "too_long"
+    unknown = run_stream(ray_gateway.url, "predict", {"promt": "x"})
+    assert unknown.status == 422 and unknown.body["error"]["field"] == "promt"
+
+
+def test_jobs_spread_over_both_replicas(ray_gateway: Server) -> None:
+    replicas: set[str] = set()
+
+    def one() -> None:
+        stream = run_stream(ray_gateway.url, "echo", {"text": "a", "repeat": 10, "delay": 0.1})
+        assert stream.terminal["event"] == "data"
+        replicas.update(e["data"]["message"] for e in stream.events if e["data"].get("status") == "DISPATCHED")
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(replicas) == REPLICAS, replicas
+
+
+def test_batching_happens_inside_a_replica_and_metrics_show_each(ray_gateway: Server) -> None:
+    def one(i: int) -> None:
+        stream = run_stream(ray_gateway.url, "predict", {"prompt": f"batch {i} " * 8, "top_k": 2})
+        assert stream.terminal["event"] == "data"
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(24)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+
+    def batched() -> bool:
+        samples = scrape(ray_gateway.url)
+        # Steps of at most one job are the le=1 bucket: any step beyond it batched several.
+        return value(samples, "streamgate_batch_size_count") > value(samples, "streamgate_batch_size_bucket", le="1.0")
+
+    wait_until(batched, timeout=15, what="a batch of more than one job in the replicas' histogram")
+    replicas = {labels for (name, labels) in scrape(ray_gateway.url) if name == "streamgate_replica_jobs"}
+    assert len(replicas) == REPLICAS
+
+
+def test_cancel_stops_the_work_on_the_replica(ray_gateway: Server) -> None:
+    with httpx.Client(timeout=60) as client, client.stream(
+        "POST", f"{ray_gateway.url}/echo/run", json={"text": "a", "repeat": 400, "delay": 0.05}
+    ) as response:
+        job_id = response.headers["x-job-id"]
+        wait_until(lambda: any(s["jobs"] for s in replica_stats()), timeout=30, what="the job to run on a replica")
+        assert client.delete(f"{ray_gateway.url}/jobs/{job_id}").json()["cancelled"] is True
+        raw = response.read()
+    assert b'"code":"cancelled"' in raw
+    wait_until(lambda: not any(s["jobs"] for s in replica_stats()), timeout=30, what="the replica to stop the work")
+
+
+def test_a_client_that_leaves_stops_the_work(ray_gateway: Server) -> None:
+    with httpx.Client(timeout=60) as client, client.stream(
+        "POST", f"{ray_gateway.url}/echo/run", json={"text": "a", "repeat": 400, "delay": 0.05}
+    ) as response:
+        for _ in response.iter_raw():
+            if any(s["jobs"] for s in replica_stats()):
+                break
+    wait_until(lambda: not any(s["jobs"] for s in replica_stats()), timeout=30, what="the replica to stop the work")
+
+
+def test_a_replica_that_dies_ends_its_jobs_and_is_replaced(ray_gateway: Server) -> None:
+    with httpx.Client(timeout=120) as client, client.stream(
+        "POST", f"{ray_gateway.url}/echo/run", json={"text": "a", "repeat": 400, "delay": 0.05}
+    ) as response:
+        raw = b""
+        chunks = response.iter_raw()
+        for chunk in chunks:
+            raw += chunk
+            if b"DISPATCHED" in raw and b'"progress"' in raw:
+                break
+        replica = raw.split(b'"message":"replica ', 1)[1].split(b'"', 1)[0].decode()
+        actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if replica in a["name"]]
+        assert len(actors) == 1, actors
+        ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+        raw += b"".join(chunks)
+    events = [e for e in raw.split(b"\n\n") if b"event: error" in e or b"event: data" in e]
+    assert len(events) == 1 and b'"code":"backend_unavailable"' in events[0] and b'"retryable":true' in events[0]
+    # Later jobs succeed on the live replica and, once Serve has replaced it, on the new one.
+    for _ in range(4):
+        assert run_stream(ray_gateway.url, "echo", {"text": "z"}).terminal["event"] == "data"
+    wait_until(lambda: httpx.get(f"{ray_gateway.url}/readyz").json()["replicas"] == {"RUNNING": REPLICAS},
+               timeout=120, what="Serve to replace the replica")
+
+
+def test_without_ray_the_backend_says_what_to_install(tmp_path: Path) -> None:
+    blocked = "import sys; sys.modules['ray'] = None; from gateway.cli import main; main()"
+    result = subprocess.run(
+        [sys.executable, "-c", blocked, "serve", "--backend", "ray", "--dry-run"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1
+    assert "pip install 'streamgate[ray]'" in result.stderr
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
+
