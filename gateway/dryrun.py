@@ -18,11 +18,20 @@ from gateway.configfile import redact_url
 
 
 def report(backend: Any, settings: Settings) -> None:
-    """Print what `backend` loaded (or, for the remote backend, what was checked); exit 1 if loading fails."""
+    """Print what `backend` loaded (or, for the remote and Ray backends, what was checked); exit 1 if loading fails."""
     if settings.backend == "remote":
         executors = ", ".join(redact_url(url) for url in settings.executors)
         click.echo(f"backend: remote, executors: {executors}")
         click.echo("dry run: configuration checked; executors were not contacted")
+        return
+    if settings.backend == "ray":
+        sizing = (
+            f"{settings.ray_min_replicas or 1}-{settings.ray_max_replicas or settings.ray_min_replicas or 1} replicas (autoscaled)"
+            if (settings.ray_min_replicas, settings.ray_max_replicas) != (None, None)
+            else f"{settings.ray_replicas or 1} replicas"
+        )
+        click.echo(f"backend: ray, address: {settings.ray_address or 'a local Ray instance'}, {sizing}")
+        click.echo("dry run: configuration checked, Ray Serve importable; Ray was not contacted")
         return
     info, tools = _load(backend)
     click.echo(f"model: {info.get('model')} ({info.get('kind')})")

@@ -201,4 +201,9 @@ def test_without_ray_the_backend_says_what_to_install(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "pip install 'streamgate[ray]'" in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
+    checked = subprocess.run(
+        [sys.executable, "-c", "from gateway.cli import main; main()", "serve", "--backend", "ray", "--ray-replicas", "2", "--dry-run"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert checked.returncode == 0 and "backend: ray" in checked.stdout and "2 replicas" in checked.stdout
 
