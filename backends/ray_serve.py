@@ -68,6 +68,7 @@ class Dispatch(msgspec.Struct, omit_defaults=True):
     replica: str = ""
     error: ErrorInfo | None = None
     status: int = 0  # the HTTP status of a refusal
+    retry_after: float | None = None
 
 
 def ray_available() -> bool:
@@ -167,7 +168,7 @@ class Replica:
             job = Job(tool.name, decoded, job_id=job_id)
             await self.backend.submit(job)
         except ApiError as exc:
-            yield encode(Dispatch(error=exc.info(), status=exc.status))
+            yield encode(Dispatch(error=exc.info(), status=exc.status, retry_after=exc.retry_after))
             return
         yield encode(Dispatch(replica=self.name))
         seen = 0
@@ -326,7 +327,10 @@ class RayBackend(Backend):
             raise ApiError(Code.NOT_READY, f"no Ray Serve replica took the job: {exc}", retry_after=5) from None
         if dispatch.error is not None:
             error = dispatch.error
-            raise ApiError(error.code, error.message, field=error.field, status=dispatch.status, retryable=error.retryable)
+            raise ApiError(
+                error.code, error.message, field=error.field, status=dispatch.status, retryable=error.retryable,
+                retry_after=dispatch.retry_after,
+            )
         job.set_status(Status.DISPATCHED, message=f"replica {dispatch.replica}")
         self._calls[job.id] = call
         task = asyncio.create_task(self._follow(job, call), name=f"ray job {job.id}")

@@ -154,4 +154,6 @@ def uvicorn_options(settings: Settings, on_timeout: Callable[[str], None]) -> di
         body_timeout=settings.body_timeout,
         on_timeout=on_timeout,
     )
-    return {"http": protocol}
+    # The event loop named too: uvicorn's "auto" takes uvloop whenever something installed it
+    # (Ray's extra does), and the server would then behave by what else happens to be installed.
+    return {"http": protocol, "loop": "asyncio"}
