@@ -1,4 +1,5 @@
-# One image per role: `--target gateway` and `--target executor`.
+# One image per role: `--target gateway`, `--target executor`, and `--target ray` for
+# --backend ray (compose.yaml's ray profile, deploy/kuberay-rayservice.yaml).
 FROM python:3.11-slim AS base
 ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \
@@ -19,3 +20,17 @@ CMD ["streamgate", "serve", "--host", "0.0.0.0", "--port", "8000", "--backend", 
 FROM base AS executor
 EXPOSE 9000
 CMD ["streamgate", "executor", "--host", "0.0.0.0", "--port", "9000"]
+
+# Ray head and worker nodes, and gateways with --backend ray, which join the cluster as
+# nodes: one image, as a cluster's nodes and drivers must run the same Ray and Python. It
+# adds the `ray` extra (ray[serve], pinned in pyproject.toml), which the two images above
+# do without. wget: older KubeRay operators probe Ray pods with it.
+FROM base AS ray
+USER root
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends wget \
+ && rm -rf /var/lib/apt/lists/* \
+ && pip install '.[ray]'
+USER streamgate
+EXPOSE 6379 8265 8000
+CMD ["ray", "start", "--head", "--block", "--disable-usage-stats"]

@@ -103,9 +103,11 @@ class Board:
 def _board() -> Any:
     import ray
 
-    # Detached and shared: it outlives any one gateway, and replicas deployed without one find it too.
+    # Detached and shared: it outlives any one gateway, and replicas deployed without one find it
+    # too; on the head node (not a gateway's, which may go) and restarted if it dies anyway.
     return ray.remote(Board).options(
-        name=BOARD, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", num_cpus=0
+        name=BOARD, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", num_cpus=0, max_restarts=-1,
+        resources={"node:__internal_head__": 0.001},
     ).remote()
 
 
@@ -139,8 +141,11 @@ class Replica:
     async def _report(self) -> None:
         board = _board()
         while True:
-            with contextlib.suppress(Exception):  # a report lost is the next one's to make
+            try:
                 await board.report.remote(self.name, await self.stats())
+            except Exception:  # noqa: BLE001 - a report lost is the next one's to make, to the board as it is now
+                with contextlib.suppress(Exception):
+                    board = _board()
             await asyncio.sleep(POLL_S)
 
     async def check_health(self) -> None:
@@ -293,27 +298,7 @@ class RayBackend(Backend):
             return serve.get_app_handle(APP_NAME)  # attach, by name: another gateway deployed it
         except Exception:  # noqa: BLE001 - Serve raises a plain exception when the app does not exist
             pass
-        gpus = settings.ray_gpus_per_replica
-        if gpus is None:
-            gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        options: dict[str, Any] = {
-            "name": DEPLOYMENT,
-            "ray_actor_options": {"num_cpus": settings.ray_cpus_per_replica, "num_gpus": gpus},
-            # A replica takes as many jobs as its queue and one batch hold: batching happens inside it.
-            "max_ongoing_requests": settings.queue_size + settings.max_batch_size,
-            "health_check_period_s": 2,
-        }
-        if settings.ray_min_replicas is not None or settings.ray_max_replicas is not None:
-            low = settings.ray_min_replicas if settings.ray_min_replicas is not None else 1
-            options["autoscaling_config"] = {
-                "min_replicas": low,
-                "max_replicas": settings.ray_max_replicas if settings.ray_max_replicas is not None else max(low, 1),
-                "target_ongoing_requests": settings.max_batch_size,
-            }
-        else:
-            options["num_replicas"] = settings.ray_replicas or 1
-        replica_settings = msgspec.structs.replace(settings, device=None if gpus else "cpu", devices=[])
-        app = serve.deployment(Replica).options(**options).bind(encode(replica_settings), [os.getcwd()])
+        app = application(settings, [os.getcwd()])
         return serve.run(app, name=APP_NAME, route_prefix=None, blocking=False)
 
     # -- jobs ------------------------------------------------------------------------------
@@ -366,6 +351,34 @@ class RayBackend(Backend):
         if call is not None:
             call.cancel()
         job.fail(Code.CANCELLED, "the job was cancelled")
+
+
+def application(settings: Settings, paths: list[str]) -> Any:
+    """The application of `Replica`s these settings describe, unnamed (serve.run or a config names it)."""
+    import ray
+    from ray import serve
+
+    gpus = settings.ray_gpus_per_replica
+    if gpus is None:
+        gpus = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    options: dict[str, Any] = {
+        "name": DEPLOYMENT,
+        "ray_actor_options": {"num_cpus": settings.ray_cpus_per_replica, "num_gpus": gpus},
+        # A replica takes as many jobs as its queue and one batch hold: batching happens inside it.
+        "max_ongoing_requests": settings.queue_size + settings.max_batch_size,
+        "health_check_period_s": 2,
+    }
+    if settings.ray_min_replicas is not None or settings.ray_max_replicas is not None:
+        low = settings.ray_min_replicas if settings.ray_min_replicas is not None else 1
+        options["autoscaling_config"] = {
+            "min_replicas": low,
+            "max_replicas": settings.ray_max_replicas if settings.ray_max_replicas is not None else max(low, 1),
+            "target_ongoing_requests": settings.max_batch_size,
+        }
+    else:
+        options["num_replicas"] = settings.ray_replicas or 1
+    replica_settings = msgspec.structs.replace(settings, device=None if gpus else "cpu", devices=[])
+    return serve.deployment(Replica).options(**options).bind(encode(replica_settings), paths)
 
 
 def _replica_states() -> dict[str, int]:

@@ -148,9 +148,9 @@ def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @_option("--port", default=_D.port, type=int)
 @_model_options
 @_option("--backend", default=_D.backend, type=click.Choice(["local", "remote", "ray"]), help="Run tools in this process, on executors, or on the replicas of a Ray Serve application.")
-@_option("--ray-address", default=None, help="For --backend ray: the Ray cluster (auto, ray://head:10001); default: start or join a local one.")
+@_option("--ray-address", default=None, help="For --backend ray: the Ray cluster, from one of its nodes (auto, or HEAD:6379); default: start or join a local one.")
 @_option("--ray-replicas", default=None, type=click.IntRange(min=1), help="For --backend ray: how many model replicas (default 1).")
-@_option("--ray-min-replicas", default=None, type=click.IntRange(min=0), help="For --backend ray: scale on ongoing requests, from this many replicas…")
+@_option("--ray-min-replicas", default=None, type=click.IntRange(min=1), help="For --backend ray: scale on ongoing requests, from this many replicas…")
 @_option("--ray-max-replicas", default=None, type=click.IntRange(min=1), help="…to this many.")
 @_option("--ray-gpus-per-replica", default=None, type=click.FloatRange(min=0), help="For --backend ray: GPUs each replica takes (default 1 when the cluster has GPUs, else 0).")
 @_option("--ray-cpus-per-replica", default=_D.ray_cpus_per_replica, type=click.FloatRange(min=0), help="For --backend ray: CPUs each replica takes.")
@@ -184,6 +184,11 @@ def serve(**options: Any) -> None:
 
         if not ray_available():
             raise click.ClickException(INSTALL_HINT)
+        if (settings.ray_address or "").startswith("ray://"):
+            raise click.UsageError(
+                "--ray-address ray://… (Ray Client) cannot stream from Serve: run the gateway on a node of the "
+                "cluster (ray start --address HEAD:6379) and give --ray-address auto"
+            )
         if settings.ray_replicas is not None and (settings.ray_min_replicas, settings.ray_max_replicas) != (None, None):
             raise click.UsageError("give --ray-replicas, or --ray-min-replicas/--ray-max-replicas, not both")
         backend: Any = RayBackend(settings)

@@ -40,7 +40,7 @@ class Settings(msgspec.Struct, kw_only=True):
     backend: str = "local"
     executors: list[str] = msgspec.field(default_factory=list)
     # --backend ray: replicas of a Ray Serve application (backends/ray_serve.py).
-    ray_address: str | None = None  # None: start or join a local Ray; "auto"; "ray://head:10001"
+    ray_address: str | None = None  # None: start or join a local Ray; "auto" or "head:6379" from a cluster's node
     ray_replicas: int | None = None  # a fixed number (default 1), or scale between the two below
     ray_min_replicas: int | None = None
     ray_max_replicas: int | None = None

@@ -1,19 +1,26 @@
-"""The files that package streamgate for others: compose.yaml and the Dockerfile.
+"""The files that package streamgate for others: compose.yaml, the Dockerfile and deploy/.
 
 compose.yaml is checked as strictly as `docker compose --profile X config` checks it, with
 no Docker engine or compose binary: YAML with unique keys, Compose's variable
 interpolation, the Compose Specification's JSON Schema (tests/data/compose-spec.json,
 which refuses unknown keys), durations Compose can parse, and every volume, network,
 service, build context and target a service names defined.
+
+deploy/kuberay-rayservice.yaml is checked with no Kubernetes cluster: its Serve config by
+Ray Serve's own schema and by building the application from it, and the names that tie
+its objects together (the head's Service, the application, Redis, labels, ports).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+import tomllib
 from collections.abc import Mapping
 from functools import cache
 from typing import Any
+from urllib.parse import urlparse
 
 import jsonschema
 import pytest
@@ -23,7 +30,9 @@ from tests.processes import ROOT
 
 COMPOSE = ROOT / "compose.yaml"
 SPEC = ROOT / "tests" / "data" / "compose-spec.json"
-PROFILES = ["cpu", "gpu"]
+PROFILES = ["cpu", "gpu"]  # a gateway and an executor
+RAY_PROFILE = "ray"  # a Ray head and a gateway on it
+KUBERAY = ROOT / "deploy" / "kuberay-rayservice.yaml"
 
 
 class ComposeError(Exception):
@@ -271,6 +280,38 @@ def test_compose_variables_have_defaults_and_reach_both_services():
     assert environment(services["gateway"])["STREAMGATE_TOKENS"] == "a=b"
     for name in ("gateway", "executor-cpu", "executor-gpu"):
         assert environment(services[name])["STREAMGATE_EXECUTOR_TOKEN"] == "t0k"
+    assert environment(services["gateway-ray"])["STREAMGATE_TOKENS"] == "a=b"
+    assert environment(services["gateway-ray"])["STREAMGATE_RAY_REPLICAS"] == "1"
+
+
+def test_the_ray_profile_is_a_head_and_a_gateway_that_joins_it():
+    document, _ = load_compose(COMPOSE.read_text())
+    services = active_services(document, RAY_PROFILE)
+    assert set(services) == {"ray-head", "gateway-ray"}
+    head, gateway = services["ray-head"], services["gateway-ray"]
+    assert head["build"]["target"] == gateway["build"]["target"] == "ray"
+    assert "pip install '.[ray]'" in (ROOT / "Dockerfile").read_text()
+    assert gateway["depends_on"] == {"ray-head": {"condition": "service_healthy"}}
+    env = environment(gateway)
+    assert (env["STREAMGATE_BACKEND"], env["STREAMGATE_RAY_ADDRESS"]) == ("ray", "auto")
+    # A node with nothing to place replicas on, then the gateway as PID 1's child (exec): SIGTERM drains it.
+    script = gateway["command"][-1]
+    assert script.startswith("ray start --address=ray-head:6379 --num-cpus=0 --num-gpus=0 ")
+    assert script.endswith("&& exec streamgate serve --host 0.0.0.0 --port 8000")
+    assert gateway["init"] is True
+    assert "model-cache:/cache" in head["volumes"]  # the replicas load the model on the head
+
+
+def test_every_profile_is_checked_and_publishes_each_port_once():
+    document, _ = load_compose(COMPOSE.read_text())
+    named = {p for service in document["services"].values() for p in service.get("profiles", [])}
+    assert named == {*PROFILES, RAY_PROFILE}
+    for profile in named:
+        published = [
+            port.rsplit(":", 1)[0] for service in active_services(document, profile).values()
+            for port in service.get("ports", [])
+        ]
+        assert len(published) == len(set(published)), f"--profile {profile} publishes a port twice: {published}"
 
 
 def test_dockerfile_has_a_target_per_service():
@@ -279,6 +320,89 @@ def test_dockerfile_has_a_target_per_service():
     compose = yaml.safe_load(COMPOSE.read_text())
     for service in compose["services"].values():
         assert service["build"]["target"] in targets
+
+
+# --- deploy/kuberay-rayservice.yaml -------------------------------------------------------
+
+def kuberay() -> dict[tuple[str, str], dict[str, Any]]:
+    """The file's objects by kind and name."""
+    documents = yaml.load_all(KUBERAY.read_text(), Loader=_UniqueKeyLoader)
+    return {(d["kind"], d["metadata"]["name"]): d for d in documents}
+
+
+def pod_env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_the_rayservice_builds_the_application_gateways_attach_to():
+    import ray
+    from ray.serve.schema import ServeDeploySchema
+
+    from backends.ray_serve import APP_NAME, DEPLOYMENT
+
+    service = kuberay()[("RayService", "streamgate")]
+    assert service["apiVersion"] == "ray.io/v1"
+    config = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    [app] = config.applications
+    assert (app.name, app.route_prefix) == (APP_NAME, None)
+    module, _, attr = app.import_path.partition(":")
+    built = getattr(importlib.import_module(module), attr)(app.args)._bound_deployment
+    assert built.name == DEPLOYMENT
+    assert built.ray_actor_options["num_gpus"] == 1
+    scaling = built._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas) == (app.args["ray-min-replicas"], app.args["ray-max-replicas"])
+    cluster = service["spec"]["rayClusterConfig"]
+    [gpu_group] = cluster["workerGroupSpecs"]
+    assert gpu_group["maxReplicas"] >= scaling.max_replicas  # a GPU pod for each replica
+    [worker] = gpu_group["template"]["spec"]["containers"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    pin = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["ray"]
+    assert pin == [f"ray[serve]=={cluster['rayVersion']}"] and ray.__version__ == cluster["rayVersion"]
+
+
+def test_the_application_builder_checks_its_args_as_a_config_file():
+    from backends.ray_app import app
+
+    fixed = app({"ray-replicas": 3, "ray-gpus-per-replica": 0, "max_batch_size": 4})._bound_deployment
+    assert (fixed.num_replicas, fixed.ray_actor_options["num_gpus"], fixed.max_ongoing_requests) == (3, 0, 64 + 4)
+    assert json.loads(fixed.init_args[0])["device"] == "cpu"  # no GPU: the replica says so to the model
+    with pytest.raises(ValueError, match=re.escape("args: unknown setting 'max-batch-sise'")):
+        app({"max-batch-sise": 8})
+    with pytest.raises(ValueError, match=re.escape("args: max-batch-size: 0 is not in the range")):
+        app({"max-batch-size": 0})
+    with pytest.raises(ValueError, match="not both"):
+        app({"ray-replicas": 2, "ray-max-replicas": 3})
+
+
+def test_the_gateways_join_the_rayservice_and_share_jobs_through_redis():
+    from backends.ray_serve import APP_NAME
+    from gateway.config import Settings
+
+    objects = kuberay()
+    [(_, name)] = [key for key in objects if key[0] == "RayService"]
+    service = objects[("RayService", name)]
+    pod = objects[("Deployment", "streamgate-gateway")]["spec"]["template"]
+    [gateway] = pod["spec"]["containers"]
+    env = pod_env(gateway)
+    assert env["RAY_HEAD"] == f"{name}-head-svc"  # the Service KubeRay makes for a RayService's head
+    assert (env["STREAMGATE_BACKEND"], env["STREAMGATE_RAY_ADDRESS"]) == ("ray", "auto")
+    script = gateway["args"][0]
+    assert f"get('{APP_NAME}', {{}})" in script  # waits for the RayService's application first
+    assert 'ray start --address="$RAY_HEAD:6379" --num-cpus=0 --num-gpus=0 ' in script
+    assert script.rstrip().endswith("exec streamgate serve --host 0.0.0.0 --port 8000")
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    worker = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert head["image"] == worker["image"] == gateway["image"]  # one Ray, one Python
+    assert pod["spec"]["terminationGracePeriodSeconds"] > Settings().drain_timeout
+    assert (gateway["readinessProbe"]["httpGet"]["path"], gateway["livenessProbe"]["httpGet"]["path"]) == ("/readyz", "/healthz")
+    # Services select the pods they name, on ports those pods have.
+    redis = urlparse(env["STREAMGATE_STORE"]).hostname
+    for svc, deployment in (("streamgate-gateway", "streamgate-gateway"), (redis, "streamgate-redis")):
+        spec = objects[("Service", svc)]["spec"]
+        template = objects[("Deployment", deployment)]["spec"]["template"]
+        assert spec["selector"] == template["metadata"]["labels"]
+        ports = {p["name"] for c in template["spec"]["containers"] for p in c["ports"]}
+        assert {p["targetPort"] for p in spec["ports"]} <= ports
 
 
 # --- The checker catches what Compose would refuse ----------------------------------------

@@ -206,4 +206,10 @@ def test_without_ray_the_backend_says_what_to_install(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert checked.returncode == 0 and "backend: ray" in checked.stdout and "2 replicas" in checked.stdout
+    client = subprocess.run(
+        [sys.executable, "-c", "from gateway.cli import main; main()", "serve", "--backend", "ray",
+         "--ray-address", "ray://head:10001", "--dry-run"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert client.returncode == 2 and "Ray Client" in client.stderr and "--ray-address auto" in client.stderr
 
