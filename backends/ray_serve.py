@@ -36,6 +36,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -53,6 +54,11 @@ from gateway.protocol import Code, ErrorInfo, EventType, RemoteFrame, RemoteKind
 from gateway.tools.base import Tool
 
 log = logging.getLogger("streamgate.ray")
+
+# Ray's C++ core otherwise catches SIGTERM in the gateway's process and aborts it 3 s later,
+# whatever the drain (gateway/drain.py) is doing. Ray reads this when first imported, and this
+# module imports Ray only inside functions, after it.
+os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
 APP_NAME = "streamgate"
 DEPLOYMENT = "Replica"
@@ -208,6 +214,9 @@ class RayBackend(Backend):
         self._calls: dict[str, Any] = {}  # job id -> its streaming call
         self._tasks: set[asyncio.Task[Any]] = set()
         self._main: asyncio.Task[None] | None = None
+        self._ray_thread: threading.Thread | None = None
+        self._leave = threading.Event()
+        self._joined_ray = False  # this process called ray.init: it shuts Ray down (or leaves the cluster)
 
     # -- what the gateway asks -----------------------------------------------------
 
@@ -261,10 +270,13 @@ class RayBackend(Backend):
                 await self._main
         for task in list(self._tasks):
             task.cancel()
+        self._leave.set()
+        if self._ray_thread is not None:
+            await asyncio.to_thread(self._ray_thread.join, 15)
 
     async def _watch(self) -> None:
         try:
-            self._handle = await asyncio.to_thread(self._deploy)
+            self._handle = await self._connect()
         except Exception as exc:  # noqa: BLE001 - any start-up failure is the reason we are not ready
             self._problem = f"Ray Serve did not start: {exc}"
             log.error("%s", self._problem)
@@ -282,6 +294,35 @@ class RayBackend(Backend):
                 log.warning("%s", self._problem)
             await asyncio.sleep(POLL_S)
 
+    async def _connect(self) -> Any:
+        """Connect and deploy on a thread of the backend's own, which stays until the backend stops:
+        Ray ties the processes of a local instance it starts to the thread that started them, and
+        a pool's thread may end. The same thread shuts Ray down at the end."""
+        loop = asyncio.get_running_loop()
+        connected: asyncio.Future[Any] = loop.create_future()
+
+        def settle(handle: Any, error: BaseException | None) -> None:
+            if not connected.done():
+                connected.set_exception(error) if error is not None else connected.set_result(handle)
+
+        def hold() -> None:
+            try:
+                handle = self._deploy()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting coroutine
+                loop.call_soon_threadsafe(settle, None, exc)
+                return
+            loop.call_soon_threadsafe(settle, handle, None)
+            self._leave.wait()
+            if self._joined_ray:
+                import ray
+
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+
+        self._ray_thread = threading.Thread(target=hold, name="streamgate-ray", daemon=True)
+        self._ray_thread.start()
+        return await connected
+
     def _deploy(self) -> Any:
         """Connect to (or start) Ray, and deploy the application unless it runs already; its handle."""
         import ray
@@ -289,8 +330,11 @@ class RayBackend(Backend):
 
         settings = self.settings
         if not ray.is_initialized():
-            address = None if settings.ray_address in (None, "", "local") else settings.ray_address
-            ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+            ray.init(
+                address=settings.ray_address or None,  # None: join a local cluster, or start one; "local": start one
+                namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
+            )
+            self._joined_ray = True
         # No Serve HTTP proxy: gateways call the replicas through handles (and its default port,
         # 8000, is the gateway's own).
         serve.start(proxy_location="Disabled")

@@ -107,7 +107,7 @@ class Bench:
         """`streamgate serve|executor` with the bench tools on a free port; not yet waited for."""
         port = free_port()
         argv = [str(STREAMGATE), command, "--port", str(port), "--log-level", "warning", *flags]
-        if command == "executor" or "--backend" not in flags:  # the process that runs the tools
+        if command == "executor" or _backend(flags) in ("local", "ray"):  # it runs the tools, or its Ray replicas do
             argv += ["--tools", "bench.tools", *(["--model", model] if model else [])]
         return self.start(argv, port, name or command, env)
 
@@ -115,6 +115,12 @@ class Bench:
         """Wait until each answers `/readyz` 200 (started together, they load in parallel)."""
         for process in processes:
             process.wait_ready()
+
+
+def _backend(flags: Sequence[str]) -> str:
+    """The `--backend` among `flags` (`local` when none is given)."""
+    flags = list(flags)
+    return flags[flags.index("--backend") + 1] if "--backend" in flags[:-1] else "local"
 
 
 def stop(process: ServeProcess) -> None:

@@ -86,6 +86,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -113,6 +114,7 @@ from gateway.store import Binding, JobHandle, JobStore, StoppedFollowing, StoreU
 log = logging.getLogger("streamgate.redis")
 
 STOP_FLUSH_S = 2.0  # how long `stop` waits for the last events to reach Redis
+LAG_TICK_S = 0.1
 ANSWER_S = 2.0  # the longest a request, or a heartbeat, waits on Redis: a stalled one is a 503, never a hang
 COMMAND_CONNECTIONS = 64  # per replica, for requests and copies
 READ_CONNECTIONS = 1024  # per replica: jobs followed from here at once, each one blocking read
@@ -443,6 +445,7 @@ class RedisStore(JobStore):
         self._spawned: set[asyncio.Task[Any]] = set()
         self.problem: str | None = f"not connected to Redis at {self._where()} yet"
         self._failed_beats = 0
+        self._late_until = 0.0  # loop time until which the event loop counts as running late
 
     def _client(self, pool: type[aioredis.ConnectionPool], **sizing: Any) -> aioredis.Redis:
         return aioredis.Redis(
@@ -497,8 +500,30 @@ class RedisStore(JobStore):
         return self._ms(self.retention + self.ttl)
 
     def _unavailable(self, exc: BaseException) -> ApiError:
+        if isinstance(exc, TimeoutError) and self._busy():
+            # No answer in time because this process could not listen for it, not because Redis
+            # is away: the client is told so, and to come back a little later.
+            return ApiError(
+                Code.OVERLOADED,
+                "this gateway is too busy to answer in time; try again shortly",
+                retry_after=random.randint(1, 5),
+            )
         why = str(exc) or f"no answer in {ANSWER_S:g} s"
         return ApiError(Code.STORE_UNAVAILABLE, f"the job store (Redis at {self._where()}) is unreachable: {why}", retry_after=5)
+
+    def _busy(self) -> bool:
+        """Whether this process's event loop ran late in the last few seconds (see `_watch_lag`)."""
+        return asyncio.get_running_loop().time() < self._late_until
+
+    async def _watch_lag(self) -> None:
+        """Note when the event loop runs late: a timer due in LAG_TICK_S that fires a quarter of
+        ANSWER_S after it means a loop too busy to hear Redis, whatever Redis does."""
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            due = loop.time() + LAG_TICK_S
+            await asyncio.sleep(LAG_TICK_S)
+            if loop.time() - due > ANSWER_S / 4:
+                self._late_until = loop.time() + 2 * ANSWER_S
 
     @contextlib.asynccontextmanager
     async def _answering(self) -> Any:
@@ -522,6 +547,7 @@ class RedisStore(JobStore):
             asyncio.create_task(self._heartbeat(), name="redis store heartbeat"),
             asyncio.create_task(self._listen(), name="redis store listener"),
             asyncio.create_task(self._run_ops(), name="redis store attachments"),
+            asyncio.create_task(self._watch_lag(), name="redis store loop lag"),
         ]
 
     async def stop(self) -> None:
@@ -954,6 +980,8 @@ class RedisStore(JobStore):
                 replies = await pipe.execute()
         except (RedisError, TimeoutError) as exc:
             why = str(exc) or f"no answer in {ANSWER_S:g} s"
+            if isinstance(exc, TimeoutError) and self._busy():
+                return  # this process was too busy to hear the answer: no sign of an outage
             self._failed_beats += 1
             # Twice in a row (or before the first success): once may be this process too busy to hear the answer
             # in time (a storm of reconnects while the model loads), which is no outage of Redis.

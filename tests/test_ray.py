@@ -6,6 +6,7 @@ seconds); a gateway with the local backend beside it for the streams to equal.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +24,8 @@ from backends.ray_serve import APP_NAME, NAMESPACE, RayBackend
 from gateway.app import create_app
 from gateway.config import Settings
 from tests.conftest import USER_TOOLS, Server, make_server, run_stream, wait_until
-from tests.processes import ROOT
+from tests.processes import ROOT, clean_env, free_port, start_serve
+from tests.test_redis_replicas import Follower
 from tests.test_observability import scrape, value
 
 pytestmark = pytest.mark.ray
@@ -190,6 +192,24 @@ def test_a_replica_that_dies_ends_its_jobs_and_is_replaced(ray_gateway: Server) 
         assert run_stream(ray_gateway.url, "echo", {"text": "z"}).terminal["event"] == "data"
     wait_until(lambda: httpx.get(f"{ray_gateway.url}/readyz").json()["replicas"] == {"RUNNING": REPLICAS},
                timeout=120, what="Serve to replace the replica")
+
+
+def test_a_ray_gateway_drains_on_sigterm(ray_gateway: Server, tiny_model_path: Path, tmp_path: Path) -> None:
+    """A `streamgate serve` process joins the cluster and attaches to the running application; on
+    SIGTERM its job in flight finishes (Ray's own SIGTERM handling would abort it in 3 s)."""
+    port = free_port()
+    args = ["--backend", "ray", "--ray-address", ray.get_runtime_context().gcs_address, "--model", str(tiny_model_path),
+            "--tools", USER_TOOLS, "--port", str(port), "--log-level", "warning"]
+    gateway = start_serve(args, clean_env(), port, tmp_path / "gateway.log")
+    try:
+        client = Follower(gateway.url, "/echo/run", method="POST", json={"text": "a", "repeat": 50, "delay": 0.1})
+        wait_until(lambda: b'"progress"' in client.raw, timeout=60, what="the job to run")
+        gateway.proc.send_signal(signal.SIGTERM)
+        events = client.join(timeout=60)
+        assert events[-1]["event"] == "data" and events[-1]["data"]["text"] == "a" * 50
+        assert gateway.proc.wait(timeout=60) == 0, gateway.output()[-3000:]
+    finally:
+        gateway.stop()
 
 
 def test_without_ray_the_backend_says_what_to_install(tmp_path: Path) -> None:
