@@ -25,7 +25,8 @@ from gateway.app import create_app
 from gateway.config import Settings
 from tests.conftest import USER_TOOLS, Server, make_server, run_stream, wait_until
 from tests.processes import ROOT, clean_env, free_port, start_serve
-from tests.test_redis_replicas import Follower
+from tests.redis_server import redis_server  # noqa: F401
+from tests.test_redis_replicas import Follower, check_log, events_of, read_some
 from tests.test_observability import scrape, value
 
 pytestmark = pytest.mark.ray
@@ -192,6 +193,24 @@ def test_a_replica_that_dies_ends_its_jobs_and_is_replaced(ray_gateway: Server) 
         assert run_stream(ray_gateway.url, "echo", {"text": "z"}).terminal["event"] == "data"
     wait_until(lambda: httpx.get(f"{ray_gateway.url}/readyz").json()["replicas"] == {"RUNNING": REPLICAS},
                timeout=120, what="Serve to replace the replica")
+
+
+def test_gateways_on_redis_share_jobs_that_run_on_ray(ray_gateway: Server, tiny_model_path: Path, redis_server: Any) -> None:
+    """Two gateways on one Redis, both attached to the running application: a job started through
+    one is resumed through the other, every event once."""
+    settings = Settings(model=str(tiny_model_path), backend="ray", store=redis_server.url, detach_grace=30)
+    a, b = (Server(create_app(RayBackend(settings), settings), kind="ray").start() for _ in range(2))
+    try:
+        a.wait_ready(timeout=120)
+        b.wait_ready(timeout=120)
+        headers, first = read_some(a.url, "/echo/run", 4, method="POST", json={"text": "ab", "repeat": 20, "delay": 0.05})
+        status, _, rest = events_of(b.url, headers["x-job-id"], first[-1]["id"])
+        assert status == 200
+        check_log(first + rest, headers["x-job-id"])
+        assert rest[-1]["event"] == "data" and rest[-1]["data"]["text"] == "ab" * 20
+    finally:
+        a.stop()
+        b.stop()
 
 
 def test_a_ray_gateway_drains_on_sigterm(ray_gateway: Server, tiny_model_path: Path, tmp_path: Path) -> None:
