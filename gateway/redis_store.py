@@ -654,10 +654,11 @@ class RedisStore(JobStore):
         owned = self._owned.get(job_id)
         if owned is not None:
             job = owned.job
-            if job.finished is not None and time.time() - job.finished > self.retention:
-                self._forget(job_id)
-                return None
-            return job
+            if job.finished is None or time.time() - job.finished <= self.retention:
+                return job
+            # Forgotten here; Redis's copy expires on Redis's clock, a moment later: read it as any
+            # replica would, so that this one never says 404 while it is still found there.
+            self._forget(job_id)
         tail = self._tails.get(job_id)
         if to_follow and tail is not None and tail.failure is None:
             # Followed from here already: the job's owner, tool and events are at hand, so a
