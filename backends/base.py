@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gateway.errors import ApiError
 from gateway.models import capabilities
 from gateway.jobs import Job
 from gateway.params import apply_caps
-from gateway.protocol import Code
-from gateway.tools.base import Tool
+from gateway.protocol import Code, ModelInfo, ModelList, ToolInfo
+from gateway.tools.base import MODEL_FIELD, Tool
 
 
 class Backend(abc.ABC):
@@ -54,11 +54,46 @@ class Backend(abc.ABC):
             raise ApiError(Code.UNKNOWN_TOOL, f"no tool named {name!r}; tools: {known}")
         return found
 
-    def unsupported(self, tool: Tool) -> str | None:
-        """Why the served model cannot run `tool`; None when it can (or is not known yet).
+    def ready_for(self, model: str | None) -> bool:
+        """True when a job on `model` (a name `resolve_model` gave, or None) can start."""
+        return self.ready
+
+    def model_names(self) -> list[str]:
+        """The served models' names, the default first; [] while not known yet (a remote backend before its executors answer)."""
+        return [m.name for m in self.models()]
+
+    def models(self) -> list[ModelInfo]:
+        """`GET /models`: each served model, what it is and which tools it runs."""
+        return []
+
+    def model_list(self) -> ModelList:
+        """The `GET /models` answer."""
+        served = self.models()
+        return ModelList(default=next((m.name for m in served if m.default), None), models=served)
+
+    def resolve_model(self, name: str | None) -> str | None:
+        """The served model a request's `model` names: the default when None, else 404 `unknown_model` naming those served."""
+        names = self.model_names()
+        if not names:
+            if name is None:
+                return None
+            raise self.not_ready_error()
+        if name is None:
+            return names[0]
+        if name not in names:
+            raise ApiError(
+                Code.UNKNOWN_MODEL, f"no model named {name!r}; models: {', '.join(names)}", field=MODEL_FIELD
+            )
+        return name
+
+    def unsupported(self, tool: Tool, model: str | None = None) -> str | None:
+        """Why `model` (None: the default) cannot run `tool`; None when it can (or is not known yet).
 
         A tool learned from another service carries that service's answer.
         """
+        for info in self.models():
+            if info.name == model or (model is None and info.default):
+                return info.unsupported.get(tool.name)
         return tool.info.unsupported if tool.info is not None else None
 
     @property
@@ -69,9 +104,10 @@ class Backend(abc.ABC):
     async def admit(self, tool: Tool, params: Any, limits: Mapping[str, int]) -> None:
         """The checks after decoding, in order: server caps, readiness, the model's capabilities, the tool's own check."""
         apply_caps(tool, params, limits)
-        if not self.ready:
+        model = getattr(params, MODEL_FIELD, None)
+        if not self.ready_for(model):
             raise self.not_ready_error()
-        if (reason := self.unsupported(tool)) is not None:
+        if (reason := self.unsupported(tool, model)) is not None:
             raise capabilities.refuse(reason)
         await self.check(tool, params)
 
@@ -96,3 +132,60 @@ class Backend(abc.ABC):
         """For each worker that batches, how many steps ran with how many jobs (the batch-size
         histogram in `/metrics`); None where the work runs elsewhere and is not reported."""
         return None
+
+
+class Relaying(Backend):
+    """A backend whose tools and models run in other services (executors, Ray Serve replicas)
+    and are learned from what those services publish (`GET /tools`, `GET /models`)."""
+
+    def __init__(self) -> None:
+        self._tools: dict[str, Tool] = {}
+        self._models: list[ModelInfo] = []
+
+    @property
+    def tools(self) -> Mapping[str, Tool]:
+        return self._tools
+
+    def tool(self, name: str) -> Tool:
+        if not self._tools:
+            # No service has said what it serves: the gateway is not ready, the tool not unknown.
+            raise self.not_ready_error()
+        return super().tool(name)
+
+    def models(self) -> list[ModelInfo]:
+        return self._models
+
+    @property
+    def tools_version(self) -> object:
+        return (id(self._tools), id(self._models))
+
+    def learn(self, infos: Iterable[ToolInfo], models: list[ModelInfo]) -> None:
+        """Take the tools and models published, the first of each name winning; a tool whose
+        schemas did not change keeps its object (and the Struct its params decode into)."""
+        learned: dict[str, Tool] = {}
+        for info in infos:
+            if info.name not in learned:
+                known = self._tools.get(info.name)
+                learned[info.name] = known if known is not None and known.info == info else remote_tool(info)
+        if learned.keys() != self._tools.keys() or any(learned[n] is not self._tools.get(n) for n in learned):
+            self._tools = learned
+        if models != self._models:
+            self._models = models
+
+
+def _relayed_only(model: Any, params: Any, ctx: Any) -> Any:
+    raise RuntimeError("this tool runs in another service")
+
+
+def remote_tool(info: ToolInfo) -> Tool:
+    """A tool known from another service's `GET /tools`: validation from its schema, no code."""
+    from backends.schema_structs import struct_from_schema
+
+    return Tool(
+        name=info.name,
+        description=info.description,
+        params=struct_from_schema(info.params_schema, f"{info.name}_params"),
+        result=object,
+        run=_relayed_only,
+        info=info,
+    )

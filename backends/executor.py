@@ -176,7 +176,7 @@ class Executor:
                 raise ApiError(Code.BAD_REQUEST, f"job {submitted.job_id} belongs to another session")
             return self._accepted(existing.job)  # a retried submit: the same job
         tool = self.backend.tool(submitted.tool)
-        params = params_mod.decode_body(tool, bytes(submitted.params), "params")
+        params = params_mod.on_model(params_mod.decode_body(tool, bytes(submitted.params), "params"), self.backend.resolve_model)
         await self.backend.admit(tool, params, self.limits)
         job = Job(tool.name, params, job_id=submitted.job_id)
         self.metrics.track(job)
@@ -313,6 +313,10 @@ def create_executor_app(executor: Executor) -> Starlette:
             described[:] = [backend.tools_version, encode(info)]
         return Response(described[1], media_type="application/json")
 
+    async def models(request: Request) -> Response:
+        executor.authorize(request)
+        return Response(encode(backend.model_list()), media_type="application/json")
+
     async def healthz(request: Request) -> Response:
         executor.authorize(request)
         return JSONResponse({"status": "ok"})
@@ -351,6 +355,7 @@ def create_executor_app(executor: Executor) -> Starlette:
             Route("/jobs/{job_id}/result", executor.result, methods=["GET"]),
             Route("/jobs/{job_id}", executor.delete, methods=["DELETE"]),
             Route("/tools", tools, methods=["GET"]),
+            Route("/models", models, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

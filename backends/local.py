@@ -1,9 +1,11 @@
-"""The local backend: the model lives in this process, on this machine's device.
+"""The local backend: the models live in this process, on this machine's devices.
 
-Start-up returns at once; the model loads on a thread in the background and
-the backend reports not ready until it is in memory. With several devices
-(`--devices cuda:0,cuda:1`, or every GPU by default) each gets its own copy of
-the model and its own worker, all taking jobs from one queue. Checks that need the
+Start-up returns at once; the models load on a thread in the background, one
+after the other, and each reports not ready until it is in memory. Each model
+(`--model NAME=SOURCE`, repeatable) is a `ServedModel` with its own queue and
+workers; a job goes to the one its params name. With several devices
+(`--devices cuda:0,cuda:1`, or every GPU by default) each model gets a copy and
+a worker on each, all taking jobs from that model's queue. Checks that need the
 tokenizer run on a small thread pool of their own, so a long prompt's
 tokenisation neither blocks the event loop nor waits behind a running job.
 """
@@ -21,14 +23,13 @@ from typing import Any
 from backends import model as models
 from backends.base import Backend
 from backends.execution import JobQueue, Worker
+from backends.served import ServedModel
 from gateway import sae as sae_files
 from gateway.config import Settings
 from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
-from gateway.models import capabilities
-from gateway.models.base import Capability
-from gateway.protocol import Code
+from gateway.protocol import Code, ModelInfo
 from gateway.tools.base import Model, Tool
 
 log = logging.getLogger("streamgate.local")
@@ -37,12 +38,15 @@ EXIT_DEVICE_FAILED = 70  # EX_SOFTWARE: a supervisor restarts the process
 
 
 class LocalBackend(Backend):
+    """Serves one model or several (backends/served.py), each job on the model its params name."""
+
     def __init__(
         self,
         tools: Mapping[str, Tool],
         *,
-        model: str | None = None,
-        model_loader: str | None = None,
+        model: str | list[str] | None = None,
+        model_loader: str | list[str] | None = None,
+        model_devices: list[str] | None = None,
         trust_remote_code: bool = False,
         device: str | None = None,
         devices: list[str] | None = None,
@@ -67,27 +71,49 @@ class LocalBackend(Backend):
             from gateway.tools.sae_tools import sae_tools
 
             self._tools = collect([*self._tools.values(), *sae_tools()])
-        # A loader's model is whatever --model names to it (a folder, a file, nothing).
-        self.spec = models.ModelSpec(model or model_loader, model or "") if model_loader else models.resolve(model)
-        self._loader = model_loader
-        self._trust_remote_code = trust_remote_code
-        self._devices = devices or ([device] if device else None)
+        specs = models.specs(_listed(model), _listed(model_loader), model_devices or [])
         self.max_batch_size = max_batch_size
-        self.batch_wait = batch_wait
-        self.job_timeout = job_timeout
         self.exit_on_device_failure = exit_on_device_failure
         self.device_failed: str | None = None
-        self._dtype = dtype
-        self._cache_dir = Path(cache_dir) if cache_dir else None
-        self._debug = debug
-        self._encode = encode
-        self.queue_size = queue_size
-        self.model: Model | None = None
-        self.error: str | None = None
-        self.queue: JobQueue | None = None
-        self.workers: list[Worker] = []
+        worker_options = {
+            "encode": encode, "debug": debug, "max_batch_size": max_batch_size, "batch_wait": batch_wait, "job_timeout": job_timeout,
+        }
+        self.served: dict[str, ServedModel] = {
+            spec.name: ServedModel(
+                spec,
+                self._tools,
+                devices=devices or ([device] if device else None),
+                dtype=dtype,
+                cache_dir=Path(cache_dir) if cache_dir else None,
+                trust_remote_code=trust_remote_code,
+                # SAEs are read on the default model's layers.
+                sae_specs=self.sae_specs if i == 0 else [],
+                queue_size=queue_size,
+                worker_options=worker_options,
+                on_fatal=self._device_failed,
+            )
+            for i, spec in enumerate(specs)
+        }
+        self.default = next(iter(self.served.values()))
         self._checks = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="streamgate-check")
         self._loading: asyncio.Task[None] | None = None
+
+    # The default model's parts, as code that serves one model knows them.
+    @property
+    def model(self) -> Model | None:
+        return self.default.model
+
+    @property
+    def workers(self) -> list[Worker]:
+        return self.default.workers
+
+    @property
+    def queue(self) -> JobQueue:
+        return self.default.queue
+
+    @property
+    def error(self) -> str | None:
+        return next((s.error for s in self.served.values() if s.error), None)
 
     @property
     def tools(self) -> Mapping[str, Tool]:
@@ -95,15 +121,14 @@ class LocalBackend(Backend):
 
     @property
     def ready(self) -> bool:
-        return bool(self.workers) and self.device_failed is None
+        return all(s.ready for s in self.served.values()) and self.device_failed is None
 
     @property
     def not_ready_reason(self) -> str:
         if self.device_failed:
             return f"the device failed ({self.device_failed}); the server is restarting"
-        if self.error:
-            return f"the model failed to load: {self.error}"
-        return f"the model {self.spec.name} is still loading"
+        problems = [s.problem for s in self.served.values() if s.problem]
+        return "; ".join(problems) or "the backend is not ready"
 
     def not_ready_error(self) -> ApiError:
         """503 `not_ready`: retryable while loading; not once loading has failed."""
@@ -115,53 +140,16 @@ class LocalBackend(Backend):
 
     def check_kind(self) -> None:
         """Refuse a local checkpoint of a kind that cannot be served now, from its config alone (ModelError)."""
-        if self._loader is None and self.spec.gguf is None and Path(self.spec.source).is_dir():
-            models.detect_kind(self.spec.source, self._trust_remote_code)
+        for served in self.served.values():
+            served.check_kind()
 
     async def start(self) -> None:
-        self.queue = JobQueue(self.queue_size, eta=self._eta)
-        self._loading = asyncio.create_task(self._load(), name="load model")
+        self._loading = asyncio.create_task(self._load(), name="load models")
 
     async def _load(self) -> None:
-        try:
-            loaded = [
-                await asyncio.to_thread(
-                    models.load,
-                    self.spec,
-                    device,
-                    self._dtype,
-                    self._cache_dir,
-                    loader=self._loader,
-                    trust_remote_code=self._trust_remote_code,
-                )
-                for device in self._devices or models.default_devices()
-            ]
-            for model in loaded:
-                await asyncio.to_thread(sae_files.attach, model, self.sae_specs)
-        except Exception as exc:
-            self.error = str(exc) if isinstance(exc, models.ModelError) else f"{type(exc).__name__}: {models.first_sentence(exc)}"
-            log.error("cannot load model %s: %s", self.spec.name, self.error)
-            return
-        self.model = loaded[0]
-        assert self.queue is not None
-        workers = [
-            Worker(
-                model,
-                self.queue,
-                self._tools,
-                encode=self._encode,
-                debug=self._debug,
-                max_batch_size=self.max_batch_size,
-                batch_wait=self.batch_wait,
-                job_timeout=self.job_timeout,
-                on_fatal=self._device_failed,
-            )
-            for model in loaded
-        ]
-        for worker in workers:
-            worker.peers = workers  # one job's chunks may run on every device (Tool.spread)
-            worker.start()
-        self.workers = workers
+        # One after the other: two models loading at once would only compete for the same disk and cores.
+        for served in self.served.values():
+            await served.load()
 
     def _device_failed(self, exc: BaseException) -> None:
         """A device can no longer be trusted: not ready, every job ended, then exit non-zero
@@ -170,13 +158,13 @@ class LocalBackend(Backend):
             return
         self.device_failed = f"{type(exc).__name__}: {exc}"
         log.critical("the device failed: %s; ending every job", self.device_failed)
-        if self.queue is not None:
-            for job in self.queue.take(lambda _: True, len(self.queue)):
+        for served in self.served.values():
+            for job in served.take_all():
                 job.fail(Code.BACKEND_UNAVAILABLE, "the device failed and the server is restarting")
-        for worker in self.workers:
-            for job in list(worker.running):
-                job.fail(Code.BACKEND_UNAVAILABLE, "the device failed and the server is restarting")
-                job.cancel()
+            for worker in served.workers:
+                for job in list(worker.running):
+                    job.fail(Code.BACKEND_UNAVAILABLE, "the device failed and the server is restarting")
+                    job.cancel()
         if self.exit_on_device_failure:
             # A moment for the streams to carry their terminal events out.
             asyncio.get_running_loop().call_later(1.0, os._exit, EXIT_DEVICE_FAILED)
@@ -191,70 +179,73 @@ class LocalBackend(Backend):
     async def stop(self) -> None:
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
-        if self.queue is not None:
-            # All at once: taken one by one, every job left would hear its new position each time.
-            for job in self.queue.take(lambda _: True, len(self.queue)):
+        for served in self.served.values():
+            for job in served.take_all():
                 job.fail(Code.SHUTTING_DOWN, "the server stopped before the job started")
-        for worker in self.workers:
-            await worker.stop()
+        for served in self.served.values():
+            await served.stop()
         self._checks.shutdown(wait=False, cancel_futures=True)
 
-    def unsupported(self, tool: Tool) -> str | None:
-        return capabilities.unsupported(tool, self.model) if self.model is not None else None
+    def model_names(self) -> list[str]:
+        return list(self.served)
+
+    def models(self) -> list[ModelInfo]:
+        return [served.info(served is self.default) for served in self.served.values()]
+
+    def _served(self, name: str | None) -> ServedModel:
+        return self.served[name] if name is not None else self.default
+
+    def unsupported(self, tool: Tool, model: str | None = None) -> str | None:
+        return self._served(model).unsupported(tool)
 
     @property
     def tools_version(self) -> object:
-        return (id(self._tools), id(self.model))
+        return (id(self._tools), *(id(s.model) for s in self.served.values()))
 
     async def check(self, tool: Tool, params: Any) -> None:
         if tool.check is None:
             return
-        if self.model is None:
+        model = self._served(getattr(params, "model", None)).model
+        if model is None:
             raise self.not_ready_error()
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._checks, tool.check, self.model, params)
+        await loop.run_in_executor(self._checks, tool.check, model, params)
+
+    def ready_for(self, model: str | None) -> bool:
+        return self._served(model).ready and self.device_failed is None
 
     async def submit(self, job: Job) -> None:
-        if not self.ready or self.queue is None:
+        served = self._served(job.model)
+        if not self.ready_for(job.model):
             raise self.not_ready_error()
-        self.queue.put(job, retry_after=self._eta(len(self.queue) + 1))
+        served.queue.put(job, retry_after=served.eta(len(served.queue) + 1))
 
     def cancel(self, job: Job) -> None:
         job.cancel()
-        if self.queue is not None and self.queue.remove(job):
+        if self._served(job.model).queue.remove(job):
             job.fail(Code.CANCELLED, "the job was cancelled while queued")
 
     @property
     def in_flight(self) -> int:
-        return (len(self.queue) if self.queue is not None else 0) + sum(len(w.running) for w in self.workers)
+        return sum(s.in_flight for s in self.served.values())
 
     def batch_size_counts(self) -> list[Mapping[int, int]]:
-        return [w.batch_sizes for w in self.workers]
+        return [w.batch_sizes for s in self.served.values() for w in s.workers]
 
     def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"backend": "local", "model": self.model.name if self.model else self.spec.name}
-        if self.model is not None:
-            info["kind"] = self.model.kind.value
-            info["capabilities"] = sorted(c.value for c in self.model.capabilities)
-            if self.model.has(Capability.MASKED_LM) and self.model.mask_token_id is not None:
-                info["mask_token"] = self.model.token_text(self.model.mask_token_id)
-            info["device"] = ",".join(str(w.model.device) for w in self.workers) or str(self.model.device)
-            info["dtype"] = str(self.model.dtype).removeprefix("torch.")
-            info["context_length"] = self.model.context_length
-        if self.queue is not None:
-            info["queued"] = len(self.queue)
-        info["running"] = sum(len(w.running) for w in self.workers)
+        info: dict[str, Any] = {"backend": "local", **self.default.describe()}
+        if len(self.served) > 1:
+            info["models"] = list(self.served)
+        info["queued"] = sum(len(s.queue) for s in self.served.values())
+        info["running"] = sum(s.running for s in self.served.values())
         info["max_batch_size"] = self.max_batch_size
         if self.sae_specs:
             info["saes"] = [f"{s.name} (layer {s.layer}, {s.n_features} features, {s.activation})" for s in self.sae_specs]
         return info
 
-    def _eta(self, position: int) -> float | None:
-        """Seconds until a job at `position` starts, from the workers' mean run time."""
-        means = [w.mean_run_s for w in self.workers if w.mean_run_s is not None]
-        if not means:
-            return None
-        return position * (sum(means) / len(means)) / len(self.workers)
+
+def _listed(value: str | list[str] | None) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or [])
 
 
 def from_settings(settings: Settings, **kwargs: Any) -> LocalBackend:
@@ -267,6 +258,7 @@ def from_settings(settings: Settings, **kwargs: Any) -> LocalBackend:
         tools,
         model=settings.model,
         model_loader=settings.model_loader,
+        model_devices=settings.model_devices,
         trust_remote_code=settings.trust_remote_code,
         device=settings.device,
         devices=settings.devices,

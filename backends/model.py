@@ -16,9 +16,10 @@ import hashlib
 import importlib.metadata
 import logging
 import os
+import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import platformdirs
@@ -37,11 +38,76 @@ class ModelError(Exception):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Where a model comes from: a GGUF file to convert, or a folder or hub id to load."""
+    """Where a model comes from: a GGUF file to convert, a folder or hub id to load, or a
+    loader (`module:function`, given `source`); `name` is what requests call it by."""
 
     name: str
     source: str
     gguf: Path | None = None
+    loader: str | None = None
+    devices: tuple[str, ...] = ()  # empty: the backend's --device/--devices
+
+
+# What a served model may be called: a hub id's "org/name" and version suffixes included.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]{0,127}")
+
+
+def _named(entry: str, flag: str) -> tuple[str | None, str]:
+    """`NAME=VALUE` as (NAME, VALUE); an entry without a valid name before `=` as (None, entry)."""
+    name, sep, value = entry.partition("=")
+    if sep and _MODEL_NAME.fullmatch(name) and not Path(entry).expanduser().exists():
+        if not value:
+            raise ModelError(f"{flag} {entry}: nothing after `{name}=`")
+        return name, value
+    return None, entry
+
+
+def specs(models: list[str], loaders: list[str] = (), devices: list[str] = ()) -> list[ModelSpec]:  # type: ignore[assignment]
+    """The models `--model [NAME=]SOURCE`, `--model-loader [NAME=]module:function` and
+    `--model-devices NAME=cuda:0,cuda:1` (each repeatable) ask for, the default first.
+
+    A model without a NAME is called by its folder's or file's name. A loader without
+    one loads the first model (or, with no --model, a model named after the loader),
+    and is given that model's SOURCE as written: a loader's source need not be a checkpoint.
+    """
+    entries = [_named(entry, "--model") for entry in models]
+    by_loader: dict[str | None, str] = {}
+    for entry in loaders:
+        name, loader = _named(entry, "--model-loader")
+        if ":" not in loader:
+            raise ModelError(f"--model-loader {entry}: expected module:function")
+        if name is None and None in by_loader:
+            raise ModelError("--model-loader: name the models of every loader after the first: --model-loader NAME=module:function")
+        by_loader[name] = loader
+    if not entries and None in by_loader:
+        entries = [(None, "")]
+    named: dict[str, ModelSpec] = {}
+
+    def add(spec: ModelSpec, entry: str) -> None:
+        if spec.name in named:
+            raise ModelError(f"--model {entry}: two models are called {spec.name!r}; name them: --model NAME=SOURCE")
+        named[spec.name] = spec
+
+    for i, (name, source) in enumerate(entries or [(None, None)]):
+        loader = by_loader.pop(name, None) if name is not None else None
+        if loader is None and i == 0 and None in by_loader:
+            loader = by_loader.pop(None)
+        if loader is not None:
+            add(ModelSpec(name or (Path(source).name if source else loader), source or "", loader=loader), source or loader)
+        else:
+            spec = resolve(source)
+            add(replace(spec, name=name or spec.name), source or DEFAULT_MODEL)
+    for name, loader in by_loader.items():  # a loader with a model of its own, no --model for it
+        add(ModelSpec(str(name), "", loader=loader), loader)
+    for entry in devices:
+        name, listed = _named(entry, "--model-devices")
+        if name is None or name not in named:
+            raise ModelError(f"--model-devices {entry}: expected NAME=DEVICE[,DEVICE], NAME one of {', '.join(named)}")
+        named[name] = replace(named[name], devices=tuple(d.strip() for d in listed.split(",") if d.strip()))
+    for name in named:
+        if not _MODEL_NAME.fullmatch(name):
+            raise ModelError(f"model name {name!r}: use letters, digits and . _ : / + - (at most 128): --model NAME=SOURCE")
+    return list(named.values())
 
 
 def default_gguf() -> Path:
@@ -172,9 +238,10 @@ def load(
 
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)
+    loader = loader or spec.loader
     if loader is not None:
         try:
-            return custom.load(loader, spec.source if spec.source != DEFAULT_MODEL else None, device, torch_dtype)
+            return custom.load(loader, spec.source or None, device, torch_dtype)
         except custom.LoaderError as exc:
             raise ModelError(str(exc)) from None
     source = spec.source

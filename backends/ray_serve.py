@@ -43,14 +43,14 @@ from typing import Any
 
 import msgspec
 
-from backends.base import Backend
+from backends.base import Relaying
 from backends.frames import failure, relay
-from backends.remote import as_json, remote_tool
+from backends.remote import as_json
 from gateway import params as params_mod
 from gateway.config import Settings
 from gateway.errors import ApiError
 from gateway.jobs import Job
-from gateway.protocol import Code, ErrorInfo, EventType, RemoteFrame, RemoteKind, Status, ToolInfo, encode, remote_frame
+from gateway.protocol import Code, ErrorInfo, EventType, ModelInfo, RemoteFrame, RemoteKind, Status, ToolInfo, encode, remote_frame
 from gateway.tools.base import Tool
 
 log = logging.getLogger("streamgate.ray")
@@ -162,19 +162,22 @@ class Replica:
     async def tools(self) -> bytes:
         return encode(params_mod.describe(self.backend.tools.values(), self.limits, self.backend.unsupported))
 
+    async def models(self) -> bytes:
+        return encode(self.backend.models())
+
     async def stats(self) -> dict[str, Any]:
         """This replica's name, its jobs queued and in flight, and its batch sizes so far."""
         sizes: dict[int, int] = {}
         for counts in self.backend.batch_size_counts():
             for size, n in counts.items():
                 sizes[size] = sizes.get(size, 0) + n
-        queued = len(self.backend.queue or ())
+        queued = sum(len(served.queue) for served in self.backend.served.values())
         return {"replica": self.name, "queued": queued, "jobs": self.backend.in_flight, "batch_sizes": sizes}
 
     async def run(self, tool_name: str, params: bytes, job_id: str) -> AsyncIterator[bytes]:
         try:
             tool = self.backend.tool(tool_name)
-            decoded = params_mod.decode_body(tool, params)
+            decoded = params_mod.on_model(params_mod.decode_body(tool, params), self.backend.resolve_model)
             await self.backend.admit(tool, decoded, self.limits)
             job = Job(tool.name, decoded, job_id=job_id)
             await self.backend.submit(job)
@@ -200,13 +203,12 @@ class Replica:
 # -- the gateway's side -----------------------------------------------------------------
 
 
-class RayBackend(Backend):
+class RayBackend(Relaying):
     """Runs jobs on the replicas of the `streamgate` Serve application."""
 
     def __init__(self, settings: Settings) -> None:
+        super().__init__()
         self.settings = settings
-        self._tools: dict[str, Tool] = {}
-        self._tool_infos: list[ToolInfo] = []
         self._handle: Any = None
         self._replicas: dict[str, int] = {}  # replicas in each state (RUNNING, STARTING, …), from Serve
         self._load: list[dict[str, Any]] = []  # each live replica's last report
@@ -219,15 +221,6 @@ class RayBackend(Backend):
         self._joined_ray = False  # this process called ray.init: it shuts Ray down (or leaves the cluster)
 
     # -- what the gateway asks -----------------------------------------------------
-
-    @property
-    def tools(self) -> Mapping[str, Tool]:
-        return self._tools
-
-    def tool(self, name: str) -> Tool:
-        if not self._tools:
-            raise self.not_ready_error()
-        return super().tool(name)
 
     @property
     def ready(self) -> bool:
@@ -288,7 +281,12 @@ class RayBackend(Backend):
                 self._load = await board.read.remote(3 * POLL_S)
                 if not self._tools and self._replicas.get("RUNNING"):
                     infos = msgspec.json.decode(await self._handle.tools.remote(), type=list[ToolInfo])
-                    self._tools = {info.name: remote_tool(info) for info in infos}
+                    # Every replica serves every model: queue figures are one replica's, not kept.
+                    models = [
+                        msgspec.structs.replace(m, queued=0, running=0)
+                        for m in msgspec.json.decode(await self._handle.models.remote(), type=list[ModelInfo])
+                    ]
+                    self.learn(infos, models)
             except Exception as exc:  # noqa: BLE001 - Ray's errors are many; say it and try again
                 self._problem = f"cannot read the Serve application's state: {exc}"
                 log.warning("%s", self._problem)

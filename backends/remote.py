@@ -33,7 +33,6 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -42,9 +41,8 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
-from backends.base import Backend
+from backends.base import Relaying
 from backends.frames import failure, relay
-from backends.schema_structs import struct_from_schema
 from gateway.encoding import from_msgpack, to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
@@ -52,6 +50,8 @@ from gateway.logs import forward_request_id
 from gateway.protocol import (
     Code,
     ErrorBody,
+    ModelInfo,
+    ModelList,
     RemoteFrame,
     RemoteKind,
     Resume,
@@ -60,7 +60,7 @@ from gateway.protocol import (
     ToolInfo,
     encode,
 )
-from gateway.tools.base import Model, Tool
+from gateway.tools.base import Tool
 
 log = logging.getLogger("streamgate.remote")
 
@@ -145,6 +145,7 @@ class Link:
         )
         self.jobs: dict[str, RemoteJob] = {}
         self.tools: list[ToolInfo] = []
+        self.models: list[ModelInfo] = []
         self.healthy = False
         self.connected = False
         self.epoch = 0
@@ -198,7 +199,10 @@ class Link:
                     # would still answer its tools' runs with not_ready.
                     listed = await self.http.get("/tools", timeout=5.0)
                     listed.raise_for_status()
+                    served = await self.http.get("/models", timeout=5.0)
+                    served.raise_for_status()
                     self.tools = msgspec.json.decode(listed.content, type=list[ToolInfo])
+                    self.models = msgspec.json.decode(served.content, type=ModelList).models
                     self._on_tools()
                 self.healthy = healthy
             except (httpx.HTTPError, ValueError, msgspec.DecodeError) as exc:
@@ -402,23 +406,7 @@ def _relayed(response: httpx.Response, url: str) -> ApiError:
     )
 
 
-def _remote_only(model: Model, params: Any, ctx: Any) -> Any:
-    raise RuntimeError("this tool runs on an executor")
-
-
-def remote_tool(info: ToolInfo) -> Tool:
-    """A tool known from an executor's `GET /tools`: validation from its schema, no code."""
-    return Tool(
-        name=info.name,
-        description=info.description,
-        params=struct_from_schema(info.params_schema, f"{info.name}_params"),
-        result=object,
-        run=_remote_only,
-        info=info,
-    )
-
-
-class RemoteBackend(Backend):
+class RemoteBackend(Relaying):
     """Runs jobs on one or more executors; new jobs go to the least-loaded ready one."""
 
     def __init__(
@@ -431,36 +419,38 @@ class RemoteBackend(Backend):
     ) -> None:
         if not executors:
             raise ValueError("the remote backend needs at least one --executor URL")
+        super().__init__()
         self.links = [
             Link(url, token=token, deadline=deadline, poll_interval=poll_interval, on_tools=self._learn_tools)
             for url in executors
         ]
-        self._tools: dict[str, Tool] = {}
-
-    @property
-    def tools(self) -> Mapping[str, Tool]:
-        return self._tools
-
-    def tool(self, name: str) -> Tool:
-        if not self._tools:
-            # No executor has told us what it serves: the gateway is not ready, the tool not unknown.
-            raise self.not_ready_error()
-        return super().tool(name)
 
     @property
     def in_flight(self) -> int:
         return sum(link.load for link in self.links)
 
     def _learn_tools(self) -> None:
-        learned: dict[str, Tool] = {}
+        # The executors in the order given: the first one's default model is the gateway's.
+        models: dict[str, ModelInfo] = {}
         for link in self.links:
-            for info in link.tools:
-                known = self._tools.get(info.name)
-                if info.name in learned:
-                    continue
-                learned[info.name] = known if known is not None and known.info == info else remote_tool(info)
-        if learned.keys() != self._tools.keys() or any(learned[n] is not self._tools.get(n) for n in learned):
-            self._tools = learned
+            for info in link.models:
+                if info.name not in models:
+                    # Queue figures are the executor's at that moment, of every gateway's jobs: not kept.
+                    models[info.name] = msgspec.structs.replace(info, default=not models, queued=0, running=0)
+        self.learn((info for link in self.links for info in link.tools), list(models.values()))
+
+    def _serving(self, model: str | None) -> list[Link]:
+        return [link for link in self.links if link.ready and (model is None or any(m.name == model for m in link.models))]
+
+    def ready_for(self, model: str | None) -> bool:
+        return bool(self._serving(model))
+
+    def models(self) -> list[ModelInfo]:
+        served = []
+        for model in self._models:
+            ready = self.ready_for(model.name)
+            served.append(msgspec.structs.replace(model, ready=ready, problem=None if ready else "no executor serving it is ready"))
+        return served
 
     @property
     def ready(self) -> bool:
@@ -487,7 +477,7 @@ class RemoteBackend(Backend):
     async def submit(self, job: Job) -> None:
         tool = self.tool(job.tool)
         candidates = sorted(
-            (link for link in self.links if link.ready and any(t.name == tool.name for t in link.tools)),
+            (link for link in self._serving(job.model) if any(t.name == tool.name for t in link.tools)),
             key=lambda link: link.load,
         )
         for link in candidates:

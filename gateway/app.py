@@ -158,13 +158,13 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             params = params_mod.decode_body(tool, body)
         else:
             params = params_mod.decode_query(tool, request.query_params)
+        params = params_mod.on_model(params, backend.resolve_model)
         if (problem := getattr(store, "problem", None)) is not None:  # a shared store that is unreachable
             raise ApiError(Code.STORE_UNAVAILABLE, problem, retry_after=5)
         given = request.headers.get("idempotency-key")
         # Per token: one token cannot attach to another's job by guessing its key.
         key = f"{principal.name if principal else ''}:{given}" if given else None
         job = Job(tool.name, params, owner=principal.name if principal else None)
-        metrics.track(job)
         digest = params_mod.digest(tool.name, params)
         if key and (bound := await store.reserve(key, job.id, digest)) is not None:
             # A key bound before requests were recorded with it (an older replica) has no digest: it attaches.
@@ -178,6 +178,12 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             # The same request again (a client replaying its POST): attach to the job it started.
             after = resumed[1] if resumed is not None and resumed[0] == bound.job_id else 0
             return _resume(await _job(bound.job_id, principal, to_follow=True), slot, after)
+        await start(job, principal, tool, key, digest)
+        return follow(job, slot)
+
+    async def start(job: Job, principal: Principal | None, tool: Tool, key: str | None = None, digest: str = "") -> None:
+        """Admit `job` (per-token limits, the backend's checks) and submit it; on refusal its key is released."""
+        metrics.track(job)
         try:
             release = auth.limits.admit(principal)
         except ApiError:
@@ -185,7 +191,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
                 await store.release(key, job.id)
             raise
         try:
-            await backend.admit(tool, params, limits)
+            await backend.admit(tool, job.params, limits)
             await backend.submit(job)
         except BaseException:
             release()
@@ -195,7 +201,20 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         job.on_end.append(lambda _: release())
         job.idempotency_key, job.request_digest = key, digest
         await store.add(job)
-        return follow(job, slot)
+
+    async def launch(request: Request, tool_name: str, params: Any) -> Job:
+        """Start a job of `tool_name` with `params` (its Struct) for another surface (the OpenAI routes):
+        the same checks, limits, queue, store and metrics as a run of `POST /{tool}/run`."""
+        principal = auth.authenticate(request)
+        tool = backend.tool(tool_name)
+        auth.authorize(principal, tool.name)
+        drain.refuse()
+        params = params_mod.on_model(params, backend.resolve_model)
+        if (problem := getattr(store, "problem", None)) is not None:
+            raise ApiError(Code.STORE_UNAVAILABLE, problem, retry_after=5)
+        job = Job(tool.name, params, owner=principal.name if principal else None)
+        await start(job, principal, tool)
+        return job
 
     async def _job(job_id: str, principal: Principal | None, *, to_follow: bool = False) -> JobHandle:
         job = await store.get(job_id, to_follow=to_follow)
@@ -249,11 +268,20 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     described: list[object] = [None, b""]  # the tools and model last described, and their JSON
 
     async def tools(request: Request) -> Response:
+        """The tools, and which of them the default model (or `?model=NAME`) cannot run."""
+        model = request.query_params.get("model")
+        if model is not None:
+            name = backend.resolve_model(model)
+            info = params_mod.describe(backend.tools.values(), limits, lambda t: backend.unsupported(t, name))
+            return Response(encode(info), media_type="application/json")
         # A remote backend learns its tools after start-up, a local one its model's capabilities: describe each once.
         if described[0] != backend.tools_version:
             info = params_mod.describe(backend.tools.values(), limits, backend.unsupported)
             described[:] = [backend.tools_version, encode(info)]
         return Response(described[1], media_type="application/json")
+
+    async def models(request: Request) -> Response:
+        return Response(encode(backend.model_list()), media_type="application/json")
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -289,12 +317,27 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     from gateway.apidocs import endpoint as api_docs
     from gateway.openapi import endpoint as openapi_json
 
+    from gateway import openai
+
+    compatible = openai.Surface(
+        backend=backend,
+        authenticate=auth.authenticate,
+        launch=launch,
+        cancel=store.cancel,
+        streams=streams,
+        read_body=lambda request: params_mod.read_body(
+            request, settings.max_body_bytes, settings.body_timeout, metrics.client_timeout
+        ),
+        ping_interval=settings.ping_interval,
+        max_tokens=settings.max_tokens,
+    )
     openapi_document = openapi_json(backend, limits, secured=auth.enabled)
     app = Starlette(
         routes=[
             Route("/openapi.json", openapi_document, methods=["GET"]),
             Route("/docs", api_docs(openapi_document), methods=["GET"]),
             Route("/tools", tools, methods=["GET"]),
+            Route("/models", models, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics.endpoint, methods=["GET"]),
@@ -304,6 +347,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             Route("/jobs/{job_id}", cancel_job, methods=["DELETE"]),
             Route("/jobs/{job_id}/events", job_events, methods=["GET"]),
             Route("/auth/ticket", ticket, methods=["POST"]),
+            *openai.routes(compatible),
             Route("/", dashboard, methods=["GET"]),
             Mount("/assets", _Assets(directory=STATIC / "assets", check_dir=False), name="assets"),
         ],

@@ -39,8 +39,9 @@ def main() -> None:
 def _model_options(command: Any) -> Any:
     """The options of a process that loads the model and runs tools: `serve` and `executor`."""
     options = [
-        _option("--model", default=None, help="Local folder, .gguf file or Hugging Face id. Default: the bundled SmolLM2-135M-Instruct."),
-        _option("--model-loader", default=None, help="module:function that loads a custom model (see the README's Models section); --model is passed to it."),
+        _option("--model", multiple=True, help="[NAME=]SOURCE: a local folder, .gguf file or Hugging Face id, served as NAME (default: the folder's or file's name). Repeatable: several models side by side, the first the default; a run picks one with its `model` param. Default: the bundled SmolLM2-135M-Instruct."),
+        _option("--model-loader", multiple=True, help="[NAME=]module:function that loads a custom model (see the README's Models section); the --model of that NAME (without NAME: the first) is passed to it. Repeatable."),
+        _option("--model-devices", multiple=True, help="NAME=DEVICE[,DEVICE]: the devices of one model, instead of --device/--devices (repeatable)."),
         _option("--trust-remote-code", is_flag=True, default=False, help="Run the modelling code a checkpoint ships with it (transformers' trust_remote_code). Only for checkpoints you trust."),
         _option("--device", default=None, help="cuda, cuda:1, mps or cpu. Default: the best available."),
         _option("--devices", default=None, callback=_split_devices, help="Several devices, one worker and model copy each: cuda:0,cuda:1. Default: every GPU, else --device."),
@@ -96,8 +97,8 @@ def _is_loopback(host: str) -> bool:
 
 
 def _settings(options: dict[str, Any]) -> Settings:
-    options["tools"] = list(options.get("tools", ()))
-    options["sae"] = list(options.get("sae", ()))
+    for key in ("tools", "sae", "model", "model_loader", "model_devices"):
+        options[key] = list(options.get(key, ()))
     for key in ("executors", "tokens"):
         if key in options:
             options[key] = list(options[key])
@@ -287,7 +288,9 @@ def _params_from_pairs(pairs: tuple[str, ...]) -> list[tuple[str, str]]:
 
 
 def _client_options(command: Any) -> Any:
-    """The options of a command that talks to a gateway: `run`, `tools` and `chat`."""
+    """The options of a command that talks to a gateway: `run`, `tools`, `models` and `chat`."""
+    if command.__name__ != "models":
+        command = click.option("--model", default=None, help="The served model to use (GET /models). Default: the gateway's default model.")(command)
     command = _option("--token", default=None, help="A client token, sent as Authorization: Bearer (prefer the env var: a command line is visible to other users).")(command)
     return _option("--url", default=DEFAULT_URL, help="The gateway's address.")(command)
 
@@ -296,6 +299,23 @@ def _client(url: str, token: str | None) -> Any:
     from gateway.client import Client
 
     return Client(url, headers={"Authorization": f"Bearer {token}"} if token else None)
+
+
+def _fetch(url: str, token: str | None, call: Any) -> Any:
+    """`call(client)` on a client of the gateway; a refusal exits 2, a gateway out of reach 3."""
+    import httpx
+
+    from gateway.client import HttpError
+
+    try:
+        with _client(url, token) as client:
+            return call(client)
+    except HttpError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except httpx.HTTPError as exc:
+        click.echo(f"error: cannot reach {url}: {exc}", err=True)
+        sys.exit(3)
 
 
 def _printable(text: str) -> str:
@@ -459,7 +479,9 @@ def _terminal_width(stream: Any = None) -> int:
 @click.option("--json", "params_json", default=None, help="All params as one JSON object.")
 @_client_options
 @click.option("--quiet", "-q", is_flag=True, help="Print only the result.")
-def run(tool: str, pairs: tuple[str, ...], params_json: str | None, url: str, token: str | None, quiet: bool) -> None:
+def run(
+    tool: str, pairs: tuple[str, ...], params_json: str | None, model: str | None, url: str, token: str | None, quiet: bool
+) -> None:
     """Run TOOL and print its result as JSON (and, on stderr, a view of it).
 
     KEY=VALUE pairs use the server's query form (repeat a key for a list:
@@ -482,6 +504,11 @@ def run(tool: str, pairs: tuple[str, ...], params_json: str | None, url: str, to
             raise click.UsageError("--json must be a JSON object of params")
     else:
         query = _params_from_pairs(pairs)
+    if model is not None:  # the same as a `model` param, given once
+        if params is not None:
+            params["model"] = model
+        else:
+            query = [(k, v) for k, v in query or [] if k != "model"] + [("model", model)]
 
     shown = _RunView(sys.stderr, _expected_texts(params, query), quiet)
     try:
@@ -544,7 +571,7 @@ def _cancel(client: Any) -> None:
 @_client_options
 def chat(
     message: str | None, system: str | None, max_tokens: int, temperature: float | None, seed: int | None,
-    url: str, token: str | None,
+    model: str | None, url: str, token: str | None,
 ) -> None:
     """Chat with the served model: send MESSAGE, print the reply on stdout as it comes.
 
@@ -555,7 +582,7 @@ def chat(
     """
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system is not None else []
     options: dict[str, Any] = {"max_tokens": max_tokens}
-    options.update({k: v for k, v in (("temperature", temperature), ("seed", seed)) if v is not None})
+    options.update({k: v for k, v in (("temperature", temperature), ("seed", seed), ("model", model)) if v is not None})
     interactive = message is None and sys.stdin.isatty()
     if message is None and not interactive:
         message = sys.stdin.read().strip()
@@ -652,21 +679,10 @@ def _chat_turn(
 @click.argument("tool", required=False)
 @_client_options
 @click.option("--json", "as_json", is_flag=True, help="Print the full descriptions with JSON Schema.")
-def tools(tool: str | None, url: str, token: str | None, as_json: bool) -> None:
-    """List the tools a gateway serves, or describe TOOL: its params, their limits and defaults."""
-    import httpx
-
-    from gateway.client import HttpError
-
-    try:
-        with _client(url, token) as client:
-            listed = client.tools()
-    except HttpError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
-    except httpx.HTTPError as exc:
-        click.echo(f"error: cannot reach {url}: {exc}", err=True)
-        sys.exit(3)
+def tools(tool: str | None, model: str | None, url: str, token: str | None, as_json: bool) -> None:
+    """List the tools a gateway serves, or describe TOOL: its params, their limits and defaults
+    (with --model, whether that model runs it; without, the default model)."""
+    listed = _fetch(url, token, lambda client: client.tools(model))
     if tool is not None:
         entry = next((t for t in listed if t["name"] == tool), None)
         if entry is None:
@@ -693,6 +709,24 @@ def tools(tool: str | None, url: str, token: str | None, as_json: bool) -> None:
         click.echo("\nnot for this model:")
         for t in refused:
             click.echo(f"{t['name']:<{width}}  {t['unsupported']}")
+
+
+@main.command()
+@_client_options
+@click.option("--json", "as_json", is_flag=True, help="Print GET /models as it is.")
+def models(url: str, token: str | None, as_json: bool) -> None:
+    """List the models a gateway serves: kind, context, device, dtype, and the tools each runs."""
+    listed = _fetch(url, token, lambda client: client.models())
+    if as_json:
+        click.echo(json.dumps(listed, indent=2))
+        return
+    for model in listed["models"]:
+        facts = [model.get("kind") or "", f"{model['context_length']} tokens" if model.get("context_length") else "",
+                 model.get("device") or "", model.get("dtype") or ""]
+        state = "" if model["ready"] else f"  (not ready: {model.get('problem')})"
+        click.echo(f"{model['name']}{' (default)' if model['default'] else ''}  {', '.join(f for f in facts if f)}{state}")
+        if model.get("tools"):
+            click.echo(f"  tools: {', '.join(model['tools'])}")
 
 
 def describe_tool(entry: dict[str, Any], width: int = 100) -> str:

@@ -93,8 +93,15 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def tools(self) -> list[dict[str, Any]]:
-        response = self._http.get("/tools")
+    def tools(self, model: str | None = None) -> list[dict[str, Any]]:
+        """`GET /tools`: each tool's schemas, and whether `model` (default: the default model) runs it."""
+        response = self._http.get("/tools", params={"model": model} if model else None)
+        _raise_for_status(response)
+        return response.json()
+
+    def models(self) -> dict[str, Any]:
+        """`GET /models`: `{"default", "models": [{name, kind, context_length, device, dtype, tools, …}]}`."""
+        response = self._http.get("/models")
         _raise_for_status(response)
         return response.json()
 

@@ -8,8 +8,11 @@ import msgspec
 class Settings(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
-    model: str | None = None
-    model_loader: str | None = None  # module:function returning a custom model (gateway/models/custom.py)
+    # [NAME=]SOURCE each; the first is the default model; none: the bundled one (backends/model.py).
+    model: list[str] = msgspec.field(default_factory=list)
+    # [NAME=]module:function each, returning a custom model (gateway/models/custom.py).
+    model_loader: list[str] = msgspec.field(default_factory=list)
+    model_devices: list[str] = msgspec.field(default_factory=list)  # NAME=DEVICE[,DEVICE] each
     trust_remote_code: bool = False
     device: str | None = None
     devices: list[str] = msgspec.field(default_factory=list)

@@ -103,7 +103,7 @@ def _check(ctx: click.Context, option: click.Option, key: str, value: Any, where
     """The value to put in the default map, checked as strictly as the command line would be."""
     assert option.name is not None
     kind = _FIELDS[option.name]
-    if option.multiple and isinstance(value, str):
+    if option.multiple and not isinstance(value, list):
         value = [value]  # one entry needs no array
     elif not option.multiple and typing.get_origin(kind) is list:
         # Flags such as --devices take one comma-separated string; a file may give an array.

@@ -33,15 +33,18 @@ def report(backend: Any, settings: Settings) -> None:
         click.echo(f"backend: ray, address: {settings.ray_address or 'a local Ray instance'}, {sizing}")
         click.echo("dry run: configuration checked, Ray Serve importable; Ray was not contacted")
         return
-    info, tools = _load(backend)
-    click.echo(f"model: {info.get('model')} ({info.get('kind')})")
-    click.echo(f"device: {info.get('device')}")
-    click.echo(f"dtype: {info.get('dtype')}")
-    click.echo(f"context: {info.get('context_length')} tokens")
-    click.echo(f"capabilities: {', '.join(info.get('capabilities', [])) or 'none'}")
-    click.echo(f"tools: {', '.join(name for name, reason in tools.items() if reason is None)}")
-    for name, reason in tools.items():
-        if reason is not None:
+    info, served = _load(backend)
+    for model in served:
+        if len(served) > 1:
+            click.echo(f"[{model.name}]" + (" (the default)" if model.default else ""))
+        click.echo(f"model: {model.name} ({model.kind})")
+        click.echo(f"device: {model.device}")
+        click.echo(f"dtype: {model.dtype}")
+        click.echo(f"context: {model.context_length} tokens")
+        if model.default:
+            click.echo(f"capabilities: {', '.join(info.get('capabilities', [])) or 'none'}")
+        click.echo(f"tools: {', '.join(model.tools)}")
+        for reason in model.unsupported.values():
             click.echo(f"not for this model: {reason}")
     if info.get("saes"):
         click.echo(f"saes: {'; '.join(info['saes'])}")
@@ -50,12 +53,12 @@ def report(backend: Any, settings: Settings) -> None:
     click.echo("dry run: loaded; not serving")
 
 
-def _load(backend: Any) -> tuple[dict[str, Any], dict[str, str | None]]:
-    async def load() -> tuple[dict[str, Any], dict[str, str | None]]:
+def _load(backend: Any) -> tuple[dict[str, Any], list[Any]]:
+    async def load() -> tuple[dict[str, Any], list[Any]]:
         await backend.start()
         try:
             await backend.wait_ready()
-            return backend.describe(), {name: backend.unsupported(t) for name, t in backend.tools.items()}
+            return backend.describe(), backend.models()
         finally:
             await backend.stop()
 

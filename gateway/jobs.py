@@ -76,6 +76,11 @@ class Job:
         self._last_progress = 0.0
         self.set_status(Status.RECEIVED)
 
+    @property
+    def model(self) -> str | None:
+        """The served model the job runs on (every tool's params carry it; see gateway/tools/base.py)."""
+        return getattr(self.params, "model", None)
+
     # -- emitting (event loop only) ------------------------------------------
 
     def _append(self, type: EventType, data: bytes) -> Event | None:
@@ -182,6 +187,7 @@ class Job:
             tool=self.tool,
             status=state,
             created=self.created,
+            model=self.model,
             started=self.started,
             finished=self.finished,
             position=self.position if self.status is Status.QUEUED and terminal is None else None,

@@ -60,21 +60,21 @@ class Metrics:
             collector(registry=self.registry)
         self.jobs = Counter(
             "streamgate_jobs",
-            "Jobs that ended, by tool and outcome (succeeded, failed, cancelled) and error code",
-            ["tool", "outcome", "code"],
+            "Jobs that ended, by tool, model and outcome (succeeded, failed, cancelled) and error code",
+            ["tool", "model", "outcome", "code"],
             registry=self.registry,
         )
         self.queue_wait = Histogram(
             "streamgate_job_queue_wait_seconds",
             "Seconds from a job's creation to its start, observed when it ends",
-            ["tool"],
+            ["tool", "model"],
             buckets=WAIT_BUCKETS,
             registry=self.registry,
         )
         self.run_time = Histogram(
             "streamgate_job_run_seconds",
             "Seconds from a job's start to its end",
-            ["tool"],
+            ["tool", "model"],
             buckets=RUN_BUCKETS,
             registry=self.registry,
         )
@@ -106,10 +106,11 @@ class Metrics:
         else:
             code = _error_code(terminal.data)
             outcome = "cancelled" if code == Code.CANCELLED.value else "failed"
-        self.jobs.labels(job.tool, outcome, code).inc()
+        model = job.model or ""
+        self.jobs.labels(job.tool, model, outcome, code).inc()
         if job.started is not None:
-            self.queue_wait.labels(job.tool).observe(max(0.0, job.started - job.created))
-            self.run_time.labels(job.tool).observe(max(0.0, (job.finished or job.started) - job.started))
+            self.queue_wait.labels(job.tool, model).observe(max(0.0, job.started - job.created))
+            self.run_time.labels(job.tool, model).observe(max(0.0, (job.finished or job.started) - job.started))
 
     def stream_opened(self) -> None:
         self.streams.inc()
@@ -165,10 +166,14 @@ class _BackendState:
             value=1 if backend.ready else 0,
         )
         facts = backend.describe()
-        if "queued" in facts:
-            yield GaugeMetricFamily("streamgate_queue_depth", "Jobs waiting for a worker", value=facts["queued"])
-        if "running" in facts:
-            yield GaugeMetricFamily("streamgate_jobs_running", "Jobs running, batched ones each counted", value=facts["running"])
+        if "queued" in facts:  # the models are in this process: their queues are known
+            queued = GaugeMetricFamily("streamgate_queue_depth", "Jobs waiting for a worker", labels=["model"])
+            running = GaugeMetricFamily("streamgate_jobs_running", "Jobs running, batched ones each counted", labels=["model"])
+            for model in backend.models():
+                queued.add_metric([model.name], model.queued)
+                running.add_metric([model.name], model.running)
+            yield queued
+            yield running
         if "executors" in facts:
             up = GaugeMetricFamily("streamgate_executor_up", "1 when the executor is ready (socket up, /readyz 200), else 0", labels=["executor"])
             jobs = GaugeMetricFamily("streamgate_executor_jobs", "This gateway's jobs in flight on the executor", labels=["executor"])

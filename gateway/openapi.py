@@ -33,7 +33,7 @@ from backends.base import Backend
 from gateway import params as params_mod
 from gateway.errors import STATUS_OF
 from gateway.store import MAX_PAGE, STATES
-from gateway.protocol import ErrorBody, ErrorFrame, JobList, JobSnapshot, LogFrame, StatusFrame, ToolInfo, encode
+from gateway.protocol import ErrorBody, ErrorFrame, JobList, JobSnapshot, LogFrame, ModelList, StatusFrame, ToolInfo, encode
 
 OPENAPI_VERSION = "3.1.1"
 REF = "#/components/schemas/{name}"
@@ -79,7 +79,9 @@ class Ticket(msgspec.Struct):
     expires_in: float
 
 
-PROTOCOL = (StatusFrame, LogFrame, ErrorFrame, ErrorBody, JobSnapshot, JobList, ToolInfo, Health, Readiness, Cancellation, Ticket)
+PROTOCOL = (
+    StatusFrame, LogFrame, ErrorFrame, ErrorBody, JobSnapshot, JobList, ToolInfo, ModelList, Health, Readiness, Cancellation, Ticket,
+)
 
 # What each error status means, from the codes that answer it.
 ERROR_STATUSES = (400, 401, 403, 404, 408, 413, 422, 429, 503)
@@ -365,7 +367,14 @@ def _other_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
         },
         "/tools": {
             "get": op("tools", "The tools, with their params, result and partial schemas",
-                      {"200": json({"type": "array", "items": ref["ToolInfo"]}, "One entry per tool.")}, tags=["discovery"]),
+                      {"200": json({"type": "array", "items": ref["ToolInfo"]}, "One entry per tool."), **errors(404)},
+                      parameters=[{"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
+                                   "description": "Say which tools this served model cannot run (default: the default model)."}],
+                      tags=["discovery"]),
+        },
+        "/models": {
+            "get": op("models", "The models served, the default first: kind, context length, device, dtype, tools",
+                      {"200": json(ref["ModelList"], "Every model served.")}, tags=["discovery"]),
         },
         "/auth/ticket": {
             "post": op("ticket", "A short-lived ticket for GET streams",

@@ -25,7 +25,7 @@ from starlette.requests import Request
 
 from gateway.errors import ApiError, ParamError, from_validation_error
 from gateway.protocol import Code, ToolInfo
-from gateway.tools.base import Tool
+from gateway.tools.base import MODEL_FIELD, Tool
 
 
 async def read_body(
@@ -119,11 +119,17 @@ def decode_query(tool: Tool, query: QueryParams) -> Any:
     """Params from a query string: `params=<JSON>`, or one key per field."""
     keys = [key for key in query.keys() if key not in GATEWAY_QUERY_KEYS]
     if "params" in query and "params" not in _fields(tool):
-        if len(keys) > 1:
+        # `model` may go beside params=<JSON>: the same JSON then runs on whichever model the URL names.
+        if set(keys) - {"params", MODEL_FIELD} or len(query.getlist("params")) > 1:
             raise ApiError(
-                Code.BAD_REQUEST, "give either params=<JSON> or flat keys, not both"
+                Code.BAD_REQUEST, "give either params=<JSON> (and model=, if you like) or flat keys, not both"
             )
-        return decode_body(tool, query["params"].encode(), "the params= value")
+        params = decode_body(tool, query["params"].encode(), "the params= value")
+        if (model := query.get(MODEL_FIELD)) is not None:
+            if getattr(params, MODEL_FIELD, None) not in (None, model):
+                raise ParamError(MODEL_FIELD, "given both in params= and as model=, differently")
+            params = msgspec.structs.replace(params, **{MODEL_FIELD: model})
+        return params
     lists = _list_fields(tool)
     obj: dict[str, Any] = {}
     for key in keys:
@@ -172,6 +178,16 @@ def _struct_in(t: Any) -> Any:
             if found is not None:
                 return found
     return None
+
+
+def on_model(params: Any, resolve: Callable[[str | None], str | None]) -> Any:
+    """`params` with its `model` resolved to a served model's name (`resolve` answers 404 for
+    an unknown one), so that what the job records, routes by and is keyed on never depends
+    on which model was the default."""
+    given = getattr(params, MODEL_FIELD, None)
+    if not hasattr(params, MODEL_FIELD) or (name := resolve(given)) == given:
+        return params
+    return msgspec.structs.replace(params, **{MODEL_FIELD: name})
 
 
 def digest(tool_name: str, params: Any) -> str:

@@ -39,6 +39,7 @@ class Code(str, enum.Enum):
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     UNKNOWN_TOOL = "unknown_tool"
+    UNKNOWN_MODEL = "unknown_model"
     TOO_LARGE = "too_large"
     TOO_LONG = "too_long"
     INVALID_PARAMS = "invalid_params"
@@ -136,6 +137,32 @@ class ToolInfo(msgspec.Struct):
     unsupported: str | None = None
 
 
+class ModelInfo(msgspec.Struct):
+    """One entry of `GET /models`: a served model, what it is, and which tools it runs."""
+
+    name: str
+    default: bool
+    ready: bool
+    # Why it is not ready (still loading, failed to load); null when it is.
+    problem: str | None = None
+    kind: str | None = None
+    context_length: int | None = None
+    device: str | None = None  # its copies' devices, comma-separated
+    dtype: str | None = None
+    tools: list[str] = msgspec.field(default_factory=list)
+    # The tools it cannot run, and why (a run answers 422 unsupported_by_model).
+    unsupported: dict[str, str] = msgspec.field(default_factory=dict)
+    queued: int = 0
+    running: int = 0
+
+
+class ModelList(msgspec.Struct):
+    """`GET /models`: every model served, the default (what a run without `model` gets) first."""
+
+    default: str | None
+    models: list[ModelInfo]
+
+
 class TerminalEvent(msgspec.Struct):
     event: str
     data: msgspec.Raw
@@ -152,6 +179,7 @@ class JobSnapshot(msgspec.Struct, omit_defaults=True):
     tool: str
     status: str
     created: float
+    model: str | None = None
     started: float | None = None
     finished: float | None = None
     position: int | None = None

@@ -190,15 +190,21 @@ class Server:
 
 
 def make_server(
-    model_path: Path | str | None, *, tools: list[Tool] | None = None, ready: bool = True, **settings: Any
+    model_path: Path | str | list[str] | None, *, tools: list[Tool] | None = None, ready: bool = True, **settings: Any
 ) -> Server:
+    """A gateway on the local backend, in this process: one model, or several as ["NAME=SOURCE", …]."""
     # Most tests check that a client leaving ends its job; those about detaching set a grace.
     settings.setdefault("detach_grace", 0)
-    settings_obj = Settings(model=str(model_path) if model_path else None, **settings)
+    for key in ("model_loader", "model_devices"):
+        if isinstance(settings.get(key), str):
+            settings[key] = [settings[key]]
+    models = model_path if isinstance(model_path, list) else [str(model_path)] if model_path else []
+    settings_obj = Settings(model=models, **settings)
     backend = LocalBackend(
         collect(builtin_tools() + (tools or [])),
         model=settings_obj.model,
         model_loader=settings_obj.model_loader,
+        model_devices=settings_obj.model_devices,
         trust_remote_code=settings_obj.trust_remote_code,
         device=None if settings_obj.devices else "cpu",
         queue_size=settings_obj.queue_size,

@@ -96,11 +96,12 @@ def start_serve(
 
 
 def start_executor(
-    model_path: Path | str, log: Path, *, token: str | None = None, port: int | None = None, extra: list[str] | None = None
+    model_path: Path | str | list[str], log: Path, *, token: str | None = None, port: int | None = None, extra: list[str] | None = None
 ) -> ServeProcess:
-    """`streamgate executor` on the tiny model with the test user tools; ready when it returns."""
+    """`streamgate executor` on the tiny model (or on several, as ["NAME=SOURCE", …]) with the test user tools; ready when it returns."""
     port = port or free_port()
-    args = ["--model", str(model_path), "--port", str(port), "--tools", "tests.user_tools",
+    models = model_path if isinstance(model_path, list) else [str(model_path)]
+    args = [*(arg for model in models for arg in ("--model", model)), "--port", str(port), "--tools", "tests.user_tools",
             "--device", "cpu", "--log-level", "warning", *(extra or [])]
     env = clean_env(**({"STREAMGATE_EXECUTOR_TOKEN": token} if token else {}))
     return start_serve(args, env, port, log, command="executor", headers={"Authorization": f"Bearer {token}"} if token else None)

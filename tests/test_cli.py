@@ -79,7 +79,7 @@ def test_tools_lists_builtin_and_user_tools(gateway):
 def test_tools_json_gives_the_schemas(gateway):
     listed = result_of(cli("tools", "--json", "--url", gateway.url))
     by_name = {t["name"]: t for t in listed}
-    assert set(by_name["echo"]["params_schema"]["properties"]) == {"text", "repeat", "delay"}
+    assert set(by_name["echo"]["params_schema"]["properties"]) == {"text", "repeat", "delay", "model"}
     assert by_name["echo"]["params_schema"]["required"] == ["text"]
     assert set(by_name["echo"]["result_schema"]["properties"]) == {"text", "tokens"}
     assert by_name["generate"]["streams_partial"] is True
@@ -137,12 +137,14 @@ def test_tools_tool_resolves_enums_and_says_why_a_model_cannot_run_it(gateway):
     assert embed["pooling"][2].startswith("mean (the default)")
     echo = cli("tools", "echo", "--url", gateway.url).stdout
     assert "streams partial results: no" in echo
-    assert param_blocks(echo) == {
+    blocks = param_blocks(echo)
+    assert blocks.pop("model")[0] == "model = null"  # every tool's: the model to run on
+    assert blocks == {
         "text": ["text (required)", "string"], "repeat": ["repeat = 1", "integer"], "delay": ["delay = 0.0", "number"],
     }
     fill_mask = cli("tools", "fill_mask", "--url", gateway.url).stdout
     assert "runs on this model: no: fill_mask needs what the model" in fill_mask and "a masked-LM head" in fill_mask
-    assert cli("tools", "fail", "--url", gateway.url).stdout.endswith('message = "boom"\n      string\n')
+    assert param_blocks(cli("tools", "fail", "--url", gateway.url).stdout)["message"] == ['message = "boom"', "string"]
 
 
 def test_tools_tool_json_is_its_entry(gateway):

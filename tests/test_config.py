@@ -198,7 +198,7 @@ def test_print_config_toml_shows_values_and_sources_and_reads_back_as_a_config(t
     assert lines["max_batch_size"].endswith("# file")
     assert lines["host"].endswith("# default")
     assert f"# config file: {config}" in result.stdout
-    assert "# model: not set" in result.stdout  # TOML has no null
+    assert "# device: not set" in result.stdout  # TOML has no null
 
     # The output is a config file that gives the same settings back.
     printed = write(tmp_path, result.stdout, "printed.toml")

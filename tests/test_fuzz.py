@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from backends.remote import remote_tool
+from backends.base import remote_tool
 from gateway import openapi
 from gateway.params import describe
 from gateway.protocol import ErrorBody

@@ -360,6 +360,7 @@ def params_for(tool: str, model: str) -> dict[str, Any]:
     return {
         "generate": {"prompts": [text], "max_tokens": 3},
         "loglikelihood": {"prompts": [text], "continuations": [" a"]},
+        "logprobs": {"prompts": [text], "top": 2, "next_token": True},
         "predict": {"prompt": text},
         "logit_lens": {"prompt": text},
         "lens_line": {"prompt": text},
@@ -385,7 +386,7 @@ def test_no_model_makes_any_tool_answer_5xx(servers: dict[str, Server]) -> None:
                 outcomes[model, tool.name] = "refused"
     # Each kind serves what it can: the sweep is not passing by refusing everything.
     assert outcomes["esm_mlm", "fill_mask"] == outcomes["esm_mlm", "embed"] == "data"
-    assert outcomes["llama", "generate"] == outcomes["opt350", "logit_lens"] == "data"
+    assert outcomes["llama", "generate"] == outcomes["opt350", "logit_lens"] == outcomes["hrm", "logprobs"] == "data"
     assert outcomes["custom", "activation_patching"] == outcomes["custom_plain", "generate"] == "data"
 
 

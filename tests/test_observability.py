@@ -58,8 +58,10 @@ def scrape(url: str, headers: dict[str, str] | None = None) -> dict[tuple[str, f
 
 
 def value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
-    """One sample's value; 0 when it is absent (a labelled counter that never moved)."""
-    return samples.get((name, frozenset(labels.items())), 0.0)
+    """The sum of the samples of `name` whose labels include `labels` (as PromQL's `sum(name{labels})`);
+    0 when there are none (a labelled counter that never moved)."""
+    wanted = set(labels.items())
+    return sum(v for (n, have), v in samples.items() if n == name and wanted <= have)
 
 
 def first_running(response: httpx.Response) -> Iterator[str]:

@@ -23,11 +23,12 @@ from ray import serve
 from backends.ray_serve import APP_NAME, NAMESPACE, RayBackend
 from gateway.app import create_app
 from gateway.config import Settings
-from tests.conftest import USER_TOOLS, Server, make_server, run_stream, wait_until
+from tests.conftest import USER_TOOLS, Server, build_tiny_model, make_server, run_stream, wait_until
 from tests.processes import ROOT, clean_env, free_port, start_serve
 from tests.redis_server import redis_server  # noqa: F401
 from tests.test_redis_replicas import Follower, check_log, events_of, read_some
 from tests.test_observability import scrape, value
+from tests.test_tools import Reference, result
 
 pytestmark = pytest.mark.ray
 
@@ -35,10 +36,16 @@ REPLICAS = 2
 
 
 @pytest.fixture(scope="module")
-def ray_gateway(tiny_model_path: Path) -> Iterator[Server]:
+def other_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second model every replica serves beside the tiny one."""
+    return build_tiny_model(tmp_path_factory.mktemp("ray-other"), seed=1, family="gpt2", init=0.2)
+
+
+@pytest.fixture(scope="module")
+def ray_gateway(tiny_model_path: Path, other_model_path: Path) -> Iterator[Server]:
     ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     settings = Settings(
-        model=str(tiny_model_path), backend="ray", ray_replicas=REPLICAS, ray_cpus_per_replica=0.5,
+        model=[str(tiny_model_path), f"other={other_model_path}"], backend="ray", ray_replicas=REPLICAS, ray_cpus_per_replica=0.5,
         tools=[USER_TOOLS], detach_grace=0,
     )
     server = Server(create_app(RayBackend(settings), settings), kind="ray").start()
@@ -195,10 +202,26 @@ def test_a_replica_that_dies_ends_its_jobs_and_is_replaced(ray_gateway: Server) 
                timeout=120, what="Serve to replace the replica")
 
 
+def test_jobs_go_to_the_model_they_name_on_every_replica(ray_gateway: Server, other_model_path: Path, tiny_model_path: Path) -> None:
+    listed = httpx.get(ray_gateway.url + "/models").json()
+    assert listed["default"] == tiny_model_path.name
+    assert [(m["name"], m["kind"], m["ready"]) for m in listed["models"]] == [
+        (tiny_model_path.name, "causal_lm", True), ("other", "causal_lm", True),
+    ]
+    params = {"prompts": ["Hello", "a"], "continuations": [" there", "bc"]}
+    for name, path in ((tiny_model_path.name, tiny_model_path), ("other", other_model_path)):
+        ref = Reference(path)
+        for _ in range(REPLICAS):  # whichever replica takes it
+            got = result(ray_gateway.url, "loglikelihood", {**params, "model": name})["ll"]
+            assert got == pytest.approx([ref.loglikelihood(p, c)[0] for p, c in zip(params["prompts"], params["continuations"])], abs=1e-4)
+    unknown = httpx.post(ray_gateway.url + "/predict/run", json={"prompt": "a", "model": "nope"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_model"
+
+
 def test_gateways_on_redis_share_jobs_that_run_on_ray(ray_gateway: Server, tiny_model_path: Path, redis_server: Any) -> None:
     """Two gateways on one Redis, both attached to the running application: a job started through
     one is resumed through the other, every event once."""
-    settings = Settings(model=str(tiny_model_path), backend="ray", store=redis_server.url, detach_grace=30)
+    settings = Settings(model=[str(tiny_model_path)], backend="ray", store=redis_server.url, detach_grace=30)
     a, b = (Server(create_app(RayBackend(settings), settings), kind="ray").start() for _ in range(2))
     try:
         a.wait_ready(timeout=120)

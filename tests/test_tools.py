@@ -110,6 +110,7 @@ def streamed_text(partials: dict[int, list[dict[str, Any]]], index: int) -> str:
 
 EVERY_TOOL = [
     ("loglikelihood", {"prompts": ["Hello", "a"], "continuations": [" there", "b c"]}),
+    ("logprobs", {"prompts": ["Hello there", "a"], "top": 3, "next_token": True}),
     ("predict", {"prompt": "Hello there", "top_k": 5}),
     ("logit_lens", {"prompt": "Hello there", "top_k": 3}),
     ("lens_line", {"prompt": "Hello there", "token": "e"}),
@@ -117,6 +118,25 @@ EVERY_TOOL = [
     ("activation_patching", {"src_prompt": "The cat", "tgt_prompt": "The dog"}),
     ("embed", {"texts": ["Hello there", "a"]}),
 ]
+
+
+def test_logprobs_are_each_tokens_given_those_before_it(server, ref):
+    texts = ["Hello there", "a", "The quick brown fox"]
+    ids = [ref.encode("caf\u00e9"), [5, 6, 7]]
+    by_text = result(server.url, "logprobs", {"prompts": texts, "top": 4, "next_token": True})["sequences"]
+    by_ids = result(server.url, "logprobs", {"token_ids": ids})["sequences"]
+    for seq, row in zip(by_text + by_ids, [ref.encode(t) for t in texts] + ids):
+        assert seq["token_ids"] == row and seq["logprobs"][0] is None
+        lp = ref.logprobs(row)
+        assert seq["logprobs"][1:] == pytest.approx([lp[t - 1, row[t]].item() for t in range(1, len(row))], abs=1e-4)
+        if "top" in seq:
+            for t, alternatives in enumerate(seq["top"]):
+                best = lp[t].topk(4)
+                assert [a["id"] for a in alternatives] == best.indices.tolist()
+                assert [a["logprob"] for a in alternatives] == pytest.approx(best.values.tolist(), abs=1e-4)
+            assert seq["next_token"]["id"] == int(lp[-1].argmax())
+            assert seq["next_token"]["logprob"] == pytest.approx(lp[-1].max().item(), abs=1e-4)
+    assert "top" not in by_ids[0] and "next_token" not in by_ids[0]
 
 
 @pytest.mark.parametrize(("tool_name", "params"), EVERY_TOOL, ids=[t for t, _ in EVERY_TOOL])

@@ -29,11 +29,12 @@ def builtin_tools() -> list[Tool]:
     from gateway.tools.generate import generate
     from gateway.tools.logit_lens import lens_grid, lens_line, logit_lens
     from gateway.tools.loglikelihood import loglikelihood
+    from gateway.tools.logprobs import logprobs
     from gateway.tools.predict import predict
     from gateway.tools.pseudo_loglikelihood import pseudo_loglikelihood
 
     return [
-        generate, loglikelihood, predict, logit_lens, lens_line, lens_grid, activation_patching, embed,
+        generate, loglikelihood, logprobs, predict, logit_lens, lens_line, lens_grid, activation_patching, embed,
         fill_mask, pseudo_loglikelihood,
     ]
 

@@ -30,7 +30,7 @@ import re
 import typing
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import msgspec
 
@@ -108,10 +108,43 @@ class Tool:
             raise ValueError(f"tool name {self.name!r}: use letters, digits, '_' and '-' only")
         if not (isinstance(self.params, type) and issubclass(self.params, msgspec.Struct)):
             raise TypeError(f"tool {self.name!r}: params must be a msgspec.Struct type")
+        if self.info is None:  # a learned tool's schema has the field already
+            object.__setattr__(self, "params", _with_model(self.name, self.params))
 
     @property
     def streams_partial(self) -> bool:
         return self.partial is not None
+
+
+MODEL_FIELD = "model"
+_MODEL = (
+    Annotated[
+        str,
+        msgspec.Meta(min_length=1, description="The served model to run on, by name (GET /models); left out, the default model."),
+    ]
+    | None
+)
+
+
+def _with_model(tool_name: str, params: type[msgspec.Struct]) -> type[msgspec.Struct]:
+    """`params` with the `model` field every tool takes: a subclass of the same name, so the
+    tool's own code and JSON Schema are unchanged but for that one optional field."""
+    if MODEL_FIELD in params.__struct_fields__:
+        if getattr(params, "__streamgate_model__", False) or _is_model_field(params):
+            return params  # the same Struct given to a second tool, or one rebuilt from a published schema
+        raise TypeError(f"tool {tool_name!r}: `{MODEL_FIELD}` is the field every tool takes for the model to run on; rename its own")
+    with_model = msgspec.defstruct(
+        params.__name__, [(MODEL_FIELD, _MODEL, None)], bases=(params,), module=params.__module__
+    )
+    with_model.__doc__ = params.__doc__
+    with_model.__streamgate_model__ = True  # type: ignore[attr-defined]
+    return with_model
+
+
+def _is_model_field(params: type[msgspec.Struct]) -> bool:
+    """True when `params` has a `model` field as every tool's: an optional string, default None."""
+    field = next(f for f in msgspec.structs.fields(params) if f.name == MODEL_FIELD)
+    return field.default is None and typing.get_args(field.type)[-1:] == (type(None),)
 
 
 def tool(

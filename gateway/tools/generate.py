@@ -55,6 +55,10 @@ class GenerateParams(msgspec.Struct, forbid_unknown_fields=True):
             "and the reply to it generated (one completion).",
         ),
     ] | None = None
+    token_ids: Annotated[
+        list[Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1)]],
+        msgspec.Meta(min_length=1, description="Prompts as token ids, completed as they are (nothing added), instead of prompts."),
+    ] | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=1, description="Most tokens to generate per prompt.")] = 16
     temperature: Annotated[
         float, msgspec.Meta(ge=0, le=2, description="0 picks the most likely token (greedy).")
@@ -91,14 +95,17 @@ def inputs(model: Model, params: GenerateParams) -> list[list[int]]:
     """The token ids to complete: one row per prompt, or the conversation rendered for its reply."""
     if params.messages is not None:
         return [model.encode_chat([msgspec.structs.asdict(m) for m in params.messages])]
+    if params.token_ids is not None:
+        return params.token_ids
     return [model.encode(prompt) for prompt in params.prompts or []]
 
 
 def check(model: Model, params: GenerateParams) -> None:
-    if params.prompts is None and params.messages is None:
-        raise ParamError("prompts", "required: prompts (plain text), or messages (a conversation)")
-    if params.prompts is not None and params.messages is not None:
-        raise ParamError("messages", "give prompts (plain text) or messages (a conversation), not both")
+    given = [name for name in ("prompts", "messages", "token_ids") if getattr(params, name) is not None]
+    if not given:
+        raise ParamError("prompts", "required: prompts (plain text), messages (a conversation) or token_ids")
+    if len(given) > 1:
+        raise ParamError(given[1], f"give one of prompts (plain text), messages (a conversation) and token_ids, not {' and '.join(given)}")
     if params.messages is not None:
         capabilities.require(model, Capability.CHAT, "messages")
         try:
@@ -108,6 +115,10 @@ def check(model: Model, params: GenerateParams) -> None:
         model.fit(len(ids) + params.max_tokens, "messages", "messages + max_tokens")
     for i, prompt in enumerate(params.prompts or []):
         model.fit(len(model.encode(prompt)) + params.max_tokens, f"prompts[{i}]", "prompt + max_tokens")
+    for i, ids in enumerate(params.token_ids or []):
+        if (bad := next((t for t in ids if t >= model.vocab_size), None)) is not None:
+            raise ParamError(f"token_ids[{i}]", f"token id {bad} is not below the vocabulary size {model.vocab_size}")
+        model.fit(len(ids) + params.max_tokens, f"token_ids[{i}]", "token_ids + max_tokens")
     if params.top_k is not None and params.top_k > model.vocab_size:
         raise ParamError("top_k", f"must be <= the vocabulary size {model.vocab_size}")
 
@@ -487,7 +498,7 @@ def _left_pad(t: torch.Tensor, n: int, dim: int = -2) -> torch.Tensor:
 @tool(
     partial=GeneratePartial,
     check=check,
-    caps={"prompts": "max_prompts", "max_tokens": "max_tokens"},
+    caps={"prompts": "max_prompts", "token_ids": "max_prompts", "max_tokens": "max_tokens"},
     batch=Generation,
     needs={Capability.NEXT_TOKEN},
 )

@@ -1,7 +1,9 @@
 /**
  * Generates src/generated/types.ts from the gateway's JSON Schemas: each built-in
  * tool's params, result and partial (its `GET /tools` answer; the SAE tools, served
- * with `--sae`, apart as `SaeTools`) and the protocol's frames. `--check` fails instead of writing when the file on disk differs.
+ * with `--sae`, apart as `SaeTools`), the protocol's frames, and the Structs of its other
+ * answers that schemas.py lists beside them (`ToolInfo`, `ModelList` with `ModelInfo`,
+ * `JobSnapshot`). `--check` fails instead of writing when the file on disk differs.
  *
  *   npm run gen:types            # write
  *   npm run gen:types -- --check # CI: the committed file must match

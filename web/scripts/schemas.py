@@ -3,7 +3,9 @@
 `tools` is the gateway's own `GET /tools` answer for the built-in tools and the
 SAE tools (those a gateway serves with `--sae`), asked of the app in-process (no
 model or SAE is loaded); `sae_tools` names the latter; `frames` are the protocol's event
-frames and error body, from the same Structs the gateway encodes them with.
+frames and error body, and the answers of `GET /tools`, `GET /models` (ModelList,
+with ModelInfo under it) and `GET /jobs/{id}`, from the same Structs the gateway
+encodes them with.
 Run with the project's Python: `.venv/bin/python web/scripts/schemas.py`.
 """
 
@@ -24,7 +26,9 @@ from gateway.params import schema
 from gateway.tools import builtin_tools, collect
 from gateway.tools.sae_tools import sae_tools
 
-FRAMES = ["StatusFrame", "LogFrame", "ErrorFrame", "ErrorBody", "ToolInfo", "JobSnapshot"]
+# The protocol's Structs the client reads: the frames and error body, and the `GET /tools`,
+# `GET /models` and `GET /jobs/{id}` answers.
+FRAMES = ["StatusFrame", "LogFrame", "ErrorFrame", "ErrorBody", "ToolInfo", "ModelList", "JobSnapshot"]
 
 
 class ToolsOnly(Backend):

@@ -4,6 +4,7 @@ import type {BuiltinTools, SaeTools} from './generated/types.ts'
 export const EXAMPLES: {[K in keyof BuiltinTools]: BuiltinTools[K]['params']} = {
   generate: {prompts: ['The capital of France is'], max_tokens: 24},
   loglikelihood: {prompts: ['The capital of France is', 'The capital of France is'], continuations: [' Paris', ' London']},
+  logprobs: {prompts: ['The capital of France is Paris'], top: 3, next_token: true},
   predict: {prompt: 'The capital of France is', top_k: 10},
   logit_lens: {prompt: 'The Eiffel Tower is in the city of', top_k: 5},
   lens_line: {prompt: 'The Eiffel Tower is in the city of', stat: 'probability'},

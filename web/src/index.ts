@@ -1,4 +1,5 @@
-export {runAndStream, runTool, type ResumeInfo, type ResumeOptions, type RunOptions} from './run.ts'
+export {runAndStream, runTool, type RequestOptions, type ResumeInfo, type ResumeOptions, type RunOptions} from './run.ts'
+export {listModels} from './models.ts'
 export {JobTracker, parseEventId, type JobEvent, type JobState, type RawEvent} from './job.ts'
 export {
   AbortError,

@@ -38,7 +38,15 @@ export interface RunOptions<P = unknown> {
   onResume?: ((info: ResumeInfo, job: Readonly<JobState>) => void) | undefined
   /** The POST's `Idempotency-Key` (default: a random one for each call). */
   idempotencyKey?: string | undefined
+  /**
+   * The served model to run on, by name (`listModels`): sent as the params' `model`, which every
+   * tool takes, in place of one they hold. Left out: the params' own, else the gateway's default model.
+   */
+  model?: string | undefined
 }
+
+/** What a plain request to the gateway (`listModels`) takes of `RunOptions`. */
+export type RequestOptions = Pick<RunOptions, 'signal' | 'headers' | 'fetch'>
 
 export interface ResumeOptions {
   /** Reconnects in a row, with no event received in between, before giving up (default 5). */
@@ -75,7 +83,7 @@ export async function runAndStream<T = unknown, P = unknown>(
 ): Promise<T> {
   const doFetch = options.fetch ?? globalThis.fetch
   const target = resolve(url)
-  const body = JSON.stringify(params)
+  const body = JSON.stringify(withModel(params, options.model))
   const key = options.idempotencyKey ?? randomKey()
   const given: ResumeOptions = options.resume === false ? {tries: 0} : (options.resume ?? {})
   const resume = {
@@ -267,9 +275,23 @@ export function runTool<K extends keyof Tools>(
   params: Tools[K]['params'],
   options: RunOptions<Tools[K]['partial']> = {},
 ): Promise<Tools[K]['result']> {
+  return runAndStream(gatewayUrl(baseUrl, `${encodeURIComponent(tool)}/run`), params, options)
+}
+
+/** `path` under a gateway's base URL (`http://host/prefix` and `http://host/prefix/` alike). */
+export function gatewayUrl(baseUrl: string | URL, path: string): URL {
   const base = resolve(baseUrl)
   if (!base.pathname.endsWith('/')) base.pathname += '/'
-  return runAndStream(new URL(`${encodeURIComponent(tool)}/run`, base), params, options)
+  return new URL(path, base)
+}
+
+/** `params` with `model` set, for the `model` option: every tool's params are an object that takes one. */
+function withModel(params: unknown, model: string | undefined): unknown {
+  if (model === undefined) return params
+  if (typeof params !== 'object' || params === null || Array.isArray(params)) {
+    throw new TypeError(`the model option needs params that are an object, not ${Array.isArray(params) ? 'an array' : String(params)}`)
+  }
+  return {...params, model}
 }
 
 function resolve(url: string | URL): URL {

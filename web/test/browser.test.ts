@@ -209,6 +209,9 @@ describe('the dashboard', () => {
     assert.deepEqual(tools.filter((t) => t.unsupported).map((t) => t.name), ['fill_mask', 'pseudo_loglikelihood'])
     assert.deepEqual(await page.locator('#tool option').allInnerTexts(), runnable)
     assert.deepEqual(await page.locator('#unsupported summary code').allInnerTexts(), ['fill_mask', 'pseudo_loglikelihood'])
+    // One model served: no model picker, and no form has a field for the `model` every tool takes.
+    assert.ok(await page.locator('#model-picker').isHidden())
+    assert.equal(await page.locator('#form [data-field=model]').count(), 0)
     for (const tool of runnable) {
       const selector = DRAWN[tool as keyof typeof DRAWN]
       await pick(page, tool)
@@ -218,6 +221,8 @@ describe('the dashboard', () => {
       assert.ok((await job.locator(selector).count()) > 0, `${tool}: nothing matches ${selector}`)
     }
     assert.equal(await page.locator('article.job[data-state=done]').count(), runnable.length)
+    // … and the runs name no model: the gateway's only one runs them.
+    assert.equal(await page.locator('article.job .job-model').count(), 0)
     assert.equal(await page.locator('article.job[data-tool=predict] .result .bar-row').count(), EXAMPLES.predict.top_k)
     await shot(page, 'every-tool')
     assert.deepEqual(pageErrors(page), [])

@@ -212,10 +212,18 @@ function field(name: string, node: Schema, root: Schema, required: boolean, init
   return {name, row, read, write, error}
 }
 
+/**
+ * The param every tool takes for the model to run on (the gateway refuses a tool's own field of
+ * that name): the model picker's, not a field of each form.
+ */
+const MODEL_PARAM = 'model'
+
 export function buildForm(tool: ToolInfo, initial: Record<string, unknown>): ToolForm {
   const root = tool.params_schema as Schema
   const required = new Set(Array.isArray(root.required) ? (root.required as string[]) : [])
-  const fields = Object.entries(obj(root.properties)).map(([name, node]) => field(name, obj(node), root, required.has(name), initial[name]))
+  const fields = Object.entries(obj(root.properties))
+    .filter(([name]) => name !== MODEL_PARAM)
+    .map(([name, node]) => field(name, obj(node), root, required.has(name), initial[name]))
   let omitted = new Set<string>()
   const fromFields = () => {
     const params: Record<string, unknown> = {}

@@ -81,7 +81,19 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
   const card = h(
     'article',
     {class: 'job', 'data-tool': tool.name, 'data-state': 'running'},
-    h('header', {}, h('strong', {}, tool.name), jobId, badge, elapsed, h('span', {class: 'spacer'}), cancel, remove),
+    h(
+      'header',
+      {},
+      h('strong', {}, tool.name),
+      // Named only where the page picks among several models.
+      typeof params.model === 'string' ? h('span', {class: 'job-model muted', title: 'model'}, params.model) : null,
+      jobId,
+      badge,
+      elapsed,
+      h('span', {class: 'spacer'}),
+      cancel,
+      remove,
+    ),
     timeline,
     queue,
     progress,

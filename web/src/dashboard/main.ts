@@ -1,42 +1,56 @@
 /** The dashboard: pick a tool, fill its generated form, run it, and watch each job stream. */
 import {EXAMPLES, SAE_EXAMPLES} from '../examples.ts'
-import type {ToolInfo} from '../generated/types.ts'
+import type {ModelInfo, ToolInfo} from '../generated/types.ts'
 import {h} from './dom.ts'
 import {Chat, CHAT_INPUTS, takesMessages} from './chat.ts'
 import {parseExact, stringifyExact} from './exact.ts'
 import {buildForm, FieldError, type ToolForm} from './form.ts'
 import {startJob, type JobHooks} from './jobs.ts'
 import {Login} from './login.ts'
+import {ModelPicker, readHash, writeHash} from './models.ts'
 import './style.css'
 
 const base = new URL('.', location.href)
 const $ = <T extends HTMLElement>(selector: string) => document.querySelector(selector) as T
 
-/** The model line at the top; `onReady` runs when a gateway that was not ready (its model loading) becomes ready. */
-async function readiness(onReady: () => void, waited = false): Promise<void> {
+/** `GET /readyz`, as the model line reads it (for a gateway of several models it describes the default). */
+interface Ready {
+  ready: boolean
+  model?: string
+  kind?: string
+  capabilities?: string[]
+  device?: string
+  dtype?: string
+  reason?: string
+}
+
+/** The model line at the top: the picked model where there is a choice, else what `/readyz` says of the one served; null: unreachable. */
+function drawModelLine(body: Ready | null, picked: ModelInfo | undefined): void {
   const line = $<HTMLElement>('#model')
-  const again = (ms: number) => setTimeout(() => void readiness(onReady, true), ms)
+  if (!body) {
+    line.textContent = 'the gateway cannot be reached'
+    line.classList.add('warn')
+    return
+  }
+  const facts = picked ? [picked.name, picked.kind, picked.device, picked.dtype] : [body.model, body.kind, body.device, body.dtype]
+  line.textContent = body.ready ? facts.filter(Boolean).join(' · ') : `not ready: ${body.reason ?? ''}`
+  line.title = !picked && body.capabilities?.length ? `capabilities: ${body.capabilities.join(', ')}` : ''
+  line.classList.toggle('warn', !body.ready)
+}
+
+/**
+ * Ask `/readyz` until the gateway is ready, drawing the model line with `draw`; `onReady` runs
+ * when a gateway that was not ready (its models loading) becomes ready.
+ */
+async function readiness(draw: (body: Ready | null) => void, onReady: () => void, waited = false): Promise<void> {
+  const again = (ms: number) => setTimeout(() => void readiness(draw, onReady, true), ms)
   try {
-    const response = await fetch(new URL('readyz', base))
-    const body = (await response.json()) as {
-      ready: boolean
-      model?: string
-      kind?: string
-      capabilities?: string[]
-      device?: string
-      dtype?: string
-      reason?: string
-    }
-    line.textContent = body.ready
-      ? [body.model, body.kind, body.device, body.dtype].filter(Boolean).join(' · ')
-      : `not ready: ${body.reason ?? ''}`
-    line.title = body.capabilities?.length ? `capabilities: ${body.capabilities.join(', ')}` : ''
-    line.classList.toggle('warn', !body.ready)
+    const body = (await (await fetch(new URL('readyz', base))).json()) as Ready
+    draw(body)
     if (!body.ready) again(2000)
     else if (waited) onReady()
   } catch {
-    line.textContent = 'the gateway cannot be reached'
-    line.classList.add('warn')
+    draw(null)
     again(5000)
   }
 }
@@ -68,12 +82,17 @@ const saved = {
   },
 }
 
-/** `GET /tools` as text: parsed with every integer exact, and kept as it came for the next load. */
-async function fetchTools(): Promise<string> {
-  const response = await fetch(new URL('tools', base))
+/** `GET /tools` (for `model`, or the only one) as text: parsed with every integer exact, and kept as it came for the next load. */
+async function fetchTools(model: string | undefined): Promise<string> {
+  const url = new URL('tools', base)
+  if (model !== undefined) url.searchParams.set('model', model)
+  const response = await fetch(url)
   if (!response.ok) throw new Error(`GET /tools answered ${response.status}`)
   return response.text()
 }
+
+/** Where a tool list is kept between visits: one per model picked. */
+const toolsKey = (model: string | undefined) => (model === undefined ? 'tools' : `tools@${model}`)
 
 /** A `GET /tools` answer, split: the tools the served model can run, and those it cannot (`unsupported` holds why). */
 function splitTools(text: string): {runnable: ToolInfo[]; unsupported: ToolInfo[]} {
@@ -103,15 +122,27 @@ async function main(): Promise<void> {
   const toolsState = $<HTMLElement>('#tools-state')
   const formError = $<HTMLElement>('#form-error')
   const login = new Login(base, $<HTMLFormElement>('#login'))
+  const asked = readHash(location.hash)
+  /** The last `/readyz` answer: null when the gateway could not be reached, undefined before the first. */
+  let ready: Ready | null | undefined
+  const drawLine = () => ready !== undefined && drawModelLine(ready, models.picked)
+  const models = new ModelPicker(base, $<HTMLElement>('#model-picker'), $<HTMLSelectElement>('#model-select'), saved, asked.model, () => {
+    drawLine()
+    void list()
+  })
 
   let tools: ToolInfo[] = []
   /** The tool asked for: by the URL, or the last one chosen here; a list that lacks it leaves it asked for. */
-  let chosen = decodeURIComponent(location.hash.slice(1)) || saved.get('tool') || ''
+  let chosen = asked.tool || saved.get('tool') || ''
   const views = new Map<string, ToolView>()
   const current = (): ToolInfo | undefined => tools.find((t) => t.name === picker.value) ?? tools[0]
 
   /** Run `tool` with `params`: a new job card on top of the others. */
-  const launch = (tool: ToolInfo, toolForm: ToolForm, params: Record<string, unknown>, hooks: Partial<JobHooks> = {}, reveal = true) => {
+  const launch = (tool: ToolInfo, toolForm: ToolForm, given: Record<string, unknown>, hooks: Partial<JobHooks> = {}, reveal = true) => {
+    // The picked model goes with the params (in the JSON of the GET the EventSource opens); a
+    // `model` written in the JSON view is the user's own choice, and stays.
+    const model = models.value
+    const params = model === undefined || 'model' in given ? given : {...given, model}
     const card = startJob(base, login, tool, params, {
       onRefused: (field, message) => {
         if (current()?.name === tool.name) toolForm.showError(field, message)
@@ -169,13 +200,14 @@ async function main(): Promise<void> {
       formError.hidden = true
     }
     runButton.hidden = view.chatting()
-    if (location.hash.slice(1) !== tool.name) history.replaceState(null, '', `#${tool.name}`)
+    const hash = writeHash(tool.name, models.value)
+    if (location.hash !== hash) history.replaceState(null, '', hash)
   }
   /**
    * Fill the picker with the tools the model can run, showing the one chosen when it is one.
    * `from`: the last answer kept here, or the gateway's own.
    */
-  const offer = (text: string, from: 'saved' | 'gateway') => {
+  const offer = (text: string, from: 'saved' | 'gateway', model: string | undefined) => {
     const {runnable, unsupported} = splitTools(text)
     tools = runnable
     const names = tools.map((t) => t.name)
@@ -187,6 +219,8 @@ async function main(): Promise<void> {
     }
     showUnsupported(unsupportedBox, unsupported)
     form.dataset.tools = from
+    if (model === undefined) delete form.dataset.model
+    else form.dataset.model = model
     toolsState.hidden = true
     show()
   }
@@ -219,29 +253,50 @@ async function main(): Promise<void> {
     launch(tool, toolForm, params)
   })
 
-  // The last answer kept here draws the form at once; the gateway's own answer replaces it when it comes.
-  const kept = saved.get('tools')
+  // The last answer kept here (for the model asked for) draws the form at once; the gateway's own answer replaces it when it comes.
+  const kept = saved.get(toolsKey(models.asked))
   if (kept) {
     try {
-      offer(kept, 'saved')
+      offer(kept, 'saved', undefined)
     } catch {
       // Not a list of tools after all: wait for the gateway's.
     }
   }
-  const list = () =>
-    fetchTools()
-      .then((text) => {
-        offer(text, 'gateway')
-        saved.set('tools', text)
-      })
-      .catch((error: Error) => {
-        formError.textContent = `could not list the tools: ${error.message}`
-        formError.hidden = false
-        toolsState.hidden = true
-      })
-  // While a local model loads, the gateway cannot yet say what it cannot run (nor while it cannot be
-  // reached): list the tools again once it is ready.
-  void readiness(() => void list())
+  /** Bumped by each listing, so that only the answer for the model picked last is drawn. */
+  let listing = 0
+  const list = async () => {
+    const model = models.value
+    const mine = ++listing
+    if (form.dataset.tools === 'gateway' && form.dataset.model !== model) {
+      // Another model picked: its tools are on their way.
+      form.dataset.tools = 'loading'
+      toolsState.textContent = 'loading tools…'
+      toolsState.hidden = false
+      runButton.disabled = true // until the form is the new model's
+    }
+    try {
+      const text = await fetchTools(model)
+      if (mine !== listing) return
+      offer(text, 'gateway', model)
+      saved.set(toolsKey(model), text)
+    } catch (error) {
+      if (mine !== listing) return
+      formError.textContent = `could not list the tools: ${(error as Error).message}`
+      formError.hidden = false
+      toolsState.hidden = true
+    }
+  }
+  // While a local model loads, the gateway cannot yet say what it cannot run, nor the models' kinds
+  // (nor while it cannot be reached): list the models and tools again once it is ready.
+  void readiness(
+    (body) => {
+      ready = body
+      drawLine()
+    },
+    () => void models.load().then(list),
+  )
+  await models.load()
+  drawLine()
   await list()
 }
 

@@ -11,14 +11,16 @@ import type {
   LogitLensResult,
   LoglikelihoodParams,
   LoglikelihoodResult,
+  LogprobsResult,
   PatchingResult,
   PredictResult,
   PseudoLoglikelihoodParams,
   PseudoLoglikelihoodResult,
   SaeTools,
+  TokenLogprob,
   TokenProb,
 } from '../generated/types.ts'
-import {bars, diverging, heatmap, legend, lineChart, scatter, sequential} from './charts.ts'
+import {bars, css, diverging, heatmap, ink, legend, lineChart, scatter, sequential} from './charts.ts'
 import {fmt, h, percent, showToken} from './dom.ts'
 import {cosines, pca2} from './project.ts'
 import {annotateView, clampsLine, featuresView, steerView} from './sae.ts'
@@ -29,6 +31,7 @@ type Views = {[K in keyof Tools]: (result: Tools[K]['result'], params: Tools[K][
 const VIEWS: Views = {
   generate: generateView,
   loglikelihood: loglikelihoodView,
+  logprobs: logprobsView,
   predict: predictView,
   logit_lens: logitLensView,
   lens_line: lensLineView,
@@ -116,6 +119,55 @@ function loglikelihoodView(result: LoglikelihoodResult, params: LoglikelihoodPar
       rows.map(({ll, i}) => ({label: showToken(params.continuations[i] ?? ''), value: Math.exp(ll - Math.max(...result.ll)), text: fmt(ll)})),
       1,
     ),
+  )
+}
+
+/**
+ * Per text: its tokens, each shaded by its probability given those before it (the first has none)
+ * and hovered for its log-probability and the alternatives; the sum, and the greedy next token if asked.
+ */
+function logprobsView(result: LogprobsResult): Node {
+  const alternatives = (top: TokenLogprob[] | null | undefined) =>
+    (top ?? []).map((t, k) => `\n${k + 1}. ${showToken(t.text)}  ${fmt(t.logprob)}`).join('')
+  return h(
+    'div',
+    {class: 'logprobs'},
+    result.sequences.map((seq, i) => {
+      const scored = seq.logprobs.filter((lp): lp is number => lp !== null)
+      const sum = scored.reduce((a, b) => a + b, 0)
+      const next = seq.next_token
+      return h(
+        'section',
+        {class: 'logprob-text', 'data-text': i},
+        h(
+          'p',
+          {class: 'logprob-tokens mono'},
+          seq.tokens.map((token, t) => {
+            const lp = seq.logprobs[t]
+            const fill = lp === null || lp === undefined ? null : sequential(Math.exp(lp))
+            return h(
+              'span',
+              {
+                class: 'logprob-token',
+                'data-position': t,
+                style: fill ? `background: ${css(fill)}; color: ${ink(fill)}` : null,
+                title: `position ${t}: ${showToken(token)} (id ${seq.token_ids[t]})\n${
+                  lp === null || lp === undefined ? 'the first token: nothing before it to score it' : `log p = ${fmt(lp)} (${percent(Math.exp(lp))})`
+                }${t > 0 ? alternatives(seq.top?.[t - 1]) : ''}`,
+              },
+              showToken(token),
+            )
+          }),
+        ),
+        h(
+          'p',
+          {class: 'muted'},
+          `log p = ${fmt(sum)} over ${scored.length} tokens${scored.length ? ` (${fmt(sum / scored.length)} per token)` : ''}`,
+          next ? ['; greedy next token ', h('code', {class: 'next-token', title: alternatives(seq.next_top).trim()}, showToken(next.text)), ` (log p ${fmt(next.logprob)})`] : '',
+        ),
+      )
+    }),
+    legend('probability', sequential, 0, 1, '0', '1'),
   )
 }
 

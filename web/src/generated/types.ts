@@ -35,6 +35,7 @@ export type Code =
   | 'too_long'
   | 'tool_error'
   | 'unauthorized'
+  | 'unknown_model'
   | 'unknown_tool'
   | 'unsupported_by_model'
 
@@ -133,6 +134,38 @@ export interface ToolInfo {
   unsupported?: string | null
 }
 /**
+ * One entry of `GET /models`: a served model, what it is, and which tools it runs.
+ *
+ * This interface was referenced by `Frames`'s JSON-Schema
+ * via the `definition` "ModelInfo".
+ */
+export interface ModelInfo {
+  name: string
+  default: boolean
+  ready: boolean
+  problem?: string | null
+  kind?: string | null
+  context_length?: number | null
+  device?: string | null
+  dtype?: string | null
+  tools?: string[]
+  unsupported?: {
+    [k: string]: string | undefined
+  }
+  queued?: number
+  running?: number
+}
+/**
+ * `GET /models`: every model served, the default (what a run without `model` gets) first.
+ *
+ * This interface was referenced by `Frames`'s JSON-Schema
+ * via the `definition` "ModelList".
+ */
+export interface ModelList {
+  default: string | null
+  models: ModelInfo[]
+}
+/**
  * This interface was referenced by `Frames`'s JSON-Schema
  * via the `definition` "TerminalEvent".
  */
@@ -154,6 +187,7 @@ export interface JobSnapshot {
   tool: string
   status: string
   created: number
+  model?: string | null
   started?: number | null
   finished?: number | null
   position?: number | null
@@ -186,6 +220,11 @@ export interface BuiltinTools {
   loglikelihood: {
     params: LoglikelihoodParams
     result: LoglikelihoodResult
+    partial: null
+  }
+  logprobs: {
+    params: LogprobsParams
+    result: LogprobsResult
     partial: null
   }
   predict: {
@@ -236,6 +275,7 @@ export interface BuiltinTools {
 export interface GenerateParams {
   prompts?: string[] | null
   messages?: ChatMessage[] | null
+  token_ids?: number[][] | null
   /**
    * Most tokens to generate per prompt.
    */
@@ -251,6 +291,7 @@ export interface GenerateParams {
   top_k?: number | null
   seed?: number | null
   stop?: string[] | null
+  model?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -307,6 +348,7 @@ export interface LoglikelihoodParams {
    * @maxItems 32
    */
   continuations: string[]
+  model?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -318,11 +360,60 @@ export interface LoglikelihoodResult {
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "LogprobsParams".
+ */
+export interface LogprobsParams {
+  prompts?: string[] | null
+  token_ids?: number[][] | null
+  /**
+   * The most likely tokens to list at each position.
+   */
+  top?: number
+  /**
+   * Also the greedy token after each text, with its log-probability.
+   */
+  next_token?: boolean
+  model?: string | null
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "LogprobsResult".
+ */
+export interface LogprobsResult {
+  sequences: Scored[]
+}
+/**
+ * One text: its tokens, each token's log-probability given those before it (null for the
+ *     first), the `top` alternatives at each position (from the second), and the next token.
+ *
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "Scored".
+ */
+export interface Scored {
+  token_ids: number[]
+  tokens: string[]
+  logprobs: (number | null)[]
+  top?: TokenLogprob[][] | null
+  next_token?: TokenLogprob | null
+  next_top?: TokenLogprob[] | null
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "TokenLogprob".
+ */
+export interface TokenLogprob {
+  id: number
+  text: string
+  logprob: number
+}
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
  * via the `definition` "PredictParams".
  */
 export interface PredictParams {
   prompt: string
   top_k?: number
+  model?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -354,6 +445,7 @@ export interface LogitLensParams {
   layers?: number[] | null
   positions?: number[] | null
   track?: string[] | null
+  model?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -385,6 +477,7 @@ export interface LensLineParams {
    */
   position?: number
   layers?: number[] | null
+  model?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -409,6 +502,7 @@ export interface LensGridParams {
   stat?: Stat
   layers?: number[] | null
   positions?: number[] | null
+  model?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -440,6 +534,7 @@ export interface PatchingParams {
   tgt_positions?: number[] | null
   target_tokens?: string[] | null
   layers?: number[] | null
+  model?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -481,6 +576,7 @@ export interface EmbedParams {
    */
   normalize?: boolean
   precision?: number | null
+  model?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -509,6 +605,7 @@ export interface FillMaskParams {
    */
   texts: string[]
   top_k?: number
+  model?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -542,6 +639,7 @@ export interface PseudoLoglikelihoodParams {
    * Also return each own token's log-probability with it masked, and the tokens.
    */
   per_position?: boolean
+  model?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -562,6 +660,7 @@ export interface FeaturesParams {
   query?: string | null
   offset?: number
   limit?: number
+  model?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -598,6 +697,7 @@ export interface AnnotateParams {
   mode?: 'pick' | 'top'
   k?: number
   feature_ids?: number[] | null
+  model?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -646,6 +746,7 @@ export interface Clamp {
 export interface SteerParams {
   prompts?: string[] | null
   messages?: ChatMessage[] | null
+  token_ids?: number[][] | null
   /**
    * Most tokens to generate per prompt.
    */
@@ -661,6 +762,7 @@ export interface SteerParams {
   top_k?: number | null
   seed?: number | null
   stop?: string[] | null
+  model?: string | null
   /**
    * @minItems 1
    * @maxItems 64

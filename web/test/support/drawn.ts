@@ -4,6 +4,7 @@ import type {BuiltinTools} from '../../src/index.ts'
 export const DRAWN: {[K in keyof BuiltinTools]: string} = {
   generate: '.result .completion',
   loglikelihood: '.result table',
+  logprobs: '.result .logprob-tokens .logprob-token',
   predict: '.result .bars .bar-row',
   logit_lens: '.result svg.heatmap',
   lens_line: '.result svg.plot.line',

@@ -20,9 +20,12 @@ export function tinyModel(): string {
   return path
 }
 
-/** A tiny random model of another kind (tests/model_kinds.py: `esm_mlm`, `bert_mlm`, …) built at `path`. */
-export function buildModel(kind: string, path: string): string {
-  execFileSync(join(VENV, 'bin', 'python'), [join(WEB, 'test', 'support', 'tiny_model.py'), path, kind], {stdio: ['ignore', 'ignore', 'pipe']})
+/**
+ * A tiny random model of another kind (tests/model_kinds.py: `esm_mlm`, `bert_mlm`, …; `llama`:
+ * the tiny Llama's shape) built at `path`, its weights drawn with `seed`.
+ */
+export function buildModel(kind: string, path: string, seed = 0): string {
+  execFileSync(join(VENV, 'bin', 'python'), [join(WEB, 'test', 'support', 'tiny_model.py'), path, kind, String(seed)], {stdio: ['ignore', 'ignore', 'pipe']})
   return path
 }
 
@@ -68,13 +71,21 @@ export interface Gateway {
   stop: () => Promise<void>
 }
 
-/** `streamgate serve` on `model` (the tiny Llama unless given), with `args` after the defaults and `env` added to its environment. */
-export async function startGateway(args: string[] = [], model = tinyModel(), env: Record<string, string> = {}): Promise<Gateway> {
+/**
+ * `streamgate serve` on `model` (the tiny Llama unless given; several, by name, as `{base: path, other: path}`,
+ * the first the default), with `args` after the defaults and `env` added to its environment.
+ */
+export async function startGateway(
+  args: string[] = [],
+  model: string | Record<string, string> = tinyModel(),
+  env: Record<string, string> = {},
+): Promise<Gateway> {
   const port = await freePort()
   const url = `http://127.0.0.1:${port}`
+  const models = typeof model === 'string' ? ['--model', model] : Object.entries(model).flatMap(([name, path]) => ['--model', `${name}=${path}`])
   const child: ChildProcess = spawn(
     join(VENV, 'bin', 'streamgate'),
-    ['serve', '--model', model, '--device', 'cpu', '--host', '127.0.0.1', '--port', String(port), '--log-level', 'warning', ...args],
+    ['serve', ...models, '--device', 'cpu', '--host', '127.0.0.1', '--port', String(port), '--log-level', 'warning', ...args],
     {stdio: ['ignore', 'pipe', 'pipe'], env: {...process.env, PYTHONUNBUFFERED: '1', ...env}},
   )
   let output = ''

@@ -1,0 +1,249 @@
+"""The OpenAI-compatible routes, driven by the real `openai` SDK against a live gateway serving two models.
+
+Every answer is checked against the gateway's own tools on the same model (their
+numbers are checked against plain transformers in test_tools.py and test_models.py),
+and `echo` + `logprobs` against the loglikelihood tool and a forward pass by hand.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import build_tiny_model, make_server, wait_until
+from tests.test_observability import scrape, value
+from tests.test_tools import Reference, result
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> dict[str, Path]:
+    return {"base": tiny_model_path, "other": build_tiny_model(tmp_path_factory.mktemp("other"), seed=1, family="gpt2", init=0.2)}
+
+
+@pytest.fixture(scope="module")
+def server(paths: dict[str, Path]):
+    s = make_server([f"{name}={path}" for name, path in paths.items()], max_tokens=64)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def refs(paths: dict[str, Path]) -> dict[str, Reference]:
+    return {name: Reference(path) for name, path in paths.items()}
+
+
+def test_models_lists_the_served_models(client) -> None:
+    assert [m.id for m in client.models.list()] == ["base", "other"]
+
+
+@pytest.mark.parametrize("model", ["base", "other"])
+def test_a_completion_is_generate_on_that_model(server, client, model) -> None:
+    answer = client.completions.create(model=model, prompt=["Hello", "The quick"], max_tokens=6, temperature=0)
+    expected = result(server.url, "generate", {"prompts": ["Hello", "The quick"], "max_tokens": 6, "model": model})
+    assert [c.text for c in answer.choices] == expected["completions"]
+    assert [c.finish_reason for c in answer.choices] == expected["finish_reasons"]
+    assert answer.model == model and answer.object == "text_completion"
+    assert answer.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == expected["usage"]
+
+
+def test_sampling_fields_are_honoured(server, client) -> None:
+    args: dict[str, Any] = {"model": "base", "prompt": "Hello", "max_tokens": 8, "temperature": 1.3, "top_p": 0.9, "seed": 7}
+    first, again = client.completions.create(**args), client.completions.create(**args)
+    assert first.choices[0].text == again.choices[0].text
+    expected = result(server.url, "generate", {"prompts": ["Hello"], "max_tokens": 8, "temperature": 1.3, "top_p": 0.9, "seed": 7})
+    assert first.choices[0].text == expected["completions"][0]
+    greedy = client.completions.create(model="base", prompt="Hello", max_tokens=8, temperature=0).choices[0].text
+    stop = greedy[2:4]
+    stopped = client.completions.create(model="base", prompt="Hello", max_tokens=8, temperature=0, stop=stop).choices[0]
+    assert stopped.text == greedy[: greedy.index(stop)] and stopped.finish_reason == "stop"
+
+
+def test_token_id_prompts_are_completed_as_given(server, client, refs) -> None:
+    ids = refs["base"].encode("Hello")
+    answer = client.completions.create(model="base", prompt=ids, max_tokens=5, temperature=0)
+    assert answer.choices[0].text == refs["base"].decode(refs["base"].greedy_ids(ids, 5))
+
+
+def test_a_streamed_completion_adds_up_to_the_whole(client) -> None:
+    whole = client.completions.create(model="other", prompt="Hello", max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(
+        model="other", prompt="Hello", max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True}
+    ))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_echo_puts_the_prompt_before_the_completion(client) -> None:
+    plain = client.completions.create(model="base", prompt="Hello", max_tokens=4, temperature=0).choices[0].text
+    echoed = client.completions.create(model="base", prompt="Hello", max_tokens=4, temperature=0, echo=True).choices[0].text
+    assert echoed == "Hello" + plain
+    streamed = client.completions.create(model="base", prompt="Hello", max_tokens=4, temperature=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed
+
+
+def test_chat_is_generate_with_messages(server, client) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    answer = client.chat.completions.create(model="other", messages=messages, max_tokens=7, temperature=0)
+    expected = result(server.url, "generate", {"messages": messages, "max_tokens": 7, "model": "other"})
+    assert answer.choices[0].message.content == expected["completions"][0]
+    assert answer.choices[0].message.role == "assistant" and answer.object == "chat.completion"
+    assert answer.usage.prompt_tokens == expected["usage"]["prompt_tokens"]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    same = client.chat.completions.create(model="other", messages=[messages[0], *parts], max_tokens=7, temperature=0)
+    assert same.choices[0].message.content == expected["completions"][0]
+
+
+def test_a_streamed_chat_adds_up_to_the_whole(client) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    whole = client.chat.completions.create(model="base", messages=messages, max_tokens=9, temperature=0)
+    chunks = list(client.chat.completions.create(model="base", messages=messages, max_tokens=9, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+PAIRS = [("The capital of", " France"), ("Hello", " there"), ("a", "b")]
+
+
+@pytest.mark.parametrize("model", ["base", "other"])
+def test_echo_logprobs_score_the_prompt_as_loglikelihood_does(server, client, refs, model) -> None:
+    """What evaluation harnesses send: context and continuation as token ids, max_tokens 0, echo, logprobs."""
+    ref = refs[model]
+    expected = result(
+        server.url, "loglikelihood",
+        {"prompts": [p for p, _ in PAIRS], "continuations": [c for _, c in PAIRS], "model": model},
+    )
+    rows = [(ref.encode(p), ref.encode_continuation(c)) for p, c in PAIRS]
+    answer = client.completions.create(
+        model=model, prompt=[ctx + cont for ctx, cont in rows], max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    for choice, (ctx, cont), ll, greedy in zip(answer.choices, rows, expected["ll"], expected["is_greedy"]):
+        lp = choice.logprobs
+        assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ctx) + len(cont)
+        assert sum(lp.token_logprobs[len(ctx):]) == pytest.approx(ll, abs=1e-4)
+        # By hand: each token's log-probability from one forward pass.
+        by_hand = ref.logprobs(ctx + cont)
+        for t in range(1, len(ctx) + len(cont)):
+            assert lp.token_logprobs[t] == pytest.approx(by_hand[t - 1, (ctx + cont)[t]].item(), abs=1e-4)
+        is_greedy = all(lp.token_logprobs[t] == max(lp.top_logprobs[t].values()) for t in range(len(ctx), len(ctx) + len(cont)))
+        assert is_greedy == greedy
+
+
+def test_one_greedy_token_after_an_echoed_prompt_is_generates_first(server, client, refs) -> None:
+    """lm-evaluation-harness asks for max_tokens 1 and drops the last token: that token is generate's first."""
+    ids = refs["base"].encode("Hello")
+    answer = client.completions.create(model="base", prompt=ids, max_tokens=1, echo=True, logprobs=3, temperature=0)
+    lp = answer.choices[0].logprobs
+    # Up to 3 alternatives: OpenAI keys them by text, and byte tokens that are not whole characters share "\ufffd".
+    assert len(lp.tokens) == len(ids) + 1 and 1 <= len(lp.top_logprobs[-1]) <= 3
+    first = result(server.url, "generate", {"token_ids": [ids], "max_tokens": 1})["completions"][0]
+    assert lp.tokens[-1] == first
+    assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()))
+    assert answer.usage.completion_tokens == 1 and answer.usage.prompt_tokens == len(ids)
+    scored = client.completions.create(model="base", prompt="Hello", max_tokens=0, echo=True, logprobs=0)
+    assert scored.choices[0].text == "Hello"
+    assert math.isclose(sum(scored.choices[0].logprobs.token_logprobs[1:]), sum(lp.token_logprobs[1:-1]), abs_tol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "param"),
+    [
+        ({"model": "gpt-9"}, 404, "model"),
+        ({"n": 2}, 400, "n"),
+        ({"logprobs": 2}, 400, "logprobs"),
+        ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+        ({"best_of": 3}, 400, "best_of"),
+        ({"suffix": "end"}, 400, "suffix"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"max_tokens": 65}, 400, "max_tokens"),
+        ({"temperature": 3}, 400, "temperature"),
+        ({"echo": True, "logprobs": 1, "max_tokens": 5}, 400, "echo"),
+        ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate"),
+        ({"prompt": [[1, 2], "x"]}, 400, "prompt"),
+        ({"prompt": [[100000]]}, 400, "prompt[0]"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_in_openais_shape(server, client, args, status, param) -> None:
+    request: dict[str, Any] = {"model": "base", "prompt": "Hello", "max_tokens": 4, **args}
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(**request)
+    error = caught.value
+    assert error.status_code == status, error.body
+    assert error.body["type"] == ("invalid_request_error") and error.body["param"] == param
+    if status == 404:
+        assert error.body["code"] == "model_not_found" and "base, other" in error.body["message"]
+    assert httpx.get(server.url + "/healthz").status_code == 200
+
+
+def test_a_prompt_too_long_is_context_length_exceeded(client) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="base", prompt="x" * 300, max_tokens=4)
+    assert caught.value.body["code"] == "context_length_exceeded" and caught.value.body["param"] == "prompt[0]"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="base", messages=[{"role": "user", "content": "x" * 300}])
+    assert caught.value.body["code"] == "context_length_exceeded"
+
+
+def test_chat_refuses_what_it_cannot_do(client) -> None:
+    for extra, param in (
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"logprobs": True}, "logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}], **extra)
+        assert caught.value.body["param"] == param
+
+
+def test_openai_jobs_are_ordinary_jobs_in_the_metrics(server, client) -> None:
+    before = value(scrape(server.url), "streamgate_jobs_total", tool="generate", model="other", outcome="succeeded")
+    client.completions.create(model="other", prompt="Hello", max_tokens=2)
+    after = value(scrape(server.url), "streamgate_jobs_total", tool="generate", model="other", outcome="succeeded")
+    assert after == before + 1
+
+
+def _slow(server):
+    return server.backend.served["base"].model.module.register_forward_pre_hook(lambda *_: time.sleep(0.05))
+
+
+def _cancelled(server, job_id: str) -> bool:
+    snapshot = httpx.get(f"{server.url}/jobs/{job_id}").json()
+    return snapshot["status"] == "FAILED" and snapshot["terminal"]["data"]["error"]["code"] == "cancelled"
+
+
+def test_a_client_that_leaves_a_stream_cancels_its_job(server, client) -> None:
+    hook = _slow(server)
+    try:
+        stream = client.completions.create(model="base", prompt="Hello", max_tokens=60, temperature=0, stream=True)
+        job_id = stream.response.headers["x-job-id"]
+        next(iter(stream))
+        stream.close()
+        wait_until(lambda: _cancelled(server, job_id), 10, "the job to be cancelled")
+    finally:
+        hook.remove()
+
+
+def test_a_client_that_leaves_before_the_answer_cancels_its_job(server) -> None:
+    hook = _slow(server)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json={"model": "base", "prompt": "Hi", "max_tokens": 60}, timeout=1.0)
+        jobs = httpx.get(server.url + "/jobs", params={"tool": "generate"}).json()["jobs"]
+        job_id = jobs[0]["job_id"]
+        wait_until(lambda: _cancelled(server, job_id), 10, "the job to be cancelled")
+    finally:
+        hook.remove()
