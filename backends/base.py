@@ -31,8 +31,8 @@ class Backend(abc.ABC):
     def not_ready_reason(self) -> str:
         return "the backend is not ready"
 
-    def not_ready_error(self) -> ApiError:
-        """The 503 a request gets while the backend is not ready."""
+    def not_ready_error(self, model: str | None = None) -> ApiError:
+        """The 503 a request gets while the backend (or `model` on it) is not ready."""
         return ApiError(Code.NOT_READY, self.not_ready_reason, retry_after=5)
 
     @abc.abstractmethod
@@ -77,6 +77,8 @@ class Backend(abc.ABC):
         if not names:
             if name is None:
                 return None
+            if self.ready:  # a backend that does not say its models serves none by name
+                raise ApiError(Code.UNKNOWN_MODEL, f"no model named {name!r}: this backend serves its one model unnamed", field=MODEL_FIELD)
             raise self.not_ready_error()
         if name is None:
             return names[0]
@@ -106,7 +108,7 @@ class Backend(abc.ABC):
         apply_caps(tool, params, limits)
         model = getattr(params, MODEL_FIELD, None)
         if not self.ready_for(model):
-            raise self.not_ready_error()
+            raise self.not_ready_error(model)
         if (reason := self.unsupported(tool, model)) is not None:
             raise capabilities.refuse(reason)
         await self.check(tool, params)

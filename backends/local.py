@@ -29,8 +29,9 @@ from gateway.config import Settings
 from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
+from gateway.models import alphabet
 from gateway.protocol import Code, ModelInfo
-from gateway.tools.base import Model, Tool
+from gateway.tools.base import MODEL_FIELD, Model, Tool
 
 log = logging.getLogger("streamgate.local")
 
@@ -130,10 +131,17 @@ class LocalBackend(Backend):
         problems = [s.problem for s in self.served.values() if s.problem]
         return "; ".join(problems) or "the backend is not ready"
 
-    def not_ready_error(self) -> ApiError:
-        """503 `not_ready`: retryable while loading; not once loading has failed."""
+    def not_ready_error(self, model: str | None = None) -> ApiError:
+        """503 `not_ready`: retryable while loading; not once loading has failed. With `model`,
+        about that model alone (another's failure is not this request's)."""
         if self.device_failed:
             return ApiError(Code.NOT_READY, self.not_ready_reason, retry_after=30)
+        if model is not None:
+            served = self._served(model)
+            reason = served.problem or self.not_ready_reason
+            if served.error:
+                return ApiError(Code.NOT_READY, reason, retryable=False)
+            return ApiError(Code.NOT_READY, reason, retry_after=5)
         if self.error:
             return ApiError(Code.NOT_READY, self.not_ready_reason, retryable=False)
         return ApiError(Code.NOT_READY, self.not_ready_reason, retry_after=5)
@@ -203,13 +211,14 @@ class LocalBackend(Backend):
         return (id(self._tools), *(id(s.model) for s in self.served.values()))
 
     async def check(self, tool: Tool, params: Any) -> None:
-        if tool.check is None:
+        if tool.check is None and not tool.sequences:
             return
-        model = self._served(getattr(params, "model", None)).model
+        name = getattr(params, MODEL_FIELD, None)
+        model = self._served(name).model
         if model is None:
-            raise self.not_ready_error()
+            raise self.not_ready_error(name)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._checks, tool.check, model, params)
+        await loop.run_in_executor(self._checks, prepare, tool, model, params)
 
     def ready_for(self, model: str | None) -> bool:
         return self._served(model).ready and self.device_failed is None
@@ -217,7 +226,7 @@ class LocalBackend(Backend):
     async def submit(self, job: Job) -> None:
         served = self._served(job.model)
         if not self.ready_for(job.model):
-            raise self.not_ready_error()
+            raise self.not_ready_error(job.model)
         served.queue.put(job, retry_after=served.eta(len(served.queue) + 1))
 
     def cancel(self, job: Job) -> None:
@@ -242,6 +251,14 @@ class LocalBackend(Backend):
         if self.sae_specs:
             info["saes"] = [f"{s.name} (layer {s.layer}, {s.n_features} features, {s.activation})" for s in self.sae_specs]
         return info
+
+
+def prepare(tool: Tool, model: Model, params: Any) -> None:
+    """The model-dependent checks of a job before it is queued: its sequences cleaned and checked
+    against the model's alphabet, then the tool's own check (413, 422)."""
+    alphabet.clean_params(model, tool.sequences, params)
+    if tool.check is not None:
+        tool.check(model, params)
 
 
 def _listed(value: str | list[str] | None) -> list[str]:

@@ -48,14 +48,16 @@ class ModelSpec:
     devices: tuple[str, ...] = ()  # empty: the backend's --device/--devices
 
 
-# What a served model may be called: a hub id's "org/name" and version suffixes included.
-_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]{0,127}")
+# An explicit NAME in `--model NAME=SOURCE`: strict, so that a path holding "=" is never taken apart.
+_GIVEN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]{0,127}")
+# Any name, a folder's included: printable, no edge whitespace, at most 128 characters.
+_ANY_NAME = re.compile(r"(?!\s)[^\x00-\x1f\x7f]{1,128}(?<!\s)")
 
 
 def _named(entry: str, flag: str) -> tuple[str | None, str]:
     """`NAME=VALUE` as (NAME, VALUE); an entry without a valid name before `=` as (None, entry)."""
     name, sep, value = entry.partition("=")
-    if sep and _MODEL_NAME.fullmatch(name) and not Path(entry).expanduser().exists():
+    if sep and _GIVEN_NAME.fullmatch(name) and not Path(entry).expanduser().exists():
         if not value:
             raise ModelError(f"{flag} {entry}: nothing after `{name}=`")
         return name, value
@@ -66,9 +68,11 @@ def specs(models: list[str], loaders: list[str] = (), devices: list[str] = ()) -
     """The models `--model [NAME=]SOURCE`, `--model-loader [NAME=]module:function` and
     `--model-devices NAME=cuda:0,cuda:1` (each repeatable) ask for, the default first.
 
-    A model without a NAME is called by its folder's or file's name. A loader without
-    one loads the first model (or, with no --model, a model named after the loader),
-    and is given that model's SOURCE as written: a loader's source need not be a checkpoint.
+    A model without a NAME is called by its folder's or file's name (a loader's by
+    its source's last part). A loader is matched to the model of its NAME; one
+    without a NAME loads the first model (or, with no --model, a model named after
+    the loader), and is given that model's SOURCE as written: a loader's source
+    need not be a checkpoint.
     """
     entries = [_named(entry, "--model") for entry in models]
     by_loader: dict[str | None, str] = {}
@@ -76,8 +80,8 @@ def specs(models: list[str], loaders: list[str] = (), devices: list[str] = ()) -
         name, loader = _named(entry, "--model-loader")
         if ":" not in loader:
             raise ModelError(f"--model-loader {entry}: expected module:function")
-        if name is None and None in by_loader:
-            raise ModelError("--model-loader: name the models of every loader after the first: --model-loader NAME=module:function")
+        if name in by_loader:
+            raise ModelError(f"--model-loader {entry}: a second loader for the same model; name each: NAME=module:function")
         by_loader[name] = loader
     if not entries and None in by_loader:
         entries = [(None, "")]
@@ -86,27 +90,30 @@ def specs(models: list[str], loaders: list[str] = (), devices: list[str] = ()) -
     def add(spec: ModelSpec, entry: str) -> None:
         if spec.name in named:
             raise ModelError(f"--model {entry}: two models are called {spec.name!r}; name them: --model NAME=SOURCE")
+        if not _ANY_NAME.fullmatch(spec.name):
+            raise ModelError(f"--model {entry}: {spec.name!r} cannot be a model's name; name it: --model NAME=SOURCE")
         named[spec.name] = spec
 
     for i, (name, source) in enumerate(entries or [(None, None)]):
-        loader = by_loader.pop(name, None) if name is not None else None
+        called = name or (Path(source).name if source else None)
+        loader = by_loader.pop(called, None) if called is not None else None
         if loader is None and i == 0 and None in by_loader:
             loader = by_loader.pop(None)
         if loader is not None:
-            add(ModelSpec(name or (Path(source).name if source else loader), source or "", loader=loader), source or loader)
+            add(ModelSpec(called or loader, source or "", loader=loader), source or loader)
         else:
             spec = resolve(source)
             add(replace(spec, name=name or spec.name), source or DEFAULT_MODEL)
+    if None in by_loader:
+        raise ModelError(f"--model-loader {by_loader[None]}: the first model has a loader already; name this one's model: NAME=module:function")
     for name, loader in by_loader.items():  # a loader with a model of its own, no --model for it
         add(ModelSpec(str(name), "", loader=loader), loader)
     for entry in devices:
         name, listed = _named(entry, "--model-devices")
-        if name is None or name not in named:
+        chosen = tuple(d.strip() for d in listed.split(",") if d.strip())
+        if name is None or name not in named or not chosen:
             raise ModelError(f"--model-devices {entry}: expected NAME=DEVICE[,DEVICE], NAME one of {', '.join(named)}")
-        named[name] = replace(named[name], devices=tuple(d.strip() for d in listed.split(",") if d.strip()))
-    for name in named:
-        if not _MODEL_NAME.fullmatch(name):
-            raise ModelError(f"model name {name!r}: use letters, digits and . _ : / + - (at most 128): --model NAME=SOURCE")
+        named[name] = replace(named[name], devices=chosen)
     return list(named.values())
 
 

@@ -51,7 +51,6 @@ from gateway.config import Settings
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.protocol import Code, ErrorInfo, EventType, ModelInfo, RemoteFrame, RemoteKind, Status, ToolInfo, encode, remote_frame
-from gateway.tools.base import Tool
 
 log = logging.getLogger("streamgate.ray")
 
@@ -225,6 +224,13 @@ class RayBackend(Relaying):
     @property
     def ready(self) -> bool:
         return self._handle is not None and bool(self._tools) and self._replicas.get("RUNNING", 0) > 0
+
+    def models(self) -> list[ModelInfo]:
+        # Learned once; whether they can run now is the application's state now.
+        ready = self.ready
+        return [
+            msgspec.structs.replace(m, ready=ready, problem=None if ready else self.not_ready_reason) for m in self._models
+        ]
 
     @property
     def not_ready_reason(self) -> str:

@@ -456,11 +456,11 @@ class RemoteBackend(Relaying):
     def ready(self) -> bool:
         return any(link.ready for link in self.links)
 
-    def not_ready_error(self) -> ApiError:
+    def not_ready_error(self, model: str | None = None) -> ApiError:
         if all(link.refused for link in self.links):
             # Every executor refuses our token: that needs an operator, not a retry.
             return ApiError(Code.NOT_READY, self.not_ready_reason, retryable=False)
-        return super().not_ready_error()
+        return super().not_ready_error(model)
 
     @property
     def not_ready_reason(self) -> str:

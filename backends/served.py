@@ -133,6 +133,7 @@ class ServedModel:
             entry.context_length = model.context_length
             entry.device = ",".join(str(w.model.device) for w in self.workers) or str(model.device)
             entry.dtype = str(model.dtype).removeprefix("torch.")
+            entry.alphabet = model.alphabet
             for name, tool in self.tools.items():
                 if (reason := self.unsupported(tool)) is None:
                     entry.tools.append(name)

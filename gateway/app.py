@@ -266,14 +266,19 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         return JSONResponse({"ticket": value, "expires_in": ttl}, headers={"Cache-Control": "no-store"})
 
     described: list[object] = [None, b""]  # the tools and model last described, and their JSON
+    per_model: dict[tuple[object, str | None], bytes] = {}  # `GET /tools?model=`, by tools version and model
 
     async def tools(request: Request) -> Response:
         """The tools, and which of them the default model (or `?model=NAME`) cannot run."""
         model = request.query_params.get("model")
         if model is not None:
             name = backend.resolve_model(model)
-            info = params_mod.describe(backend.tools.values(), limits, lambda t: backend.unsupported(t, name))
-            return Response(encode(info), media_type="application/json")
+            key = (backend.tools_version, name)
+            if key not in per_model:
+                per_model.clear()  # one version's answers at a time
+                info = params_mod.describe(backend.tools.values(), limits, lambda t: backend.unsupported(t, name))
+                per_model[key] = encode(info)
+            return Response(per_model[key], media_type="application/json")
         # A remote backend learns its tools after start-up, a local one its model's capabilities: describe each once.
         if described[0] != backend.tools_version:
             info = params_mod.describe(backend.tools.values(), limits, backend.unsupported)
@@ -325,10 +330,12 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         launch=launch,
         cancel=store.cancel,
         streams=streams,
+        metrics=metrics,
         read_body=lambda request: params_mod.read_body(
             request, settings.max_body_bytes, settings.body_timeout, metrics.client_timeout
         ),
         ping_interval=settings.ping_interval,
+        write_timeout=settings.write_timeout,
         max_tokens=settings.max_tokens,
     )
     openapi_document = openapi_json(backend, limits, secured=auth.enabled)

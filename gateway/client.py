@@ -1,4 +1,4 @@
-"""A Python client for a streamgate server, built on httpx and httpx-sse.
+"""Python clients for a streamgate server, built on httpx and httpx-sse: `Client` and `AsyncClient`.
 
     from gateway.client import Client
 
@@ -10,19 +10,49 @@
 refused before the stream opened), `JobError` (an `error` event), or
 `StreamEndedError` (the stream kept ending without a terminal event). A dropped
 connection is resumed where it left off (`X-Job-Id` and the last event id).
+
+Many jobs, a few at a time, each one's outcome in input order:
+
+    for outcome in client.run_many("embed", ({"texts": [s]} for s in sequences), concurrency=8):
+        print(outcome.index, outcome.result if outcome.ok else outcome.error)
+
+`AsyncClient` has the same methods as coroutines (`stream` and `run_many` as
+async iterators), on `httpx.AsyncClient`:
+
+    async with AsyncClient(url) as client:
+        result = await client.run("predict", {"prompt": "Hi"})
+        async for outcome in client.run_many("predict", params):
+            ...
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import inspect
+import itertools
 import json
+import queue
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
-from httpx_sse import ServerSentEvent, connect_sse
+from httpx_sse import ServerSentEvent, aconnect_sse, connect_sse
+
+# `run_many` lets jobs finish up to this many times `concurrency` records ahead of the
+# oldest one not yet handed back in order: a slow record holds back only so many results.
+LOOKAHEAD = 4
+# A refusal that says "try again" (429 queue_full or rate_limited; 503 not_ready,
+# overloaded, store_unavailable, shutting_down) is tried again in `run_many` this many
+# times, after the server's Retry-After (else a backoff), before it is the record's error.
+REFUSAL_TRIES = 8
+MAX_RETRY_WAIT = 60.0
 
 
 class ClientError(Exception):
@@ -64,6 +94,27 @@ class Event:
     data: Any
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How one job of `run_many` ended: its `result`, or the `error` it raised (`HttpError`,
+    `JobError`, `StreamEndedError`, or an `httpx.HTTPError` when the server could not be reached).
+
+    `index` is the params' place in the input (from 0), `params` the params as given.
+    """
+
+    index: int
+    params: Mapping[str, Any] | None
+    result: Any = None
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+Handler = Callable[[Any], Any]
+
+
 class Client:
     def __init__(
         self,
@@ -74,13 +125,7 @@ class Client:
         transport: httpx.BaseTransport | None = None,
         resume_tries: int = 5,
     ) -> None:
-        # No read timeout on streams: a long job may be quiet between keep-alives.
-        self._http = httpx.Client(
-            base_url=base_url,
-            headers=dict(headers or {}),
-            timeout=httpx.Timeout(timeout, read=None),
-            transport=transport,
-        )
+        self._http = httpx.Client(transport=transport, **_http_options(base_url, headers, timeout))
         self.job_id: str | None = None
         self.resume_tries = resume_tries
 
@@ -95,24 +140,19 @@ class Client:
 
     def tools(self, model: str | None = None) -> list[dict[str, Any]]:
         """`GET /tools`: each tool's schemas, and whether `model` (default: the default model) runs it."""
-        response = self._http.get("/tools", params={"model": model} if model else None)
-        _raise_for_status(response)
-        return response.json()
+        return _json_of(self._http.get("/tools", params=_model_query(model)))
 
     def models(self) -> dict[str, Any]:
         """`GET /models`: `{"default", "models": [{name, kind, context_length, device, dtype, tools, …}]}`."""
-        response = self._http.get("/models")
-        _raise_for_status(response)
-        return response.json()
+        return _json_of(self._http.get("/models"))
+
+    def ready(self) -> dict[str, Any]:
+        """`GET /readyz`, ready (200) or not (503) alike: `{"ready", "model", "kind", "context_length", "max_batch_size"?, …}`."""
+        return _readiness(self._http.get("/readyz"))
 
     def cancel(self, job_id: str | None = None) -> dict[str, Any]:
         """Cancel a job (by default the one this client ran last); `{"job_id", "cancelled", "status"}`."""
-        job_id = job_id or self.job_id
-        if job_id is None:
-            raise ValueError("no job to cancel: none started yet")
-        response = self._http.delete(f"/jobs/{job_id}")
-        _raise_for_status(response)
-        return response.json()
+        return _json_of(self._http.delete(_cancel_path(job_id or self.job_id)))
 
     def stream(
         self,
@@ -129,45 +169,8 @@ class Client:
         with `GET /jobs/{id}/events` and the last event id seen, up to
         `resume_tries` times with backoff.
         """
-        if query is not None:
-            first = ("GET", f"/{tool}/run", {"params": query})
-        else:
-            key = uuid.uuid4().hex
-            first = ("POST", f"/{tool}/run", {"json": dict(params or {}), "headers": {"Idempotency-Key": key}})
-        self.job_id, last_id, failures = None, None, 0
-        while True:
-            if self.job_id is None:
-                method, url, kwargs = first
-            else:
-                headers = {"Last-Event-ID": last_id} if last_id else {}
-                method, url, kwargs = "GET", f"/jobs/{self.job_id}/events", {"headers": headers}
-            try:
-                with connect_sse(self._http, method, url, **kwargs) as source:
-                    response = source.response
-                    if response.status_code == 204:
-                        return  # the server says we already hold the terminal event
-                    if response.status_code != 200:
-                        response.read()
-                        _raise_for_status(response)
-                    self.job_id = response.headers.get("x-job-id") or self.job_id
-                    for sse in source.iter_sse():
-                        if not sse.data:
-                            continue  # a block without data (the `retry:` hint) is no event
-                        event = _event(sse)
-                        last_id, failures = event.id or last_id, 0
-                        yield event
-                        if event.type in ("data", "error"):
-                            return
-            except (httpx.TransportError, httpx.RemoteProtocolError) as exc:
-                if self.job_id is None and query is not None:
-                    raise  # a GET that never started a job is not ours to repeat
-                dropped: Exception = exc
-            else:
-                dropped = StreamEndedError(f"the stream of job {self.job_id} ended without a terminal event")
-            failures += 1
-            if failures > self.resume_tries:
-                raise dropped
-            time.sleep(min(5.0, 0.2 * 2 ** (failures - 1)))
+        self.job_id = None
+        return self._events(_Resume(tool, params, query, self.resume_tries, self._started))
 
     def run(
         self,
@@ -175,27 +178,514 @@ class Client:
         params: Mapping[str, Any] | None = None,
         *,
         query: list[tuple[str, str]] | None = None,
-        on_status: Callable[[dict[str, Any]], None] | None = None,
-        on_log: Callable[[dict[str, Any]], None] | None = None,
-        on_partial: Callable[[Any], None] | None = None,
+        on_status: Handler | None = None,
+        on_log: Handler | None = None,
+        on_partial: Handler | None = None,
     ) -> Any:
         """Run a job to its end and return its result (the `data` event's payload)."""
         handlers = {"status": on_status, "log": on_log, "partial": on_partial}
         for event in self.stream(tool, params, query=query):
-            if event.type == "data":
-                return event.data
-            if event.type == "error":
-                error = event.data.get("error", {})
-                raise JobError(
-                    event.data.get("job_id", ""),
-                    error.get("code", "internal"),
-                    error.get("message", ""),
-                    bool(error.get("retryable")),
-                )
-            handler = handlers.get(event.type)
-            if handler is not None:
-                handler(event.data)
+            ended, value = _settle(event, handlers)
+            if ended:
+                return value
         raise StreamEndedError(f"the stream of job {self.job_id} ended without a result")
+
+    def run_many(
+        self,
+        tool: str,
+        params_iter: Iterable[Mapping[str, Any]],
+        *,
+        concurrency: int = 8,
+        model: str | None = None,
+        ordered: bool = True,
+    ) -> Iterator[Outcome]:
+        """Run `tool` on each params of `params_iter`, at most `concurrency` jobs at once; yield each `Outcome`.
+
+        Outcomes come in input order, each as soon as it and those before it
+        have ended (with `ordered=False`: as each ends). `params_iter` is read
+        as jobs start, never more than `LOOKAHEAD` × `concurrency` ahead of
+        the oldest outcome not yet yielded. A job that fails is that outcome's
+        `error` and the others go on; a refusal that says to try again (429,
+        503) is retried after its Retry-After first. `model`, if given, is
+        every job's `model` param. Closing the iterator early (or dropping
+        it) starts no more jobs and cancels those still running.
+        """
+        return self._run_many(tool, params_iter, model, _Window(concurrency, ordered))
+
+    def _run_many(
+        self, tool: str, params_iter: Iterable[Mapping[str, Any]], model: str | None, window: _Window
+    ) -> Iterator[Outcome]:
+        finished: queue.Queue[Outcome] = queue.Queue()
+        stopping = threading.Event()  # the caller left: start nothing more, cancel what runs
+
+        def work(index: int, params: Mapping[str, Any]) -> None:
+            def started(job_id: str) -> None:
+                window.running[index] = job_id
+                if stopping.is_set():  # the caller left while this job's request was under way
+                    self._quiet_cancel(job_id)
+
+            try:
+                for attempt in itertools.count(1):
+                    try:
+                        result = self._result(_Resume(tool, _on_model(params, model), None, self.resume_tries, started))
+                        break
+                    except HttpError as exc:
+                        delay = _retry_delay(exc, attempt)
+                        if delay is None or stopping.wait(delay):
+                            raise
+                outcome = Outcome(index, params, result)
+            except Exception as exc:  # noqa: BLE001 (any failure is this record's outcome)
+                outcome = Outcome(index, params, None, exc)
+            window.running.pop(index, None)
+            finished.put(outcome)
+
+        items = enumerate(params_iter)
+        with ThreadPoolExecutor(window.concurrency, thread_name_prefix="run_many") as pool:
+            try:
+                while True:
+                    for index, params in window.admit(items):
+                        pool.submit(work, index, params)
+                    if not window.in_flight:
+                        return
+                    yield from window.done(finished.get())
+            finally:
+                stopping.set()
+                for job_id in list(window.running.values()):
+                    self._quiet_cancel(job_id)
+                # Leaving the pool waits for its threads: each ends once its job does.
+
+    def _quiet_cancel(self, job_id: str) -> None:
+        try:
+            self.cancel(job_id)
+        except (httpx.HTTPError, ClientError):
+            pass  # ended meanwhile, or the server is gone: nothing to stop
+
+    def _started(self, job_id: str) -> None:
+        self.job_id = job_id
+
+    def _result(self, state: _Resume) -> Any:
+        for event in self._events(state):
+            ended, value = _settle(event, {})
+            if ended:
+                return value
+        raise StreamEndedError(f"the stream of job {state.job_id} ended without a result")
+
+    def _events(self, state: _Resume) -> Iterator[Event]:
+        while True:
+            method, url, kwargs = state.request()
+            try:
+                with connect_sse(self._http, method, url, **kwargs) as source:
+                    if source.response.status_code not in (200, 204):
+                        source.response.read()
+                    if not state.opened(source.response):
+                        return
+                    for sse in source.iter_sse():
+                        event = state.event(sse)
+                        if event is not None:
+                            yield event
+                            if state.ended:
+                                return
+            except httpx.TransportError as exc:
+                delay = state.dropped(exc)
+            else:
+                delay = state.dropped(None)
+            time.sleep(delay)
+
+
+class AsyncClient:
+    """`Client`'s methods as coroutines, on `httpx.AsyncClient`: `stream` and `run_many` are async iterators.
+
+    The handlers given to `run` may be plain functions or coroutine functions.
+    """
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        resume_tries: int = 5,
+    ) -> None:
+        self._http = httpx.AsyncClient(transport=transport, **_http_options(base_url, headers, timeout))
+        self.job_id: str | None = None
+        self.resume_tries = resume_tries
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def tools(self, model: str | None = None) -> list[dict[str, Any]]:
+        """`GET /tools`, as `Client.tools`."""
+        return _json_of(await self._http.get("/tools", params=_model_query(model)))
+
+    async def models(self) -> dict[str, Any]:
+        """`GET /models`, as `Client.models`."""
+        return _json_of(await self._http.get("/models"))
+
+    async def ready(self) -> dict[str, Any]:
+        """`GET /readyz`, as `Client.ready`."""
+        return _readiness(await self._http.get("/readyz"))
+
+    async def cancel(self, job_id: str | None = None) -> dict[str, Any]:
+        """Cancel a job (by default the one this client ran last), as `Client.cancel`."""
+        return _json_of(await self._http.delete(_cancel_path(job_id or self.job_id)))
+
+    def stream(
+        self,
+        tool: str,
+        params: Mapping[str, Any] | None = None,
+        *,
+        query: list[tuple[str, str]] | None = None,
+    ) -> AsyncGenerator[Event, None]:
+        """Start a job and yield its events, each once, until its terminal event; as `Client.stream`."""
+        self.job_id = None
+        return self._events(_Resume(tool, params, query, self.resume_tries, self._started))
+
+    async def run(
+        self,
+        tool: str,
+        params: Mapping[str, Any] | None = None,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        on_status: Handler | None = None,
+        on_log: Handler | None = None,
+        on_partial: Handler | None = None,
+    ) -> Any:
+        """Run a job to its end and return its result (the `data` event's payload)."""
+        handlers = {"status": on_status, "log": on_log, "partial": on_partial}
+        async with contextlib.aclosing(self.stream(tool, params, query=query)) as events:
+            async for event in events:
+                ended, value = _settle(event, handlers)
+                if ended:
+                    return value
+                if inspect.isawaitable(value):
+                    await value
+        raise StreamEndedError(f"the stream of job {self.job_id} ended without a result")
+
+    def run_many(
+        self,
+        tool: str,
+        params_iter: Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]],
+        *,
+        concurrency: int = 8,
+        model: str | None = None,
+        ordered: bool = True,
+    ) -> AsyncGenerator[Outcome, None]:
+        """`Client.run_many` on asyncio tasks; `params_iter` may be an iterable or an async iterable.
+
+        To stop early and cancel the jobs still running at once, close the
+        iterator (`contextlib.aclosing`); else that waits for the garbage collector.
+        """
+        return self._run_many(tool, params_iter, model, _Window(concurrency, ordered))
+
+    async def _run_many(
+        self,
+        tool: str,
+        params_iter: Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]],
+        model: str | None,
+        window: _Window,
+    ) -> AsyncGenerator[Outcome, None]:
+        finished: asyncio.Queue[Outcome] = asyncio.Queue()
+        tasks: set[asyncio.Task[Any]] = set()
+        late: list[asyncio.Task[Any]] = []  # cancels of jobs that started as the caller left
+        stopping = False  # the caller left: start nothing more, cancel what runs
+
+        def started(index: int, job_id: str) -> None:
+            window.running[index] = job_id
+            if stopping:  # the caller left while this job's request was under way
+                late.append(asyncio.ensure_future(self._quiet_cancel(job_id)))
+
+        async def work(index: int, params: Mapping[str, Any]) -> None:
+            try:
+                for attempt in itertools.count(1):
+                    state = _Resume(tool, _on_model(params, model), None, self.resume_tries, partial(started, index))
+                    try:
+                        result = await self._result(state)
+                        break
+                    except HttpError as exc:
+                        delay = _retry_delay(exc, attempt)
+                        if delay is None:
+                            raise
+                        await asyncio.sleep(delay)
+                outcome = Outcome(index, params, result)
+            except Exception as exc:  # noqa: BLE001 (any failure is this record's outcome)
+                outcome = Outcome(index, params, None, exc)
+            window.running.pop(index, None)
+            finished.put_nowait(outcome)
+
+        items = _numbered(params_iter)
+        try:
+            while True:
+                async for index, params in window.aadmit(items):
+                    task = asyncio.create_task(work(index, params))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if not window.in_flight:
+                    return
+                for outcome in window.done(await finished.get()):
+                    yield outcome
+        finally:
+            stopping = True
+            if tasks:
+                await asyncio.gather(*(self._quiet_cancel(job_id) for job_id in list(window.running.values())))
+                for task in list(tasks):
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*late)
+
+    async def _quiet_cancel(self, job_id: str) -> None:
+        try:
+            await self.cancel(job_id)
+        except (httpx.HTTPError, ClientError):
+            pass
+
+    def _started(self, job_id: str) -> None:
+        self.job_id = job_id
+
+    async def _result(self, state: _Resume) -> Any:
+        async with contextlib.aclosing(self._events(state)) as events:
+            async for event in events:
+                ended, value = _settle(event, {})
+                if ended:
+                    return value
+        raise StreamEndedError(f"the stream of job {state.job_id} ended without a result")
+
+    async def _events(self, state: _Resume) -> AsyncGenerator[Event, None]:
+        while True:
+            method, url, kwargs = state.request()
+            try:
+                async with aconnect_sse(self._http, method, url, **kwargs) as source:
+                    if source.response.status_code not in (200, 204):
+                        await source.response.aread()
+                    if not state.opened(source.response):
+                        return
+                    async for sse in source.aiter_sse():
+                        event = state.event(sse)
+                        if event is not None:
+                            yield event
+                            if state.ended:
+                                return
+            except httpx.TransportError as exc:
+                delay = state.dropped(exc)
+            else:
+                delay = state.dropped(None)
+            await asyncio.sleep(delay)
+
+
+# -- what both clients share -----------------------------------------------------------------
+
+
+class _Resume:
+    """One job's stream over as many connections as it takes: which request comes next, the
+    last event seen, and when to give up. The clients' loops only do the I/O.
+
+    The first request POSTs the params with a fresh `Idempotency-Key` (or is the GET form,
+    with `query`); once the job's id is known (`X-Job-Id`), each reconnect is
+    `GET /jobs/{id}/events` with the last event id seen. `started` hears the job id.
+    """
+
+    def __init__(
+        self,
+        tool: str,
+        params: Mapping[str, Any] | None,
+        query: list[tuple[str, str]] | None,
+        tries: int,
+        started: Callable[[str], None] | None = None,
+    ) -> None:
+        if query is not None:
+            self.first: tuple[str, str, dict[str, Any]] = ("GET", f"/{tool}/run", {"params": query})
+        else:
+            key = uuid.uuid4().hex
+            self.first = ("POST", f"/{tool}/run", {"json": dict(params or {}), "headers": {"Idempotency-Key": key}})
+        self.repeatable = query is None  # a POST with its key may be sent again; a GET that started no job not
+        self.tries, self.started = tries, started
+        self.job_id: str | None = None
+        self.last_id: str | None = None
+        self.failures = 0
+        self.ended = False  # the terminal event has been seen
+
+    def request(self) -> tuple[str, str, dict[str, Any]]:
+        if self.job_id is None:
+            return self.first
+        headers = {"Last-Event-ID": self.last_id} if self.last_id else {}
+        return "GET", f"/jobs/{self.job_id}/events", {"headers": headers}
+
+    def opened(self, response: httpx.Response) -> bool:
+        """A response's head (an error's body read): False when nothing is left to read (204), HttpError on an error."""
+        if response.status_code == 204:
+            return False  # the server says we already hold the terminal event
+        _raise_for_status(response)
+        job_id = response.headers.get("x-job-id")
+        if job_id and job_id != self.job_id:
+            self.job_id = job_id
+            if self.started is not None:
+                self.started(job_id)
+        return True
+
+    def event(self, sse: ServerSentEvent) -> Event | None:
+        if not sse.data:
+            return None  # a block without data (the `retry:` hint) is no event
+        event = _event(sse)
+        self.last_id, self.failures = event.id or self.last_id, 0
+        self.ended = event.type in ("data", "error")
+        return event
+
+    def dropped(self, exc: Exception | None) -> float:
+        """The connection ended before the terminal event (`exc`: how): the wait before the next try, or raise."""
+        if exc is not None and self.job_id is None and not self.repeatable:
+            raise exc  # a GET that never started a job is not ours to repeat
+        failures = self.failures = self.failures + 1
+        if failures > self.tries:
+            raise exc or StreamEndedError(f"the stream of job {self.job_id} ended without a terminal event")
+        return min(5.0, 0.2 * 2 ** (failures - 1))
+
+
+class _Window:
+    """Which records of `run_many` may start, and the outcomes to hand back, in input order or as they come."""
+
+    def __init__(self, concurrency: int, ordered: bool) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        self.concurrency, self.ordered = concurrency, ordered
+        self.reach = LOOKAHEAD * concurrency
+        self.in_flight = 0
+        self.running: dict[int, str] = {}  # index → job id of the jobs started: those to cancel if the caller leaves
+        self.next = 0  # the index of the next outcome to hand back in order
+        self.held: dict[int, Outcome] = {}
+        self.waiting: tuple[int, Any] | None = None  # read from the input, not started yet
+        self.exhausted = False
+
+    def _room(self) -> bool:
+        return self.in_flight < self.concurrency
+
+    def _may_start(self, index: int) -> bool:
+        return not self.ordered or index < self.next + self.reach
+
+    def admit(self, items: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+        """The records to start now, read from `items` as far as there is room."""
+        while self._room() and not self.exhausted:
+            if self.waiting is None:
+                try:
+                    self.waiting = next(items)
+                except StopIteration:
+                    self.exhausted = True
+                    return
+            if not self._may_start(self.waiting[0]):
+                return
+            item, self.waiting = self.waiting, None
+            self.in_flight += 1
+            yield item
+
+    async def aadmit(self, items: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[tuple[int, Any]]:
+        """`admit` from an async iterator."""
+        while self._room() and not self.exhausted:
+            if self.waiting is None:
+                try:
+                    self.waiting = await anext(items)
+                except StopAsyncIteration:
+                    self.exhausted = True
+                    return
+            if not self._may_start(self.waiting[0]):
+                return
+            item, self.waiting = self.waiting, None
+            self.in_flight += 1
+            yield item
+
+    def done(self, outcome: Outcome) -> list[Outcome]:
+        """A record ended: the outcomes that can be handed back now."""
+        self.in_flight -= 1
+        if not self.ordered:
+            return [outcome]
+        self.held[outcome.index] = outcome
+        ready = []
+        while self.next in self.held:
+            ready.append(self.held.pop(self.next))
+            self.next += 1
+        return ready
+
+
+async def _numbered(items: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[tuple[int, Any]]:
+    index = 0
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield index, item
+            index += 1
+    else:
+        for item in items:
+            yield index, item
+            index += 1
+
+
+def _settle(event: Event, handlers: Mapping[str, Handler | None]) -> tuple[bool, Any]:
+    """What one event means to a run: `(True, result)` for `data`, JobError raised for `error`,
+    else `(False, what its handler returned)`."""
+    if event.type == "data":
+        return True, event.data
+    if event.type == "error":
+        data = event.data if isinstance(event.data, Mapping) else {}
+        error = data.get("error", {})
+        raise JobError(
+            data.get("job_id", ""), error.get("code", "internal"), error.get("message", ""), bool(error.get("retryable"))
+        )
+    handler = handlers.get(event.type)
+    return False, handler(event.data) if handler is not None else None
+
+
+def _retry_delay(exc: HttpError, attempt: int) -> float | None:
+    """How long to wait before sending a refused request again, or None to give up on it."""
+    if not (exc.retryable and exc.status in (429, 503)) or attempt >= REFUSAL_TRIES:
+        return None
+    if exc.retry_after is not None:
+        return min(MAX_RETRY_WAIT, exc.retry_after)
+    return min(MAX_RETRY_WAIT, 0.5 * 2 ** (attempt - 1))
+
+
+def _on_model(params: Mapping[str, Any] | None, model: str | None) -> Mapping[str, Any]:
+    return {**(params or {}), "model": model} if model is not None else params or {}
+
+
+def _http_options(base_url: str, headers: Mapping[str, str] | None, timeout: float | None) -> dict[str, Any]:
+    return {
+        "base_url": base_url,
+        "headers": dict(headers or {}),
+        # No read timeout on streams: a long job may be quiet between keep-alives.
+        "timeout": httpx.Timeout(timeout, read=None),
+        # Each stream holds a connection as long as its job runs: the caller's concurrency bounds them, not a pool.
+        "limits": httpx.Limits(max_connections=None, max_keepalive_connections=None),
+    }
+
+
+def _model_query(model: str | None) -> dict[str, str] | None:
+    return {"model": model} if model else None
+
+
+def _cancel_path(job_id: str | None) -> str:
+    if job_id is None:
+        raise ValueError("no job to cancel: none started yet")
+    return f"/jobs/{job_id}"
+
+
+def _json_of(response: httpx.Response) -> Any:
+    _raise_for_status(response)
+    return response.json()
+
+
+def _readiness(response: httpx.Response) -> Any:
+    """`/readyz`'s body: a 503 that says why the gateway is not ready is an answer, not an error."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if response.status_code == 503 and isinstance(body, dict) and "ready" in body:
+        return body
+    _raise_for_status(response)
+    return body
 
 
 def _event(sse: ServerSentEvent) -> Event:

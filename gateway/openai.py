@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
-from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -38,7 +37,8 @@ from starlette.routing import Route
 from gateway.errors import ApiError, from_validation_error
 from gateway.jobs import Job
 from gateway.protocol import Code, EventType
-from gateway.stream import Streams
+from gateway.metrics import Metrics
+from gateway.stream import CountedResponse, Streams
 
 _STARTED = time.time()  # the `created` of every model in /v1/models
 
@@ -168,8 +168,10 @@ class Surface:
     launch: Callable[[Request, str, Any], Awaitable[Job]]
     cancel: Callable[[Job], Awaitable[None]]
     streams: Streams
+    metrics: Metrics
     read_body: Callable[[Request], Awaitable[bytes]]
     ping_interval: float
+    write_timeout: float
     max_tokens: int  # the server's --max-tokens: a chat that gives none gets CHAT_MAX_TOKENS, or this if lower
 
 
@@ -197,12 +199,17 @@ def _completion_plan(request: CompletionRequest) -> _Plan:
     if request.echo and request.logprobs is not None:
         # Scoring the prompt (what evaluation harnesses do): one pass of the `logprobs` tool,
         # which also gives the greedy next token, so max_tokens 1 at temperature 0 is exact.
-        if max_tokens > 1 or (max_tokens == 1 and (request.temperature or 0) > 0):
+        # `seed` is taken: nothing is sampled, so it changes nothing.
+        if max_tokens > 1 or (max_tokens == 1 and request.temperature != 0):
             raise _refuse(
                 "echo",
                 "echo with logprobs scores the prompt, with at most one greedy token after it: max_tokens 0, "
-                "or 1 with temperature 0; for longer completions leave echo out",
+                "or 1 with temperature 0 (given: OpenAI's default is 1); for longer completions leave echo out",
             )
+        if request.stop:
+            raise _refuse("stop", "a stop string has nothing to stop when the prompt is scored")
+        if request.top_p not in (None, 1):
+            raise _refuse("top_p", "nothing is sampled when the prompt is scored; leave it out")
         params = {**given, "top": request.logprobs, "next_token": max_tokens == 1, "model": request.model}
         return _Plan("logprobs", params, chat=False, include_usage=request.include_usage, stream=request.stream)
     if request.logprobs is not None:
@@ -227,8 +234,10 @@ def _chat_plan(request: ChatRequest, max_tokens_limit: int) -> _Plan:
     _refuse_common(request)
     if request.logprobs or request.top_logprobs:
         raise _refuse("logprobs", "log-probabilities are not supported on chat completions")
-    if request.tools or request.tool_choice not in (None, "none") or request.parallel_tool_calls:
-        raise _refuse("tools", "tool calling is not supported")
+    for field, value in (("tools", request.tools), ("tool_choice", request.tool_choice not in (None, "none")),
+                         ("parallel_tool_calls", request.parallel_tool_calls)):
+        if value:
+            raise _refuse(field, "tool calling is not supported")
     if request.response_format is not None and request.response_format.get("type") != "text":
         raise _refuse("response_format", "only {\"type\": \"text\"} is supported")
     if request.max_tokens is not None and request.max_completion_tokens is not None:
@@ -454,6 +463,7 @@ def routes(surface: Surface) -> list[Route]:
 
     async def run(request: Request, plan_of: Callable[[Any], _Plan], kind: type[msgspec.Struct]) -> Response:
         try:
+            surface.authenticate(request)  # before the body is read: a client without a token learns only that
             with surface.streams.slot() as slot:
                 plan = plan_of(await decode(request, kind))
                 job = await surface.launch(request, plan.tool, _params(surface, plan))
@@ -463,15 +473,32 @@ def routes(surface: Surface) -> list[Route]:
                     return await _whole(request, plan, job)
         except ApiError as exc:
             return error_response(exc)
-        return EventSourceResponse(
-            _following(plan, job, release), ping=int(surface.ping_interval) or None, headers={"X-Job-Id": job.id}
+
+        async def ended() -> None:
+            release()
+            surface.metrics.stream_closed()
+            if not job.done:  # the client closed the stream: nobody will read the rest
+                with contextlib.suppress(Exception):
+                    await surface.cancel(job)
+
+        surface.metrics.stream_opened()
+        return CountedResponse(
+            _stream(plan, job, job.model or ""),
+            on_end=lambda: asyncio.ensure_future(ended()),
+            on_write_timeout=lambda: surface.metrics.client_timeout("write"),
+            ping=surface.ping_interval,  # 0: none
+            headers={"X-Job-Id": job.id, "Cache-Control": "no-cache"},
+            send_timeout=surface.write_timeout,
         )
 
     async def _whole(request: Request, plan: _Plan, job: Job) -> Response:
         headers = {"X-Job-Id": job.id}
-        data = await _result(job, request)
+        try:
+            data = await _result(job, request)
+        finally:
+            if not job.done:  # the client went away, or this request was cancelled
+                await surface.cancel(job)
         if data is None:  # the client went away: nobody will read the answer
-            await surface.cancel(job)
             return Response(status_code=499)
         assert job.terminal is not None
         if job.terminal.type is EventType.ERROR:
@@ -480,16 +507,6 @@ def routes(surface: Surface) -> list[Route]:
         answer = _answer(plan, job, job.model or "", msgspec.json.decode(data))
         return Response(msgspec.json.encode(answer), headers=headers, media_type="application/json")
 
-    async def _following(plan: _Plan, job: Job, release: Callable[[], None]) -> AsyncIterator[dict[str, Any]]:
-        try:
-            async for chunk in _stream(plan, job, job.model or ""):
-                yield chunk
-        finally:
-            release()
-            if not job.done:  # the client closed the stream: nobody will read the rest
-                with contextlib.suppress(Exception):
-                    await surface.cancel(job)
-
     async def completions(request: Request) -> Response:
         return await run(request, _completion_plan, CompletionRequest)
 
@@ -497,10 +514,7 @@ def routes(surface: Surface) -> list[Route]:
         return await run(request, lambda chat: _chat_plan(chat, surface.max_tokens), ChatRequest)
 
     async def models(request: Request) -> Response:
-        try:
-            surface.authenticate(request)
-        except ApiError as exc:
-            return error_response(exc)
+        # Open, as `GET /models` is: what is served is no secret.
         data = [
             {"id": m.name, "object": "model", "created": int(_STARTED), "owned_by": "streamgate"} for m in surface.backend.models()
         ]

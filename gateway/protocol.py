@@ -149,6 +149,8 @@ class ModelInfo(msgspec.Struct):
     context_length: int | None = None
     device: str | None = None  # its copies' devices, comma-separated
     dtype: str | None = None
+    # A protein or DNA model's letters: its sequences are upper-cased, stripped of whitespace and checked against them.
+    alphabet: str | None = None
     tools: list[str] = msgspec.field(default_factory=list)
     # The tools it cannot run, and why (a run answers 422 unsupported_by_model).
     unsupported: dict[str, str] = msgspec.field(default_factory=dict)

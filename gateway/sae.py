@@ -28,6 +28,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from gateway.models.base import Capability
+
 ACTIVATIONS = ("topk", "relu", "jumprelu")
 
 
@@ -232,3 +234,7 @@ def load(spec: SAESpec, model: Any) -> SAE:
 def attach(model: Any, specs: list[SAESpec]) -> None:
     """Load every SAE for `model` and keep them on it, by name, for the SAE tools."""
     model.saes = {spec.name: load(spec, model) for spec in specs}
+    if model.saes:
+        model.capabilities = model.capabilities | {Capability.SAE}
+    else:
+        model.missing[Capability.SAE] = "no SAE is loaded on it (--sae gives the default model its SAEs)"

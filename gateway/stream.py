@@ -110,7 +110,10 @@ class Slot:
             self._streams.open -= 1
 
 
-class _CountedResponse(EventSourceResponse):
+class CountedResponse(EventSourceResponse):
+    """An event stream that calls `on_end` however it ends (finished, client gone, cancelled before
+    its body began), and `on_write_timeout` when a client stopped reading for `send_timeout`."""
+
     def __init__(
         self, *args: object, on_end: Callable[[], None], on_write_timeout: Callable[[], None], **kwargs: object
     ) -> None:
@@ -181,7 +184,7 @@ def job_response(
             store.detach(job)
             metrics.stream_closed()
 
-    return _CountedResponse(
+    return CountedResponse(
         events(),
         on_end=slot.keep(),
         on_write_timeout=lambda: metrics.client_timeout("write"),

@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import build_tiny_model, make_server, wait_until
 from tests.test_observability import scrape, value
@@ -247,3 +249,38 @@ def test_a_client_that_leaves_before_the_answer_cancels_its_job(server) -> None:
         wait_until(lambda: _cancelled(server, job_id), 10, "the job to be cancelled")
     finally:
         hook.remove()
+
+
+# -- no request makes a 5xx -------------------------------------------------------------------------
+
+_COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "echo",
+                      "logprobs", "best_of", "suffix", "presence_penalty", "logit_bias", "user", "stream_options", "frob"]
+_CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "stream", "stop", "logprobs",
+                "top_logprobs", "tools", "tool_choice", "response_format", "n", "frob"]
+_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 300), st.floats(-1, 3, allow_nan=False), st.text(max_size=12),
+    st.sampled_from(["base", "other", "nope", "Hello", "text", "json_object"]),
+)
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["role", "content", "type", "text", "include_usage"]), inner, max_size=3),
+    max_leaves=8,
+)
+_MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool"]), "content": st.text(max_size=8)}), max_size=3)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    route=st.sampled_from(["completions", "chat/completions"]),
+    body=st.dictionaries(st.sampled_from(sorted(set(_COMPLETION_FIELDS + _CHAT_FIELDS))), _VALUES | _MESSAGES, max_size=6),
+    base=st.booleans(),
+)
+def test_no_request_gets_a_5xx(server, route, body, base) -> None:
+    if base:  # a valid core, so that the fields beside it are reached too
+        body = {**({"prompt": "Hi"} if route == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}),
+                "max_tokens": 2, **body}
+    response = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=60)
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code != 200:
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"], (body, error)

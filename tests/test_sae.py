@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import msgspec
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -169,6 +170,120 @@ def test_batched_jobs_each_get_their_own_clamps(model: Any) -> None:
                 results[ctx.job_id] = outcome
     assert [results[f"job{i}"] for i in range(len(jobs))] == alone
     assert alone[1].completions[1] == plain(model, max_tokens=8).completions[0]
+
+
+# -- sequences at scale ------------------------------------------------------------------------
+
+
+SEQUENCES = ["hot dogs", "The cat sat on the mat", "a", "dogs and cats " * 8]
+
+
+def test_annotate_sequences_gives_tracks_equal_to_a_direct_encode(model: Any) -> None:
+    ids = [0, 1, 2, DEAD]
+    with torch.inference_mode():
+        out = sae_annotate.run(model, AnnotateParams(sequences=SEQUENCES, mode="pick", feature_ids=ids, threshold=0.1), Recorder())
+    t = sae_tensors()
+    assert out.tokens is None and len(out.sequences) == len(SEQUENCES)
+    for text, seq in zip(SEQUENCES, out.sequences):
+        x, f = by_hand(model, text)
+        own = model.own(model.encode(text))  # BOS is no letter of the sequence
+        x, f = x[own], f[own]
+        assert seq.tokens == [model.token_text(model.encode(text)[i]) for i in own]
+        assert seq.tracks.dtype == np.float32 and seq.tracks.shape == (len(ids), len(own))
+        assert np.allclose(seq.tracks, f[:, ids].T.numpy(), atol=1e-5)
+        relative = (x - (f @ t["W_dec"] + t["b_dec"])).norm(dim=-1) / x.norm(dim=-1)
+        assert np.allclose(seq.relative_error, relative.numpy(), atol=1e-5)
+        for row, summary in zip(f[:, ids].T, seq.features):
+            assert summary.max == pytest.approx(float(row.max()), abs=1e-5) and summary.argmax == int(row.argmax())
+            assert summary.mean == pytest.approx(float(row.mean()), abs=1e-5)
+            assert summary.above == torch.nonzero(row > 0.1).flatten().tolist()
+        assert seq.features[-1].above == [] and seq.features[-1].max == 0  # DEAD never fires
+        assert [s.label for s in seq.features[:3]] == ["dogs", "Hot dogs", "cats"]
+    with torch.inference_mode():
+        top = sae_annotate.run(model, AnnotateParams(sequences=SEQUENCES[:1], k=3), Recorder()).sequences[0]
+    _, f = by_hand(model, SEQUENCES[0])
+    peaks = f[model.own(model.encode(SEQUENCES[0]))].max(dim=0).values
+    assert [s.id for s in top.features] == [i for i in peaks.topk(3).indices.tolist() if peaks[i] > 0]
+
+
+def test_annotate_sequences_in_one_job_equal_one_job_each(serve: Any, sae_path: Path) -> None:
+    server = serve(sae=[str(sae_path)], max_batch_size=64)
+    texts = [("ab" * (i % 13 + 1)) + " dogs"[: i % 5] for i in range(64)]
+    params = {"mode": "pick", "feature_ids": [0, 1, 2, 3]}
+    together = run_stream(server.url, "sae_annotate", {"sequences": texts, **params}, timeout=120)
+    assert together.terminal["event"] == "data", together.raw[-500:]
+    each = [run_stream(server.url, "sae_annotate", {"sequences": [t], **params}).terminal["data"]["sequences"][0] for t in texts]
+    for got, want in zip(together.terminal["data"]["sequences"], each):
+        assert got["tokens"] == want["tokens"]
+        assert np.allclose(np.array(got["tracks"]), np.array(want["tracks"]), atol=1e-5)
+        assert np.allclose(got["relative_error"], want["relative_error"], atol=1e-5)
+        for a, b in zip(got["features"], want["features"]):
+            assert (a["id"], a["argmax"]) == (b["id"], b["argmax"])
+            assert (a["max"], a["mean"]) == pytest.approx((b["max"], b["mean"]), abs=1e-5)
+    refused = httpx.post(server.url + "/sae_annotate/run", json={"sequences": ["a"], "prompt": "b"})
+    assert error_of(refused) == (422, "prompt")
+
+
+# -- steering what is generated, and where -----------------------------------------------------
+
+
+def steered_greedy(model: Any, prompt: str, clamps: list[tuple[int, float, int, int | None]], n: int, first: int) -> str:
+    """Greedy decoding with the whole context run again each token and the clamps written by a hook of
+    the test's own on the layer's output: at positions from `first` on, within each clamp's [start, end)."""
+    t = sae_tensors()
+    ids = model.encode(prompt)
+    layer = model.memo["anatomy"].layers[LAYER]
+
+    def hook(module: Any, args: Any, output: Any) -> None:
+        h = output[0] if isinstance(output, tuple) else output
+        f = torch.relu(h[0] @ t["W_enc"] + t["b_enc"])  # every clamp reads the stream before any is written
+        for fid, strength, start, end in clamps:
+            for pos in range(max(start, first), min(end if end is not None else h.shape[1], h.shape[1])):
+                h[0, pos] += (strength - f[pos, fid]) * t["W_dec"][fid]
+
+    handle = layer.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(model.module(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    finally:
+        handle.remove()
+    return model.decode(ids[len(model.encode(prompt)):])
+
+
+def test_steering_only_generated_leaves_the_prompt_untouched(model: Any) -> None:
+    prompt_ids = model.encode("The cat")
+    clamps = [Clamp(0, 200.0), Clamp(2, -50.0)]
+    # The prompt's logits under `steer: generated` are the unsteered model's, exactly.
+    from gateway.tools.sae_tools import SteeredRows, steering
+
+    with torch.inference_mode():
+        input_ids = torch.tensor([prompt_ids])
+        plain_logits = model.module(input_ids=input_ids).logits
+        with steering(model, model.saes["res0"], [SteeredRows(0, 1, clamps, [0], [len(prompt_ids)])]):
+            kept = model.module(input_ids=input_ids).logits
+        with steering(model, model.saes["res0"], [SteeredRows(0, 1, clamps, [0], [0])]):
+            changed = model.module(input_ids=input_ids).logits
+    assert torch.equal(kept, plain_logits)
+    assert not torch.allclose(changed, plain_logits)
+    generated = steer(model, [(0, 200.0), (2, -50.0)], max_tokens=8, steer="generated")
+    assert generated.completions[0] == steered_greedy(model, "The cat", [(0, 200.0, 0, None), (2, -50.0, 0, None)], 8, len(prompt_ids))
+    assert generated.completions[0][:1] == plain(model, max_tokens=1).completions[0]  # the first token is read off the prompt
+    everywhere = steer(model, [(0, 200.0), (2, -50.0)], max_tokens=8)
+    assert everywhere.completions[0] == steered_greedy(model, "The cat", [(0, 200.0, 0, None), (2, -50.0, 0, None)], 8, 0)
+    assert everywhere.completions != generated.completions
+
+
+def test_a_clamp_steers_only_its_positions(model: Any) -> None:
+    n = len(model.encode("The cat"))
+    for start, end in ((0, 2), (n, n + 3), (1, None)):
+        clamps = [Clamp(0, 200.0, start=start, end=end)]
+        with torch.inference_mode():
+            got = sae_steer.run(model, SteerParams(prompts=["The cat"], clamps=clamps, max_tokens=8), Recorder())
+        assert got.completions[0] == steered_greedy(model, "The cat", [(0, 200.0, start, end)], 8, 0), (start, end)
+    with pytest.raises(ParamError) as err:
+        sae_steer.check(model, SteerParams(prompts=["x"], clamps=[Clamp(0, 1.0, start=3, end=3)]))
+    assert err.value.field == "clamps[0].end"
 
 
 def test_bad_feature_ids_and_sae_names_are_param_errors(model: Any) -> None:

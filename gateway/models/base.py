@@ -31,6 +31,7 @@ class Capability(str, enum.Enum):
     LAYERS = "layers"
     INCREMENTAL = "incremental"
     CHAT = "chat"
+    SAE = "sae"
 
     @property
     def meaning(self) -> str:
@@ -44,6 +45,7 @@ _MEANING = {
     Capability.LAYERS: "a layer stack with a readout to logits",
     Capability.INCREMENTAL: "an incremental decoding step",
     Capability.CHAT: "a chat template",
+    Capability.SAE: "a sparse autoencoder on one of its layers",
 }
 
 
@@ -73,6 +75,8 @@ class Model:
     # Tokens the tokenizer adds around a text (<cls>, <eos>, BOS, <sep>): never a text's own.
     special_ids: frozenset[int] = field(default_factory=frozenset)
     mask_token_id: int | None = None
+    # The letters of a protein or DNA model's sequences; None for a model of text (gateway/models/alphabet.py).
+    alphabet: str | None = None
     # True when every position sees the whole sequence (encoders), False when only what precedes it.
     bidirectional: bool = False
     capabilities: frozenset[Capability] = field(default_factory=frozenset)

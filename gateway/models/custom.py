@@ -11,6 +11,9 @@ before it is used, like a transformers model's (`probes.py`):
   `select`), for fast generation. Without it, `generate` runs the whole
   context again for every token: slower, and the same tokens (in float32).
 - `hidden_states`: the embeddings and each layer's output, for `embed`.
+- `alphabet`: the letters of its sequences (a DNA model's "ACGTN"): texts it is
+  given as sequences are upper-cased, stripped of whitespace and checked against
+  it (gateway/models/alphabet.py).
 - `layers` and `readout`: the blocks whose outputs are the residual stream
   (forward hooks read and overwrite them) and the function from a block's
   output to logits, for the lens, activation patching and SAEs.
@@ -133,6 +136,7 @@ def load(spec: str, source: str | None, device: str, dtype: torch.dtype) -> Mode
         vocab_size=int(obj.vocab_size),
         pad_token_id=int(getattr(obj, "pad_token_id", 0) or 0),
         special_ids=frozenset([bos]) if bos is not None else frozenset(),
+        alphabet=_alphabet(spec, getattr(obj, "alphabet", None)),
     )
     claimed: dict[Capability, Any] = {Capability.NEXT_TOKEN: lambda ids: probes.causal(model, ids)}
     if all(hasattr(obj, name) for name in ("start", "step", "select")):
@@ -151,6 +155,15 @@ def load(spec: str, source: str | None, device: str, dtype: torch.dtype) -> Mode
     model.missing[Capability.CHAT] = "a custom model has no chat template; send prompts as plain text"
     probes.prove(model, claimed)
     return model
+
+
+def _alphabet(spec: str, letters: Any) -> str | None:
+    """A loader's `alphabet`: its sequences' letters, upper-case, each once."""
+    if letters is None:
+        return None
+    if not isinstance(letters, str) or not letters or letters != letters.upper() or len(set(letters)) != len(letters):
+        raise LoaderError(f"--model-loader {spec}: alphabet must be a string of distinct upper-case letters, got {letters!r}")
+    return letters
 
 
 def _stepped(model: Model, ids: list[int]) -> torch.Tensor:

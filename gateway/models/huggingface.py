@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from gateway.models import alphabet
 from gateway.models.base import Kind, Model
 from gateway.models.detect import UnsupportedModel
 
@@ -80,4 +81,5 @@ def load(
         special_ids=frozenset(i for i in added if i is not None),
         mask_token_id=mask,
         bidirectional=kind in (Kind.MASKED_LM, Kind.ENCODER),
+        alphabet=alphabet.from_tokenizer(tokenizer),
     )

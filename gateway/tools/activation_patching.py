@@ -93,7 +93,7 @@ def check(model: Model, params: PatchingParams) -> None:
     _plan(model, params)
 
 
-@tool(check=check, needs={Capability.NEXT_TOKEN, Capability.LAYERS})
+@tool(check=check, needs={Capability.NEXT_TOKEN, Capability.LAYERS}, sequences=("src_prompt", "tgt_prompt"))
 def activation_patching(model: Model, params: PatchingParams, ctx: Context) -> PatchingResult:
     """Patch the source run's residual stream into the target run, layer by layer and position by position."""
     src_ids, tgt_ids, layers, src_pos, tgt_pos, targets = _plan(model, params)

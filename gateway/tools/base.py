@@ -86,6 +86,9 @@ class Tool:
     `needs` are the model capabilities the tool cannot run without; a model
     that lacks one is refused with 422 `unsupported_by_model` before queueing.
     `spread` lets one job's work run on every device at once (see batching.py).
+    `sequences` names the fields (a string, or a list of them) that hold the model's
+    input text: on a protein or DNA model they are cleaned and checked against its
+    alphabet before the job is queued (gateway/models/alphabet.py).
     """
 
     name: str
@@ -100,6 +103,7 @@ class Tool:
     batch_key: Callable[[Any], Hashable] | None = None
     needs: frozenset[Capability] = frozenset()
     spread: Any = None
+    sequences: tuple[str, ...] = ()
     # Published schemas, for a tool known only from another service's `GET /tools`.
     info: ToolInfo | None = None
 
@@ -159,6 +163,7 @@ def tool(
     batch_key: Callable[[Any], Hashable] | None = None,
     needs: Iterable[Capability] = (),
     spread: Any = None,
+    sequences: Iterable[str] = (),
 ) -> Any:
     """Make a `Tool` from a run function, reading params and result types from its annotations."""
 
@@ -178,6 +183,7 @@ def tool(
             batch_key=batch_key,
             needs=frozenset(needs),
             spread=spread,
+            sequences=tuple(sequences),
         )
 
     return make(fn) if fn is not None else make

@@ -183,6 +183,7 @@ work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="texts")
 @tool(
     check=check,
     caps={"texts": "max_sequences"},
+    sequences=("texts",),
     batch=one_pass(work.many),
     spread=work,
     needs={Capability.HIDDEN_STATES},

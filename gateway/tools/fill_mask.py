@@ -88,6 +88,7 @@ def _fill_many(model: Model, jobs: list[FillMaskParams], ctxs: list[Context]) ->
 @tool(
     check=check,
     caps={"texts": "max_prompts"},
+    sequences=("texts",),
     batch=one_pass(_fill_many),
     needs={Capability.MASKED_LM},
 )

@@ -274,11 +274,11 @@ class Generation:
         if self.members:
             assert self.pending is not None
             pending = self.pending
-            logits = self._forward(self.members, lambda: self.decoder.decode(pending))
+            logits = self._forward(self.members, lambda: self.decoder.decode(pending), prefill=False)
             self.pending = self._sample(self.members, logits)
         if joining:
             rows = [ids for member in joining for ids in member.encoded]
-            logits = self._forward(joining, lambda: self.decoder.prefill(rows))
+            logits = self._forward(joining, lambda: self.decoder.prefill(rows), prefill=True)
             tokens = self._sample(joining, logits)
             self.pending = tokens if self.pending is None else torch.cat([self.pending, tokens])
             self.members.extend(joining)
@@ -287,8 +287,9 @@ class Generation:
         self._keep([m for m in self.members if not m.done])
         return ended
 
-    def _forward(self, members: list[_Member], run: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """One forward pass over `members`' rows, in order (sae_steer wraps it to steer each row)."""
+    def _forward(self, members: list[_Member], run: Callable[[], torch.Tensor], prefill: bool) -> torch.Tensor:
+        """One forward pass over `members`' rows, in order: their prompts (`prefill`), or their next
+        tokens (sae_steer wraps it to steer each row)."""
         return run()
 
     def _sample(self, members: list[_Member], logits: torch.Tensor) -> torch.Tensor:
@@ -499,6 +500,7 @@ def _left_pad(t: torch.Tensor, n: int, dim: int = -2) -> torch.Tensor:
     partial=GeneratePartial,
     check=check,
     caps={"prompts": "max_prompts", "token_ids": "max_prompts", "max_tokens": "max_tokens"},
+    sequences=("prompts",),
     batch=Generation,
     needs={Capability.NEXT_TOKEN},
 )

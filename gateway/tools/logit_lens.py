@@ -157,7 +157,7 @@ def check_lens(model: Model, params: LogitLensParams) -> None:
         single_token(model, text, f"track[{i}]")
 
 
-@tool(check=check_lens, needs={Capability.LAYERS})
+@tool(check=check_lens, needs={Capability.LAYERS}, sequences=("prompt",))
 def logit_lens(model: Model, params: LogitLensParams, ctx: Context) -> LogitLensResult:
     """Each layer's residual stream through the final norm and unembedding: top tokens, entropy, tracked tokens."""
     ids, layers, positions = _prepare(model, params.prompt, params.layers, params.positions)
@@ -204,7 +204,7 @@ def check_line(model: Model, params: LensLineParams) -> None:
         single_token(model, params.token, "token")
 
 
-@tool(check=check_line, needs={Capability.LAYERS})
+@tool(check=check_line, needs={Capability.LAYERS}, sequences=("prompt",))
 def lens_line(model: Model, params: LensLineParams, ctx: Context) -> LensLineResult:
     """One token's probability or rank, or the entropy, across layers at one position: a line chart."""
     ids, layers, _ = _prepare(model, params.prompt, params.layers, None)
@@ -223,7 +223,7 @@ def check_grid(model: Model, params: LensGridParams) -> None:
     _prepare(model, params.prompt, params.layers, params.positions)
 
 
-@tool(check=check_grid, needs={Capability.LAYERS})
+@tool(check=check_grid, needs={Capability.LAYERS}, sequences=("prompt",))
 def lens_grid(model: Model, params: LensGridParams, ctx: Context) -> LensGridResult:
     """A statistic at every layer × position, with each layer's top token: a heatmap."""
     ids, layers, positions = _prepare(model, params.prompt, params.layers, params.positions)

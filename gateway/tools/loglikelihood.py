@@ -75,6 +75,7 @@ def _loglikelihood_many(
 @tool(
     check=check,
     caps={"prompts": "max_prompts", "continuations": "max_prompts"},
+    sequences=("prompts", "continuations"),
     batch=one_pass(_loglikelihood_many),
     needs={Capability.NEXT_TOKEN},
 )

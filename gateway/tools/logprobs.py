@@ -114,6 +114,7 @@ def _logprobs_many(model: Model, jobs: list[LogprobsParams], ctxs: list[Context]
 @tool(
     check=check,
     caps={"prompts": "max_prompts", "token_ids": "max_prompts"},
+    sequences=("prompts",),
     batch=one_pass(_logprobs_many),
     needs={Capability.NEXT_TOKEN},
 )

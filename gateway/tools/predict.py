@@ -55,7 +55,7 @@ def _predict_many(model: Model, jobs: list[PredictParams], ctxs: list[Context]) 
     return results
 
 
-@tool(check=check, batch=one_pass(_predict_many), needs={Capability.NEXT_TOKEN})
+@tool(check=check, batch=one_pass(_predict_many), needs={Capability.NEXT_TOKEN}, sequences=("prompt",))
 def predict(model: Model, params: PredictParams, ctx: Context) -> PredictResult:
     """The top-k next tokens after the prompt, with their probabilities."""
     return _predict_many(model, [params], [ctx])[0]

@@ -105,6 +105,7 @@ work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="positions")  # ty
 @tool(
     check=check,
     caps={"sequences": "max_sequences"},
+    sequences=("sequences",),
     batch=one_pass(work.many),
     spread=work,
     needs={Capability.MASKED_LM},

@@ -17,6 +17,7 @@ same batch or the next.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal
 
@@ -26,8 +27,8 @@ import torch
 from gateway.errors import ParamError
 from gateway.sae import SAE
 from gateway.tools.anatomy import anatomy
-from gateway.tools.base import Capability, Context, Model, Tool, tool
-from gateway.tools.batching import run_alone
+from gateway.tools.base import Capability, Context, Model, Tool, right_padded, tool
+from gateway.tools.batching import one_pass, run_alone
 from gateway.tools.numbers import floats
 from gateway.tools.generate import (
     GenerateParams,
@@ -101,7 +102,7 @@ def _check_features(model: Model, params: FeaturesParams) -> None:
     resolve_sae(model, params.sae)
 
 
-@tool(check=_check_features)
+@tool(check=_check_features, needs={Capability.SAE})
 def sae_features(model: Model, params: FeaturesParams, ctx: Context) -> FeaturesResult:
     """List an SAE's features with their labels and decoder norms, filtered by label and paginated."""
     sae = resolve_sae(model, params.sae)
@@ -127,14 +128,28 @@ def sae_features(model: Model, params: FeaturesParams, ctx: Context) -> Features
 
 
 class AnnotateParams(msgspec.Struct, forbid_unknown_fields=True):
-    prompt: str
+    prompt: Annotated[str, msgspec.Meta(description="One text: each token's features (`tokens` in the result).")] | None = None
     sae: SaeName | None = None
     mode: Annotated[
         Literal["top", "pick"],
-        msgspec.Meta(description="top: each token's k most active features; pick: the activations of feature_ids."),
+        msgspec.Meta(
+            description="top: per token of a prompt, its k most active features; per sequence, the k features "
+            "most active anywhere in it. pick: the features of feature_ids."
+        ),
     ] = "top"
     k: Annotated[int, msgspec.Meta(ge=1, le=100)] = 5
     feature_ids: Annotated[list[FeatureId], msgspec.Meta(min_length=1, max_length=256)] | None = None
+    sequences: Annotated[
+        list[str],
+        msgspec.Meta(
+            min_length=1,
+            description="Many sequences instead of a prompt: per sequence, each feature's activation at every "
+            "position (`tracks`) and a summary (`sequences` in the result). Batched with other jobs'.",
+        ),
+    ] | None = None
+    threshold: Annotated[
+        float, msgspec.Meta(description="Per sequence: a feature's positions with an activation above this are listed.")
+    ] = 0.0
 
 
 class Activation(msgspec.Struct):
@@ -151,34 +166,72 @@ class TokenAnnotation(msgspec.Struct):
     relative_error: float  # error / |x|
 
 
-class AnnotateResult(msgspec.Struct):
+class FeatureTrack(msgspec.Struct):
+    """One feature over one sequence: its largest and mean activation, where the largest is, and where it is above the threshold."""
+
+    id: int
+    label: str | None
+    max: float
+    mean: float
+    argmax: int
+    above: list[int]
+
+
+# float32 arrays: raw buffers between services (gateway/encoding.py), JSON numbers for clients.
+_Tracks = Annotated[
+    Any,
+    msgspec.Meta(
+        description="features × positions: row i is features[i]'s activation at each position.",
+        extra_json_schema={"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+    ),
+]
+_PerPosition = Annotated[
+    Any,
+    msgspec.Meta(description="One number per position.", extra_json_schema={"type": "array", "items": {"type": "number"}}),
+]
+
+
+class SequenceAnnotation(msgspec.Struct):
+    """One sequence: its own tokens (special tokens left out), aligned with every per-position array."""
+
+    tokens: list[str]
+    features: list[FeatureTrack]
+    tracks: _Tracks
+    relative_error: _PerPosition  # |x - decode(encode(x))| / |x| at each position
+
+
+class AnnotateResult(msgspec.Struct, omit_defaults=True):
     sae: str
     layer: int
-    tokens: list[TokenAnnotation]
+    tokens: list[TokenAnnotation] | None = None
+    sequences: list[SequenceAnnotation] | None = None
 
 
 def _check_annotate(model: Model, params: AnnotateParams) -> None:
     sae = resolve_sae(model, params.sae)
+    if (params.prompt is None) == (params.sequences is None):
+        raise ParamError("prompt", "give prompt (one text, token by token) or sequences (many, as tracks), one of the two")
     if params.mode == "pick":
         if params.feature_ids is None:
             raise ParamError("feature_ids", "required when mode is pick")
         check_feature_ids(sae, params.feature_ids, "feature_ids")
     elif params.feature_ids is not None:
         raise ParamError("feature_ids", "only with mode pick")
-    model.fit(len(model.encode(params.prompt)), "prompt")
+    if params.prompt is not None:
+        model.fit(len(model.encode(params.prompt)), "prompt")
+    for i, sequence in enumerate(params.sequences or []):
+        model.fit(len(model.encode(sequence)), f"sequences[{i}]")
 
 
-@tool(check=_check_annotate, needs={Capability.LAYERS})
-def sae_annotate(model: Model, params: AnnotateParams, ctx: Context) -> AnnotateResult:
-    """Per token of a prompt: its most active SAE features (or the chosen ones) and the reconstruction error."""
-    _check_annotate(model, params)  # also when called directly, without the gateway's check
-    sae = resolve_sae(model, params.sae)
-    ids = model.encode(params.prompt)
-    layer = sae.spec.layer
+def _residuals(model: Model, layer: int, rows: list[list[int]]) -> list[torch.Tensor]:
+    """Each row's residual stream at `layer` (tokens × d_model, float32), from one right-padded pass."""
     with anatomy(model).capture([layer]) as captured:
-        input_ids = torch.tensor([ids], device=model.device)
-        model.logits(input_ids, torch.ones_like(input_ids))
-    x = captured[layer][0].float()
+        input_ids, mask = right_padded(model, rows)
+        model.logits(input_ids, mask)
+    return [captured[layer][i, : len(ids)].float() for i, ids in enumerate(rows)]
+
+
+def _annotate_prompt(model: Model, sae: SAE, params: AnnotateParams, x: torch.Tensor, ids: list[int]) -> list[TokenAnnotation]:
     f = sae.encode(x)
     error = (x - sae.decode(f)).norm(dim=-1)
     relative = error / x.norm(dim=-1).clamp(min=1e-12)
@@ -199,54 +252,184 @@ def sae_annotate(model: Model, params: AnnotateParams, ctx: Context) -> Annotate
             for fid, value in zip(picked[pos], values[pos])
             if params.mode == "pick" or value > 0  # `top` lists active features only
         ]
-        tokens.append(
-            TokenAnnotation(model.token_text(token_id), token_id, acts, errors[pos], relatives[pos])
-        )
-    return AnnotateResult(sae=sae.name, layer=layer, tokens=tokens)
+        tokens.append(TokenAnnotation(model.token_text(token_id), token_id, acts, errors[pos], relatives[pos]))
+    return tokens
+
+
+def _annotate_sequence(model: Model, sae: SAE, params: AnnotateParams, x: torch.Tensor, ids: list[int]) -> SequenceAnnotation:
+    own = model.own(ids)  # positions are the sequence's own tokens: BOS, CLS, EOS are not letters of it
+    x = x[own]
+    f = sae.encode(x)
+    relative = (x - sae.decode(f)).norm(dim=-1) / x.norm(dim=-1).clamp(min=1e-12)
+    if params.mode == "pick":
+        assert params.feature_ids is not None
+        chosen = params.feature_ids
+    else:  # the k features with the largest activation anywhere in the sequence, largest first
+        peaks = f.max(dim=0).values if len(own) else f.new_zeros(sae.n_features)
+        top = torch.topk(peaks, min(params.k, sae.n_features))
+        chosen = [i for i, v in zip(top.indices.tolist(), top.values.tolist()) if v > 0]
+    tracks = f[:, chosen].T.contiguous()  # features × positions
+    labels = sae.spec.labels
+    summary = []
+    for row, fid in zip(tracks, chosen):
+        if len(own):
+            peak = int(row.argmax())
+            numbers = floats(torch.stack([row[peak], row.mean()]))
+            above = torch.nonzero(row > params.threshold).flatten().tolist()
+        else:
+            peak, numbers, above = 0, [0.0, 0.0], []
+        summary.append(FeatureTrack(fid, labels.get(fid), numbers[0], numbers[1], peak, above))
+    return SequenceAnnotation(
+        tokens=[model.token_text(ids[i]) for i in own],
+        features=summary,
+        tracks=tracks.cpu().numpy(),
+        relative_error=relative.cpu().numpy(),
+    )
+
+
+# Tokens in one forward pass of `sae_annotate`: thousands of long sequences go through in passes of this size.
+PASS_TOKENS = 16384
+
+
+def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]) -> list[AnnotateResult]:
+    for params in jobs:
+        _check_annotate(model, params)  # also when called directly, without the gateway's check
+    saes = [resolve_sae(model, params.sae) for params in jobs]
+    rows = [(j, [model.encode(t) for t in ([p.prompt] if p.prompt is not None else p.sequences or [])]) for j, p in enumerate(jobs)]
+    flat = [(j, ids) for j, job_rows in rows for ids in job_rows]
+    done: dict[int, list[Any]] = {j: [] for j in range(len(jobs))}
+    # Passes of rows of one SAE layer, longest first, each within PASS_TOKENS (one row may pass it alone).
+    order = sorted(range(len(flat)), key=lambda i: (saes[flat[i][0]].spec.layer, -len(flat[i][1])))
+    outputs: dict[int, Any] = {}
+    start = 0
+    while start < len(order):
+        layer = saes[flat[order[start]][0]].spec.layer
+        end = start + 1
+        while (
+            end < len(order)
+            and saes[flat[order[end]][0]].spec.layer == layer
+            and (end - start + 1) * len(flat[order[start]][1]) <= PASS_TOKENS
+        ):
+            end += 1
+        chunk = order[start:end]
+        for i, x in zip(chunk, _residuals(model, layer, [flat[i][1] for i in chunk])):
+            j, ids = flat[i]
+            params, sae = jobs[j], saes[j]
+            if params.prompt is not None:
+                outputs[i] = _annotate_prompt(model, sae, params, x, ids)
+            else:
+                outputs[i] = _annotate_sequence(model, sae, params, x, ids)
+        for j in {flat[i][0] for i in chunk}:
+            finished = sum(1 for i in order[:end] if flat[i][0] == j)
+            ctxs[j].progress(finished, len(rows[j][1]), "sequences")
+        start = end
+    for i in range(len(flat)):
+        done[flat[i][0]].append(outputs[i])
+    results = []
+    for j, (params, sae) in enumerate(zip(jobs, saes)):
+        if params.prompt is not None:
+            results.append(AnnotateResult(sae=sae.name, layer=sae.spec.layer, tokens=done[j][0]))
+        else:
+            results.append(AnnotateResult(sae=sae.name, layer=sae.spec.layer, sequences=done[j]))
+    return results
+
+
+@tool(
+    check=_check_annotate,
+    caps={"sequences": "max_sequences"},
+    sequences=("prompt", "sequences"),
+    batch=one_pass(_annotate_many),
+    needs={Capability.LAYERS, Capability.SAE},
+)
+def sae_annotate(model: Model, params: AnnotateParams, ctx: Context) -> AnnotateResult:
+    """Per token of a prompt, its most active SAE features (or the chosen ones) and the reconstruction error;
+    or, for many sequences, each chosen feature's activation at every position, with a summary."""
+    return _annotate_many(model, [params], [ctx])[0]
 
 
 # -- sae_steer ------------------------------------------------------------------------
 
 
-class Clamp(msgspec.Struct, forbid_unknown_fields=True):
+class Clamp(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     feature_id: FeatureId
     strength: Annotated[
         float,
-        msgspec.Meta(ge=-MAX_STRENGTH, le=MAX_STRENGTH, description="The value the feature is clamped to at every position."),
+        msgspec.Meta(ge=-MAX_STRENGTH, le=MAX_STRENGTH, description="The value the feature is clamped to at the positions steered."),
     ]
+    start: Annotated[
+        int, msgspec.Meta(ge=0, description="The first position clamped, counting the prompt's tokens from 0.")
+    ] = 0
+    end: Annotated[
+        int, msgspec.Meta(ge=1, description="The position after the last one clamped; left out, every position from start on.")
+    ] | None = None
 
 
 class SteerParams(GenerateParams, forbid_unknown_fields=True, kw_only=True):
     clamps: Annotated[list[Clamp], msgspec.Meta(min_length=1, max_length=64)]
     sae: SaeName | None = None
+    # The default is "all": feature clamping as the SAE literature does it (Templeton et al. 2024's
+    # "Scaling Monosemanticity" clamps a feature at every position, prompt included), which also
+    # leaves the prompt's reading shaped by the feature, as a prompt about the topic would.
+    steer: Annotated[
+        Literal["all", "generated"],
+        msgspec.Meta(
+            description="all: clamp at every position, the prompt's included; generated: only at the tokens "
+            "generated, so the prompt is read as it would be without steering."
+        ),
+    ] = "all"
 
 
 def _check_steer(model: Model, params: SteerParams) -> None:
     sae = resolve_sae(model, params.sae)
     check_feature_ids(sae, [c.feature_id for c in params.clamps], "clamps", ".feature_id")
+    for i, clamp in enumerate(params.clamps):
+        if clamp.end is not None and clamp.end <= clamp.start:
+            raise ParamError(f"clamps[{i}].end", f"must be after start ({clamp.start})")
     generate_check(model, params)
 
 
+@dataclass(frozen=True)
+class SteeredRows:
+    """One job's rows of a forward pass: rows start..end of the batch, their clamps, and where
+    each row's columns are in its sequence: column c is position c + offsets[r], and positions
+    from firsts[r] on may be steered (0 for steer "all", the prompt's length for "generated")."""
+
+    start: int
+    end: int
+    clamps: list[Clamp]
+    offsets: list[int]
+    firsts: list[int]
+
+
 @contextlib.contextmanager
-def steering(model: Model, sae: SAE, rows: list[tuple[int, int, list[Clamp]]]) -> Iterator[None]:
-    """Steer the forward passes inside: rows start..end get their clamps; other rows nothing."""
+def steering(model: Model, sae: SAE, rows: list[SteeredRows]) -> Iterator[None]:
+    """Steer the forward passes inside: each block of rows gets its clamps, at its positions; other rows nothing."""
     if not rows:
         yield
         return
+    device = sae.W_dec.device
     blocks = [
         (
-            start,
-            end,
-            torch.tensor([c.feature_id for c in clamps], device=sae.W_dec.device),
-            torch.tensor([c.strength for c in clamps], dtype=torch.float32, device=sae.W_dec.device),
+            block,
+            torch.tensor([c.feature_id for c in block.clamps], device=device),
+            torch.tensor([c.strength for c in block.clamps], dtype=torch.float32, device=device),
+            torch.tensor([[c.start, c.end if c.end is not None else 2**62] for c in block.clamps], device=device),
+            torch.tensor(block.offsets, device=device),
+            torch.tensor(block.firsts, device=device),
         )
-        for start, end, clamps in rows
+        for block in rows
     ]
 
     def write(hidden: torch.Tensor) -> None:
-        for start, end, ids, strengths in blocks:
-            f = sae.encode(hidden[start:end])[..., ids]
-            hidden[start:end] += ((strengths - f) @ sae.W_dec[ids]).to(hidden.dtype)
+        width = hidden.shape[1]
+        columns = torch.arange(width, device=device)
+        for block, ids, strengths, spans, offsets, firsts in blocks:
+            positions = columns[None, :] + offsets[:, None]  # rows × width
+            where = (positions[..., None] >= spans[:, 0]) & (positions[..., None] < spans[:, 1])  # rows × width × clamps
+            where &= (positions >= firsts[:, None])[..., None]
+            f = sae.encode(hidden[block.start : block.end])[..., ids]
+            delta = ((strengths - f) * where) @ sae.W_dec[ids]
+            hidden[block.start : block.end] += delta.to(hidden.dtype)
 
     with anatomy(model).overwrite(sae.spec.layer, write):
         yield
@@ -268,24 +451,37 @@ class Steering(Generation):
         self.sae = resolve_sae(self.model, params.sae)
         super().add(params, ctx)
 
-    def _forward(self, members: list[_Member], run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _forward(self, members: list[_Member], run: Callable[[], torch.Tensor], prefill: bool) -> torch.Tensor:
         assert self.sae is not None
+        # Where each row's columns are in its sequence: the KV cache decodes one column, the pending
+        # token, and prefills prompts left-padded to the longest; Recompute runs every row whole from 0.
+        width = max(len(ids) for m in members for ids in m.encoded)
         rows, start = [], 0
         for member in members:
             end = start + len(member.rows)
-            rows.append((start, end, member.params.clamps))  # type: ignore[attr-defined]
+            lengths = [len(ids) for ids in member.encoded]
+            if isinstance(self.decoder, Recompute):
+                offsets = [0] * len(lengths)
+            elif prefill:
+                offsets = [n - width for n in lengths]
+            else:
+                offsets = [n + member.steps - 1 for n in lengths]
+            params: SteerParams = member.params  # type: ignore[assignment]
+            firsts = lengths if params.steer == "generated" else [0] * len(lengths)
+            rows.append(SteeredRows(start, end, params.clamps, offsets, firsts))
             start = end
         with steering(self.model, self.sae, rows):
-            return super()._forward(members, run)
+            return super()._forward(members, run, prefill)
 
 
 @tool(
     partial=GeneratePartial,
     check=_check_steer,
-    caps={"prompts": "max_prompts", "max_tokens": "max_tokens"},
+    caps={"prompts": "max_prompts", "token_ids": "max_prompts", "max_tokens": "max_tokens"},
+    sequences=("prompts",),
     batch=Steering,
     batch_key=lambda params: params.sae,
-    needs={Capability.NEXT_TOKEN, Capability.LAYERS},
+    needs={Capability.NEXT_TOKEN, Capability.LAYERS, Capability.SAE},
 )
 def sae_steer(model: Model, params: SteerParams, ctx: Context) -> GenerateResult:
     """Generate like `generate`, with SAE features clamped to given strengths at the SAE's layer."""

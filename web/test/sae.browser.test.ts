@@ -66,10 +66,11 @@ describe('the dashboard with an SAE', () => {
     await finished(job)
     const direct = await runTool(gateway.url, 'sae_annotate', SAE_EXAMPLES.sae_annotate)
     assert.deepEqual(await rawResult<AnnotateResult>(job), direct)
+    const annotated = direct.tokens ?? assert.fail('a prompt is answered with `tokens`')
     const tokens = job.locator('.result .sae-token')
-    assert.equal(await tokens.count(), direct.tokens.length)
-    assert.ok(direct.tokens.some((t) => t.features.length > 0), 'no feature fired at all')
-    for (const [i, token] of direct.tokens.entries()) {
+    assert.equal(await tokens.count(), annotated.length)
+    assert.ok(annotated.some((t) => t.features.length > 0), 'no feature fired at all')
+    for (const [i, token] of annotated.entries()) {
       const row = tokens.nth(i)
       const chips = row.locator('.sae-chip')
       assert.equal(await chips.count(), token.features.length, `token ${i}`)
@@ -78,7 +79,7 @@ describe('the dashboard with an SAE', () => {
       assert.equal(await row.locator('.sae-error span').count(), 1)
     }
     // A labelled feature shows its label on its chip.
-    const labelled = direct.tokens.flatMap((t) => t.features).find((f) => f.label)
+    const labelled = annotated.flatMap((t) => t.features).find((f) => f.label)
     if (labelled) assert.ok((await job.locator(`.sae-chip[data-feature="${labelled.id}"] .sae-label`).first().innerText()) === labelled.label)
     await job.scrollIntoViewIfNeeded()
     await page.screenshot({path: join(ARTIFACTS, 'sae-annotate.png'), fullPage: true})
@@ -92,14 +93,14 @@ describe('the dashboard with an SAE', () => {
     await page.fill('[data-field=feature_ids] input', '0, 2, 5')
     const job = await run(page)
     await finished(job)
-    const result = await rawResult<AnnotateResult>(job)
+    const annotated = (await rawResult<AnnotateResult>(job)).tokens ?? assert.fail('a prompt is answered with `tokens`')
     const rows = job.locator('.result .sae-token')
-    assert.equal(await rows.count(), result.tokens.length)
-    for (let i = 0; i < result.tokens.length; i++) {
+    assert.equal(await rows.count(), annotated.length)
+    for (let i = 0; i < annotated.length; i++) {
       const ids = await rows.nth(i).locator('.sae-chip').evaluateAll((chips) => chips.map((c) => c.getAttribute('data-feature')))
       assert.deepEqual(ids, ['0', '2', '5'])
     }
-    assert.equal(await job.locator('.result svg.heatmap rect.cell').count(), 3 * result.tokens.length)
+    assert.equal(await job.locator('.result svg.heatmap rect.cell').count(), 3 * annotated.length)
     await page.screenshot({path: join(ARTIFACTS, 'sae-annotate-pick.png'), fullPage: true})
     assert.deepEqual(page.errors, [])
     await page.close()

@@ -65,7 +65,8 @@ export function legend(label: string, scale: (t: number) => RGB, from: number, t
 
 let tipBox: HTMLElement | undefined
 
-function showTip(lines: string[], x: number, y: number): void {
+/** The shared tooltip: `lines` (the first bold) near the pointer at `x`, `y` (client coordinates). */
+export function showTip(lines: string[], x: number, y: number): void {
   tipBox ??= document.body.appendChild(h('div', {id: 'tip', role: 'tooltip'}))
   tipBox.replaceChildren(...lines.map((line, i) => h(i === 0 ? 'strong' : 'div', {}, line)))
   tipBox.hidden = false
@@ -77,7 +78,7 @@ function showTip(lines: string[], x: number, y: number): void {
   tipBox.style.top = `${Math.max(4, top)}px`
 }
 
-function hideTip(): void {
+export function hideTip(): void {
   if (tipBox) tipBox.hidden = true
 }
 

@@ -8,7 +8,11 @@ import {h} from './dom.ts'
 import {exactInteger, parseExact, stringifyExact} from './exact.ts'
 
 type Schema = {[key: string]: unknown}
-type Kind = 'string' | 'text' | 'strings' | 'numbers' | 'number' | 'bool' | 'enum' | 'json'
+/**
+ * `strings`: one item per line; `blocks`: one box per item (sequences, which may be pasted with
+ * their line breaks), each sent as typed.
+ */
+type Kind = 'string' | 'text' | 'strings' | 'blocks' | 'numbers' | 'number' | 'bool' | 'enum' | 'json'
 
 interface Field {
   name: string
@@ -83,7 +87,7 @@ function kindOf(name: string, schema: Schema): Kind {
     case 'string':
       return /prompt|text/.test(name) ? 'text' : 'string'
     case 'array':
-      if (items.type === 'string') return 'strings'
+      if (items.type === 'string') return /sequence/.test(name) ? 'blocks' : 'strings'
       if (items.type === 'integer' || items.type === 'number') return 'numbers'
       return 'json'
     default:
@@ -100,6 +104,7 @@ function rules(schema: Schema, kind: Kind): string {
       : ''
   if (kind === 'number') out.push(range(schema.minimum, schema.maximum, schema.exclusiveMinimum))
   if (kind === 'strings') out.push('one per line')
+  if (kind === 'blocks') out.push('one box each, sent as typed, line breaks and all')
   if (kind === 'numbers') out.push('separated by commas or spaces')
   if (schema.type === 'array') out.push(range(schema.minItems, schema.maxItems) && `items ${range(schema.minItems, schema.maxItems)}`)
   if (kind === 'numbers') out.push(range(items.minimum, items.maximum))
@@ -113,7 +118,11 @@ function field(name: string, node: Schema, root: Schema, required: boolean, init
   const id = `f-${name}`
   const optional = !required
   let input: HTMLInputElement | HTMLTextAreaElement | HTMLSelectElement
+  const blocks = kind === 'blocks' ? itemBoxes(name, id) : undefined
   switch (kind) {
+    case 'blocks':
+      input = blocks!.first()
+      break
     case 'text':
     case 'strings':
     case 'json':
@@ -148,7 +157,8 @@ function field(name: string, node: Schema, root: Schema, required: boolean, init
       input.checked = value === true
       return
     }
-    if (value === undefined || value === null) input.value = ''
+    if (blocks) blocks.write(Array.isArray(value) ? value.map(String) : value === undefined || value === null ? [] : [String(value)])
+    else if (value === undefined || value === null) input.value = ''
     else if (kind === 'strings' && Array.isArray(value)) input.value = value.join('\n')
     else if (kind === 'numbers' && Array.isArray(value)) input.value = value.join(', ')
     else if (kind === 'json') input.value = stringifyExact(value)
@@ -170,6 +180,11 @@ function field(name: string, node: Schema, root: Schema, required: boolean, init
   }
   const read = (): {value?: unknown} => {
     if (input instanceof HTMLInputElement && input.type === 'checkbox') return {value: input.checked}
+    if (blocks) {
+      // Each box as typed; only a box with nothing but blanks in it is left out.
+      const items = blocks.read().filter((item) => item.trim() !== '')
+      return items.length ? {value: items} : optional ? {} : {value: []}
+    }
     const raw = input.value
     if (raw.trim() === '' && kind !== 'text' && kind !== 'string') return optional ? {} : kind === 'strings' || kind === 'numbers' ? {value: []} : {}
     switch (kind) {
@@ -205,11 +220,54 @@ function field(name: string, node: Schema, root: Schema, required: boolean, init
     'div',
     {class: `field field-${kind}`, 'data-field': name},
     h('label', {for: id}, name, required ? h('span', {class: 'required', title: 'required'}, ' *') : null),
-    input,
+    blocks ? blocks.element : input,
     help ? h('small', {class: 'help'}, help) : null,
     error,
   )
   return {name, row, read, write, error}
+}
+
+/**
+ * A list of strings as one textarea per item, with buttons to add and remove one: for items long and
+ * pasted (a sequence, in FASTA lines), whose line breaks belong to the item. The first box has `id`.
+ */
+function itemBoxes(name: string, id: string): {element: HTMLElement; first: () => HTMLTextAreaElement; read: () => string[]; write: (items: string[]) => void} {
+  const list = h('ol', {class: 'blocks'})
+  const boxes = () => [...list.querySelectorAll<HTMLTextAreaElement>('textarea')]
+  const renumber = () =>
+    boxes().forEach((box, i, all) => {
+      box.id = i === 0 ? id : `${id}-${i}`
+      box.setAttribute('aria-label', `${name} ${i + 1} of ${all.length}`)
+      const remove = box.nextElementSibling as HTMLButtonElement
+      remove.setAttribute('aria-label', `remove ${name} ${i + 1}`)
+      remove.hidden = all.length === 1
+    })
+  const add = (value: string) => {
+    const box = h('textarea', {name, rows: 3, spellcheck: 'false', autocomplete: 'off'})
+    box.value = value
+    const remove = h('button', {type: 'button', class: 'icon block-remove', title: `remove this ${name.replace(/s$/, '')}`}, '×')
+    const item = h('li', {class: 'block'}, box, remove)
+    remove.addEventListener('click', () => {
+      item.remove()
+      renumber()
+      boxes()[0]?.focus()
+    })
+    list.appendChild(item)
+    renumber()
+    return box
+  }
+  const more = h('button', {type: 'button', class: 'block-add'}, `+ another ${name.replace(/s$/, '')}`)
+  more.addEventListener('click', () => add('').focus())
+  add('')
+  return {
+    element: h('div', {class: 'blocks-box'}, list, more),
+    first: () => boxes()[0]!,
+    read: () => boxes().map((box) => box.value),
+    write: (items) => {
+      list.replaceChildren()
+      for (const item of items.length ? items : ['']) add(item)
+    },
+  }
 }
 
 /**

@@ -23,7 +23,7 @@ import {JobTracker, type JobEvent} from '../job.ts'
 import {fmt, h} from './dom.ts'
 import {stringifyExact} from './exact.ts'
 import type {Login} from './login.ts'
-import {renderResult, streamHeader} from './views.ts'
+import {mounted, renderResult, streamHeader} from './views.ts'
 
 /** How a job ended, when not with its result: as its card shows it. */
 export interface Failure {
@@ -171,10 +171,25 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
       case 'data':
         step('done', '', 'done')
         if (state.progress?.total) bar.style.width = '100%'
-        result.replaceChildren(renderResult(tool.name, event.result, params))
-        result.hidden = false
-        tokens.hidden = true
-        partialBox.hidden = true
+        {
+          // How long the result takes to show, from its arrival (parsed) to its view built, laid
+          // out and its canvases drawn: on the card (data-render-ms) and in the browser's
+          // performance timeline.
+          const drawing = performance.now()
+          const view = renderResult(tool.name, event.result, params)
+          result.replaceChildren(view)
+          result.hidden = false
+          tokens.hidden = true
+          partialBox.hidden = true
+          mounted(view)
+          const ms = performance.now() - drawing
+          result.dataset.renderMs = ms.toFixed(2)
+          try {
+            performance.measure(`streamgate: ${tool.name} result drawn`, {start: drawing, duration: ms})
+          } catch {
+            // A browser without User Timing's measure options: the card's attribute is enough.
+          }
+        }
         raw.textContent = JSON.stringify(event.result, null, 2)
         rawBox.hidden = false
         finish('done')

@@ -1,7 +1,8 @@
-/** The SAE tools' results: features per token as chips, a feature table, steering's clamps. */
-import type {AnnotateParams, AnnotateResult, Clamp, FeaturesResult, GenerateResult, SteerParams} from '../generated/types.ts'
+/** The SAE tools' results: features per token as chips (or per sequence as tracks), a feature table, steering's clamps. */
+import type {AnnotateParams, AnnotateResult, Clamp, FeaturesResult, GenerateResult, SteerParams, TokenAnnotation} from '../generated/types.ts'
 import {css, heatmap, ink, legend, sequential} from './charts.ts'
 import {fmt, h, percent, showToken} from './dom.ts'
+import {tracksView} from './trackview.ts'
 
 const featureName = (id: number, label: string | null | undefined) => (label ? `#${id} ${label}` : `#${id}`)
 
@@ -23,11 +24,19 @@ function chip(id: number, label: string | null, value: number, max: number): HTM
   )
 }
 
-/** Each prompt token over its features (`top`: the most active; `pick`: the chosen), with its reconstruction error. */
+/**
+ * Each prompt token over its features (`top`: the most active; `pick`: the chosen), with its
+ * reconstruction error; for `sequences`, each sequence's feature tracks (trackview.ts).
+ */
 export function annotateView(result: AnnotateResult, params: AnnotateParams): Node {
+  if (result.sequences) return tracksView(result, params)
+  return tokensView(result.tokens ?? [], result, params)
+}
+
+function tokensView(annotated: TokenAnnotation[], result: AnnotateResult, params: AnnotateParams): Node {
   const pick = params.mode === 'pick'
-  const max = Math.max(0, ...result.tokens.flatMap((t) => t.features.map((f) => f.value)))
-  const tokens = result.tokens.map((t, position) =>
+  const max = Math.max(0, ...annotated.flatMap((t) => t.features.map((f) => f.value)))
+  const tokens = annotated.map((t, position) =>
     h(
       'div',
       {class: 'sae-token', 'data-position': position},
@@ -51,18 +60,18 @@ export function annotateView(result: AnnotateResult, params: AnnotateParams): No
       '; the bar under a token is its relative reconstruction error, |x − x̂| / |x| (full: 100% or more).',
     ),
   ]
-  if (pick && result.tokens.length) {
-    const ids = result.tokens[0]!.features
+  if (pick && annotated.length) {
+    const ids = annotated[0]!.features
     parts.push(
       heatmap({
         rows: ids.map((f) => featureName(f.id, f.label)),
-        cols: result.tokens.map((t) => showToken(t.token)),
+        cols: annotated.map((t) => showToken(t.token)),
         rowTitle: 'feature',
         colTitle: 'position',
-        fill: (r, c) => sequential(max > 0 ? (result.tokens[c]?.features[r]?.value ?? 0) / max : 0),
+        fill: (r, c) => sequential(max > 0 ? (annotated[c]?.features[r]?.value ?? 0) / max : 0),
         tip: (r, c) => [
-          `${featureName(ids[r]!.id, ids[r]!.label)} at position ${c} (${showToken(result.tokens[c]?.token ?? '')})`,
-          `activation ${fmt(result.tokens[c]?.features[r]?.value ?? NaN)}`,
+          `${featureName(ids[r]!.id, ids[r]!.label)} at position ${c} (${showToken(annotated[c]?.token ?? '')})`,
+          `activation ${fmt(annotated[c]?.features[r]?.value ?? NaN)}`,
         ],
       }),
     )

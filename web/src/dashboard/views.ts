@@ -25,6 +25,8 @@ import {fmt, h, percent, showToken} from './dom.ts'
 import {cosines, pca2} from './project.ts'
 import {annotateView, clampsLine, featuresView, steerView} from './sae.ts'
 
+export {mounted} from './trackview.ts'
+
 type Tools = BuiltinTools & SaeTools
 type Views = {[K in keyof Tools]: (result: Tools[K]['result'], params: Tools[K]['params']) => Node}
 

@@ -148,6 +148,7 @@ export interface ModelInfo {
   context_length?: number | null
   device?: string | null
   dtype?: string | null
+  alphabet?: string | null
   tools?: string[]
   unsupported?: {
     [k: string]: string | undefined
@@ -689,14 +690,19 @@ export interface FeaturesResult {
  * via the `definition` "AnnotateParams".
  */
 export interface AnnotateParams {
-  prompt: string
+  prompt?: string | null
   sae?: string | null
   /**
-   * top: each token's k most active features; pick: the activations of feature_ids.
+   * top: per token of a prompt, its k most active features; per sequence, the k features most active anywhere in it. pick: the features of feature_ids.
    */
   mode?: 'pick' | 'top'
   k?: number
   feature_ids?: number[] | null
+  sequences?: string[] | null
+  /**
+   * Per sequence: a feature's positions with an activation above this are listed.
+   */
+  threshold?: number
   model?: string | null
 }
 /**
@@ -720,13 +726,46 @@ export interface Activation {
   value: number
 }
 /**
+ * One sequence: its own tokens (special tokens left out), aligned with every per-position array.
+ *
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "SequenceAnnotation".
+ */
+export interface SequenceAnnotation {
+  tokens: string[]
+  features: FeatureTrack[]
+  /**
+   * features × positions: row i is features[i]'s activation at each position.
+   */
+  tracks: number[][]
+  /**
+   * One number per position.
+   */
+  relative_error: number[]
+}
+/**
+ * One feature over one sequence: its largest and mean activation, where the largest is, and where it is above the threshold.
+ *
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "FeatureTrack".
+ */
+export interface FeatureTrack {
+  id: number
+  label: string | null
+  max: number
+  mean: number
+  argmax: number
+  above: number[]
+}
+/**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
  * via the `definition` "AnnotateResult".
  */
 export interface AnnotateResult {
   sae: string
   layer: number
-  tokens: TokenAnnotation[]
+  tokens?: TokenAnnotation[] | null
+  sequences?: SequenceAnnotation[] | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -735,9 +774,14 @@ export interface AnnotateResult {
 export interface Clamp {
   feature_id: number
   /**
-   * The value the feature is clamped to at every position.
+   * The value the feature is clamped to at the positions steered.
    */
   strength: number
+  /**
+   * The first position clamped, counting the prompt's tokens from 0.
+   */
+  start?: number
+  end?: number | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -769,6 +813,10 @@ export interface SteerParams {
    */
   clamps: Clamp[]
   sae?: string | null
+  /**
+   * all: clamp at every position, the prompt's included; generated: only at the tokens generated, so the prompt is read as it would be without steering.
+   */
+  steer?: 'all' | 'generated'
 }
 /**
  * The SAE tools (served with `--sae`): each one's params, result and partial, by tool name.

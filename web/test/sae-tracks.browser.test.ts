@@ -1,0 +1,362 @@
+/**
+ * `sae_annotate` over sequences as feature tracks, in headless Chromium, against a gateway on a tiny
+ * Llama whose context holds 8,448 tokens (test/support/tiny_long_model.py, one token per letter) with
+ * a tiny 16-feature SAE on layer 0 (test/support/tiny_sae.py). An 8,000-letter DNA sequence is drawn
+ * as 16 tracks within a time budget stated against the sentence view, hovered, zoomed to its letters
+ * and scrolled; several sequences get a stepper, and a sequence pasted with line breaks goes as typed.
+ * Screenshots go to test-artifacts/ (sae-tracks.png, sae-tracks-zoomed.png, sae-tracks-several.png).
+ */
+import assert from 'node:assert/strict'
+import {execFileSync} from 'node:child_process'
+import {mkdtempSync, rmSync} from 'node:fs'
+import {tmpdir} from 'node:os'
+import {join} from 'node:path'
+import {after, before, describe, test} from 'node:test'
+
+import {type BrowserContext, type Locator, type Page} from 'playwright-core'
+
+import {SAE_EXAMPLES, type AnnotateResult, type SequenceAnnotation} from '../src/index.ts'
+import {fmt} from '../src/dashboard/dom.ts'
+import {LAYOUT, LETTER_PX} from '../src/dashboard/tracks.ts'
+import {ARTIFACTS, finished, launch, rawResult, run} from './support/browser.ts'
+import {ROOT, startGateway, WEB, type Gateway} from './support/gateway.ts'
+
+const VENV = process.env.STREAMGATE_VENV ?? join(ROOT, '.venv')
+const PYTHON = join(VENV, 'bin', 'python')
+
+const LENGTH = 8000
+const FEATURES = Array.from({length: 16}, (_, i) => i)
+/** The sentence view's prompt: the SAE example's, 34 letters (35 tokens with <s>), so 35 × 16 chips and heatmap cells. */
+const SENTENCE = SAE_EXAMPLES.sae_annotate.prompt!
+
+/**
+ * The track view's render time may be at most this many times the sentence view's, both measured the
+ * same way (the job card's data-render-ms: from the result's arrival, parsed, to its view built, laid
+ * out and drawn) side by side in one page, so a slow or busy machine slows both.
+ *
+ * Why 1: the sentence view's 35 tokens × 16 features are 560 feature chips and 560 heatmap cells of
+ * DOM and SVG, which measured 80–110 ms here; the 8,000 × 16 tracks (128,000 activations, 228 times
+ * as many) are pixels written straight into one canvas, which measured 9–20 ms: a ratio of 0.1–0.25.
+ * A budget of 1 (the whole 8,000-letter sequence drawn no slower than one 35-token sentence) leaves
+ * four times that for noise and slower machines, and still fails should the tracks fall back to a
+ * DOM or SVG element per position (some 130,000 of them: seconds) or a draw per position and feature.
+ */
+const BUDGET = 1
+/** Rounds of one sentence and one track run each, after one of each to warm up; the medians are compared. */
+const ROUNDS = 5
+
+/** `n` letters of ACGT, the same every run: stretches rich in GC, then in AT, in turn, every 500 letters. */
+function dna(n: number, seed = 20240607): string {
+  let x = seed
+  let out = ''
+  for (let i = 0; i < n; i++) {
+    x = (x * 1103515245 + 12345) % 2 ** 31
+    const r = x / 2 ** 31
+    const gcRich = Math.floor(i / 500) % 2 === 0
+    out += gcRich ? (r < 0.35 ? 'G' : r < 0.7 ? 'C' : r < 0.85 ? 'A' : 'T') : r < 0.35 ? 'A' : r < 0.7 ? 'T' : r < 0.85 ? 'G' : 'C'
+  }
+  return out
+}
+
+const median = (values: number[]) => {
+  const sorted = [...values].sort((a, b) => a - b)
+  const mid = Math.floor(sorted.length / 2)
+  return sorted.length % 2 ? sorted[mid]! : (sorted[mid - 1]! + sorted[mid]!) / 2
+}
+
+let gateway: Gateway
+let context: BrowserContext
+let scratch: string
+
+async function open(): Promise<Page & {errors: string[]}> {
+  const page = (await context.newPage()) as Page & {errors: string[]}
+  await page.setViewportSize({width: 1280, height: 900})
+  page.errors = []
+  page.on('pageerror', (error) => page.errors.push(error.message))
+  page.on('console', (message) => message.type() === 'error' && page.errors.push(message.text()))
+  await page.goto(`${gateway.url}/#sae_annotate`)
+  await page.waitForSelector('#run[data-tools=gateway] #form [data-field]')
+  assert.equal(await page.locator('#tool').inputValue(), 'sae_annotate')
+  return page
+}
+
+/** Run `sae_annotate` on `prompt` or on `sequence` (one box), picking features 0–15; the job's card once done. */
+async function annotate(page: Page, input: {prompt: string} | {sequence: string}): Promise<Locator> {
+  await page.selectOption('[data-field=mode] select', 'pick')
+  await page.fill('[data-field=feature_ids] input', FEATURES.join(', '))
+  await page.fill('[data-field=prompt] textarea', 'prompt' in input ? input.prompt : '')
+  await page.fill('[data-field=sequences] textarea', 'sequence' in input ? input.sequence : '')
+  const job = await run(page)
+  await finished(job)
+  return job
+}
+
+const renderMs = async (job: Locator) => Number(await job.locator('.result').getAttribute('data-render-ms'))
+const dataset = (view: Locator) => view.evaluate((e) => ({...(e as HTMLElement).dataset}))
+
+/** The tooltip's lines, parsed: the position (from 1), its letter, the feature and activation, and the pixel's range of positions. */
+async function tip(page: Page): Promise<{position: number; letter: string; feature?: number; activation?: number; range?: [number, number]; text: string}> {
+  const box = page.locator('#tip')
+  await box.waitFor({state: 'visible'})
+  const text = await box.innerText()
+  const number = (s: string) => Number(s.replaceAll(',', ''))
+  const head = /^position ([\d,]+) of ([\d,]+): (.+)$/m.exec(text) ?? assert.fail(`no position in the tip: ${text}`)
+  const feature = /^#(\d+)(?: [^:]*)?: activation (\S+)$/m.exec(text)
+  const range = /positions ([\d,]+)–([\d,]+)/.exec(text)
+  return {
+    position: number(head[1]!),
+    letter: head[3]!,
+    text,
+    ...(feature ? {feature: Number(feature[1]), activation: Number(feature[2])} : {}),
+    ...(range ? {range: [number(range[1]!), number(range[2]!)] as [number, number]} : {}),
+  }
+}
+
+/** The y, in the canvas's CSS pixels, of the middle of track `row`. */
+const trackY = (row: number) => LAYOUT.ruler + LAYOUT.letters + row * LAYOUT.pitch + LAYOUT.track / 2
+
+/** Per track row, the canvas's bar pixels (the accent colour) and the tallest bar, in device pixels, near column `near[row]`. */
+async function bars(view: Locator, rows: number, near: number[]): Promise<{count: number; tallest: number}[]> {
+  return view.locator('canvas.track-canvas').evaluate(
+    (canvas, {rows, near, layout}) => {
+      const c = canvas as HTMLCanvasElement
+      const probe = document.createElement('canvas').getContext('2d')!
+      probe.fillStyle = getComputedStyle(c).getPropertyValue('--accent').trim()
+      probe.fillRect(0, 0, 1, 1)
+      const [r, g, b] = probe.getImageData(0, 0, 1, 1).data
+      const ratio = c.width / c.clientWidth
+      const out: {count: number; tallest: number}[] = []
+      for (let row = 0; row < rows; row++) {
+        const y0 = Math.round((layout.ruler + layout.letters + row * layout.pitch) * ratio)
+        const tall = Math.round(layout.track * ratio)
+        const data = c.getContext('2d')!.getImageData(0, y0, c.width, tall).data
+        let count = 0
+        let tallest = 0
+        for (let x = Math.max(0, Math.round(near[row]! * ratio) - 2); x <= Math.min(c.width - 1, Math.round(near[row]! * ratio) + 2); x++) {
+          let height = 0
+          for (let y = 0; y < tall; y++) {
+            const i = (y * c.width + x) * 4
+            if (data[i] === r && data[i + 1] === g && data[i + 2] === b) height++
+          }
+          tallest = Math.max(tallest, height)
+        }
+        for (let i = 0; i < data.length; i += 4) if (data[i] === r && data[i + 1] === g && data[i + 2] === b) count++
+        out.push({count, tallest: Math.round(tallest / ratio)})
+      }
+      return out
+    },
+    {rows, near, layout: LAYOUT},
+  )
+}
+
+describe('the SAE feature-track view', () => {
+  before(async () => {
+    scratch = mkdtempSync(join(tmpdir(), 'streamgate-tracks-'))
+    const model = join(scratch, 'model')
+    execFileSync(PYTHON, [join(WEB, 'test', 'support', 'tiny_long_model.py'), model], {stdio: ['ignore', 'ignore', 'pipe']})
+    const sae = execFileSync(PYTHON, [join(WEB, 'test', 'support', 'tiny_sae.py'), model, join(scratch, 'sae')], {encoding: 'utf8'}).trim()
+    gateway = await startGateway(['--sae', sae], model)
+    context = await launch(join(scratch, 'profile'))
+  })
+
+  after(async () => {
+    await context?.close()
+    await gateway?.stop()
+    if (scratch) rmSync(scratch, {recursive: true, force: true})
+  })
+
+  test(`8,000 positions × 16 features: the tracks drawn within ${BUDGET}× the sentence view's time`, async (t) => {
+    const page = await open()
+    const sequence = dna(LENGTH)
+    const times: {sentence: number[]; tracks: number[]} = {sentence: [], tracks: []}
+    for (let round = 0; round <= ROUNDS; round++) {
+      for (const kind of round % 2 ? (['tracks', 'sentence'] as const) : (['sentence', 'tracks'] as const)) {
+        const job = await annotate(page, kind === 'sentence' ? {prompt: SENTENCE} : {sequence})
+        if (kind === 'sentence') assert.equal(await job.locator('.result .sae-token').count(), SENTENCE.length + 1) // <s> and a byte each
+        else await job.locator('.result .sae-tracks[data-positions="8000"]').waitFor()
+        if (round > 0) times[kind].push(await renderMs(job))
+        // One card at a time: each is measured on the same page, not behind the cards before it.
+        await job.locator('button[title=Remove]').click()
+      }
+    }
+    const [sentence, tracks] = [median(times.sentence), median(times.tracks)]
+    const ratio = tracks / sentence
+    t.diagnostic(`sentence view (35 tokens × 16 features): ${times.sentence.map((ms) => ms.toFixed(1)).join(', ')} ms, median ${sentence.toFixed(1)}`)
+    t.diagnostic(`track view (8,000 positions × 16 features): ${times.tracks.map((ms) => ms.toFixed(1)).join(', ')} ms, median ${tracks.toFixed(1)}`)
+    t.diagnostic(`ratio ${ratio.toFixed(3)} (budget ${BUDGET})`)
+    assert.ok(ratio <= BUDGET, `the track view took ${tracks.toFixed(1)} ms, ${ratio.toFixed(2)}× the sentence view's ${sentence.toFixed(1)} ms (budget ${BUDGET}×)`)
+
+    // What is drawn: the sequence as the gateway read it, a labelled row per feature, bars where it is active.
+    const job = await annotate(page, {sequence})
+    const result = await rawResult<AnnotateResult>(job)
+    const seq = result.sequences?.[0] ?? assert.fail('no sequences in the result')
+    assert.equal(seq.tokens.join(''), sequence)
+    assert.deepEqual(seq.features.map((f) => f.id), FEATURES)
+    const view = job.locator('.result .sae-tracks')
+    const labels = view.locator('.track-label[data-feature]')
+    assert.deepEqual(await labels.evaluateAll((items) => items.map((l) => Number(l.getAttribute('data-feature')))), FEATURES)
+    for (const [i, f] of seq.features.entries()) {
+      assert.equal(await labels.nth(i).locator('.track-name').innerText(), f.label ? `#${f.id} ${f.label}` : `#${f.id}`)
+      assert.equal(await labels.nth(i).locator('.track-max').innerText(), f.max > 0 ? `max ${fmt(f.max, 2)}` : 'never active')
+    }
+    const active = seq.features.filter((f) => f.max > 0)
+    assert.ok(active.length >= 4, `only ${active.length} features fire on the sequence`)
+    const shown = await dataset(view)
+    assert.deepEqual([shown.first, shown.last, shown.letters], ['1', '8000', 'hidden'])
+    const ppp = Number(shown.pxPerPosition)
+    // Each active track has bars, and at its peak one full height (each track is scaled to its own max); the others none.
+    const drawn = await bars(view, seq.features.length, seq.features.map((f) => (f.argmax + 0.5) * ppp))
+    for (const [i, f] of seq.features.entries()) {
+      if (f.max > 0) {
+        assert.ok(drawn[i]!.count > 0, `#${f.id}: no bars`)
+        assert.equal(drawn[i]!.tallest, LAYOUT.track, `#${f.id}: its peak at ${f.argmax} is not full height`)
+      } else {
+        assert.equal(drawn[i]!.count, 0, `#${f.id} never fires, yet has bars`)
+      }
+    }
+    const label = (await view.locator('canvas.track-canvas').getAttribute('aria-label')) ?? ''
+    assert.match(label, /16 features over 8,000 positions, 1 to 8,000 shown/)
+    const strongest = [...active].sort((a, b) => b.max - a.max)[0]!
+    assert.ok(label.includes(`peaks at ${fmt(strongest.max)} at position ${(strongest.argmax + 1).toLocaleString('en-US')}`), label)
+    await job.scrollIntoViewIfNeeded()
+    await page.screenshot({path: join(ARTIFACTS, 'sae-tracks.png'), fullPage: true})
+    assert.deepEqual(page.errors, [])
+    await page.close()
+  })
+
+  test('hover shows the position, letter and activation; zoomed in, the letters; it scrolls and drags', async () => {
+    const page = await open()
+    const sequence = dna(LENGTH)
+    const job = await annotate(page, {sequence})
+    const seq: SequenceAnnotation = (await rawResult<AnnotateResult>(job)).sequences![0]!
+    const view = job.locator('.result .sae-tracks')
+    const overlay = view.locator('canvas.track-overlay')
+    const row = seq.features.reduce((best, f, i) => (f.max > seq.features[best]!.max ? i : best), 0)
+    const values = seq.tracks[row]!
+
+    // Zoomed out: a pixel column covers several positions; the tip names the one with the largest activation there.
+    await job.scrollIntoViewIfNeeded()
+    let box = (await overlay.boundingBox())!
+    const ppp = Number((await dataset(view)).pxPerPosition)
+    assert.ok(ppp < 1, `the whole sequence fits at ${ppp} px per position`)
+    const x = 200
+    await page.mouse.move(box.x + x + 0.5, box.y + trackY(row))
+    let seen = await tip(page)
+    const p = seen.position - 1
+    assert.equal(seen.letter, seq.tokens[p])
+    assert.equal(seen.feature, seq.features[row]!.id)
+    assert.ok(Math.abs(seen.activation! - values[p]!) < 5e-4, `${seen.activation} ≠ ${values[p]}`)
+    const [from, to] = seen.range ?? assert.fail(`no range of positions in the tip: ${seen.text}`)
+    assert.ok(from - 1 <= p && p < to, `${p + 1} not in ${from}–${to}`)
+    assert.ok((from - 1) * ppp < x + 1 && to * ppp > x, `positions ${from}–${to} are not under pixel ${x}`)
+    assert.ok(to - from + 1 >= Math.floor(1 / ppp), `${from}–${to}: fewer positions than a pixel covers`)
+    assert.equal(values[p], Math.max(...values.slice(from - 1, to)))
+    assert.equal((await dataset(view)).hoverPosition, String(seen.position))
+    // The guide line is drawn on the overlay, at the pointer's column.
+    const guide = await overlay.evaluate((c, x) => {
+      const canvas = c as HTMLCanvasElement
+      const ratio = canvas.width / canvas.clientWidth
+      const data = canvas.getContext('2d')!.getImageData(Math.round((x - 1) * ratio), Math.round(30 * ratio), Math.round(3 * ratio), 1).data
+      return data.some((v, i) => i % 4 === 3 && v > 0)
+    }, x)
+    assert.ok(guide, 'no guide line under the pointer')
+
+    // Zoom in with + until the letters are drawn.
+    await view.locator('.track-scroller').focus()
+    for (let i = 0; i < 12 && (await dataset(view)).letters !== 'shown'; i++) await page.keyboard.press('+')
+    let state = await dataset(view)
+    assert.equal(state.letters, 'shown')
+    assert.ok(Number(state.pxPerPosition) >= LETTER_PX)
+    // ctrl + wheel zooms further about the pointer: the position under it stays under it.
+    box = (await overlay.boundingBox())!
+    await page.mouse.move(box.x + 300.5, box.y + trackY(row))
+    const under = (await tip(page)).position
+    await page.keyboard.down('Control')
+    await page.mouse.wheel(0, -100)
+    await page.keyboard.up('Control')
+    await page.waitForFunction((before) => Number(document.querySelector<HTMLElement>('.sae-tracks')!.dataset.pxPerPosition) > before, Number(state.pxPerPosition))
+    await page.mouse.move(box.x + 300.5, box.y + trackY(row) + 1)
+    assert.ok(Math.abs((await tip(page)).position - under) <= 1, 'the zoom did not keep the position under the pointer')
+
+    // Scroll: the arrow keys, the scroller itself, a drag; End shows the last position.
+    state = await dataset(view)
+    await view.locator('.track-scroller').focus()
+    await page.keyboard.press('ArrowRight')
+    const moved = await dataset(view)
+    assert.ok(Number(moved.start) > Number(state.start), `ArrowRight: ${state.start} → ${moved.start}`)
+    await view.locator('.track-scroller').evaluate((s) => (s.scrollLeft += 2400))
+    await page.waitForFunction((before) => Number(document.querySelector<HTMLElement>('.sae-tracks')!.dataset.start) > before + 1, Number(moved.start))
+    state = await dataset(view)
+    await page.mouse.move(box.x + 400, box.y + trackY(row))
+    await page.mouse.down()
+    await page.mouse.move(box.x + 300, box.y + trackY(row), {steps: 5})
+    await page.mouse.up()
+    await page.waitForFunction((before) => Number(document.querySelector<HTMLElement>('.sae-tracks')!.dataset.start) > before, Number(state.start))
+    const dragged = await dataset(view)
+    const shift = (Number(dragged.start) - Number(state.start)) * Number(dragged.pxPerPosition)
+    assert.ok(Math.abs(shift - 100) <= 2, `a 100 px drag moved ${shift} px`)
+
+    // Zoomed in, the tip is exactly the position under the pointer: hover the middle of a chosen one's bar.
+    const start = Number(dragged.start)
+    const zoom = Number(dragged.pxPerPosition)
+    const chosen = Math.ceil(start) + 7
+    await page.mouse.move(box.x + (chosen - start + 0.5) * zoom, box.y + trackY(row))
+    seen = await tip(page)
+    assert.equal(seen.position, chosen + 1)
+    assert.equal(seen.letter, seq.tokens[chosen])
+    assert.ok(Math.abs(seen.activation! - values[chosen]!) < 5e-4, `${seen.activation} ≠ ${values[chosen]}`)
+    assert.equal(seen.range, undefined)
+    await page.screenshot({path: join(ARTIFACTS, 'sae-tracks-zoomed.png')}) // the viewport, with the tip and the guide line
+
+    await view.locator('.track-scroller').focus()
+    await page.keyboard.press('End')
+    assert.equal((await dataset(view)).last, '8000')
+    await view.locator('.track-fit').click()
+    assert.deepEqual(await dataset(view).then((d) => [d.first, d.last, d.letters]), ['1', '8000', 'hidden'])
+    assert.deepEqual(page.errors, [])
+    await page.close()
+  })
+
+  test('several sequences: one at a time, with a stepper; a sequence pasted with line breaks goes as typed', async () => {
+    const page = await open()
+    await page.fill('[data-field=prompt] textarea', '')
+    await page.selectOption('[data-field=mode] select', 'top')
+    await page.fill('[data-field=k] input', '4')
+    const typed = ['>first\nACGTACGTAC\nGGTTAACC\n', 'TTTTGGGG CCCCAAAA']
+    await page.fill('[data-field=sequences] textarea', typed[0]!)
+    await page.click('[data-field=sequences] .block-add')
+    await page.locator('[data-field=sequences] textarea').nth(1).fill(typed[1]!)
+    const job = await run(page)
+    await finished(job)
+    const request = (await job.locator('.request pre').textContent()) ?? ''
+    const sent = JSON.parse(request.slice(request.indexOf('\n') + 1)) as {sequences: string[]}
+    assert.deepEqual(sent.sequences, typed, 'the sequences were not sent as typed')
+    const result = await rawResult<AnnotateResult>(job)
+    const sequences = result.sequences ?? assert.fail('no sequences in the result')
+    assert.deepEqual(
+      sequences.map((s) => s.tokens.join('')),
+      typed,
+    ) // this model reads every byte: nothing was taken out on the way
+    const view = job.locator('.result .sae-tracks')
+    assert.match(await view.locator('.track-picker').innerText(), /of 2/)
+    const ids = () => view.locator('.track-label[data-feature]').evaluateAll((items) => items.map((l) => Number(l.getAttribute('data-feature'))))
+    for (const [i, s] of sequences.entries()) {
+      if (i > 0) await view.locator('.track-next').click()
+      const shown = await dataset(view)
+      assert.equal(shown.sequence, String(i))
+      assert.equal(shown.positions, String(s.tokens.length))
+      assert.deepEqual(await ids(), s.features.map((f) => f.id))
+      assert.ok(s.features.length <= 4)
+    }
+    assert.ok(await view.locator('.track-next').isDisabled())
+    await view.locator('.track-index').fill('1')
+    await view.locator('.track-index').dispatchEvent('change')
+    assert.equal((await dataset(view)).sequence, '0')
+    // Short sequences fit at more pixels per position than the letters need: drawn from the start.
+    assert.equal((await dataset(view)).letters, 'shown')
+    await job.scrollIntoViewIfNeeded()
+    await page.screenshot({path: join(ARTIFACTS, 'sae-tracks-several.png'), fullPage: true})
+    assert.deepEqual(page.errors, [])
+    await page.close()
+  })
+})
