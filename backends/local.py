@@ -212,7 +212,7 @@ class LocalBackend(Backend):
 
     async def check(self, tool: Tool, params: Any) -> None:
         if tool.check is None and not tool.sequences:
-            return
+            return  # (a tool without sequences has no `tag`)
         name = getattr(params, MODEL_FIELD, None)
         model = self._served(name).model
         if model is None:
@@ -256,7 +256,7 @@ class LocalBackend(Backend):
 def prepare(tool: Tool, model: Model, params: Any) -> None:
     """The model-dependent checks of a job before it is queued: its sequences cleaned and checked
     against the model's alphabet, then the tool's own check (413, 422)."""
-    alphabet.clean_params(model, tool.sequences, params)
+    alphabet.clean_params(model, tool.sequences, params, tool.tagged)
     if tool.check is not None:
         tool.check(model, params)
 

@@ -94,7 +94,8 @@ def specs(models: list[str], loaders: list[str] = (), devices: list[str] = ()) -
             raise ModelError(f"--model {entry}: {spec.name!r} cannot be a model's name; name it: --model NAME=SOURCE")
         named[spec.name] = spec
 
-    for i, (name, source) in enumerate(entries or [(None, None)]):
+    # No --model at all: the bundled default, unless loaders name models of their own.
+    for i, (name, source) in enumerate(entries or ([] if by_loader else [(None, None)])):
         called = name or (Path(source).name if source else None)
         loader = by_loader.pop(called, None) if called is not None else None
         if loader is None and i == 0 and None in by_loader:

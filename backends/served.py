@@ -134,6 +134,7 @@ class ServedModel:
             entry.device = ",".join(str(w.model.device) for w in self.workers) or str(model.device)
             entry.dtype = str(model.dtype).removeprefix("torch.")
             entry.alphabet = model.alphabet
+            entry.tags = sorted(model.tags)
             for name, tool in self.tools.items():
                 if (reason := self.unsupported(tool)) is None:
                     entry.tools.append(name)

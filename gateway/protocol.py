@@ -151,6 +151,8 @@ class ModelInfo(msgspec.Struct):
     dtype: str | None = None
     # A protein or DNA model's letters: its sequences are upper-cased, stripped of whitespace and checked against them.
     alphabet: str | None = None
+    # The named prefixes a run may put before its sequences with `tag`.
+    tags: list[str] = msgspec.field(default_factory=list)
     tools: list[str] = msgspec.field(default_factory=list)
     # The tools it cannot run, and why (a run answers 422 unsupported_by_model).
     unsupported: dict[str, str] = msgspec.field(default_factory=dict)

@@ -128,6 +128,18 @@ def load(source: str | None, device: torch.device, dtype: torch.dtype) -> ByteGR
     return ByteGRU().to(device=device, dtype=dtype)
 
 
+# Evo2-style organism tags: lineage prefixes whose characters are not bases.
+DNA_TAGS = {"bacteria": "|D__BACTERIA;P__PSEUDOMONADOTA|", "human": "|D__EUKARYOTA;S__HOMO_SAPIENS|"}
+
+
+def load_dna(source: str | None, device: torch.device, dtype: torch.dtype) -> ByteGRU:
+    """The same byte-level model as a DNA model: an alphabet of bases, and tags."""
+    model = ByteGRU(seed=3).to(device=device, dtype=dtype)
+    model.alphabet = "ACGTN"
+    model.tags = dict(DNA_TAGS)
+    return model
+
+
 def load_plain(source: str | None, device: torch.device, dtype: torch.dtype) -> ByteGRU:
     return PlainByteGRU().to(device=device, dtype=dtype)
 

@@ -819,7 +819,7 @@ def test_get_tools_lists_every_new_tool_with_its_schemas(server: Any) -> None:
         entry = listed[name]
         assert entry["description"] and entry["streams_partial"] is False and entry["partial_schema"] is None
         p, r = entry["params_schema"], entry["result_schema"]
-        assert p["type"] == "object" and set(p["properties"]) == params | {"model"}, (name, p)  # every tool takes `model`
+        assert p["type"] == "object" and set(p["properties"]) == params | {"model", "tag"}, (name, p)  # every tool of sequences takes `model` and `tag`
         assert r["type"] == "object" and set(r["properties"]) == results, (name, r)
         assert json.dumps(p) and json.dumps(r)  # self-contained JSON
     assert set(listed["logit_lens"]["params_schema"]["required"]) == {"prompt"}

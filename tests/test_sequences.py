@@ -91,3 +91,48 @@ def test_text_models_get_their_text_as_written(server) -> None:
     assert lower != upper
     s = run_stream(server.url, "embed", {"texts": ["what #1?"], "model": "bert"})
     assert s.terminal["event"] == "data"
+
+
+# -- a DNA model with tags ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dna():
+    s = make_server(None, model_loader="dna=tests.custom_model:load_dna")
+    yield s
+    s.stop()
+
+
+def test_a_dna_model_says_its_alphabet_and_tags(dna) -> None:
+    (model,) = httpx.get(dna.url + "/models").json()["models"]
+    assert (model["name"], model["alphabet"], model["tags"]) == ("dna", "ACGTN", ["bacteria", "human"])
+
+
+def test_a_tag_goes_before_the_sequence_and_positions_are_the_callers_letters(dna) -> None:
+    import torch
+
+    from tests.custom_model import BOS, DNA_TAGS, greedy
+
+    module = dna.backend.model.module
+    out = result(dna.url, "embed", {"texts": ["acg\ntn"], "pooling": "per_token", "tag": "bacteria"})
+    assert out["tokens"] == [["A", "C", "G", "T", "N"]]  # the tag's tokens are no positions of the sequence
+    ids = [BOS, *DNA_TAGS["bacteria"].encode(), *b"ACGTN"]
+    with torch.inference_mode():
+        states = module.hidden_states(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[-1][0]
+    assert torch.allclose(torch.tensor(out["embeddings"][0]), states[-5:], atol=1e-5)
+    untagged = result(dna.url, "embed", {"texts": ["ACGTN"], "pooling": "per_token"})
+    assert untagged["tokens"] == out["tokens"] and untagged["embeddings"] != out["embeddings"]
+    # generate with a tag completes the tagged sequence: greedy decoding of the tag and the bases, by hand.
+    tagged = result(dna.url, "generate", {"prompts": ["acgt"], "tag": "human", "max_tokens": 4})
+    assert tagged["completions"] == [module.detokenize(greedy(module, DNA_TAGS["human"] + "ACGT", 4))]
+
+
+def test_an_unknown_tag_is_refused_with_the_known_ones(dna, server) -> None:
+    unknown = httpx.post(dna.url + "/embed/run", json={"texts": ["ACGT"], "tag": "archaea"})
+    assert unknown.status_code == 422
+    error = unknown.json()["error"]
+    assert error["field"] == "tag" and "archaea" in error["message"] and "bacteria, human" in error["message"]
+    none = httpx.post(server.url + "/embed/run", json={"texts": ["MKT"], "tag": "bacteria", "model": "esm"})
+    assert none.status_code == 422 and none.json()["error"]["field"] == "tag" and "declares no tags" in none.json()["error"]["message"]
+    base = httpx.post(dna.url + "/embed/run", json={"texts": ["ACGU"], "tag": "human"})
+    assert base.status_code == 422 and "letter 'U' at position 4" in base.json()["error"]["message"]

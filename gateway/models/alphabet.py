@@ -11,6 +11,13 @@ turned into <unk> would give numbers for a sequence nobody asked about.
 
 A model of text (any tokenizer with more than single letters) has no alphabet,
 and its texts are passed on exactly as written.
+
+A model may also declare tags, named prefixes (Evo2 puts its organism's lineage,
+`|D__BACTERIA;…|`, before a sequence). The `tag` param picks one; it goes before
+each sequence after cleaning (its own letters are not the alphabet's, which is
+also how `Model.own` tells it from the sequence and leaves it out of positions).
+A tag the model does not have is a 422 listing those it has, never a silent run
+without one.
 """
 
 from __future__ import annotations
@@ -59,19 +66,32 @@ def clean(text: str, alphabet: str, field: str, keep: str | None = None) -> str:
     return keep.join(cleaned) if keep else cleaned[0]
 
 
-def clean_params(model: Any, fields: tuple[str, ...], params: Any) -> None:
-    """Clean the sequence `fields` of `params` in place for `model`, if it has an alphabet."""
+def _prefix(model: Any, tag: str) -> str:
+    """The prefix text of `model`'s tag `tag`; 422 on `tag` for a model without tags or a tag it does not have."""
+    if not model.tags:
+        raise ParamError("tag", f"the model {model.name} declares no tags")
+    if tag not in model.tags:
+        raise ParamError("tag", f"unknown tag {tag!r}; the model's tags: {', '.join(sorted(model.tags))}")
+    return model.tags[tag]
+
+
+def clean_params(model: Any, fields: tuple[str, ...], params: Any, tagged: tuple[str, ...] | None = None) -> None:
+    """Clean the sequence `fields` of `params` in place for `model`, if it has an alphabet; then put
+    the prefix of the model's tag that `params.tag` names (if any) before each of those in `tagged`."""
     alphabet = getattr(model, "alphabet", None)
-    if not alphabet:
+    tag = getattr(params, "tag", None)
+    prefix = _prefix(model, tag) if tag is not None else ""
+    if not alphabet and not prefix:
         return
     keep = model.token_text(model.mask_token_id) if model.mask_token_id is not None else None
     cleaned: dict[str, Any] = {}
     for name in fields:
         value = getattr(params, name, None)
+        head = prefix if tagged is None or name in tagged else ""
         if isinstance(value, str):
-            cleaned[name] = clean(value, alphabet, name, keep)
+            cleaned[name] = head + (clean(value, alphabet, name, keep) if alphabet else value)
         elif isinstance(value, list) and all(isinstance(v, str) for v in value):
-            cleaned[name] = [clean(v, alphabet, f"{name}[{i}]", keep) for i, v in enumerate(value)]
+            cleaned[name] = [head + (clean(v, alphabet, f"{name}[{i}]", keep) if alphabet else v) for i, v in enumerate(value)]
     for name, value in cleaned.items():
         # In place (a frozen Struct's too): the params object is the job's, checked and then queued as it is.
         msgspec.structs.force_setattr(params, name, value)

@@ -77,6 +77,8 @@ class Model:
     mask_token_id: int | None = None
     # The letters of a protein or DNA model's sequences; None for a model of text (gateway/models/alphabet.py).
     alphabet: str | None = None
+    # Named prefixes a sequence may be given with the `tag` param (an Evo2-style model's organism tags).
+    tags: dict[str, str] = field(default_factory=dict)
     # True when every position sees the whole sequence (encoders), False when only what precedes it.
     bidirectional: bool = False
     capabilities: frozenset[Capability] = field(default_factory=frozenset)
@@ -130,8 +132,21 @@ class Model:
         return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
 
     def own(self, ids: list[int]) -> list[int]:
-        """Indices of a text's own tokens in `ids`: the special tokens the tokenizer added left out."""
-        return [i for i, t in enumerate(ids) if t not in self.special_ids]
+        """Indices of a text's own tokens in `ids`: the special tokens the tokenizer added left out,
+        and a tag put before the sequence (`tags`), so that positions are the caller's letters."""
+        own = [i for i, t in enumerate(ids) if t not in self.special_ids]
+        for prefix in self._tag_ids():
+            if [ids[i] for i in own[: len(prefix)]] == prefix:
+                return own[len(prefix) :]
+        return own
+
+    def _tag_ids(self) -> list[list[int]]:
+        """Each tag's tokens, longest first. A tag holds letters outside the alphabet, so no
+        sequence checked against it can begin with one by chance."""
+        if "tag_ids" not in self.memo:
+            ids = [self.tokenize(text, special=False) for text in self.tags.values()]
+            self.memo["tag_ids"] = sorted((i for i in ids if i), key=len, reverse=True)
+        return self.memo["tag_ids"]
 
     def fit(self, n_tokens: int, field: str, what: str = "input") -> None:
         """Raise `TooLong` (413) if `n_tokens` exceed the model's context."""

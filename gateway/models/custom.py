@@ -11,6 +11,9 @@ before it is used, like a transformers model's (`probes.py`):
   `select`), for fast generation. Without it, `generate` runs the whole
   context again for every token: slower, and the same tokens (in float32).
 - `hidden_states`: the embeddings and each layer's output, for `embed`.
+- `tags`: named prefixes (`{"bacteria": "|D__BACTERIA;...|"}`, as Evo2 tags a
+  sequence with its organism's lineage) that a run picks with its `tag` param;
+  per-position results leave the tag's tokens out.
 - `alphabet`: the letters of its sequences (a DNA model's "ACGTN"): texts it is
   given as sequences are upper-cased, stripped of whitespace and checked against
   it (gateway/models/alphabet.py).
@@ -137,6 +140,7 @@ def load(spec: str, source: str | None, device: str, dtype: torch.dtype) -> Mode
         pad_token_id=int(getattr(obj, "pad_token_id", 0) or 0),
         special_ids=frozenset([bos]) if bos is not None else frozenset(),
         alphabet=_alphabet(spec, getattr(obj, "alphabet", None)),
+        tags=_tags(spec, getattr(obj, "tags", None)),
     )
     claimed: dict[Capability, Any] = {Capability.NEXT_TOKEN: lambda ids: probes.causal(model, ids)}
     if all(hasattr(obj, name) for name in ("start", "step", "select")):
@@ -164,6 +168,15 @@ def _alphabet(spec: str, letters: Any) -> str | None:
     if not isinstance(letters, str) or not letters or letters != letters.upper() or len(set(letters)) != len(letters):
         raise LoaderError(f"--model-loader {spec}: alphabet must be a string of distinct upper-case letters, got {letters!r}")
     return letters
+
+
+def _tags(spec: str, tags: Any) -> dict[str, str]:
+    """A loader's `tags`: names to the prefix text each puts before a sequence."""
+    if tags is None:
+        return {}
+    if not isinstance(tags, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v for k, v in tags.items()):
+        raise LoaderError(f"--model-loader {spec}: tags must map names to prefix texts, got {tags!r}")
+    return dict(tags)
 
 
 def _stepped(model: Model, ids: list[int]) -> torch.Tensor:

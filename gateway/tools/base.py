@@ -88,7 +88,8 @@ class Tool:
     `spread` lets one job's work run on every device at once (see batching.py).
     `sequences` names the fields (a string, or a list of them) that hold the model's
     input text: on a protein or DNA model they are cleaned and checked against its
-    alphabet before the job is queued (gateway/models/alphabet.py).
+    alphabet before the job is queued (gateway/models/alphabet.py), and a `tag` param
+    puts the model's named prefix before those of them in `tagged` (default: all).
     """
 
     name: str
@@ -104,6 +105,7 @@ class Tool:
     needs: frozenset[Capability] = frozenset()
     spread: Any = None
     sequences: tuple[str, ...] = ()
+    tagged: tuple[str, ...] | None = None  # of `sequences`, those a `tag` goes before (None: all)
     # Published schemas, for a tool known only from another service's `GET /tools`.
     info: ToolInfo | None = None
 
@@ -112,8 +114,8 @@ class Tool:
             raise ValueError(f"tool name {self.name!r}: use letters, digits, '_' and '-' only")
         if not (isinstance(self.params, type) and issubclass(self.params, msgspec.Struct)):
             raise TypeError(f"tool {self.name!r}: params must be a msgspec.Struct type")
-        if self.info is None:  # a learned tool's schema has the field already
-            object.__setattr__(self, "params", _with_model(self.name, self.params))
+        if self.info is None:  # a learned tool's schema has the fields already
+            object.__setattr__(self, "params", _with_model(self.name, self.params, tag=bool(self.sequences)))
 
     @property
     def streams_partial(self) -> bool:
@@ -121,6 +123,18 @@ class Tool:
 
 
 MODEL_FIELD = "model"
+TAG_FIELD = "tag"
+_TAG = (
+    Annotated[
+        str,
+        msgspec.Meta(
+            min_length=1,
+            description="A named prefix the model declares (GET /models: tags), put before each sequence; "
+            "per-position results leave its tokens out.",
+        ),
+    ]
+    | None
+)
 _MODEL = (
     Annotated[
         str,
@@ -130,16 +144,17 @@ _MODEL = (
 )
 
 
-def _with_model(tool_name: str, params: type[msgspec.Struct]) -> type[msgspec.Struct]:
-    """`params` with the `model` field every tool takes: a subclass of the same name, so the
-    tool's own code and JSON Schema are unchanged but for that one optional field."""
+def _with_model(tool_name: str, params: type[msgspec.Struct], tag: bool = False) -> type[msgspec.Struct]:
+    """`params` with the `model` field every tool takes (and, for a tool of sequences, `tag`): a
+    subclass of the same name, so the tool's own code and JSON Schema are unchanged but for them."""
     if MODEL_FIELD in params.__struct_fields__:
         if getattr(params, "__streamgate_model__", False) or _is_model_field(params):
             return params  # the same Struct given to a second tool, or one rebuilt from a published schema
         raise TypeError(f"tool {tool_name!r}: `{MODEL_FIELD}` is the field every tool takes for the model to run on; rename its own")
-    with_model = msgspec.defstruct(
-        params.__name__, [(MODEL_FIELD, _MODEL, None)], bases=(params,), module=params.__module__
-    )
+    if tag and TAG_FIELD in params.__struct_fields__:
+        raise TypeError(f"tool {tool_name!r}: `{TAG_FIELD}` is the field every tool of sequences takes for a named prefix; rename its own")
+    fields = [(MODEL_FIELD, _MODEL, None), *([(TAG_FIELD, _TAG, None)] if tag else [])]
+    with_model = msgspec.defstruct(params.__name__, fields, bases=(params,), module=params.__module__)
     with_model.__doc__ = params.__doc__
     with_model.__streamgate_model__ = True  # type: ignore[attr-defined]
     return with_model
@@ -164,6 +179,7 @@ def tool(
     needs: Iterable[Capability] = (),
     spread: Any = None,
     sequences: Iterable[str] = (),
+    tagged: Iterable[str] | None = None,
 ) -> Any:
     """Make a `Tool` from a run function, reading params and result types from its annotations."""
 
@@ -184,6 +200,7 @@ def tool(
             needs=frozenset(needs),
             spread=spread,
             sequences=tuple(sequences),
+            tagged=tuple(tagged) if tagged is not None else None,
         )
 
     return make(fn) if fn is not None else make

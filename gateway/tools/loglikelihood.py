@@ -76,6 +76,7 @@ def _loglikelihood_many(
     check=check,
     caps={"prompts": "max_prompts", "continuations": "max_prompts"},
     sequences=("prompts", "continuations"),
+    tagged=("prompts",),  # the continuation follows its prompt: the tag is the prompt's
     batch=one_pass(_loglikelihood_many),
     needs={Capability.NEXT_TOKEN},
 )

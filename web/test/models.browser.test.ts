@@ -16,7 +16,7 @@ import {type BrowserContext, type Locator, type Page} from 'playwright-core'
 import {EXAMPLES, listModels, runTool, type FillMaskResult, type ModelList, type PredictResult, type ToolInfo} from '../src/index.ts'
 import type {JobSnapshot} from '../src/generated/types.ts'
 import {ARTIFACTS, finished, launch, rawResult, run} from './support/browser.ts'
-import {buildModel, startGateway, tinyModel, type Gateway} from './support/gateway.ts'
+import {buildModel, ROOT, startGateway, tinyModel, type Gateway} from './support/gateway.ts'
 
 let gateway: Gateway
 let context: BrowserContext
@@ -156,5 +156,45 @@ describe('the dashboard on a gateway of two models', () => {
     assert.equal((await jobOf(job)).model, 'base')
     assert.equal((await rawResult<PredictResult>(job)).predictions.length, EXAMPLES.predict.top_k)
     await page.close()
+  })
+})
+
+
+describe('the dashboard on a DNA model with tags', () => {
+  let dna: Gateway
+  let page: Page
+  let browser: BrowserContext
+  let profile: string
+
+  before(async () => {
+    // The loader is the test suite's own (tests/custom_model.py): the repository root is on the path.
+    dna = await startGateway(['--model-loader', 'dna=tests.custom_model:load_dna'], {base: tinyModel()}, {PYTHONPATH: ROOT})
+    profile = mkdtempSync(join(tmpdir(), 'streamgate-tags-'))
+    browser = await launch(join(profile, 'profile'))
+    page = await browser.newPage()
+    await page.goto(`${dna.url}/#embed&model=dna`)
+    await page.waitForSelector('#run[data-tools=gateway][data-model="dna"] #form [data-field]')
+  })
+
+  after(async () => {
+    await browser?.close()
+    await dna?.stop()
+    if (profile) rmSync(profile, {recursive: true, force: true})
+  })
+
+  test('a model with tags gets a tag field listing them; a run with one is the run the API gives', async () => {
+    const options = await page.locator('#form [data-field=tag] select option').allInnerTexts()
+    assert.deepEqual(options.filter((o) => o !== '(none)'), ['bacteria', 'human'])
+    await page.fill('[data-field=texts] textarea', 'acgtn')
+    await page.selectOption('[data-field=tag] select', 'bacteria')
+    const card = await run(page)
+    await finished(card)
+    const shown = await rawResult<Record<string, unknown>>(card)
+    const direct = await runTool(dna.url, 'embed', {texts: ['acgtn'], tag: 'bacteria'}, {model: 'dna'})
+    assert.deepEqual(shown, direct)
+    // The model without tags: no tag field.
+    await page.selectOption('#model-select', 'base')
+    await page.waitForSelector('#run[data-tools=gateway][data-model="base"] #form [data-field]')
+    assert.equal(await page.locator('#form [data-field=tag]').count(), 0)
   })
 })

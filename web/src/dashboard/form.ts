@@ -275,13 +275,18 @@ function itemBoxes(name: string, id: string): {element: HTMLElement; first: () =
  * that name): the model picker's, not a field of each form.
  */
 const MODEL_PARAM = 'model'
+/** The named prefix a tool of sequences takes: a choice among the model's tags, shown only when it has some. */
+const TAG_PARAM = 'tag'
 
-export function buildForm(tool: ToolInfo, initial: Record<string, unknown>): ToolForm {
+export function buildForm(tool: ToolInfo, initial: Record<string, unknown>, tags: readonly string[] = []): ToolForm {
   const root = tool.params_schema as Schema
   const required = new Set(Array.isArray(root.required) ? (root.required as string[]) : [])
   const fields = Object.entries(obj(root.properties))
-    .filter(([name]) => name !== MODEL_PARAM)
-    .map(([name, node]) => field(name, obj(node), root, required.has(name), initial[name]))
+    .filter(([name]) => name !== MODEL_PARAM && (name !== TAG_PARAM || tags.length > 0))
+    .map(([name, node]) => {
+      const schema = name === TAG_PARAM ? {...obj(node), anyOf: [{type: 'string', enum: [...tags]}, {type: 'null'}]} : obj(node)
+      return field(name, schema, root, required.has(name), initial[name])
+    })
   let omitted = new Set<string>()
   const fromFields = () => {
     const params: Record<string, unknown> = {}

@@ -156,12 +156,14 @@ async function main(): Promise<void> {
   }
 
   const viewOf = (tool: ToolInfo): ToolView => {
-    const schema = stringifyExact(tool.params_schema)
+    const tags = models.tags
+    // A model with tags gets the tag field: the same tool's form differs by model.
+    const schema = stringifyExact(tool.params_schema) + (tags.length ? `\n${tags.join(',')}` : '')
     const kept = views.get(tool.name)
     if (kept?.schema === schema) return kept
     // The SAE tools' examples only matter when the gateway lists them (it serves an SAE).
     const examples = {...EXAMPLES, ...SAE_EXAMPLES} as unknown as Record<string, Record<string, unknown> | undefined>
-    const toolForm = buildForm(tool, examples[tool.name] ?? {})
+    const toolForm = buildForm(tool, examples[tool.name] ?? {}, tags)
     let view: ToolView = {element: toolForm.element, form: toolForm, schema, chatting: () => false}
     if (takesMessages(tool)) {
       const chat = new Chat(toolForm, (params, hooks) => launch(tool, toolForm, params, hooks, false))

@@ -69,6 +69,12 @@ export class ModelPicker {
     return name === undefined ? undefined : this.models.find((m) => m.name === name)
   }
 
+  /** The tags (named prefixes) of the model runs go to: the picked one, else the only or default one. */
+  get tags(): readonly string[] {
+    const model = this.picked ?? this.models.find((m) => m.default) ?? this.models[0]
+    return model?.tags ?? []
+  }
+
   /** Ask `GET /models` (again, e.g. once the models have loaded and their kinds are known) and fill the picker. */
   async load(): Promise<void> {
     try {

@@ -149,6 +149,7 @@ export interface ModelInfo {
   device?: string | null
   dtype?: string | null
   alphabet?: string | null
+  tags?: string[]
   tools?: string[]
   unsupported?: {
     [k: string]: string | undefined
@@ -293,6 +294,7 @@ export interface GenerateParams {
   seed?: number | null
   stop?: string[] | null
   model?: string | null
+  tag?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -350,6 +352,7 @@ export interface LoglikelihoodParams {
    */
   continuations: string[]
   model?: string | null
+  tag?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -375,6 +378,7 @@ export interface LogprobsParams {
    */
   next_token?: boolean
   model?: string | null
+  tag?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -415,6 +419,7 @@ export interface PredictParams {
   prompt: string
   top_k?: number
   model?: string | null
+  tag?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -447,6 +452,7 @@ export interface LogitLensParams {
   positions?: number[] | null
   track?: string[] | null
   model?: string | null
+  tag?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -479,6 +485,7 @@ export interface LensLineParams {
   position?: number
   layers?: number[] | null
   model?: string | null
+  tag?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -504,6 +511,7 @@ export interface LensGridParams {
   layers?: number[] | null
   positions?: number[] | null
   model?: string | null
+  tag?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -536,6 +544,7 @@ export interface PatchingParams {
   target_tokens?: string[] | null
   layers?: number[] | null
   model?: string | null
+  tag?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -578,6 +587,7 @@ export interface EmbedParams {
   normalize?: boolean
   precision?: number | null
   model?: string | null
+  tag?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -607,6 +617,7 @@ export interface FillMaskParams {
   texts: string[]
   top_k?: number
   model?: string | null
+  tag?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -641,6 +652,7 @@ export interface PseudoLoglikelihoodParams {
    */
   per_position?: boolean
   model?: string | null
+  tag?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -704,6 +716,7 @@ export interface AnnotateParams {
    */
   threshold?: number
   model?: string | null
+  tag?: string | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -807,6 +820,7 @@ export interface SteerParams {
   seed?: number | null
   stop?: string[] | null
   model?: string | null
+  tag?: string | null
   /**
    * @minItems 1
    * @maxItems 64
