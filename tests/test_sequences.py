@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from gateway.errors import ParamError
 from gateway.models import alphabet
 from tests import model_kinds
-from tests.conftest import build_tiny_model, make_server, run_stream
+from tests.conftest import make_server, run_stream
 from tests.test_tools import result
 
 ESM_LETTERS = "LAGVSERTIDPKQNFYMHWCXBUZO.-"

@@ -297,10 +297,10 @@ def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]
     saes = [resolve_sae(model, params.sae) for params in jobs]
     rows = [(j, [model.encode(t) for t in ([p.prompt] if p.prompt is not None else p.sequences or [])]) for j, p in enumerate(jobs)]
     flat = [(j, ids) for j, job_rows in rows for ids in job_rows]
-    done: dict[int, list[Any]] = {j: [] for j in range(len(jobs))}
     # Passes of rows of one SAE layer, longest first, each within PASS_TOKENS (one row may pass it alone).
     order = sorted(range(len(flat)), key=lambda i: (saes[flat[i][0]].spec.layer, -len(flat[i][1])))
     outputs: dict[int, Any] = {}
+    finished = [0] * len(jobs)  # each job's rows done, for its progress
     start = 0
     while start < len(order):
         layer = saes[flat[order[start]][0]].spec.layer
@@ -314,16 +314,17 @@ def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]
         chunk = order[start:end]
         for i, x in zip(chunk, _residuals(model, layer, [flat[i][1] for i in chunk])):
             j, ids = flat[i]
+            finished[j] += 1
             params, sae = jobs[j], saes[j]
             if params.prompt is not None:
                 outputs[i] = _annotate_prompt(model, sae, params, x, ids)
             else:
                 outputs[i] = _annotate_sequence(model, sae, params, x, ids)
         for j in {flat[i][0] for i in chunk}:
-            finished = sum(1 for i in order[:end] if flat[i][0] == j)
-            ctxs[j].progress(finished, len(rows[j][1]), "sequences")
+            ctxs[j].progress(finished[j], len(rows[j][1]), "sequences")
         start = end
-    for i in range(len(flat)):
+    done: dict[int, list[Any]] = {j: [] for j in range(len(jobs))}
+    for i in range(len(flat)):  # flat is in job order, each job's rows in its order
         done[flat[i][0]].append(outputs[i])
     results = []
     for j, (params, sae) in enumerate(zip(jobs, saes)):
