@@ -3,9 +3,10 @@
 The local backend runs jobs through this module, and so does the executor
 service: there is no second copy of the queue, the worker or the tool call.
 
-A worker owns one device and one thread. Its coroutine takes the next job from
-the shared queue and hands the tool's work to that thread, so model work never
-touches the event loop. Workers on several devices share one queue: an idle
+A worker owns one device and one long-lived thread (backends/handoff.py). Its
+coroutine takes the next job from the shared queue and hands the tool's work to
+that thread, so model work never touches the event loop; the thread sends the
+tool's frames and each step's outcome back in bursts. Workers on several devices share one queue: an idle
 worker takes the next job, so the least-loaded device gets it.
 
 Jobs of a tool that batches (see gateway/tools/batching.py) run together: the
@@ -28,10 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import gc
 import logging
+import os
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -39,6 +40,7 @@ from typing import Any
 import msgspec
 import torch
 
+from backends.handoff import DeviceThread, Handoff
 from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job, JobContext
@@ -47,6 +49,25 @@ from gateway.tools.base import Cancelled, Context, Model, Tool
 from gateway.tools.batching import Batch, Chunk, Chunked, Progress
 
 log = logging.getLogger("streamgate.worker")
+
+
+def set_torch_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads (`--torch-threads`) and one inter-op thread; the intra-op count.
+
+    None: OMP_NUM_THREADS when set (Ray sets it to a replica's CPUs), else one less
+    than the cores this process may use, at least 1. torch's own default, a thread
+    per core, is fastest on a quiet machine, but its threads spin waiting for each
+    other, and on a machine that is busy (the event loop, a second model, other
+    processes) throughput collapses (measured in bench/RESULTS.md): a core is left
+    for the rest.
+    """
+    if threads is None:
+        given = os.environ.get("OMP_NUM_THREADS", "")
+        threads = int(given) if given.isdigit() and int(given) > 0 else max(1, len(os.sched_getaffinity(0)) - 1)
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # only before the first parallel work; a second call keeps the first
+        torch.set_num_interop_threads(1)
+    return threads
 
 
 class JobQueue:
@@ -219,9 +240,7 @@ class Worker:
         self.mean_run_s: float | None = None
         # The sizes of the batches run, for benchmarks and metrics.
         self.batch_sizes: collections.Counter[int] = collections.Counter()
-        self._thread = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"streamgate-worker-{model.device}"
-        )
+        self._thread: DeviceThread | None = None
         self._task: asyncio.Task[None] | None = None
         # Every worker of the backend, this one included: the devices a spread job's chunks run on.
         self.peers: list[Worker] = [self]
@@ -231,7 +250,18 @@ class Worker:
         return bool(self.running)
 
     def start(self) -> None:
+        self._thread = DeviceThread(f"streamgate-worker-{self.model.device}", Handoff(asyncio.get_running_loop()))
         self._task = asyncio.create_task(self._loop(), name=f"worker {self.model.device}")
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """Run `fn(*args)` on this worker's thread; the outcome comes back with the frames sent before it."""
+        assert self._thread is not None, "the worker has not started"
+        return self._thread.call(fn, *args)
+
+    def context(self, job: Job) -> JobContext:
+        """The job's `Context`, whose frames travel with this worker's outcomes."""
+        assert self._thread is not None, "the worker has not started"
+        return JobContext(job, self._thread.handoff.post)
 
     async def stop(self) -> None:
         for job in self.running:
@@ -239,7 +269,8 @@ class Worker:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        if self._thread is not None:
+            self._thread.stop()
 
     async def _loop(self) -> None:
         while True:
@@ -264,9 +295,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            outcome: Outcome = await loop.run_in_executor(
-                self._thread, execute, tool, self.model, job.params, JobContext(job), self.encode
-            )
+            outcome: Outcome = await self.call(execute, tool, self.model, job.params, self.context(job), self.encode)
         except Exception as exc:
             outcome = exc
         self._finish(job, tool, outcome, loop.time() - started)
@@ -289,7 +318,7 @@ class Worker:
             added = []
             for job in joining:
                 if self._admit(job):
-                    ctx = JobContext(job)
+                    ctx = self.context(job)
                     members[ctx] = (job, loop.time())
                     added.append((job.params, ctx))
             self.batch_sizes[len(members)] += 1
@@ -303,7 +332,7 @@ class Worker:
                     self._finish(job, tool, outcome, loop.time() - started)
                 return
             try:
-                ended = await loop.run_in_executor(self._thread, step, batch, added, self.encode)
+                ended = await self.call(step, batch, added, self.encode)
             except Exception as exc:  # the batch as a whole failed: every member ends with it
                 ended = [(ctx, exc) for ctx in members]
             for ctx, outcome in ended:
@@ -322,12 +351,11 @@ class Worker:
         a failure reaches only the job at fault; a device failure on a peer is
         handled as on that peer's own jobs (memory freed; a fatal one restarts).
         """
-        loop = asyncio.get_running_loop()
         work = tool.spread
         params = [p for p, _ in added]
         ctxs = [c for _, c in added]
         try:
-            chunks, progress = await loop.run_in_executor(self._thread, _plan, work, self.model, params, ctxs)
+            chunks, progress = await self.call(_plan, work, self.model, params, ctxs)
             left = collections.deque(chunks)
             outputs: dict[tuple[int, int], Any] = {}
 
@@ -335,7 +363,7 @@ class Worker:
                 while left and not all(ctx.cancelled for ctx in ctxs) and (worker is self or not worker.busy):
                     chunk = left.popleft()
                     try:
-                        out = await loop.run_in_executor(worker._thread, _run_chunk, work, worker.model, params, chunk)
+                        out = await worker.call(_run_chunk, work, worker.model, params, chunk)
                     except BaseException as exc:
                         left.clear()  # the others stop after their chunk in flight
                         if (failure := device_failure(exc)) == "oom":
@@ -352,10 +380,10 @@ class Worker:
                 raise failed[0]
             if all(ctx.cancelled for ctx in ctxs):
                 return [(ctx, Cancelled()) for ctx in ctxs]
-            return await loop.run_in_executor(self._thread, _assemble, work, self.model, params, outputs, ctxs, self.encode)
+            return await self.call(_assemble, work, self.model, params, outputs, ctxs, self.encode)
         except Exception:
             log.warning("a spread %s batch failed; running it on one device", tool.name, exc_info=True)
-            return await loop.run_in_executor(self._thread, step, batch, added, self.encode)
+            return await self.call(step, batch, added, self.encode)
 
     def _admit(self, job: Job) -> bool:
         """Mark the job running, unless it was cancelled while it waited."""

@@ -22,7 +22,7 @@ from typing import Any
 
 from backends import model as models
 from backends.base import Backend
-from backends.execution import JobQueue, Worker
+from backends.execution import JobQueue, Worker, set_torch_threads
 from backends.served import ServedModel
 from gateway import sae as sae_files
 from gateway.config import Settings
@@ -61,9 +61,12 @@ class LocalBackend(Backend):
         job_timeout: float = 0.0,
         exit_on_device_failure: bool = False,
         sae: list[str] | None = None,
+        torch_threads: int | None = None,
     ) -> None:
         if device and devices:
             raise ValueError("give --device or --devices, not both")
+        # Process-wide, as torch's threads are: this backend runs the process's model work.
+        set_torch_threads(torch_threads)
         self._tools = dict(tools)
         # SAE files are checked here as far as they can be without the model (gateway/sae.py).
         self.sae_specs = sae_files.read_specs(sae or [])
@@ -287,6 +290,7 @@ def from_settings(settings: Settings, **kwargs: Any) -> LocalBackend:
         batch_wait=settings.batch_wait_ms / 1000,
         job_timeout=settings.job_timeout,
         sae=settings.sae,
+        torch_threads=settings.torch_threads,
         exit_on_device_failure=True,
         **kwargs,
     )

@@ -9,6 +9,7 @@ unknown tool, unreadable body, params, not ready, model-dependent checks
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -313,9 +314,11 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         await backend.start()
         await store.start()
         on_sigterm(drain, lambda: backend.in_flight, backend.stop)
+        closer = asyncio.create_task(streams.close_on_exit(), name="close streams on exit")
         try:
             yield
         finally:
+            closer.cancel()
             await store.stop()
             await backend.stop()
 

@@ -58,6 +58,7 @@ def _model_options(command: Any) -> Any:
         _option("--device", default=None, help="cuda, cuda:1, mps or cpu. Default: the best available."),
         _option("--devices", default=None, callback=_split_devices, help="Several devices, one worker and model copy each: cuda:0,cuda:1. Default: every GPU, else --device."),
         _option("--dtype", default=None, help="float32, float16 or bfloat16. Default: bfloat16 on CUDA, else float32."),
+        _option("--torch-threads", default=None, type=click.IntRange(min=1), help="torch's intra-op threads (inter-op: 1). Default: OMP_NUM_THREADS if set, else one less than the cores this process may use (at least 1), so that the event loop keeps a core and a busy machine does not collapse throughput."),
         _option("--cache-dir", default=None, help="Where converted models are kept. Default: the user cache folder."),
         _option("--tools", multiple=True, help="Import a module of user tools (repeatable)."),
         _option("--sae", multiple=True, type=click.Path(dir_okay=False), help="A sparse autoencoder: a .safetensors file with a .json or .toml sidecar (repeatable; adds the sae_* tools)."),

@@ -17,6 +17,8 @@ class Settings(msgspec.Struct, kw_only=True):
     device: str | None = None
     devices: list[str] = msgspec.field(default_factory=list)
     dtype: str | None = None
+    # torch's intra-op threads (backends/execution.py: torch_threads); None: OMP_NUM_THREADS, else cores - 1.
+    torch_threads: int | None = None
     cache_dir: str | None = None
     tools: list[str] = msgspec.field(default_factory=list)
     sae: list[str] = msgspec.field(default_factory=list)  # SAE files (gateway/sae.py)

@@ -7,14 +7,16 @@ nowhere else: the first `data` or `error` closes the log, and anything emitted
 after it is dropped.
 
 Run functions execute on worker threads; they reach their job through a
-`JobContext`, which hops onto the loop with `call_soon_threadsafe`. That keeps
-the order in which a tool emits frames, and the terminal event (set after the
-worker's future resolves) always lands after them.
+`JobContext`, which hops onto the loop through its worker's `Handoff`
+(backends/handoff.py): the frames keep the order the tool emitted them in, and
+the terminal event (set once the step's outcome has come back the same way)
+always lands after them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import uuid
@@ -70,7 +72,7 @@ class Job:
         # Read by worker threads between steps, hence a threading.Event.
         self.cancel_requested = threading.Event()
         self._loop = asyncio.get_running_loop()
-        self._changed = asyncio.Event()
+        self._waiters: list[asyncio.Future[None]] = []  # followers waiting for the next event
         self._pending_progress: Progress | None = None
         self._progress_timer: asyncio.TimerHandle | None = None
         self._last_progress = 0.0
@@ -97,8 +99,11 @@ class Job:
                     callback(self)
                 except Exception:  # one bookkeeping bug must not keep the others from running
                     log.exception("an end-of-job callback failed for job %s", self.id)
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+        if self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
         return event
 
     def next_seq(self) -> int:
@@ -202,21 +207,40 @@ class Job:
     async def wait_events(self, after: int, timeout: float | None = None) -> list[Event]:
         """Events with seq > `after`, waiting up to `timeout` for one; [] on timeout."""
         if len(self.events) <= after and self.terminal is None:
-            changed = self._changed
+            # A bare future and a timer: no Event per appended event, no task per wait
+            # (asyncio.wait_for makes one), for the many followers a gateway holds.
+            waiter = self._loop.create_future()
+            self._waiters.append(waiter)
+            timer = self._loop.call_later(timeout, _expire, waiter) if timeout is not None else None
             try:
-                await asyncio.wait_for(changed.wait(), timeout)
-            except TimeoutError:
+                await waiter
+            finally:
+                if timer is not None:
+                    timer.cancel()
+                if waiter.cancelled() or waiter.result() is _TIMED_OUT:
+                    with contextlib.suppress(ValueError):
+                        self._waiters.remove(waiter)
+            if waiter.result() is _TIMED_OUT:
                 return []
         return self.events[after:]
 
 
-class JobContext:
-    """The `Context` a run function gets: thread-safe, forwards onto the job's loop."""
+_TIMED_OUT = object()
 
-    def __init__(self, job: Job) -> None:
+
+def _expire(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.set_result(_TIMED_OUT)
+
+
+class JobContext:
+    """The `Context` a run function gets: thread-safe, forwards onto the job's loop through `post`
+    (a worker's `Handoff.post`; by default `call_soon_threadsafe`, a wake-up per frame)."""
+
+    def __init__(self, job: Job, post: Callable[..., Any] | None = None) -> None:
         self.job_id = job.id
         self._job = job
-        self._call = job._loop.call_soon_threadsafe
+        self._call = post or job._loop.call_soon_threadsafe
 
     def progress(self, done: int, total: int | None = None, unit: str | None = None) -> None:
         self._call(self._job.progress, done, total, unit)

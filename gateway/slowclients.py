@@ -1,10 +1,10 @@
-"""Deadlines for what a client sends, where uvicorn has none.
+"""Deadlines for what a client sends, where uvicorn has none; and the server stack itself.
 
-uvicorn's h11 protocol waits for a request line and headers for as long as the
-client takes to send them: a client that sends a byte every few seconds (a
-slowloris) holds its connection, and many of them hold every file descriptor
-the process has. `SlowClientProtocol` is uvicorn's h11 protocol with one timer
-more, for what the client owes at the moment:
+uvicorn waits for a request line and headers for as long as the client takes
+to send them: a client that sends a byte every few seconds (a slowloris)
+holds its connection, and many of them hold every file descriptor the process
+has. `SlowClientProtocol` is uvicorn's httptools protocol with one timer more,
+for what the client owes at the moment:
 
 - **Headers.** The request line and headers must be complete within
   `--header-timeout` seconds, counted from the connection's start, or on a
@@ -25,24 +25,28 @@ What it deliberately leaves alone:
   it is not answered.
 - A body the app is reading: the app answers the 408 itself, as any other error
   (`read_body` in gateway/params.py, the same `--body-timeout`).
-- A slow reader: sse-starlette's `send_timeout` (`--write-timeout`, gateway/stream.py).
+- A slow reader: the stream's `send_timeout` (`--write-timeout`, gateway/stream.py).
 
 `uvicorn_options` is the one way to build the server with it, for `streamgate
-serve`, `streamgate executor` and the tests alike. It names this protocol
-explicitly rather than uvicorn's "auto": the deadlines must be in the protocol
-that actually serves, whatever else (httptools) gets installed.
+serve`, `streamgate executor` and the tests alike. It names the protocol and
+the event loop rather than uvicorn's "auto", so that the server that runs is
+the one measured and tested, whatever else is installed: httptools (a C HTTP
+parser) and uvloop (a libuv event loop), which `uvicorn[standard]` brings and
+which together carry a stream's bytes for about a fifth less CPU than h11 on
+asyncio's loop (bench/streaming.py); asyncio's own loop where uvloop has no
+build (Windows).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import logging
 from collections.abc import Callable
 from typing import Any
 
-import h11
-from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.config import Settings
 from gateway.errors import ApiError
@@ -51,8 +55,8 @@ from gateway.protocol import Code, ErrorBody, encode
 log = logging.getLogger("streamgate.slowclients")
 
 
-class SlowClientProtocol(H11Protocol):
-    """uvicorn's h11 protocol with deadlines for a request's headers and for a body nobody reads."""
+class SlowClientProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with deadlines for a request's headers and for a body nobody reads."""
 
     def __init__(
         self,
@@ -67,44 +71,50 @@ class SlowClientProtocol(H11Protocol):
         self.on_timeout = on_timeout
         self._owed: str | None = None  # what the timer waits for: "headers", "body" or nothing
         self._due: asyncio.TimerHandle | None = None
+        self._message_done = True  # the current request's body is all in (or there is none yet)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._expect("headers")  # from the start: a connection that never sends a byte is a slowloris too
 
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.conn.their_state is h11.IDLE:
-            if self._owed == "body" and not self.conn.trailing_data[0]:
-                # The unread body is all in: the connection is idle again, keep-alive's to close.
-                self._expect(None)
-                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
-            elif self._owed != "headers":
-                self._expect("headers")  # the first byte of the next request on a kept-alive connection
-        elif not self._unread_body():
-            self._expect(None)  # the headers are in: the app has the request now
+    # The parser's callbacks, in a request's order.
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._message_done = False
+        if self._owed != "headers":
+            self._expect("headers")  # the first byte of the next request on a kept-alive connection
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._expect(None)  # the app has the request now (or a WebSocket takes the connection over)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._message_done = True
+        if self._owed == "body" and not self.transport.is_closing():
+            # The unread body is all in: the connection is idle again, keep-alive's to close.
+            self._expect(None)
+            self._unset_keepalive_if_required()
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if self.transport.is_closing():
             return
-        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
-            owed = "headers"  # part of a pipelined request arrived while the last one was answered
-        elif self._unread_body():
-            owed = "body"
+        if self._owed == "headers":
+            pass  # part of a pipelined request arrived while the last one was answered
+        elif not self._message_done:
+            self._expect("body")
         else:
             return
         # Data is owed, so this is no idle connection for keep-alive to close (nor does its
         # timer survive the next byte: uvicorn cancels it on every read).
         self._unset_keepalive_if_required()
-        self._expect(owed)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._expect(None)
         super().connection_lost(exc)
-
-    def _unread_body(self) -> bool:
-        return self.conn.their_state is h11.SEND_BODY and self.conn.our_state is h11.DONE
 
     def _expect(self, owed: str | None) -> None:
         if self._due is not None:
@@ -120,22 +130,17 @@ class SlowClientProtocol(H11Protocol):
         timeout = self.timeouts[owed]
         log.info("%s: the request's %s did not arrive within %g s: closed", _peer(self.client), owed, timeout)
         self.on_timeout(owed)
-        if owed == "headers" and self.conn.our_state is h11.IDLE:
-            self._answer_408(timeout)
+        if owed == "headers" and (self.cycle is None or self.cycle.response_complete):
+            self._answer_408(timeout)  # unless an answer is still going out: then it is only closed
         self.transport.close()
 
     def _answer_408(self, timeout: float) -> None:
         body = encode(ErrorBody(ApiError(Code.REQUEST_TIMEOUT, _MESSAGE.format(timeout)).info()))
-        headers = [
-            *self.server_state.default_headers,
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-        ]
-        # h11 lets a server answer before any request (its IDLE -> SEND_BODY), as uvicorn's 400 does.
-        response = h11.Response(status_code=408, headers=headers, reason=STATUS_PHRASES[408])
-        for event in (response, h11.Data(data=body), h11.EndOfMessage()):
-            self.transport.write(self.conn.send(event))
+        head = [STATUS_LINE[408]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n"]
+        self.transport.write(b"".join(head) + body)
 
 
 _MESSAGE = "the request line and headers did not arrive within {:g} s"
@@ -154,6 +159,9 @@ def uvicorn_options(settings: Settings, on_timeout: Callable[[str], None]) -> di
         body_timeout=settings.body_timeout,
         on_timeout=on_timeout,
     )
-    # The event loop named too: uvicorn's "auto" takes uvloop whenever something installed it
-    # (Ray's extra does), and the server would then behave by what else happens to be installed.
-    return {"http": protocol, "loop": "asyncio"}
+    return {"http": protocol, "loop": event_loop()}
+
+
+def event_loop() -> str:
+    """uvloop where it is installed (`uvicorn[standard]` installs it wherever it builds), else asyncio's."""
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"

@@ -1,12 +1,25 @@
 """A job's events as a Server-Sent Events response.
 
-Built on sse-starlette's `EventSourceResponse`, with two deliberate choices:
+Built on sse-starlette's `EventSourceResponse` (its headers, HEAD handling and
+bytes), with deliberate differences, each measured (bench/streaming.py,
+bench/idle_streams.py; figures in bench/RESULTS.md):
 
-- Keep-alive comments come from this generator, not from sse-starlette's ping
-  task: a `: ping` is written only after `ping_interval` seconds in which
-  nothing else was, instead of on a fixed clock alongside the data.
+- The response is sent from the request's own task. sse-starlette runs every
+  response in an anyio task group of three or four tasks (the stream, a ping
+  clock, a shutdown listener, a disconnect listener) and wraps every send in a
+  cancel scope; for a job of a dozen small events that machinery cost more
+  than the rest of the gateway's part in it, and each idle stream carried its
+  tasks' memory. Here a stream has one helper task, the disconnect listener
+  (only `receive()` tells that a quiet client left), and a send that blocks
+  past `send_timeout` is cut by a timer.
+- Keep-alive comments come from this generator, not from a ping task: a
+  `: ping` is written only after `ping_interval` seconds in which nothing else
+  was, instead of on a fixed clock alongside the data.
 - Events are encoded once, when they happen (`Event.sse()`), and written as
-  bytes; everything that arrived together goes out as one chunk.
+  bytes; everything that arrived together goes out as one chunk, the first
+  one with the `retry:` line.
+- Shutdown does not cost a task per stream: `Streams.close` (called once, by
+  the drain or on uvicorn's exit) ends every open stream's job.
 
 The generator follows the job's log from `after` until the terminal event and
 then returns, which ends the response. A client that goes away first detaches
@@ -25,9 +38,10 @@ import random
 import resource
 from collections.abc import Callable
 
-import anyio
+from typing import Any
+
 from sse_starlette import EventSourceResponse
-from sse_starlette.sse import SendTimeoutError
+from sse_starlette.sse import AppStatus, SendTimeoutError
 from starlette.types import Receive, Scope, Send
 
 from backends.base import Backend
@@ -67,11 +81,16 @@ class Streams:
     1-5 s, so that the clients of a reconnect storm come back spread out rather
     than all at once again. The slot is held by the response until it ends, or
     freed as soon as the request ends without one.
+
+    On shutdown `close` ends them all: one handler for every stream, where a
+    task per stream would wait for the same moment.
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.open = 0
+        self._live: dict[Slot, Callable[[], None]] = {}  # slots of open streams: how to end each
+        self._closing = False
 
     def slot(self) -> Slot:
         if self.open >= self.limit:
@@ -83,6 +102,29 @@ class Streams:
         self.open += 1
         return Slot(self)
 
+    async def close(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+        """End every open stream: its job is stopped with `shutting_down` (or, run elsewhere, no longer
+        followed), and the stream ends once that is written; after `grace`, those left are cut."""
+        if self._closing:
+            return
+        self._closing = True
+        for end in list(self._live.values()):
+            try:
+                end()
+            except Exception:  # one stream's failure must not keep the others open
+                log.exception("ending a stream on shutdown failed")
+        deadline = asyncio.get_running_loop().time() + grace
+        while self._live and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        for slot in list(self._live):
+            slot.cut()
+
+    async def close_on_exit(self) -> None:
+        """Wait for uvicorn's exit (Ctrl-C; sse-starlette's `AppStatus` flag, which the drain sets too), then `close`."""
+        while not AppStatus.should_exit:
+            await asyncio.sleep(0.5)
+        await self.close()
+
 
 class Slot:
     """One stream's place: `with streams.slot() as slot:` frees it on leaving unless a response `keep`s it."""
@@ -91,6 +133,7 @@ class Slot:
         self._streams = streams
         self._held = True
         self._kept = False
+        self._cut: Callable[[], None] | None = None
 
     def __enter__(self) -> Slot:
         return self
@@ -104,10 +147,20 @@ class Slot:
         self._kept = True
         return self.release
 
+    def on_shutdown(self, end: Callable[[], None], cut: Callable[[], None]) -> None:
+        """On shutdown, `end()` the stream's job; `cut()` the stream if it is still open after the grace."""
+        self._cut = cut
+        self._streams._live[self] = end
+
+    def cut(self) -> None:
+        if self._cut is not None:
+            self._cut()
+
     def release(self) -> None:
         if self._held:
             self._held = False
             self._streams.open -= 1
+            self._streams._live.pop(self, None)
 
 
 class CountedResponse(EventSourceResponse):
@@ -125,12 +178,89 @@ class CountedResponse(EventSourceResponse):
         try:
             await super().__call__(scope, receive, send)
         except SendTimeoutError:
-            # A client that stopped reading (half-open, or a stalled proxy): detached, and its
-            # connection closed by the server. A known end, not an error with a traceback.
-            self._on_write_timeout()
-            log.warning("a client stopped reading for %g s: detached", self.send_timeout)
+            self._timed_out()
         finally:
             self._on_end()
+
+    def _timed_out(self) -> None:
+        # A client that stopped reading (half-open, or a stalled proxy): detached, and its
+        # connection closed by the server. A known end, not an error with a traceback.
+        self._on_write_timeout()
+        log.warning("a client stopped reading for %g s: detached", self.send_timeout)
+
+
+class JobStreamResponse(CountedResponse):
+    """A job's stream, sent from the request's own task with one disconnect listener (see the module docstring).
+
+    Its content makes its own pings; it ends when the content does, when the
+    client leaves (the content is closed: its `finally` runs), when a send
+    blocks past `send_timeout`, or when `stop()` is called.
+    """
+
+    _task: asyncio.Task[Any] | None = None
+    _streaming = False
+    _stopped = False
+
+    def stop(self) -> None:
+        """End the stream now (the client left, or shutdown's grace ran out); its content is closed."""
+        self._stopped = True
+        if self._streaming and self._task is not None:
+            self._task.cancel()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "HEAD":
+            await super().__call__(scope, receive, send)
+            return
+        self._task = asyncio.current_task()
+        listener = asyncio.get_running_loop().create_task(self._listen(receive))
+        try:
+            complete = await self._stream(send)
+            listener.cancel()
+            if complete:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except SendTimeoutError:
+            self._timed_out()
+        finally:
+            listener.cancel()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            self._on_end()
+
+    async def _stream(self, send: Send) -> bool:
+        """Send the head and every chunk; False if `stop()` ended it first."""
+        self._streaming = True
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            timeout = self.send_timeout
+            async for chunk in self.body_iterator:
+                message = {"type": "http.response.body", "body": chunk, "more_body": True}
+                if timeout is None:
+                    await send(message)
+                    continue
+                try:
+                    async with asyncio.timeout(timeout):
+                        await send(message)
+                except TimeoutError:
+                    raise SendTimeoutError() from None
+            return True
+        except asyncio.CancelledError:
+            # Only `stop()` cancels while streaming; any other cancel goes on up.
+            if not self._stopped:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            return False
+        finally:
+            self._streaming = False
+
+    async def _listen(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.stop()
+                return
 
 
 def job_response(
@@ -145,11 +275,9 @@ def job_response(
     after: int = 0,
     write_timeout: float | None = None,
 ) -> EventSourceResponse:
-    shutdown = anyio.Event()
     bind_job(job.id)
 
-    async def end_on_shutdown() -> None:
-        await shutdown.wait()
+    def end_on_shutdown() -> None:
         if not isinstance(job, Job):  # another replica runs it: the stream ends, the client reconnects
             store.stop_following()
         elif not job.done:  # only the replica running it can end it
@@ -158,11 +286,13 @@ def job_response(
 
     async def events():
         seen = after
-        watcher = asyncio.create_task(end_on_shutdown())
         store.attach(job)
         metrics.stream_opened()
+        head = retry_line(retry_ms)  # goes out with the first events, or alone if there are none yet
+        if not (isinstance(job, Job) and len(job.events) > seen):
+            yield head
+            head = b""
         try:
-            yield retry_line(retry_ms)
             while True:
                 batch = await job.wait_events(seen, timeout=ping_interval or None)
                 if not batch:
@@ -170,7 +300,8 @@ def job_response(
                     continue
                 seen = batch[-1].seq
                 metrics.sent(batch)
-                yield b"".join(event.sse() for event in batch)
+                yield head + b"".join([event.sse() for event in batch])
+                head = b""
                 if job.terminal is not None and seen >= job.terminal.seq:
                     return
         except StoppedFollowing:
@@ -180,20 +311,19 @@ def job_response(
             # reads on from wherever the job's events are by then.
             log.warning("job %s: stream ended early: %s", job.id, exc)
         finally:
-            watcher.cancel()
             store.detach(job)
             metrics.stream_closed()
 
-    return CountedResponse(
+    response = JobStreamResponse(
         events(),
         on_end=slot.keep(),
         on_write_timeout=lambda: metrics.client_timeout("write"),
         ping=0,
         sep="\n",
         headers={"Cache-Control": "no-cache", "X-Job-Id": job.id},
-        shutdown_event=shutdown,
-        shutdown_grace_period=SHUTDOWN_GRACE_S,
         # A write blocked this long means a client that stopped reading (a half-open
         # connection, a stalled proxy): the response ends, and the client is detached.
         send_timeout=write_timeout,
     )
+    slot.on_shutdown(end_on_shutdown, response.stop)
+    return response

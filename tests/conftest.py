@@ -18,6 +18,7 @@ import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from backends.execution import set_torch_threads
 from backends.local import LocalBackend
 from backends.remote import RemoteBackend
 from gateway.app import create_app
@@ -25,6 +26,11 @@ from gateway.config import Settings
 from gateway.slowclients import uvicorn_options
 from gateway.tools import Tool, builtin_tools, collect, load_module
 from tests.processes import ServeProcess, start_executor
+
+# The thread count every gateway and executor this suite starts gives torch (`--torch-threads`'s
+# default): the same here, so that what a test computes by hand and what a server returns are
+# summed in the same order, bit for bit.
+set_torch_threads(None)
 
 TINY_CONTEXT = 256
 

@@ -206,7 +206,7 @@ def test_the_commands_build_their_servers_with_the_deadlines(
     )
     assert result.exit_code == 0, result.output
     http = started["http"]
-    assert http.func is SlowClientProtocol and started["loop"] == "asyncio"
+    assert http.func is SlowClientProtocol and started["loop"] == "uvloop"
     assert (http.keywords["header_timeout"], http.keywords["body_timeout"]) == (2.5, 7)
     state = started["app"].state
     assert (state.settings.body_timeout if command == "serve" else state.executor.body_timeout) == 7

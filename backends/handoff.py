@@ -1,0 +1,113 @@
+"""A device's thread, and the way its work gets back to the event loop.
+
+Model work never runs on the event loop, and the hops between the two are the
+cost a cheap job pays most often, so both directions are kept to one
+wake-up where there could be many:
+
+- `DeviceThread` is one long-lived thread per device, fed by a queue. A step
+  of work is a queue entry; nothing is submitted to an executor per step (a
+  `ThreadPoolExecutor` submit allocates a future, a work item and a wrapper
+  future, and wakes the loop through its own callback).
+- `Handoff` carries everything a thread sends to the loop, the tool's frames
+  (progress, logs, partials) and each step's outcome, in the order sent. A
+  thread's calls are buffered, and the loop is woken only when the buffer goes
+  from empty to non-empty: a burst of frames and the step's result that ends
+  it usually cost one `call_soon_threadsafe` (one write to the loop's
+  self-pipe), where one per frame cost nine for a small job. Because frames
+  and outcomes share one buffer, a job's terminal event always lands after
+  every frame its tool emitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("streamgate.worker")
+
+
+class Handoff:
+    """Calls from other threads run on one event loop, in order, woken once per burst."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._calls: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on the loop, after everything posted before it (any thread)."""
+        with self._lock:
+            self._calls.append((fn, args))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: the process is going down, nobody is left to tell
+            pass
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._calls:
+                    self._scheduled = False
+                    return
+                calls, self._calls = self._calls, collections.deque()
+            for fn, args in calls:
+                try:
+                    fn(*args)
+                except Exception:  # one bad callback must not lose the frames behind it
+                    log.exception("a call handed to the event loop failed")
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # its awaiter was cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class DeviceThread:
+    """One thread that runs a device's work in order; `call` returns an awaitable of the outcome."""
+
+    def __init__(self, name: str, handoff: Handoff) -> None:
+        self.handoff = handoff
+        self._work: queue.SimpleQueue[tuple[asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """Run `fn(*args)` on this thread after the work queued before it (event loop only)."""
+        future = self.handoff.loop.create_future()
+        self._work.put((future, fn, args))
+        return future
+
+    def stop(self) -> None:
+        """Drop the work not yet started; the thread ends after the step it is in, if any."""
+        while True:
+            try:
+                item = self._work.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        self._work.put(None)
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not None:
+            future, fn, args = item
+            try:
+                outcome: tuple[Any, BaseException | None] = (fn(*args), None)
+            except BaseException as exc:  # noqa: BLE001 - every outcome goes back to its awaiter
+                outcome = (None, exc)
+            self.handoff.post(_settle, future, *outcome)
+            # No reference to the last step's inputs or outputs while the thread idles.
+            item = future = fn = args = outcome = None  # type: ignore[assignment]
