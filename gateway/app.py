@@ -314,11 +314,11 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         await backend.start()
         await store.start()
         on_sigterm(drain, lambda: backend.in_flight, backend.stop)
-        closer = asyncio.create_task(streams.close_on_exit(), name="close streams on exit")
+        watcher = asyncio.create_task(streams.watch(), name="streams' watcher")
         try:
             yield
         finally:
-            closer.cancel()
+            watcher.cancel()
             await store.stop()
             await backend.stop()
 

@@ -1,25 +1,27 @@
 """A job's events as a Server-Sent Events response.
 
-Built on sse-starlette's `EventSourceResponse` (its headers, HEAD handling and
-bytes), with deliberate differences, each measured (bench/streaming.py,
-bench/idle_streams.py; figures in bench/RESULTS.md):
+sse-starlette's `EventSourceResponse` showed how; a job's stream keeps its
+headers and framing, with deliberate differences, each measured
+(bench/streaming.py, bench/idle_streams.py; figures in bench/RESULTS.md):
 
-- The response is sent from the request's own task. sse-starlette runs every
-  response in an anyio task group of three or four tasks (the stream, a ping
-  clock, a shutdown listener, a disconnect listener) and wraps every send in a
-  cancel scope; for a job of a dozen small events that machinery cost more
-  than the rest of the gateway's part in it, and each idle stream carried its
-  tasks' memory. Here a stream has one helper task, the disconnect listener
-  (only `receive()` tells that a quiet client left), and a send that blocks
-  past `send_timeout` is cut by a timer.
+- The response is sent from the request's own task, by `JobStreamResponse`,
+  a plain Starlette response. sse-starlette runs every response in an anyio
+  task group of three or four tasks (the stream, a ping clock, a shutdown
+  listener, a disconnect listener) and wraps every send in a cancel scope;
+  for a job of a dozen small events that machinery cost more than the rest of
+  the gateway's part in it, and each idle stream carried its tasks' memory.
+  Here a stream has one helper task, the disconnect listener (only `receive()`
+  tells that a quiet client left); sse-starlette still answers the OpenAI
+  routes' streams (gateway/openai.py), which want its ping clock.
+- One watcher for every stream (`Streams.watch`), not timers and tasks per
+  stream: each write is stamped with its start, and the watcher cuts a write
+  blocked past `send_timeout`; on shutdown it ends every open stream's job.
 - Keep-alive comments come from this generator, not from a ping task: a
   `: ping` is written only after `ping_interval` seconds in which nothing else
   was, instead of on a fixed clock alongside the data.
 - Events are encoded once, when they happen (`Event.sse()`), and written as
   bytes; everything that arrived together goes out as one chunk, the first
   one with the `retry:` line.
-- Shutdown does not cost a task per stream: `Streams.close` (called once, by
-  the drain or on uvicorn's exit) ends every open stream's job.
 
 The generator follows the job's log from `after` until the terminal event and
 then returns, which ends the response. A client that goes away first detaches
@@ -36,12 +38,13 @@ import asyncio
 import logging
 import random
 import resource
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from typing import Any
 
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus, SendTimeoutError
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from backends.base import Backend
@@ -58,6 +61,7 @@ SHUTDOWN_GRACE_S = 5.0  # time for the last events to reach the clients on shutd
 RETRY_AFTER_S = (1, 5)  # an overloaded gateway's Retry-After, drawn at random
 
 
+WATCH_PERIOD_S = 0.5  # how often the streams' watcher looks for stalled writes and for shutdown
 FD_MARGIN = 256  # file descriptors besides the streams' own: listeners, Redis, executors, files
 
 
@@ -108,21 +112,30 @@ class Streams:
         if self._closing:
             return
         self._closing = True
-        for end in list(self._live.values()):
+        for slot, end in list(self._live.items()):
             try:
                 end()
             except Exception:  # one stream's failure must not keep the others open
-                log.exception("ending a stream on shutdown failed")
-        deadline = asyncio.get_running_loop().time() + grace
-        while self._live and asyncio.get_running_loop().time() < deadline:
+                log.exception("ending a stream on shutdown failed (job %s)", slot.job_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self._live and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for slot in list(self._live):
-            slot.cut()
+            if slot.response is not None:
+                slot.response.stop()
 
-    async def close_on_exit(self) -> None:
-        """Wait for uvicorn's exit (Ctrl-C; sse-starlette's `AppStatus` flag, which the drain sets too), then `close`."""
+    async def watch(self, period: float = WATCH_PERIOD_S) -> None:
+        """The one watcher of every stream, for as long as the app runs: every `period`, cut the
+        streams whose write has been blocked past their `send_timeout`; on uvicorn's exit (Ctrl-C, or
+        sse-starlette's `AppStatus` flag, which the drain sets too), `close` them all."""
+        loop = asyncio.get_running_loop()
         while not AppStatus.should_exit:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(period)
+            now = loop.time()
+            for slot in list(self._live):
+                if slot.response is not None and slot.response.stalled(now):
+                    slot.response.stop(write_timed_out=True)
         await self.close()
 
 
@@ -133,7 +146,8 @@ class Slot:
         self._streams = streams
         self._held = True
         self._kept = False
-        self._cut: Callable[[], None] | None = None
+        self.response: JobStreamResponse | None = None
+        self.job_id: str | None = None
 
     def __enter__(self) -> Slot:
         return self
@@ -147,20 +161,18 @@ class Slot:
         self._kept = True
         return self.release
 
-    def on_shutdown(self, end: Callable[[], None], cut: Callable[[], None]) -> None:
-        """On shutdown, `end()` the stream's job; `cut()` the stream if it is still open after the grace."""
-        self._cut = cut
-        self._streams._live[self] = end
-
-    def cut(self) -> None:
-        if self._cut is not None:
-            self._cut()
+    def watch(self, response: JobStreamResponse, job_id: str, end: Callable[[], None]) -> None:
+        """Have `Streams.watch` look after `response`: cut it if a write stalls; on shutdown, `end()` its job."""
+        self.response, self.job_id = response, job_id
+        if self._held:
+            self._streams._live[self] = end
 
     def release(self) -> None:
         if self._held:
             self._held = False
             self._streams.open -= 1
             self._streams._live.pop(self, None)
+            self.response = None
 
 
 class CountedResponse(EventSourceResponse):
@@ -178,50 +190,85 @@ class CountedResponse(EventSourceResponse):
         try:
             await super().__call__(scope, receive, send)
         except SendTimeoutError:
-            self._timed_out()
+            _write_timed_out(self._on_write_timeout, self.send_timeout)
         finally:
             self._on_end()
 
-    def _timed_out(self) -> None:
-        # A client that stopped reading (half-open, or a stalled proxy): detached, and its
-        # connection closed by the server. A known end, not an error with a traceback.
-        self._on_write_timeout()
-        log.warning("a client stopped reading for %g s: detached", self.send_timeout)
+
+def _write_timed_out(count: Callable[[], None], timeout: float | None) -> None:
+    # A client that stopped reading (half-open, or a stalled proxy): detached, and its
+    # connection closed by the server. A known end, not an error with a traceback.
+    count()
+    log.warning("a client stopped reading for %g s: detached", timeout)
 
 
-class JobStreamResponse(CountedResponse):
-    """A job's stream, sent from the request's own task with one disconnect listener (see the module docstring).
+class JobStreamResponse(Response):
+    """A job's event stream, sent from the request's own task (see the module docstring).
 
-    Its content makes its own pings; it ends when the content does, when the
-    client leaves (the content is closed: its `finally` runs), when a send
-    blocks past `send_timeout`, or when `stop()` is called.
+    Its content is an async iterator of encoded chunks that makes its own pings.
+    The stream ends when the content does; when the client leaves (its one
+    helper task, the disconnect listener, tells); or on `stop()`, from the
+    streams' watcher (a write blocked past `send_timeout`, shutdown). The
+    content is closed however it ends, so its `finally` always runs, and
+    `on_end` is called.
     """
 
-    _task: asyncio.Task[Any] | None = None
-    _streaming = False
-    _stopped = False
+    media_type = "text/event-stream"
 
-    def stop(self) -> None:
-        """End the stream now (the client left, or shutdown's grace ran out); its content is closed."""
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        headers: Mapping[str, str],
+        send_timeout: float | None,
+        on_end: Callable[[], None],
+        on_write_timeout: Callable[[], None],
+    ) -> None:
+        self.body_iterator = content
+        self.status_code = 200
+        self.background = None
+        self.send_timeout = send_timeout
+        # sse-starlette's headers: no proxy buffering, a connection kept open.
+        self.init_headers({**headers, "Connection": "keep-alive", "X-Accel-Buffering": "no"})
+        self._on_end = on_end
+        self._on_write_timeout = on_write_timeout
+        self._task: asyncio.Task[Any] | None = None
+        self._streaming = False
+        self._stopped = False
+        self._write_timed_out = False
+        self._sending_since: float | None = None
+
+    def stalled(self, now: float) -> bool:
+        """Whether a write has been blocked for `send_timeout` seconds by `now` (the loop's clock)."""
+        since = self._sending_since
+        return since is not None and self.send_timeout is not None and now - since >= self.send_timeout
+
+    def stop(self, *, write_timed_out: bool = False) -> None:
+        """End the stream now; its content is closed."""
+        if self._stopped:
+            return
         self._stopped = True
+        self._write_timed_out = write_timed_out
         if self._streaming and self._task is not None:
             self._task.cancel()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "HEAD":
-            await super().__call__(scope, receive, send)
-            return
-        self._task = asyncio.current_task()
-        listener = asyncio.get_running_loop().create_task(self._listen(receive))
         try:
-            complete = await self._stream(send)
-            listener.cancel()
-            if complete:
+            if scope["method"] == "HEAD":  # the headers a GET would get, and no stream
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except SendTimeoutError:
-            self._timed_out()
+                return
+            self._task = asyncio.current_task()
+            listener = asyncio.get_running_loop().create_task(self._listen(receive))
+            try:
+                if await self._stream(send):
+                    listener.cancel()
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                elif self._write_timed_out:
+                    _write_timed_out(self._on_write_timeout, self.send_timeout)
+            finally:
+                listener.cancel()
         finally:
-            listener.cancel()
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
@@ -229,20 +276,18 @@ class JobStreamResponse(CountedResponse):
 
     async def _stream(self, send: Send) -> bool:
         """Send the head and every chunk; False if `stop()` ended it first."""
+        loop = asyncio.get_running_loop()
         self._streaming = True
         try:
+            if self._stopped:
+                return False
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            timeout = self.send_timeout
             async for chunk in self.body_iterator:
-                message = {"type": "http.response.body", "body": chunk, "more_body": True}
-                if timeout is None:
-                    await send(message)
-                    continue
-                try:
-                    async with asyncio.timeout(timeout):
-                        await send(message)
-                except TimeoutError:
-                    raise SendTimeoutError() from None
+                # Stamped, not timed: the streams' watcher cuts a write blocked too long, at no
+                # cost to the writes that are not (a timer per write cost more than the write).
+                self._sending_since = loop.time()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self._sending_since = None
             return True
         except asyncio.CancelledError:
             # Only `stop()` cancels while streaming; any other cancel goes on up.
@@ -254,6 +299,7 @@ class JobStreamResponse(CountedResponse):
             return False
         finally:
             self._streaming = False
+            self._sending_since = None
 
     async def _listen(self, receive: Receive) -> None:
         while True:
@@ -274,7 +320,7 @@ def job_response(
     retry_ms: int = 3000,
     after: int = 0,
     write_timeout: float | None = None,
-) -> EventSourceResponse:
+) -> JobStreamResponse:
     bind_job(job.id)
 
     def end_on_shutdown() -> None:
@@ -316,14 +362,12 @@ def job_response(
 
     response = JobStreamResponse(
         events(),
-        on_end=slot.keep(),
-        on_write_timeout=lambda: metrics.client_timeout("write"),
-        ping=0,
-        sep="\n",
         headers={"Cache-Control": "no-cache", "X-Job-Id": job.id},
         # A write blocked this long means a client that stopped reading (a half-open
         # connection, a stalled proxy): the response ends, and the client is detached.
         send_timeout=write_timeout,
+        on_end=slot.keep(),
+        on_write_timeout=lambda: metrics.client_timeout("write"),
     )
-    slot.on_shutdown(end_on_shutdown, response.stop)
+    slot.watch(response, job.id, end_on_shutdown)
     return response
