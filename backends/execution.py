@@ -146,6 +146,7 @@ def execute(
 ) -> msgspec.Raw:
     """Run one tool call on the current thread and encode its result."""
     ctx.raise_if_cancelled()
+    ctx.begin()
     # Inference mode is per thread, so it is set here, on the worker's thread.
     with torch.inference_mode():
         result = tool.run(model, params, ctx)
@@ -155,11 +156,12 @@ def execute(
 Outcome = msgspec.Raw | BaseException
 
 
-def step(batch: Batch, joining: list[tuple[Any, Context]], encode: Callable[[Any], bytes]) -> list[tuple[Context, Outcome]]:
+def step(batch: Batch, joining: list[tuple[Any, JobContext]], encode: Callable[[Any], bytes]) -> list[tuple[Context, Outcome]]:
     """Add `joining` to `batch`, run one step, and encode the results of the members that ended."""
     ended: list[tuple[Context, Outcome]] = []
     with torch.inference_mode():
         for params, ctx in joining:
+            ctx.begin()
             try:
                 batch.add(params, ctx)
             except Exception as exc:  # this job's input alone is at fault
@@ -169,7 +171,9 @@ def step(batch: Batch, joining: list[tuple[Any, Context]], encode: Callable[[Any
     return [(ctx, outcome if isinstance(outcome, BaseException) else msgspec.Raw(encode(outcome))) for ctx, outcome in ended]
 
 
-def _plan(work: Chunked, model: Model, params: list[Any], ctxs: list[Context]) -> tuple[list[Chunk], Progress]:
+def _plan(work: Chunked, model: Model, params: list[Any], ctxs: list[JobContext]) -> tuple[list[Chunk], Progress]:
+    for ctx in ctxs:
+        ctx.begin()
     with torch.inference_mode():
         chunks = work.plan(model, params)
     return chunks, Progress(chunks, ctxs, work.unit)
@@ -294,11 +298,17 @@ class Worker:
             return
         loop = asyncio.get_running_loop()
         started = loop.time()
-        try:
-            outcome: Outcome = await self.call(execute, tool, self.model, job.params, self.context(job), self.encode)
-        except Exception as exc:
-            outcome = exc
-        self._finish(job, tool, outcome, loop.time() - started)
+        ctx = self.context(job)
+
+        def run() -> None:
+            try:
+                outcome: Outcome = execute(tool, self.model, job.params, ctx, self.encode)
+            except Exception as exc:
+                outcome = exc
+            # The job ends in the burst that carries its frames (see `_ending`).
+            self._thread_post(lambda: self._finish(job, tool, outcome, loop.time() - started))
+
+        await self.call(run)
 
     async def _run_batch(self, first: Job, tool: Tool) -> None:
         loop = asyncio.get_running_loop()
@@ -331,13 +341,15 @@ class Worker:
                     job, started = members.pop(ctx)
                     self._finish(job, tool, outcome, loop.time() - started)
                 return
+            def finish(ended: list[tuple[Context, Outcome]]) -> None:
+                for ctx, outcome in ended:
+                    job, started = members.pop(ctx)
+                    self._finish(job, tool, outcome, loop.time() - started)
+
             try:
-                ended = await self.call(step, batch, added, self.encode)
+                await self.call(self._ending(step, finish), batch, added, self.encode)
             except Exception as exc:  # the batch as a whole failed: every member ends with it
-                ended = [(ctx, exc) for ctx in members]
-            for ctx, outcome in ended:
-                job, started = members.pop(ctx)
-                self._finish(job, tool, outcome, loop.time() - started)
+                finish([(ctx, exc) for ctx in members])
             if not members:
                 return
             joining = self.queue.take(compatible, self.max_batch_size - len(members)) if batch.continuous else []
@@ -385,13 +397,33 @@ class Worker:
             log.warning("a spread %s batch failed; running it on one device", tool.name, exc_info=True)
             return await self.call(step, batch, added, self.encode)
 
+    def _thread_post(self, fn: Callable[[], None]) -> None:
+        assert self._thread is not None
+        self._thread.handoff.post(fn)
+
+    def _ending(self, work: Callable[..., list[tuple[Context, Outcome]]], finish: Callable[[list[tuple[Context, Outcome]]], None]) -> Callable[..., None]:
+        """`work`, then `finish` its ended members, posted from the device's thread.
+
+        The members end in the same hand-off as the frames their work sent, before
+        the coroutine awaiting the step resumes: a client's stream then gets a short
+        job's RUNNING, partials and terminal event in one write, where ending them
+        from the coroutine came a loop turn later, in a write of its own.
+        """
+
+        def run(*args: Any) -> None:
+            ended = work(*args)
+            self._thread_post(lambda: finish(ended))
+
+        return run
+
     def _admit(self, job: Job) -> bool:
         """Mark the job running, unless it was cancelled while it waited."""
         if job.cancel_requested.is_set():
             job.fail(Code.CANCELLED, "the job was cancelled")
             return False
         self.running.add(job)
-        job.set_status(Status.RUNNING)
+        # RUNNING itself is sent from the device's thread as the work starts (`JobContext.begin`):
+        # with the frames and the result of a short job, in one burst and one write to its client.
         if self.job_timeout:
             timer = asyncio.get_running_loop().call_later(self.job_timeout, self._expire, job)
             job.on_end.append(lambda _: timer.cancel())

@@ -21,7 +21,7 @@ HTTP/1.1, a few hundred opening at a time; RLIMIT_NOFILE is raised here and
 inherited by the gateway. The gateway is then killed (SIGKILL: see the note on
 shutdown in bench/RESULTS.md) and every connection closed.
 
-Target: >= 10,000 idle streams at <= 50 KB each (KB = 1024 bytes, as VmRSS counts).
+Target: >= 10,000 idle streams at <= 30 KB each (KB = 1024 bytes, as VmRSS counts).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ TITLE = "idle streams: open quiet streams one gateway holds, and memory per stre
 OPENING = 256  # connections being opened at once: within uvicorn's listen backlog
 WARM_UP = 32
 TARGET_STREAMS = 10_000
-TARGET_KB = 50
+TARGET_KB = 30
 
 
 def options(parser) -> None:

@@ -241,6 +241,13 @@ class JobContext:
         self.job_id = job.id
         self._job = job
         self._call = post or job._loop.call_soon_threadsafe
+        self._begun = False
+
+    def begin(self) -> None:
+        """The job's work starts now, on this thread: RUNNING (once, however often its work is retried)."""
+        if not self._begun:
+            self._begun = True
+            self._call(self._job.set_status, Status.RUNNING)
 
     def progress(self, done: int, total: int | None = None, unit: str | None = None) -> None:
         self._call(self._job.progress, done, total, unit)

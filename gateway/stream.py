@@ -205,7 +205,8 @@ def _write_timed_out(count: Callable[[], None], timeout: float | None) -> None:
 class JobStreamResponse(Response):
     """A job's event stream, sent from the request's own task (see the module docstring).
 
-    Its content is an async iterator of encoded chunks that makes its own pings.
+    Its content is an async iterator of (encoded chunk, whether it is the last)
+    that makes its own pings.
     The stream ends when the content does; when the client leaves (its one
     helper task, the disconnect listener, tells); or on `stop()`, from the
     streams' watcher (a write blocked past `send_timeout`, shutdown). The
@@ -217,7 +218,7 @@ class JobStreamResponse(Response):
 
     def __init__(
         self,
-        content: AsyncIterator[bytes],
+        content: AsyncIterator[tuple[bytes, bool]],
         *,
         headers: Mapping[str, str],
         send_timeout: float | None,
@@ -275,19 +276,23 @@ class JobStreamResponse(Response):
             self._on_end()
 
     async def _stream(self, send: Send) -> bool:
-        """Send the head and every chunk; False if `stop()` ended it first."""
+        """Send the head and every chunk; True if the body is still to be ended (the content ended
+        without a last chunk), False if it was ended or `stop()` ended the stream first."""
         loop = asyncio.get_running_loop()
         self._streaming = True
         try:
             if self._stopped:
                 return False
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
+            async for chunk, last in self.body_iterator:
                 # Stamped, not timed: the streams' watcher cuts a write blocked too long, at no
                 # cost to the writes that are not (a timer per write cost more than the write).
                 self._sending_since = loop.time()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                # The last chunk ends the body in the same write (no empty chunk after it).
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
                 self._sending_since = None
+                if last:
+                    return False
             return True
         except asyncio.CancelledError:
             # Only `stop()` cancels while streaming; any other cancel goes on up.
@@ -336,19 +341,20 @@ def job_response(
         metrics.stream_opened()
         head = retry_line(retry_ms)  # goes out with the first events, or alone if there are none yet
         if not (isinstance(job, Job) and len(job.events) > seen):
-            yield head
+            yield head, False
             head = b""
         try:
             while True:
                 batch = await job.wait_events(seen, timeout=ping_interval or None)
                 if not batch:
-                    yield PING
+                    yield PING, False
                     continue
                 seen = batch[-1].seq
                 metrics.sent(batch)
-                yield head + b"".join([event.sse() for event in batch])
+                last = job.terminal is not None and seen >= job.terminal.seq
+                yield head + b"".join([event.sse() for event in batch]), last
                 head = b""
-                if job.terminal is not None and seen >= job.terminal.seq:
+                if last:
                     return
         except StoppedFollowing:
             pass  # another replica runs the job: the client reconnects, to a replica that stays
