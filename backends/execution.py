@@ -128,7 +128,8 @@ class JobQueue:
         """Return when a job is put, or after `timeout` seconds."""
         self._ready.clear()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), timeout)
+            async with asyncio.timeout(timeout):  # no task per wait, as wait_for makes
+                await self._ready.wait()
 
     def _announce(self) -> None:
         size = len(self._jobs)

@@ -166,7 +166,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         # Per token: one token cannot attach to another's job by guessing its key.
         key = f"{principal.name if principal else ''}:{given}" if given else None
         job = Job(tool.name, params, owner=principal.name if principal else None)
-        digest = params_mod.digest(tool.name, params)
+        digest = params_mod.digest(tool.name, params) if key else ""  # only a key is bound to a request
         if key and (bound := await store.reserve(key, job.id, digest)) is not None:
             # A key bound before requests were recorded with it (an older replica) has no digest: it attaches.
             if bound.request and bound.request != digest:
