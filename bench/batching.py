@@ -98,10 +98,6 @@ def options(parser) -> None:
                              "(cores - 1, at least 1) given to both.")
     parser.add_argument("--peer", choices=sorted(PEERS), default=None,
                         help="Measure the batched gateway against this server instead of a batch-1 gateway.")
-    parser.add_argument("--device", default=None,
-                        help="cpu, cuda, cuda:N… for every server (default: the gateway's choice, the best available).")
-    parser.add_argument("--dtype", default=None,
-                        help="float32, float16 or bfloat16 (default: bfloat16 on CUDA, else the gateway's float32).")
 
 
 @cache
@@ -116,12 +112,6 @@ def has_batching_flags() -> bool:
 def default_threads() -> int:
     """The gateway's own default: one core left for the event loop, at least one thread."""
     return max(1, len(os.sched_getaffinity(0)) - 1)
-
-
-def device_flags(args) -> list[str]:
-    """`--device` and `--dtype` as every server takes them: bfloat16 on CUDA unless told otherwise."""
-    dtype = args.dtype or ("bfloat16" if args.device and args.device.startswith("cuda") else None)
-    return [*(["--device", args.device] if args.device else []), *(["--dtype", dtype] if dtype else [])]
 
 
 def default_model_folder() -> str | None:
@@ -146,7 +136,7 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
     threads = args.torch_threads or (default_threads() if peer else None)
     thread_flags = ["--torch-threads", str(threads)] if threads and "--torch-threads" in serve_help() else []
     env = {"OMP_NUM_THREADS": str(threads)} if threads else None
-    flags = ["--queue-size", "256", "--max-prompts", "8", *device_flags(args), *thread_flags]
+    flags = ["--queue-size", "256", "--max-prompts", "8", *thread_flags]
     if peer:
         from bench import peers
 
@@ -159,7 +149,7 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
             bench.ready(servers["streamgate"])
             folder = default_model_folder()
         common.step(f"starting {sides[1]} on {folder} ({peer_python})")
-        peer_argv = ["--model", str(folder), "--torch-threads", str(threads), *device_flags(args)]
+        peer_argv = ["--model", str(folder), "--torch-threads", str(threads), *common.device_flags(args)]
         servers[sides[1]] = peers.start(bench, peer, peer_argv, common.free_port(), env=env)
     else:
         batching = has_batching_flags()

@@ -44,10 +44,16 @@ STOP_GRACE_S = 10.0  # then SIGKILL: a gateway with a long queue may take its ti
 def arguments(doc: str | None, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     """`--quick` and `--model`, plus what `extra` adds; the description is the script's docstring."""
     parser = argparse.ArgumentParser(
-        description=(doc or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=(doc or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        conflict_handler="resolve",  # a script may define a flag of its own over one of these
     )
     parser.add_argument("--quick", action="store_true", help="A small, fast run (CI).")
     parser.add_argument("--model", default=None, help="A model folder for the gateway (default: see the script).")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda, cuda:N… for every process that runs the model (default: the gateway's "
+                             "choice, the best available).")
+    parser.add_argument("--dtype", default=None,
+                        help="float32, float16 or bfloat16 (default: bfloat16 on CUDA, else the gateway's float32).")
     if extra is not None:
         extra(parser)
     return parser.parse_args()
@@ -109,12 +115,21 @@ class Bench:
         argv = [str(STREAMGATE), command, "--port", str(port), "--log-level", "warning", *flags]
         if command == "executor" or _backend(flags) in ("local", "ray"):  # it runs the tools, or its Ray replicas do
             argv += ["--tools", "bench.tools", *(["--model", model] if model else [])]
+            if not {"--device", "--devices", "--dtype"} & set(flags):  # `--device cuda` reaches every such process
+                argv += device_flags(self.args)
         return self.start(argv, port, name or command, env)
 
     def ready(self, *processes: ServeProcess) -> None:
         """Wait until each answers `/readyz` 200 (started together, they load in parallel)."""
         for process in processes:
             process.wait_ready()
+
+
+def device_flags(args: argparse.Namespace) -> list[str]:
+    """`--device` and `--dtype` as every server takes them: bfloat16 on CUDA unless told otherwise."""
+    device, dtype = getattr(args, "device", None), getattr(args, "dtype", None)
+    dtype = dtype or ("bfloat16" if device and device.startswith("cuda") else None)
+    return [*(["--device", device] if device else []), *(["--dtype", dtype] if dtype else [])]
 
 
 def _backend(flags: Sequence[str]) -> str:

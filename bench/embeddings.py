@@ -126,7 +126,7 @@ def _x(value: float | None) -> str:
 class ChunkTimer:
     """One copy of the model in this process: `embed`'s chunks planned by length or as sent, and timed."""
 
-    def __init__(self, path: Path, texts: list[str], threads: int) -> None:
+    def __init__(self, path: Path, texts: list[str], threads: int, device: str = "cpu") -> None:
         import torch
 
         from backends import model as models
@@ -135,7 +135,7 @@ class ChunkTimer:
         torch.set_num_threads(threads)
         self.torch, self.embed = torch, embed
         with contextlib.redirect_stderr(io.StringIO()):  # transformers' progress bar while loading
-            self.model = models.load(models.resolve(str(path)), "cpu")
+            self.model = models.load(models.resolve(str(path)), device)
         self.params = embed.EmbedParams(texts=texts)
         self.chunks = {by_length: embed._plan(self.model, [self.params], by_length=by_length) for by_length in (True, False)}
         self.outputs: dict[bool, np.ndarray] = {}
@@ -178,18 +178,21 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
     texts = sequences(n, low, high, args.seed)
     body = msgspec.json.encode({"texts": texts})
 
+    # `--device cuda`: the same three set-ups on the GPU (two workers: two model copies on it).
+    device = args.device or "cpu"
+    dtype = common.device_flags(args)[2:] if args.device else []  # `--dtype` alone: the devices are named here
     common.step(f"building the model (hidden {HIDDEN}, {LAYERS} layers, {HEADS} heads)")
     path = build_model(bench.dir / "esm2-8m-random", args.seed)
     flags = ["--max-sequences", str(max(n, WARM_UP)), "--max-body-bytes", str(max(1 << 20, 2 * len(body))),
              "--job-timeout", "0"]
     gateways = {
-        name: bench.streamgate("serve", "--devices", devices, *flags, model=str(path),
+        name: bench.streamgate("serve", "--devices", devices.replace("cpu", device), *dtype, *flags, model=str(path),
                                name=name.replace(" ", "-").replace(",", ""),
                                env={"OMP_NUM_THREADS": str(threads * times)})
         for name, devices, times in CONFIGS
     }
     common.step("loading the model in three gateways and in this process")
-    timer = ChunkTimer(path, texts, threads)
+    timer = ChunkTimer(path, texts, threads, device)
     bench.ready(*gateways.values())
     ready = common.readyz(gateways["one device"])
     lengths = [len(t) for t in texts]
