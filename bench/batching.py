@@ -37,7 +37,6 @@ streamgate jobs/s >= 1.2x the peer's at every level, for each tool.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
@@ -358,17 +357,5 @@ def _x(value: float | None) -> str:
     return common.fmt(value, 2) + ("x" if value is not None else "")
 
 
-def main() -> None:
-    """common.main, and exit 1 when the peer's answers differ: its figures would not be of the same work."""
-    args = common.arguments(__doc__, options)
-    with common.Bench(args) as bench:
-        report = common.Report(TITLE, bench)
-        mismatch = asyncio.run(run(bench, report))
-    report.print()
-    if mismatch:
-        print(f"error: the peer's answers differ from streamgate's on {', '.join(mismatch)}", file=sys.stderr)
-        sys.exit(1)
-
-
 if __name__ == "__main__":
-    main()
+    common.main(run, TITLE, __doc__, options, disagreed="the peer's answers differ from streamgate's on")

@@ -449,12 +449,20 @@ class Report:
         print("\n".join(out), *self.blocks, *targets, sep="\n\n", flush=True)
 
 
-def main(run: Callable[[Bench, Report], Awaitable[None]], title: str, doc: str | None,
-         extra: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
-    """Parse the arguments, run the benchmark in a `Bench`, and print its report."""
+def main(run: Callable[[Bench, Report], Awaitable[list[str] | None]], title: str, doc: str | None,
+         extra: Callable[[argparse.ArgumentParser], None] | None = None, disagreed: str = "results disagree") -> None:
+    """Parse the arguments, run the benchmark in a `Bench`, and print its report.
+
+    A run that checks numbers as well as timing them returns what disagreed: then
+    the script says so after the report and exits 1, as wrong numbers must not
+    pass for figures.
+    """
     args = arguments(doc, extra)
     with Bench(args) as bench:
         report = Report(title, bench)
-        asyncio.run(run(bench, report))
+        failed = asyncio.run(run(bench, report))
     report.print()
     sys.stdout.flush()
+    if failed:
+        print(f"error: {disagreed}: {', '.join(failed)}", file=sys.stderr)
+        sys.exit(1)

@@ -37,7 +37,6 @@ buy on the machine at hand.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import random
@@ -271,17 +270,5 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
     return [what for what, diff in checks if diff > TOLERANCE]
 
 
-def main() -> None:
-    """common.main, and exit 1 when the embeddings disagree: wrong numbers must not pass for figures."""
-    args = common.arguments(__doc__, options)
-    with common.Bench(args) as bench:
-        report = common.Report(TITLE, bench)
-        mismatch = asyncio.run(run(bench, report))
-    report.print()
-    if mismatch:
-        print(f"error: embeddings disagree beyond {TOLERANCE:g}: {', '.join(mismatch)}", file=sys.stderr)
-        sys.exit(1)
-
-
 if __name__ == "__main__":
-    main()
+    common.main(run, TITLE, __doc__, options, disagreed=f"embeddings disagree beyond {TOLERANCE:g}")

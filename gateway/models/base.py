@@ -15,7 +15,11 @@ tokenizer); `gateway/models/custom.py` is the one for a user's own model.
 
 from __future__ import annotations
 
+import array
+import collections
 import enum
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +62,13 @@ class Kind(str, enum.Enum):
     CUSTOM = "custom"  # a user's model through --model-loader
 
 
+TOKENS_KEPT = 1 << 21  # token ids of recent texts kept by a model (16 MB)
+
+
+class _Returned(Exception):
+    """The base model has returned what a pass was run for: the rest of the model is not run."""
+
+
 @dataclass(eq=False)
 class Model:
     """A loaded model and its tokenizer on one device, as tools see it."""
@@ -88,6 +99,12 @@ class Model:
     saes: dict[str, Any] = field(default_factory=dict, repr=False)
     # What tools work out once per model and reuse (e.g. where its layers are).
     memo: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Recent texts' token ids, oldest first (`tokenize`); a job's check and its run are on two threads.
+    _tokens: collections.OrderedDict[tuple[str, bool], array.array] = field(
+        default_factory=collections.OrderedDict, init=False, repr=False
+    )
+    _tokens_held: int = field(default=0, init=False, repr=False)
+    _tokens_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def has(self, capability: Capability) -> bool:
         return capability in self.capabilities
@@ -95,7 +112,28 @@ class Model:
     # -- tokens ---------------------------------------------------------------------------
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
-        """Token ids of `text`, with the tokenizer's special tokens around it when `special`."""
+        """Token ids of `text`, with the tokenizer's special tokens around it when `special`.
+
+        A job's texts are tokenized by its check, before it is queued, and again by its run (and
+        a protein tokenizer written in Python takes a millisecond a sequence): the ids of recent
+        texts are kept, up to `TOKENS_KEPT` ids, so that each text is tokenized once.
+        """
+        key = (text, special)
+        with self._tokens_lock:
+            kept = self._tokens.get(key)
+            if kept is not None:
+                self._tokens.move_to_end(key)
+                return kept.tolist()
+        ids = self._tokenize(text, special)
+        with self._tokens_lock:
+            if key not in self._tokens:
+                self._tokens[key] = array.array("q", ids)
+                self._tokens_held += len(ids)
+            while self._tokens_held > TOKENS_KEPT and len(self._tokens) > 1:
+                self._tokens_held -= len(self._tokens.popitem(last=False)[1])
+        return ids
+
+    def _tokenize(self, text: str, special: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
     def encode(self, text: str) -> list[int]:
@@ -130,6 +168,11 @@ class Model:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+
+    def token_texts(self, ids: Iterable[int]) -> dict[int, str]:
+        """`token_text` of each distinct id among `ids`, each decoded once."""
+        distinct = list(dict.fromkeys(ids))
+        return dict(zip(distinct, self.tokenizer.batch_decode([[i] for i in distinct], clean_up_tokenization_spaces=False)))
 
     def own(self, ids: list[int]) -> list[int]:
         """Indices of a text's own tokens in `ids`: the special tokens the tokenizer added left out,
@@ -166,7 +209,26 @@ class Model:
         return self.module(input_ids=input_ids, attention_mask=attention_mask).logits
 
     def hidden_states(self, input_ids: Any, attention_mask: Any) -> tuple[Any, ...]:
-        """The embeddings and every layer's output (transformers' `hidden_states`): layers + 1 tensors."""
-        return tuple(
-            self.module(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
-        )
+        """The embeddings and every layer's output (transformers' `hidden_states`): layers + 1 tensors.
+
+        The pass ends when the base model returns them: the head's logits at every position
+        (a large vocabulary's make a good part of a small model's work) are never computed.
+        """
+        base = getattr(self.module, "base_model", self.module)
+        got: list[Any] = []
+
+        def returned(module: Any, args: Any, output: Any) -> None:
+            states = getattr(output, "hidden_states", None)
+            if states is not None:
+                got.append(states)
+                raise _Returned()
+
+        handle = base.register_forward_hook(returned) if base is not self.module else None
+        try:
+            out = self.module(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        except _Returned:
+            return tuple(got[0])
+        finally:
+            if handle is not None:
+                handle.remove()
+        return tuple(out.hidden_states)

@@ -27,7 +27,7 @@ A custom model is a causal LM: its logits at position t score token t + 1.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -84,7 +84,7 @@ class LoaderError(Exception):
 class Custom(Model):
     """A `CustomModel` as tools see it: the same `Model`, tokens and passes from the user's object."""
 
-    def tokenize(self, text: str, special: bool = True) -> list[int]:
+    def _tokenize(self, text: str, special: bool) -> list[int]:
         ids = [int(t) for t in self.module.tokenize(text)]
         bos = getattr(self.module, "bos_token_id", None)
         return [bos, *ids] if special and bos is not None else ids
@@ -94,6 +94,9 @@ class Custom(Model):
 
     def token_text(self, token_id: int) -> str:
         return self.module.detokenize([token_id])
+
+    def token_texts(self, ids: Iterable[int]) -> dict[int, str]:
+        return {i: self.module.detokenize([i]) for i in dict.fromkeys(ids)}
 
     def logits(self, input_ids: Any, attention_mask: Any) -> Any:
         return self.module.logits(input_ids, attention_mask)

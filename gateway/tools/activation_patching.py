@@ -6,24 +6,32 @@ run's output at the source position. The result is how much that moves the
 target tokens' probability at the target's last position (summed over the
 target tokens), and their best rank, compared with the clean target run.
 
-All positions of one layer are patched in one batched forward pass (one row
-per position); progress is reported and cancellation checked per layer.
+Every (layer, position) patch is a row of the target prompt, and the rows of
+every layer go through the model together, in passes of at most
+`PATCH_TOKENS` tokens (and `READOUT_FLOATS` logits): in each pass every
+patched block overwrites its own rows, the pass stops after the last block,
+and only the last position goes through the final norm and head. The source
+and clean runs share one pass where the prompts are of one length. Progress is
+reported per layer as its rows finish; cancellation is checked after every
+block.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Annotated
 
 import msgspec
 import torch
 
 from gateway.errors import ParamError
-from gateway.tools.anatomy import anatomy, resolve_layers, resolve_positions, single_token
+from gateway.tools.anatomy import anatomy, readout_rows, resolve_layers, resolve_positions, single_token
 from gateway.tools.base import Capability, Context, Model, tool
 from gateway.tools.logit_lens import Layers, rank
 from gateway.tools.numbers import floats
 
-PATCH_BATCH = 32  # patched runs per forward pass
+PATCH_TOKENS = 8192  # patched rows × the target's tokens per forward pass, at most
 
 class PatchingParams(msgspec.Struct, forbid_unknown_fields=True):
     src_prompt: Annotated[str, msgspec.Meta(min_length=1, description="The run activations are taken from.")]
@@ -83,10 +91,17 @@ def _plan(model: Model, p: PatchingParams):
     return src_ids, tgt_ids, layers, src_pos, tgt_pos, targets
 
 
-def _last_logits(model: Model, rows: list[list[int]]) -> torch.Tensor:
-    """Float32 logits at the last position of each row (rows of one length)."""
+def _last_logits(
+    model: Model, rows: list[list[int]], layers: Sequence[int], check: Callable[[], None]
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Float32 logits at the last position of each row (rows of one length), and the output of
+    each block of `layers` (row × position × width), from one pass stopped after the last block."""
+    body = anatomy(model)
+    last = body.n_layers - 1
     input_ids = torch.tensor(rows, device=model.device)
-    return model.logits(input_ids, torch.ones_like(input_ids))[:, -1].float()
+    with body.capture([*layers, last], check=check, stop=True) as captured:
+        model.logits(input_ids, torch.ones_like(input_ids))
+    return body.logits(captured[last][:, -1]), captured
 
 
 def check(model: Model, params: PatchingParams) -> None:
@@ -99,50 +114,60 @@ def activation_patching(model: Model, params: PatchingParams, ctx: Context) -> P
     src_ids, tgt_ids, layers, src_pos, tgt_pos, targets = _plan(model, params)
     body = anatomy(model)
     device = model.device
+    check = ctx.raise_if_cancelled
 
-    with body.capture(layers, check=ctx.raise_if_cancelled) as source:
-        src_logits = _last_logits(model, [src_ids])[0]
+    if len(src_ids) == len(tgt_ids):
+        logits, source = _last_logits(model, [src_ids, tgt_ids], layers, check)
+        src_logits, clean_logits = logits
+    else:
+        (src_logits,), source = _last_logits(model, [src_ids], layers, check)
+        (clean_logits,), _ = _last_logits(model, [tgt_ids], (), check)
+    src_hidden = {layer: source[layer][0] for layer in layers}
+    del source
     src_probs = src_logits.softmax(-1)
     if not targets:
         targets = [int(src_probs.argmax())]
     target_index = torch.tensor(targets, device=device)
-    clean_probs = _last_logits(model, [tgt_ids])[0].softmax(-1)
-    clean = clean_probs[target_index].sum()
+    clean = clean_logits.softmax(-1)[target_index].sum()
 
+    # Row r patches layer layers[r // n] at the pair of positions r % n.
+    n = len(tgt_pos)
+    cells = len(layers) * n
+    per_pass = max(1, min(PATCH_TOKENS // len(tgt_ids), readout_rows(model)))
+    t_all = torch.tensor(tgt_pos, device=device)
+    s_all = torch.tensor(src_pos, device=device)
     prob_diff, ranks = [], []
-    for done, layer in enumerate(layers, 1):
-        ctx.raise_if_cancelled()
-        src_hidden = source[layer][0]
-        if layer not in layers[done:]:  # a layer may be asked for twice (`[1, -1]`)
-            del source[layer]
-        row_diff, row_rank = [], []
-        for start in range(0, len(tgt_pos), PATCH_BATCH):
-            t_pos = tgt_pos[start : start + PATCH_BATCH]
-            s_pos = src_pos[start : start + PATCH_BATCH]
-            rows = torch.arange(len(t_pos), device=device)
-            patch = src_hidden[s_pos]
+    for start in range(0, cells, per_pass):
+        end = min(start + per_pass, cells)
+        with contextlib.ExitStack() as patches:
+            for li in range(start // n, (end - 1) // n + 1):
+                first, stop = max(start, li * n), min(end, (li + 1) * n)
+                cols = slice(first - li * n, stop - li * n)
+                rows = torch.arange(first - start, stop - start, device=device)
+                patch = src_hidden[layers[li]][s_all[cols]]
 
-            def write(hidden: torch.Tensor, rows=rows, t_pos=t_pos, patch=patch) -> None:
-                hidden[rows, t_pos] = patch.to(hidden.dtype)
+                def write(hidden: torch.Tensor, rows=rows, t_pos=t_all[cols], patch=patch) -> None:
+                    hidden[rows, t_pos] = patch.to(hidden.dtype)
 
-            batch = [tgt_ids] * len(t_pos)
-            with body.overwrite(layer, write):
-                probs = _last_logits(model, batch).softmax(-1)
-            row_diff.append(probs[:, target_index].sum(-1) - clean)
-            best = torch.stack([rank(probs, target_index[k].expand(len(t_pos))) for k in range(len(targets))])
-            row_rank.append(best.min(dim=0).values)
-        prob_diff.append(floats(torch.cat(row_diff)))
-        ranks.append(torch.cat(row_rank).tolist())
-        ctx.progress(done, len(layers), "layers")
+                patches.enter_context(body.overwrite(layers[li], write))
+            logits, _ = _last_logits(model, [tgt_ids] * (end - start), (), check)
+        probs = logits.softmax(-1)
+        prob_diff.append(probs[:, target_index].sum(-1) - clean)
+        best = torch.stack([rank(probs, target_index[k].expand(end - start)) for k in range(len(targets))])
+        ranks.append(best.min(dim=0).values)
+        if end // n > start // n:  # a layer's last row was in this pass
+            ctx.progress(end // n, len(layers), "layers")
 
+    grid = (len(layers), n)
+    texts = model.token_texts([*src_ids, *tgt_ids, *targets])
     return PatchingResult(
         layers=layers,
         positions=tgt_pos,
         src_positions=src_pos,
-        labels=[f"{model.token_text(src_ids[s])}→{model.token_text(tgt_ids[t])}" for s, t in zip(src_pos, tgt_pos)],
-        target_tokens=[model.token_text(t) for t in targets],
+        labels=[f"{texts[src_ids[s]]}→{texts[tgt_ids[t]]}" for s, t in zip(src_pos, tgt_pos)],
+        target_tokens=[texts[t] for t in targets],
         clean_prob=floats(clean),
         source_prob=floats(src_probs[target_index].sum()),
-        prob_diff=prob_diff,
-        rank=ranks,
+        prob_diff=floats(torch.cat(prob_diff).view(grid)),
+        rank=torch.cat(ranks).view(grid).tolist(),
     )

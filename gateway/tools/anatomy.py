@@ -24,6 +24,12 @@ A custom model (`gateway/models/custom.py`) gives its blocks and readout itself.
 
 Reading and writing go through forward hooks on the blocks, so they see the
 same tensors the model computes with, whatever the family's forward looks like.
+A pass that needs no logits ends after the deepest block it reads (the rest,
+and the head's matmul over every position, are not run), and one that needs
+logits at a few positions only (`logits_at`) sends just those through the
+readout. The readout comes in two parts where it splits, the final norm and
+projection row by row, then the head, so the lens norms each layer as its
+block finishes and unembeds every row in one matmul.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,12 +50,25 @@ class ModelShapeError(Exception):
     """The model's layers or readout could not be found, or do not reproduce its output."""
 
 
+class _Deep(Exception):
+    """Raised after the deepest block a pass needs: the blocks after it, and the head, are not run."""
+
+
+# Logits per readout matmul at most (64 MB in float32): rows × vocabulary, whatever the vocabulary.
+READOUT_FLOATS = 1 << 24
+
+
 @dataclass(eq=False)
 class Anatomy:
     layers: Sequence[nn.Module]
     readout: Callable[[torch.Tensor], torch.Tensor]
     # The modules the readout applies, in order, for messages ("model.norm → lm_head").
     path: str = ""
+    # The readout in its two parts, where it has them (a transformers model's): `prepare`, the
+    # final norm and projection (row by row, cheap), and `head`, the unembedding and soft-cap
+    # (the costly matmul). readout(h) == head(prepare(h)); a custom model's readout is whole.
+    prepare: Callable[[torch.Tensor], torch.Tensor] | None = None
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def n_layers(self) -> int:
@@ -58,29 +78,51 @@ class Anatomy:
         """Logits (float32) from residual-stream vectors of any layer, as the model's last layer gives them."""
         return self.readout(hidden).float()
 
+    def prepared(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Residual-stream vectors through the readout's first part, ready for `unembed`."""
+        return self.prepare(hidden) if self.prepare is not None and self.head is not None else hidden
+
+    def unembed(self, prepared: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) of vectors from `prepared`: the head alone, or the whole readout where it is one."""
+        whole = self.prepare is None or self.head is None
+        return (self.readout if whole else self.head)(prepared).float()
+
     @contextlib.contextmanager
     def capture(
-        self, layers: Sequence[int], check: Callable[[], None] | None = None
+        self,
+        layers: Sequence[int],
+        check: Callable[[], None] | None = None,
+        keep: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        stop: bool = False,
     ) -> Iterator[dict[int, torch.Tensor]]:
         """Record the output of each block in `layers` during the forward passes inside.
 
         `check` runs after every block (e.g. to raise `Cancelled` between layers).
+        `keep(layer, output)` says what to record of a block's output (default: all of it).
+        `stop` ends the forward pass once every layer is recorded: a pass that needs no
+        logits skips the blocks after the deepest and the head (the pass returns nothing).
         """
         wanted = set(layers)
+        deepest = max(wanted, default=-1)
         captured: dict[int, torch.Tensor] = {}
 
         def hook(index: int) -> Callable[..., None]:
             def record(module: nn.Module, args: object, output: object) -> None:
                 if index in wanted:
-                    captured[index] = _hidden(output).detach()
+                    hidden = _hidden(output).detach()
+                    captured[index] = keep(index, hidden) if keep is not None else hidden
                 if check is not None:
                     check()
+                if stop and index == deepest and wanted <= captured.keys():
+                    raise _Deep()
 
             return record
 
         handles = [block.register_forward_hook(hook(i)) for i, block in enumerate(self.layers)]
         try:
             yield captured
+        except _Deep:
+            pass
         finally:
             for handle in handles:
                 handle.remove()
@@ -150,17 +192,25 @@ def find(module: nn.Module) -> Anatomy:
         raise ModelShapeError(f"the output head of {type(module).__name__} is not a module of its own")
     head = module.get_submodule(head_name)
     softcap = getattr(text_config, "final_logit_softcapping", None)
-    steps = [m for _, m in after] + [head]
+    steps = [m for _, m in after]
 
-    def readout(hidden: torch.Tensor) -> torch.Tensor:
+    def prepare(hidden: torch.Tensor) -> torch.Tensor:
         for step in steps:
             hidden = step(hidden)
+        return hidden
+
+    def unembed(hidden: torch.Tensor) -> torch.Tensor:
+        hidden = head(hidden)
         if softcap:
             hidden = torch.tanh(hidden.float() / softcap) * softcap
         return hidden
 
+    def readout(hidden: torch.Tensor) -> torch.Tensor:
+        return unembed(prepare(hidden))
+
     names = [f"{parent_name}.{name}" if parent_name else name for name, _ in after] + [head_name]
-    return Anatomy(layers=layers, readout=readout, path=" → ".join(names + (["soft-cap"] if softcap else [])))
+    path = " → ".join(names + (["soft-cap"] if softcap else []))
+    return Anatomy(layers=layers, readout=readout, path=path, prepare=prepare, head=unembed)
 
 
 def _is_norm(name: str, module: nn.Module) -> bool:
@@ -199,3 +249,24 @@ def single_token(model: Model, text: str, field: str) -> int:
         got = "no tokens" if not ids else f"{len(ids)} tokens {[model.token_text(i) for i in ids]}"
         raise ParamError(field, f"{text!r} must be exactly one token of the model's vocabulary; it is {got}")
     return ids[0]
+
+
+def readout_rows(model: Model) -> int:
+    """Rows per readout matmul: as many as keep its logits within READOUT_FLOATS."""
+    return max(1, READOUT_FLOATS // max(1, model.vocab_size))
+
+
+def logits_at(model: Model, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: Any, cols: Any) -> torch.Tensor:
+    """Float32 logits at (rows[i], cols[i]) of a padded batch, i × vocabulary.
+
+    With a layer stack the pass stops after the last block and only these positions go
+    through the final norm and head (its matmul over every position is a large part of a
+    small model's work); without one, the model's own logits at these positions.
+    """
+    if not model.has(Capability.LAYERS):
+        return model.logits(input_ids, attention_mask)[rows, cols].float()
+    body = anatomy(model)
+    last = body.n_layers - 1
+    with body.capture([last], stop=True) as captured:
+        model.logits(input_ids, attention_mask)
+    return body.logits(captured[last][rows, cols])

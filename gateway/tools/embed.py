@@ -130,41 +130,60 @@ def _plan(model: Model, jobs: list[EmbedParams], by_length: bool = True) -> list
     return sorted_chunks(items, EMBED_BATCH, by_length=by_length)
 
 
-def _pooled(states: torch.Tensor, own: list[int], params: EmbedParams) -> torch.Tensor:
-    """One text's vector(s) from its unpadded states, as `params` asks."""
-    if params.pooling is Pooling.CLS:
-        states = states[0]
-    elif params.pooling is Pooling.MEAN:
-        states = states[own].mean(0)
-    elif params.pooling is Pooling.LAST:
-        states = states[own[-1]]
-    else:
-        states = states[own]
-    return torch.nn.functional.normalize(states, dim=-1) if params.normalize else states
-
-
 def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
+    """Each text's vector(s); with per_token pooling, (vectors, its own token ids) for the tokens' texts.
+
+    The rows of the chunk that ask for the same (layer, pooling, normalize, precision), one job's
+    usually, are pooled together: their own tokens gathered in one index, and their vectors moved
+    off the device in one copy.
+    """
     n_states = _n_states(model)
     input_ids, mask = right_padded(model, chunk.data)
     states = model.hidden_states(input_ids, mask)
-    out = []
-    for row, ((job, _), ids) in enumerate(zip(chunk.items, chunk.data)):
+    owns = [model.own(ids) for ids in chunk.data]
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for row, (job, _) in enumerate(chunk.items):
         params = jobs[job]
-        real = states[params.layer % n_states][row, : len(ids)].float()
-        out.append(_array(_pooled(real, model.own(ids), params), params.precision))
+        # Pooling(…): params built in Python (not decoded) may hold the plain string.
+        pooling = Pooling.PER_TOKEN if _per_token(Pooling(params.pooling)) else Pooling(params.pooling)
+        groups.setdefault((params.layer % n_states, pooling, params.normalize, params.precision), []).append(row)
+    out: list[Any] = [None] * len(chunk.items)
+    for (layer, pooling, normalize, precision), rows in groups.items():
+        device = states[layer].device
+        if pooling is Pooling.CLS:
+            vectors = states[layer][torch.tensor(rows, device=device), 0].float()
+        else:
+            counts = [len(owns[row]) for row in rows]
+            index = (
+                torch.tensor([row for row, n in zip(rows, counts) for _ in range(n)], device=device),
+                torch.tensor([at for row in rows for at in owns[row]], device=device),
+            )
+            vectors = states[layer][index].float()  # every row's own tokens, row after row
+            if pooling is Pooling.MEAN:
+                vectors = torch.stack([own.mean(0) for own in vectors.split(counts)])
+            elif pooling is Pooling.LAST:
+                vectors = vectors[torch.tensor(counts, device=device).cumsum(0) - 1]
+        if normalize:
+            vectors = torch.nn.functional.normalize(vectors, dim=-1)
+        array = _array(vectors, precision)
+        if pooling is Pooling.PER_TOKEN:
+            for row, part in zip(rows, np.split(array, np.cumsum(counts)[:-1])):
+                out[row] = (part, [chunk.data[row][at] for at in owns[row]])
+        else:
+            for row, vector in zip(rows, array):
+                out[row] = vector
     return out
 
 
 def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[tuple[int, int], Any]) -> list[EmbedResult]:
+    texts = model.token_texts(t for output in outputs.values() if isinstance(output, tuple) for t in output[1])
     results = []
     for job, params in enumerate(jobs):
         vectors = [outputs[job, i] for i in range(len(params.texts))]
         tokens = None
         if _per_token(params.pooling):
-            tokens = []
-            for text in params.texts:
-                ids = model.encode(text)
-                tokens.append([model.token_text(ids[i]) for i in model.own(ids)])
+            tokens = [[texts[t] for t in ids] for _, ids in vectors]
+            vectors = [v for v, _ in vectors]
         results.append(
             EmbedResult(
                 dim=int(vectors[0].shape[-1]),

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
-import torch
 
 from gateway.errors import ParamError
+from gateway.tools.anatomy import logits_at
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import one_pass
 from gateway.tools.numbers import floats
@@ -61,26 +61,26 @@ def _fill_many(model: Model, jobs: list[FillMaskParams], ctxs: list[Context]) ->
     encoded = [[model.encode(text) for text in params.texts] for params in jobs]
     rows = [ids for texts in encoded for ids in texts]
     input_ids, mask = right_padded(model, rows)
-    logits = model.logits(input_ids, mask)
-    results, row = [], 0
-    for params, texts, ctx in zip(jobs, encoded, ctxs):
-        fills = []
-        for ids in texts:
+    masks = [[at for at, t in enumerate(ids) if t == model.mask_token_id] for ids in rows]
+    where = [(row, at) for row, ats in enumerate(masks) for at in ats]
+    # Only the masked positions go through the head: rows × tokens × vocabulary would be large.
+    logits = logits_at(model, input_ids, mask, [row for row, _ in where], [at for _, at in where])
+    top = logits.softmax(dim=-1).topk(max(params.top_k for params in jobs), dim=-1)
+    top_ids, top_p = top.indices.tolist(), floats(top.values)
+    texts = model.token_texts(i for ids in top_ids for i in ids)
+    results, cell, row = [], 0, 0
+    for params, job_rows, ctx in zip(jobs, encoded, ctxs):
+        k, fills = params.top_k, []
+        for ids in job_rows:
             own = {at: n for n, at in enumerate(model.own(ids))}
-            masks = [at for at, t in enumerate(ids) if t == model.mask_token_id]
-            # Only the masked positions' distributions: rows × tokens × vocabulary would be large.
-            top = logits[row, masks].float().softmax(dim=-1).topk(params.top_k, dim=-1)
-            fills.append(
-                [
-                    MaskFill(
-                        position=own[at],
-                        predictions=[TokenProb(i, model.token_text(i), p) for i, p in zip(ids_k, p_k)],
-                    )
-                    for at, ids_k, p_k in zip(masks, top.indices.tolist(), floats(top.values))
-                ]
-            )
+            fill = []
+            for at in masks[row]:
+                predictions = [TokenProb(i, texts[i], p) for i, p in zip(top_ids[cell][:k], top_p[cell][:k])]
+                fill.append(MaskFill(position=own[at], predictions=predictions))
+                cell += 1
+            fills.append(fill)
             row += 1
-        ctx.progress(len(texts), len(texts), "texts")
+        ctx.progress(len(job_rows), len(job_rows), "texts")
         results.append(FillMaskResult(mask_token=_mask(model), fills=fills))
     return results
 

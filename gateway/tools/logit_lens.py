@@ -8,14 +8,19 @@ the model's prediction. Three tools share the one computation:
 - `lens_line`: one token's probability, rank or the entropy across layers at one position;
 - `lens_grid`: a statistic at every layer × position, as a chart-ready heatmap.
 
-One forward pass records the chosen layers; then each layer is unembedded and
-reduced before the next, so memory stays at one layer's distributions
-(positions × vocabulary). Cancellation is checked after every block of the
-forward pass and between layers; progress is reported per layer.
+One forward pass records the chosen layers, and stops after the deepest of
+them; each is put through the final norm as its block finishes (progress is
+reported per layer then). The rows (layer, position) then go through the
+head together, as one matmul per chunk of at most `READOUT_FLOATS` logits, so
+memory stays bounded whatever the vocabulary, and each chunk is reduced (top
+k, entropy, a statistic) before the next; the results are turned into numbers
+and token texts once, at the end. Cancellation is checked after every block of
+the forward pass and between chunks.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Iterator, Sequence
 from typing import Annotated
@@ -24,7 +29,7 @@ import msgspec
 import torch
 
 from gateway.errors import ParamError
-from gateway.tools.anatomy import anatomy, resolve_layers, resolve_positions, single_token
+from gateway.tools.anatomy import anatomy, readout_rows, resolve_layers, resolve_positions, single_token
 from gateway.tools.base import Capability, Context, Model, tool
 from gateway.tools.numbers import floats
 from gateway.tools.predict import TokenProb
@@ -117,32 +122,58 @@ class LensGridResult(msgspec.Struct):
     """Layer × position: that layer's own most likely token, for labels and hover."""
 
 
-def lens(
-    model: Model, ids: list[int], layers: Sequence[int], positions: Sequence[int], ctx: Context
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """(layer, probabilities [positions × vocab] in float32) for each layer, in order."""
+def residuals(
+    model: Model, ids: list[int], layers: Sequence[int], positions: Sequence[int], ctx: Context, counted: Sequence[int]
+) -> torch.Tensor:
+    """Each layer's residual stream at `positions`, through the readout's final norm: rows (layer,
+    position), layer-major. One forward pass, stopped after the deepest layer; each layer is
+    normed as its block finishes, and progress counts the layers of `counted` read so far."""
     body = anatomy(model)
-    input_ids = torch.tensor([ids], device=model.device)
-    with body.capture(layers, check=ctx.raise_if_cancelled) as captured:
-        model.logits(input_ids, torch.ones_like(input_ids))
     index = torch.tensor(positions, device=model.device)
-    for done, layer in enumerate(layers, 1):
+    ordered = sorted(counted)
+
+    def keep(layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        prepared = body.prepared(hidden[0].index_select(0, index))
+        ctx.progress(bisect.bisect_right(ordered, layer), len(counted), "layers")
+        return prepared
+
+    input_ids = torch.tensor([ids], device=model.device)
+    with body.capture(layers, check=ctx.raise_if_cancelled, keep=keep, stop=True) as captured:
+        model.logits(input_ids, torch.ones_like(input_ids))
+    return torch.cat([captured[layer] for layer in layers])
+
+
+def lens(
+    model: Model, ids: list[int], layers: Sequence[int], positions: Sequence[int], ctx: Context,
+    counted: Sequence[int] | None = None,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, float32 probabilities) of the rows (layer, position), layer-major, a chunk at a time.
+
+    `layers` are distinct. The rows go through the head as one matmul per chunk of at most
+    READOUT_FLOATS logits, so memory stays bounded whatever the vocabulary and prompt.
+    """
+    body = anatomy(model)
+    hidden = residuals(model, ids, layers, positions, ctx, layers if counted is None else counted)
+    step = readout_rows(model)
+    for start in range(0, hidden.shape[0], step):
         ctx.raise_if_cancelled()
-        hidden = captured[layer][0].index_select(0, index)
-        if layer not in layers[done:]:  # a layer may be asked for twice (`[1, -1]`)
-            del captured[layer]
-        yield layer, body.logits(hidden).softmax(dim=-1)
-        ctx.progress(done, len(layers), "layers")
+        yield start, body.unembed(hidden[start : start + step]).softmax(dim=-1)
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
-    return -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
+    return torch.special.entr(probs).sum(dim=-1)
 
 
 def rank(probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """1-based rank of `token_ids[i]` in row i of `probs` (ties share the better rank)."""
     target = probs.gather(-1, token_ids[:, None])
     return (probs > target).sum(dim=-1) + 1
+
+
+def _rows(layers: list[int], distinct: list[int], n_positions: int) -> torch.Tensor:
+    """Where each of `layers` (repeats allowed) has its rows among those of `distinct`: layer × position."""
+    at = {layer: i for i, layer in enumerate(distinct)}
+    return torch.tensor([[at[layer] * n_positions + j for j in range(n_positions)] for layer in layers])
 
 
 def _prepare(model: Model, prompt: str, layers: list[int] | None, positions: list[int] | None):
@@ -163,30 +194,31 @@ def logit_lens(model: Model, params: LogitLensParams, ctx: Context) -> LogitLens
     ids, layers, positions = _prepare(model, params.prompt, params.layers, params.positions)
     tracked_ids = [single_token(model, t, f"track[{i}]") for i, t in enumerate(params.track or [])]
     top_k = min(params.top_k, model.vocab_size)
-    topk, entropies, tracked = [], [], []
-    for _, probs in lens(model, ids, layers, positions, ctx):
+    distinct = list(dict.fromkeys(layers))
+    values, indices, entropies, tracked = [], [], [], []
+    for _, probs in lens(model, ids, distinct, positions, ctx, counted=layers):
         top = probs.topk(top_k, dim=-1)
-        topk.append(
-            [
-                [TokenProb(i, model.token_text(i), p) for i, p in zip(row_ids, row_p)]
-                for row_ids, row_p in zip(top.indices.tolist(), floats(top.values))
-            ]
-        )
+        values.append(top.values)
+        indices.append(top.indices)
         if params.include_entropy:
-            entropies.append(floats(entropy(probs)))
+            entropies.append(entropy(probs))
         if tracked_ids:
-            tracked.append(floats(probs[:, tracked_ids].T))  # token × position
+            tracked.append(probs[:, tracked_ids])
+    rows = _rows(layers, distinct, len(positions)).to(model.device)  # layer × position
+    top_ids = torch.cat(indices)[rows].tolist()
+    top_p = floats(torch.cat(values)[rows])
+    texts = model.token_texts([*ids, *(i for layer in top_ids for cell in layer for i in cell)])
     return LogitLensResult(
-        tokens=[model.token_text(i) for i in ids],
+        tokens=[texts[i] for i in ids],
         positions=positions,
         layers=layers,
-        topk=topk,
-        entropy=entropies if params.include_entropy else None,
-        tracked={
-            text: [per_layer[k] for per_layer in tracked] for k, text in enumerate(params.track or [])
-        }
-        if params.track
-        else None,
+        topk=[
+            [[TokenProb(i, texts[i], p) for i, p in zip(cell_ids, cell_p)] for cell_ids, cell_p in zip(layer_ids, layer_p)]
+            for layer_ids, layer_p in zip(top_ids, top_p)
+        ],
+        entropy=floats(torch.cat(entropies)[rows]) if params.include_entropy else None,
+        # Each tracked token's probability, token × layer × position.
+        tracked=dict(zip(params.track, floats(torch.cat(tracked)[rows].permute(2, 0, 1)))) if params.track else None,
     )
 
 
@@ -209,14 +241,10 @@ def lens_line(model: Model, params: LensLineParams, ctx: Context) -> LensLineRes
     """One token's probability or rank, or the entropy, across layers at one position: a line chart."""
     ids, layers, _ = _prepare(model, params.prompt, params.layers, None)
     position = _position(len(ids), params.position)
-    if params.token is not None:
-        token = single_token(model, params.token, "token")
-    else:
-        token = int(_final_prediction(model, ids, [position])[0])
-    values = []
-    for _, probs in lens(model, ids, layers, [position], ctx):
-        values.append(_stat(params.stat, probs, torch.tensor([token], device=probs.device))[0])
-    return LensLineResult(params.stat, model.token_text(token), position, layers, values)
+    given = None if params.token is None else torch.tensor([single_token(model, params.token, "token")], device=model.device)
+    values, _, targets = _lens_stats(model, ids, layers, [position], params.stat, given, ctx)
+    token = int(targets[0])
+    return LensLineResult(params.stat, model.token_text(token), position, layers, [row[0] for row in floats(values)])
 
 
 def check_grid(model: Model, params: LensGridParams) -> None:
@@ -227,32 +255,52 @@ def check_grid(model: Model, params: LensGridParams) -> None:
 def lens_grid(model: Model, params: LensGridParams, ctx: Context) -> LensGridResult:
     """A statistic at every layer × position, with each layer's top token: a heatmap."""
     ids, layers, positions = _prepare(model, params.prompt, params.layers, params.positions)
-    targets = _final_prediction(model, ids, positions)
-    values, top_tokens = [], []
-    for _, probs in lens(model, ids, layers, positions, ctx):
-        values.append(_stat(params.stat, probs, targets))
-        top_tokens.append([model.token_text(i) for i in probs.argmax(dim=-1).tolist()])
+    values, tops, targets = _lens_stats(model, ids, layers, positions, params.stat, None, ctx)
+    top_ids, target_ids = tops.tolist(), targets.tolist()
+    texts = model.token_texts([*(ids[p] for p in positions), *target_ids, *(i for row in top_ids for i in row)])
     return LensGridResult(
         stat=params.stat,
         layers=layers,
         positions=positions,
-        tokens=[model.token_text(ids[p]) for p in positions],
-        targets=[model.token_text(i) for i in targets.tolist()],
-        values=values,
-        top_tokens=top_tokens,
+        tokens=[texts[ids[p]] for p in positions],
+        targets=[texts[i] for i in target_ids],
+        values=floats(values),
+        top_tokens=[[texts[i] for i in row] for row in top_ids],
     )
 
 
-def _final_prediction(model: Model, ids: list[int], positions: Sequence[int]) -> torch.Tensor:
-    """The model's own most likely token at each position (the next one, for a causal model)."""
-    input_ids = torch.tensor([ids], device=model.device)
-    logits = model.logits(input_ids, torch.ones_like(input_ids))[0]
-    return logits[list(positions)].float().argmax(dim=-1)
+def _lens_stats(
+    model: Model, ids: list[int], layers: list[int], positions: list[int], stat: Stat,
+    token_ids: torch.Tensor | None, ctx: Context,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The statistic and the top token at each layer × position, and the token each column follows:
+    `token_ids` (one per position), or where None the model's own prediction there, the last layer's
+    top token, read in the same pass (the last layer's rows go first, so every row has its target)."""
+    last = anatomy(model).n_layers - 1
+    distinct = list(dict.fromkeys(layers))
+    if token_ids is None:
+        distinct = [last, *(layer for layer in distinct if layer != last)]
+        targets = torch.empty(len(positions), dtype=torch.long, device=model.device)
+    else:
+        targets = token_ids
+    n = len(positions)
+    values = torch.empty(len(distinct) * n, device=model.device)
+    tops = torch.empty(len(distinct) * n, dtype=torch.long, device=model.device)
+    for start, probs in lens(model, ids, distinct, positions, ctx, counted=layers):
+        end = start + probs.shape[0]
+        top = probs.argmax(dim=-1)
+        if token_ids is None and start < n:
+            targets[start : min(end, n)] = top[: n - start]
+        columns = torch.arange(start, end, device=model.device) % n
+        values[start:end] = _stat(stat, probs, targets[columns])
+        tops[start:end] = top
+    rows = _rows(layers, distinct, n).to(model.device)
+    return values[rows], tops[rows], targets
 
 
-def _stat(stat: Stat, probs: torch.Tensor, token_ids: torch.Tensor) -> list[float]:
+def _stat(stat: Stat, probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     if stat is Stat.ENTROPY:
-        return floats(entropy(probs))
+        return entropy(probs)
     if stat is Stat.RANK:
-        return [float(r) for r in rank(probs, token_ids).tolist()]
-    return floats(probs.gather(-1, token_ids[:, None])[:, 0])
+        return rank(probs, token_ids).float()
+    return probs.gather(-1, token_ids[:, None])[:, 0]

@@ -13,6 +13,7 @@ import msgspec
 import torch
 
 from gateway.errors import ParamError
+from gateway.tools.anatomy import logits_at
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import one_pass
 from gateway.tools.numbers import floats
@@ -52,23 +53,25 @@ def check(model: Model, params: LoglikelihoodParams) -> None:
 def _loglikelihood_many(
     model: Model, jobs: list[LoglikelihoodParams], ctxs: list[Context]
 ) -> list[LoglikelihoodResult]:
-    # Every pair of every job in one right-padded forward pass.
+    # Every pair of every job in one right-padded forward pass; only the positions that
+    # predict a continuation token go through the head.
     pairs = [_pairs(model, params) for params in jobs]
     flat = [pair for job in pairs for pair in job]
     input_ids, mask = right_padded(model, [context + continuation for context, continuation in flat])
-    logprobs = model.logits(input_ids, mask).float().log_softmax(dim=-1)
+    device = input_ids.device
+    # Logits at position t predict token t + 1.
+    rows = torch.tensor([row for row, (_, cont) in enumerate(flat) for _ in cont], device=device)
+    cols = torch.tensor([len(ctx) - 1 + k for ctx, cont in flat for k in range(len(cont))], device=device)
+    target = torch.tensor([token for _, cont in flat for token in cont], device=device)
+    logprobs = logits_at(model, input_ids, mask, rows, cols).log_softmax(dim=-1)
+    sizes = [len(cont) for _, cont in flat]
+    ll = floats(torch.stack([span.sum() for span in logprobs.gather(1, target[:, None])[:, 0].split(sizes)]))
+    greedy = torch.stack([span.all() for span in (logprobs.argmax(dim=-1) == target).split(sizes)]).tolist()
     results, row = [], 0
     for job, ctx in zip(pairs, ctxs):
-        ll, greedy = [], []
-        for context, continuation in job:
-            # Logits at position t predict token t + 1.
-            span = logprobs[row, len(context) - 1 : len(context) + len(continuation) - 1]
-            target = torch.tensor(continuation, device=span.device)
-            ll.append(floats(span.gather(1, target[:, None]).sum()))
-            greedy.append(bool((span.argmax(dim=-1) == target).all()))
-            row += 1
+        results.append(LoglikelihoodResult(ll=ll[row : row + len(job)], is_greedy=greedy[row : row + len(job)]))
+        row += len(job)
         ctx.progress(len(job), len(job), "pairs")
-        results.append(LoglikelihoodResult(ll=ll, is_greedy=greedy))
     return results
 
 

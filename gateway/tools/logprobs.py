@@ -11,7 +11,7 @@ temperature 0 would produce first), both from the same pass.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 import torch
@@ -72,38 +72,47 @@ def check(model: Model, params: LogprobsParams) -> None:
         model.fit(len(ids), f"{field}[{i}]")
 
 
-def _alternatives(model: Model, logprobs: torch.Tensor, k: int) -> list[list[TokenLogprob]]:
-    values, ids = logprobs.topk(k, dim=-1)
-    texts = {i: model.token_text(i) for i in set(ids.flatten().tolist())}
-    return [
-        [TokenLogprob(i, texts[i], v) for i, v in zip(row_ids, row_values)]
-        for row_ids, row_values in zip(ids.tolist(), floats(values))
-    ]
-
-
 def _logprobs_many(model: Model, jobs: list[LogprobsParams], ctxs: list[Context]) -> list[LogprobsResult]:
     # Every text of every job in one right-padded forward pass.
     per_job = [rows(model, params) for params in jobs]
     flat = [ids for job in per_job for ids in job]
     input_ids, mask = right_padded(model, flat)
+    device = input_ids.device
     logprobs = model.logits(input_ids, mask).float().log_softmax(dim=-1)
+    # Logits at position t score token t + 1: each token's log-probability, row × position (padding too).
+    own = logprobs[:, :-1].gather(2, input_ids[:, 1:, None])[..., 0].cpu()
+    at_last = logprobs[torch.arange(len(flat), device=device), torch.tensor([len(ids) - 1 for ids in flat], device=device)]
+    best = at_last.argmax(dim=-1)
+    best_ids, best_logprobs = best.tolist(), floats(at_last.gather(1, best[:, None])[:, 0])
+    k = max(params.top for params in jobs)
+    top_ids: list[Any] = []
+    top_values: Any = None
+    if k:  # one top-k for every row and position, as deep as the deepest job asks
+        top = logprobs.topk(k, dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.cpu()
+    texts = model.token_texts(
+        [*(t for ids in flat for t in ids), *best_ids, *(i for row in top_ids for position in row for i in position)]
+    )
+
+    def alternatives(row: int, start: int, end: int, top: int) -> list[list[TokenLogprob]]:
+        values = floats(top_values[row, start:end, :top])
+        return [
+            [TokenLogprob(i, texts[i], v) for i, v in zip(ids, vs)]
+            for ids, vs in zip((position[:top] for position in top_ids[row][start:end]), values)
+        ]
+
     results, row = [], 0
     for job, params, ctx in zip(per_job, jobs, ctxs):
         scored = []
         for ids in job:
             n = len(ids)
-            # Logits at position t score token t + 1.
-            before = logprobs[row, : n - 1]
-            own = floats(before.gather(1, torch.tensor(ids[1:], device=before.device)[:, None]).squeeze(1))
-            entry = Scored(token_ids=list(ids), tokens=[model.token_text(t) for t in ids], logprobs=[None, *own])
+            entry = Scored(token_ids=list(ids), tokens=[texts[t] for t in ids], logprobs=[None, *floats(own[row, : n - 1])])
             if params.top:
-                entry.top = _alternatives(model, before, params.top)
+                entry.top = alternatives(row, 0, n - 1, params.top)
             if params.next_token:
-                last = logprobs[row, n - 1]
-                best = int(last.argmax())
-                entry.next_token = TokenLogprob(best, model.token_text(best), floats(last[best]))
+                entry.next_token = TokenLogprob(best_ids[row], texts[best_ids[row]], best_logprobs[row])
                 if params.top:
-                    entry.next_top = _alternatives(model, last[None], params.top)[0]
+                    entry.next_top = alternatives(row, n - 1, n, params.top)[0]
             scored.append(entry)
             row += 1
         ctx.progress(len(job), len(job), "sequences")

@@ -8,6 +8,7 @@ import msgspec
 import torch
 
 from gateway.errors import ParamError
+from gateway.tools.anatomy import logits_at
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import one_pass
 from gateway.tools.numbers import floats
@@ -38,21 +39,17 @@ def _predict_many(model: Model, jobs: list[PredictParams], ctxs: list[Context]) 
     # Right padding: causal attention keeps each prompt's real tokens from seeing the pads after them.
     encoded = [model.encode(params.prompt) for params in jobs]
     input_ids, mask = right_padded(model, encoded)
-    logits = model.logits(input_ids, mask)
-    last = torch.tensor([len(ids) - 1 for ids in encoded], device=logits.device)
-    probs = logits[torch.arange(len(encoded), device=logits.device), last].float().softmax(dim=-1)
-    results = []
-    for row, params in enumerate(jobs):
-        top = probs[row].topk(params.top_k)
-        results.append(
-            PredictResult(
-                [
-                    TokenProb(id=i, text=model.token_text(i), prob=p)
-                    for p, i in zip(floats(top.values), top.indices.tolist())
-                ]
-            )
-        )
-    return results
+    rows = torch.arange(len(encoded), device=input_ids.device)
+    last = torch.tensor([len(ids) - 1 for ids in encoded], device=input_ids.device)
+    probs = logits_at(model, input_ids, mask, rows, last).softmax(dim=-1)
+    # One top-k for every row, as deep as the deepest job asks; each job reads its own first top_k.
+    top = probs.topk(max(params.top_k for params in jobs), dim=-1)
+    ids, values = top.indices.tolist(), floats(top.values)
+    texts = model.token_texts(i for row, params in zip(ids, jobs) for i in row[: params.top_k])
+    return [
+        PredictResult([TokenProb(id=i, text=texts[i], prob=p) for i, p in zip(row_ids[: params.top_k], row_p)])
+        for row_ids, row_p, params in zip(ids, values, jobs)
+    ]
 
 
 @tool(check=check, batch=one_pass(_predict_many), needs={Capability.NEXT_TOKEN}, sequences=("prompt",))

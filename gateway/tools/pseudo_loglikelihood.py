@@ -20,6 +20,7 @@ import msgspec
 import torch
 
 from gateway.errors import ParamError
+from gateway.tools.anatomy import logits_at
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import Chunk, Chunked, one_pass, sorted_chunks
 from gateway.tools.numbers import floats
@@ -74,8 +75,8 @@ def _run(model: Model, jobs: list[PseudoLoglikelihoodParams], chunk: Chunk) -> l
     at = torch.tensor([key[1] for _, key in chunk.items], device=input_ids.device)
     true = torch.tensor([key[2] for _, key in chunk.items], device=input_ids.device)
     input_ids[rows, at] = model.mask_token_id
-    logits = model.logits(input_ids, mask)[rows, at]  # each copy's masked position only
-    return floats(logits.float().log_softmax(dim=-1)[torch.arange(len(rows), device=logits.device), true])
+    logits = logits_at(model, input_ids, mask, rows, at)  # each copy's masked position only
+    return floats(logits.log_softmax(dim=-1).gather(1, true[:, None])[:, 0])
 
 
 def _assemble(
@@ -84,6 +85,8 @@ def _assemble(
     by_sequence: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
     for (job, (s, at, token)), value in outputs.items():
         by_sequence.setdefault((job, s), []).append((at, token, value))
+    wanted = any(params.per_position for params in jobs)
+    texts = model.token_texts(token for per in by_sequence.values() for _, token, _ in per) if wanted else {}
     results = []
     for job, params in enumerate(jobs):
         scored = [sorted(by_sequence[job, s]) for s in range(len(params.sequences))]
@@ -93,7 +96,7 @@ def _assemble(
                 pll=floats(torch.tensor([sum(v for _, _, v in per) for per in scored], dtype=torch.float64)),
                 tokens_scored=[len(per) for per in scored],
                 per_position=[[v for _, _, v in per] for per in scored] if params.per_position else None,
-                tokens=[[model.token_text(t) for _, t, _ in per] for per in scored] if params.per_position else None,
+                tokens=[[texts[t] for _, t, _ in per] for per in scored] if params.per_position else None,
             )
         )
     return results

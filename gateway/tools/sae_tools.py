@@ -224,8 +224,9 @@ def _check_annotate(model: Model, params: AnnotateParams) -> None:
 
 
 def _residuals(model: Model, layer: int, rows: list[list[int]]) -> list[torch.Tensor]:
-    """Each row's residual stream at `layer` (tokens × d_model, float32), from one right-padded pass."""
-    with anatomy(model).capture([layer]) as captured:
+    """Each row's residual stream at `layer` (tokens × d_model, float32), from one right-padded pass
+    that stops there: the blocks after it and the head are not run."""
+    with anatomy(model).capture([layer], stop=True) as captured:
         input_ids, mask = right_padded(model, rows)
         model.logits(input_ids, mask)
     return [captured[layer][i, : len(ids)].float() for i, ids in enumerate(rows)]
@@ -244,7 +245,8 @@ def _annotate_prompt(model: Model, sae: SAE, params: AnnotateParams, x: torch.Te
         top = torch.topk(f, min(params.k, sae.n_features), dim=-1)
         picked, values = top.indices.tolist(), floats(top.values)
     labels = sae.spec.labels
-    errors, relatives = floats(error), floats(relative)
+    errors, relatives = floats(torch.stack([error, relative]))
+    texts = model.token_texts(ids)
     tokens = []
     for pos, token_id in enumerate(ids):
         acts = [
@@ -252,7 +254,7 @@ def _annotate_prompt(model: Model, sae: SAE, params: AnnotateParams, x: torch.Te
             for fid, value in zip(picked[pos], values[pos])
             if params.mode == "pick" or value > 0  # `top` lists active features only
         ]
-        tokens.append(TokenAnnotation(model.token_text(token_id), token_id, acts, errors[pos], relatives[pos]))
+        tokens.append(TokenAnnotation(texts[token_id], token_id, acts, errors[pos], relatives[pos]))
     return tokens
 
 
@@ -270,17 +272,23 @@ def _annotate_sequence(model: Model, sae: SAE, params: AnnotateParams, x: torch.
         chosen = [i for i, v in zip(top.indices.tolist(), top.values.tolist()) if v > 0]
     tracks = f[:, chosen].T.contiguous()  # features × positions
     labels = sae.spec.labels
-    summary = []
-    for row, fid in zip(tracks, chosen):
-        if len(own):
-            peak = int(row.argmax())
-            numbers = floats(torch.stack([row[peak], row.mean()]))
-            above = torch.nonzero(row > params.threshold).flatten().tolist()
-        else:
-            peak, numbers, above = 0, [0.0, 0.0], []
-        summary.append(FeatureTrack(fid, labels.get(fid), numbers[0], numbers[1], peak, above))
+    if len(own):
+        peaks = tracks.max(dim=1)  # the first position of the largest, as argmax gives it
+        maxima, means = floats(torch.stack([peaks.values, tracks.mean(dim=1)]))
+        argmax = peaks.indices.tolist()
+        where = torch.nonzero(tracks > params.threshold).tolist()  # (feature, position), in order
+    else:
+        maxima = means = [0.0] * len(chosen)
+        argmax, where = [0] * len(chosen), []
+    above: list[list[int]] = [[] for _ in chosen]
+    for row, position in where:
+        above[row].append(position)
+    summary = [
+        FeatureTrack(fid, labels.get(fid), maxima[k], means[k], argmax[k], above[k]) for k, fid in enumerate(chosen)
+    ]
+    texts = model.token_texts(ids[i] for i in own)
     return SequenceAnnotation(
-        tokens=[model.token_text(ids[i]) for i in own],
+        tokens=[texts[ids[i]] for i in own],
         features=summary,
         tracks=tracks.cpu().numpy(),
         relative_error=relative.cpu().numpy(),
