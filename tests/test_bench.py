@@ -88,9 +88,9 @@ def test_streaming():
     printed = run_bench("streaming")
     (table,) = printed.tables
     assert [row["endpoint"] for row in table.rows] == ["gateway", "bare", "gateway/bare"]
-    for column in ("jobs/s", "events/s", "first event p50 ms", "first event p99 ms", "job p50 ms", "long stream events/s"):
+    for column in ("jobs/s", "events/s", "server CPU ms/job", "first event p50 ms", "first event p99 ms", "job p50 ms", "long stream events/s"):
         assert all(value is not None and value > 0 for value in table.numbers(column)), (column, table.rows)
-    assert len(printed.targets) == 2
+    assert len(printed.targets) == 3
 
 
 def test_idle_streams():
@@ -143,6 +143,21 @@ def test_batching():
     assert len(printed.targets) == 6
 
 
+def test_batching_device_flags():
+    """`--device` reaches every server (gateways and peer) as they take it: CUDA in bfloat16 unless told otherwise.
+
+    No GPU runs here; `bench/batching.py --peer litserve` is not run either (making
+    the peer's environment takes minutes: bench/peers/README.md).
+    """
+    from argparse import Namespace
+
+    from bench.common import device_flags
+
+    assert device_flags(Namespace(device=None, dtype=None)) == []
+    assert device_flags(Namespace(device="cpu", dtype=None)) == ["--device", "cpu"]
+    assert device_flags(Namespace(device="cuda", dtype=None)) == ["--device", "cuda", "--dtype", "bfloat16"]
+    assert device_flags(Namespace(device="cuda:1", dtype="float16")) == ["--device", "cuda:1", "--dtype", "float16"]
+
 
 def test_embeddings():
     printed = run_bench("embeddings")
@@ -163,3 +178,58 @@ def test_embeddings():
     assert printed.targets == [
         ("two workers return the one-device embeddings (max abs diff <= 0.0001): " + checks.rows[0]["max abs diff"], "met")
     ]
+
+
+TOOL_SPEED_CASES = [
+    "predict", "loglikelihood", "logprobs", "logit_lens", "lens_grid", "lens_line", "activation_patching",
+    "sae_annotate", "sae_annotate sequences", "sae_steer", "embed", "fill_mask", "pseudo_loglikelihood",
+]
+
+
+def test_tool_speed():
+    printed = run_bench("tool_speed")
+    (table,) = printed.tables
+    assert [row["case"] for row in table.rows] == TOOL_SPEED_CASES
+    for column in ("gateway ms", "plain ms", "ratio"):
+        assert all(value is not None and value > 0 for value in table.numbers(column)), (column, table.rows)
+    # Every result agrees with plain torch's (the script exits 1 otherwise): a timing of wrong numbers is no timing.
+    assert [row["agree"] for row in table.rows] == ["yes"] * len(TOOL_SPEED_CASES)
+    assert all(float(row["max abs diff"]) <= 1e-4 for row in table.rows), table.rows
+    assert [what.split(" through ")[0] for what, _ in printed.targets] == TOOL_SPEED_CASES
+    assert float(printed.facts["gateway floor"].split(" takes ")[1].split(" ms")[0]) > 0
+
+
+def test_generation():
+    printed = run_bench("generation")
+    lone, batched = printed.tables
+    assert [row["measure"] for row in lone.rows] == ["partial span", "job time less prefill", "first token"]
+    for column in ("gateway p50 ms", "gateway best ms", "plain p50 ms", "plain best ms", "p50 ratio", "best ratio"):
+        # job time less prefill is a difference of two latencies: on a busy machine it may come out at or below 0.
+        assert all(value is not None for value in lone.numbers(column)), (column, lone.rows)
+    for column in ("gateway p50 ms", "plain p50 ms"):
+        assert all(value > 0 for value in lone.numbers(column)[::2]), (column, lone.rows)
+    assert batched.numbers("jobs") == [4]  # --quick: one batch size
+    for column in ("gateway jobs/s", "generate() jobs/s", "gateway tokens/s", "generate() tokens/s"):
+        assert all(value is not None and value > 0 for value in batched.numbers(column)), (column, batched.rows)
+    assert re.fullmatch(r"\d/4", batched.rows[0]["same tokens"]), batched.rows
+    (speed, speed_verdict), (same, same_verdict) = printed.targets
+    assert speed_verdict in ("met", "missed"), speed
+    # Greedy through the gateway is plain greedy decoding, token for token.
+    assert same_verdict == "met", same
+
+
+def test_generation_device_and_threads():
+    """`--device cuda`: the gateway in bfloat16, the plain side on the device and dtype the gateway reports;
+    the threads by flag where `serve` has one (no GPU here)."""
+    from argparse import Namespace
+
+    import torch
+
+    from bench.common import device_flags
+    from bench.generation import plain_side, threads_flags
+
+    assert device_flags(Namespace(device="cuda", dtype=None)) == ["--device", "cuda", "--dtype", "bfloat16"]
+    assert plain_side({"device": "cuda:0", "dtype": "bfloat16"}) == ("cuda:0", torch.bfloat16)
+    assert plain_side({"device": "cpu", "dtype": "float32"}) == ("cpu", torch.float32)
+    assert threads_flags(3, True) == (["--torch-threads", "3"], None)
+    assert threads_flags(2, False) == ([], {"OMP_NUM_THREADS": "2"})

@@ -15,6 +15,8 @@ or an incomplete UTF-8 character, is held back until it is decided.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import random
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, Protocol
@@ -29,6 +31,8 @@ from gateway.models import capabilities
 from gateway.models.base import Capability, Kind
 from gateway.tools.base import Cancelled, Context, Model, tool
 from gateway.tools.batching import run_alone
+
+log = logging.getLogger("streamgate.generate")
 
 
 # Turns in one conversation: far more than fit any context, so the limit only keeps rendering short.
@@ -123,8 +127,26 @@ def check(model: Model, params: GenerateParams) -> None:
         raise ParamError("top_k", f"must be <= the vocabulary size {model.vocab_size}")
 
 
+# Incremental detokenization: each step decodes only the tokens since the text was last
+# settled, plus these few before them, so that a tokenizer that reads a token differently at
+# the start of a text (SentencePiece drops its leading space) reads the new ones in context.
+CONTEXT_TOKENS = 4
+# After this many tokens the whole completion is decoded once more and becomes the settled
+# text: a step's decode stays short, and the text never drifts from decoding every token.
+SETTLE_TOKENS = 32
+WHOLE_DECODE = "generate_decodes_whole"  # the model's memo: set for a tokenizer that windows misread
+
+
 class _Completion:
-    """One row of the batch: its tokens, the text already sent, and whether it ended."""
+    """One row of the batch: its tokens, the text already sent, and whether it ended.
+
+    `text` is what decoding all of `tokens` gives. Decoding them all at every
+    step costs the completion's length per token; instead the text is kept as
+    `_settled` (the decode of the first `_settled_at` tokens) and what the
+    tokens since add: the decode of the window from `_window_at`, less the
+    decode of its part up to `_settled_at` (`_lead`). A window whose decode
+    does not start with its lead's is decoded in full instead.
+    """
 
     def __init__(self, stop: list[str]) -> None:
         self.tokens: list[int] = []
@@ -133,6 +155,10 @@ class _Completion:
         self.text = ""
         self.stop = stop
         self.finish: str | None = None  # "stop" (EOS or a stop string) or "length"
+        self._settled = ""
+        self._settled_at = 0
+        self._window_at = 0
+        self._lead = ""
 
     def add(self, token: int, model: Model) -> str:
         """Take one token; return the text that is now final and not yet sent."""
@@ -140,7 +166,7 @@ class _Completion:
         self.unsent.append(token)
         if token in model.eos_token_ids:
             return self.end("stop", model.decode(self.tokens[:-1]))
-        text = model.decode(self.tokens)
+        text = self._decode(model)
         cuts = [at for at in (text.find(s) for s in self.stop) if at >= 0]
         if cuts:
             return self.end("stop", text[: min(cuts)])
@@ -162,6 +188,32 @@ class _Completion:
             return ""
         delta, self.sent = final[len(self.sent) :], final
         return delta
+
+    def _decode(self, model: Model) -> str:
+        """The decode of all the tokens, from a short window."""
+        if model.memo.get(WHOLE_DECODE):
+            return model.decode(self.tokens)
+        window = model.decode(self.tokens[self._window_at :])
+        if not window.startswith(self._lead):
+            return self._settle(model)
+        text = self._settled + window[len(self._lead) :]
+        if len(self.tokens) - self._settled_at >= SETTLE_TOKENS and not text.endswith("\ufffd"):
+            settled = self._settle(model)
+            if settled != text:
+                # A tokenizer whose text for a token depends on tokens far before it: decode it whole.
+                log.warning("%s: incremental decoding differs from decoding in full; decoding in full", model.name)
+                model.memo[WHOLE_DECODE] = True
+            return settled
+        return text
+
+    def _settle(self, model: Model) -> str:
+        text = model.decode(self.tokens)
+        # Settled text ends on a whole character: the window's text then simply follows it.
+        if not text.endswith("\ufffd"):
+            self._settled, self._settled_at = text, len(self.tokens)
+            self._window_at = max(0, self._settled_at - CONTEXT_TOKENS)
+            self._lead = model.decode(self.tokens[self._window_at :])
+        return text
 
 
 def sample(logits: torch.Tensor, p: GenerateParams, generator: torch.Generator) -> torch.Tensor:
@@ -202,11 +254,14 @@ class _Member:
     def done(self) -> bool:
         return self.steps >= self.params.max_tokens or all(row.finish is not None for row in self.rows)
 
-    def take(self, logits: torch.Tensor, model: Model) -> torch.Tensor:
-        """Sample this job's next tokens from its rows' logits; send what became final."""
-        tokens = sample(logits, self.params, self.generator)
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """This job's next tokens from its rows' logits (rows × vocab, any float dtype)."""
+        return sample(logits.float(), self.params, self.generator)
+
+    def take(self, tokens: list[int], model: Model) -> None:
+        """Take this step's token of each row; send what became final."""
         self.steps += 1
-        for index, (row, token) in enumerate(zip(self.rows, tokens.tolist())):
+        for index, (row, token) in enumerate(zip(self.rows, tokens)):
             if row.finish is not None:
                 continue
             text = row.add(token, model)
@@ -216,7 +271,6 @@ class _Member:
                 self.ctx.partial(GeneratePartial(index, text, row.unsent))
                 row.unsent = []
         self.ctx.progress(self.steps, self.params.max_tokens, "tokens")
-        return tokens
 
     def result(self, model: Model) -> GenerateResult:
         for index, row in enumerate(self.rows):
@@ -293,12 +347,26 @@ class Generation:
         return run()
 
     def _sample(self, members: list[_Member], logits: torch.Tensor) -> torch.Tensor:
-        taken, start = [], 0
+        """Each row's next token, on the device, and handed to its member: one read back for the batch.
+
+        Greedy rows of every member take one argmax over the whole batch, in the
+        logits' own dtype (float32 would pick the same: widening keeps order and ties).
+        """
+        if all(member.params.temperature == 0 for member in members):
+            tokens = logits.argmax(dim=-1)
+        else:
+            parts, start = [], 0
+            for member in members:
+                end = start + len(member.rows)
+                parts.append(member.sample(logits[start:end]))
+                start = end
+            tokens = torch.cat(parts)
+        ids, start = tokens.tolist(), 0
         for member in members:
             end = start + len(member.rows)
-            taken.append(member.take(logits[start:end].float(), self.model))
+            member.take(ids[start:end], self.model)
             start = end
-        return torch.cat(taken)
+        return tokens
 
     def _keep(self, members: list[_Member]) -> None:
         """Keep only these members' rows (with none left, the next batch starts afresh)."""
@@ -350,67 +418,94 @@ class KVCache:
 
     Merging left-pads the shorter cache; the attention mask hides the padding
     and each row's position ids count only its own tokens, so a row computes
-    what it would alone. Caches other than plain dynamic ones (sliding-window
-    layers) cannot be padded that way: with them new jobs wait for the batch
-    to empty.
+    what it would alone. While no row is padded (a lone job, prompts of one
+    length, or once the longer rows have left) there is no mask: the model runs
+    as a plain decoding loop runs it, without the mask's per-step growth and
+    its check by transformers. Caches other than plain dynamic ones
+    (sliding-window layers) cannot be padded that way: with them new jobs wait
+    for the batch to empty.
     """
 
     def __init__(self, model: Model) -> None:
         self.model = model
         self.cache: Any = None
-        self.mask: torch.Tensor | None = None  # (rows, cached tokens + 1): the +1 is the pending token
-        self.positions: torch.Tensor | None = None  # (rows, 1): the pending token's position
+        self.rows = 0
+        self.length = 0  # cached tokens per row, padding included
+        # Both None while no row is padded; else the mask is (rows, length + 1), the +1 for the
+        # pending token, and the positions (rows, 1), the pending token's position in its row.
+        self.mask: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
         self.mergeable = True
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        assert self.mask is not None and self.positions is not None
-        out = self.model.module(
-            input_ids=tokens[:, None],
-            attention_mask=self.mask,
-            position_ids=self.positions,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        if self.mask is None:
+            out = self.model.module(input_ids=tokens[:, None], past_key_values=self.cache, use_cache=True)
+        else:
+            assert self.positions is not None
+            out = self.model.module(
+                input_ids=tokens[:, None],
+                attention_mask=self.mask,
+                position_ids=self.positions,
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+            self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+            self.positions = self.positions + 1
         self.cache = out.past_key_values
-        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
-        self.positions = self.positions + 1
+        self.length += 1
         return out.logits[:, -1, :]
 
     def prefill(self, rows: list[list[int]]) -> torch.Tensor:
         # Left padding: every prompt ends at the last column, where its next token is read.
         width = max(len(ids) for ids in rows)
-        input_ids = torch.full((len(rows), width), self.model.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for row, ids in enumerate(rows):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids)
-            mask[row, width - len(ids) :] = 1
-        input_ids, mask = input_ids.to(self.model.device), mask.to(self.model.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model.module(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
-        positions = positions[:, -1:] + 1
+        device = self.model.device
+        padded = any(len(ids) < width for ids in rows)
+        pad = self.model.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in rows], device=device)
+        extra: dict[str, Any] = {"logits_to_keep": 1} if _keeps_logits(self.model) else {}
+        mask = positions = None
+        if padded:
+            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=device)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            extra |= {"attention_mask": mask, "position_ids": positions}
+        out = self.model.module(input_ids=input_ids, use_cache=True, **extra)
         if self.cache is None:
-            self.cache, self.mask, self.positions = out.past_key_values, mask, positions
+            self.cache, self.rows, self.length = out.past_key_values, len(rows), width
+            if mask is not None and positions is not None:
+                self.mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+                self.positions = positions[:, -1:] + 1
             self.mergeable = _paddable(self.cache)
         else:
-            self._merge(out.past_key_values, mask, positions)
+            self._merge(out.past_key_values, rows, width)
         return out.logits[:, -1, :]
 
-    def _merge(self, cache: Any, mask: torch.Tensor, positions: torch.Tensor) -> None:
-        assert self.mask is not None and self.positions is not None
-        width = max(self.mask.shape[1], mask.shape[1])
-        ours, theirs = width - self.mask.shape[1], width - mask.shape[1]
+    def _merge(self, cache: Any, rows: list[list[int]], width: int) -> None:
+        device = self.model.device
+        lengths = torch.tensor([len(ids) for ids in rows], device=device)
+        # The new rows' mask and positions: each prompt at the right end, then its pending token.
+        mask = (torch.arange(width + 1, device=device)[None, :] >= width - lengths[:, None]).long()
+        positions = lengths[:, None]
+        ours_mask, ours_positions = self.mask, self.positions
+        if ours_mask is None or ours_positions is None:  # no row padded: every column is a token
+            ours_mask = torch.ones((self.rows, self.length + 1), dtype=torch.long, device=device)
+            ours_positions = torch.full((self.rows, 1), self.length, dtype=torch.long, device=device)
+        total = max(self.length, width)
+        ours, theirs = total - self.length, total - width
         for mine, new in zip(self.cache.layers, cache.layers):
             mine.keys = torch.cat([_left_pad(mine.keys, ours), _left_pad(new.keys, theirs)])
             mine.values = torch.cat([_left_pad(mine.values, ours), _left_pad(new.values, theirs)])
-        self.mask = torch.cat([_left_pad(self.mask, ours, dim=1), _left_pad(mask, theirs, dim=1)])
-        self.positions = torch.cat([self.positions, positions])
+        self.mask = torch.cat([_left_pad(ours_mask, ours, dim=1), _left_pad(mask, theirs, dim=1)])
+        self.positions = torch.cat([ours_positions, positions])
+        self.rows, self.length = self.rows + len(rows), total
+        self._unpad()
 
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows; drop cache columns that are padding in every row left."""
-        assert self.mask is not None and self.positions is not None
-        index = torch.tensor(rows, device=self.mask.device)
+        index = torch.tensor(rows, device=self.model.device)
         self.cache.batch_select_indices(index)
+        self.rows = len(rows)
+        if self.mask is None or self.positions is None:
+            return
         self.mask, self.positions = self.mask[index], self.positions[index]
         if self.mergeable:
             unused = int(self.mask.any(dim=0).long().argmax())
@@ -418,6 +513,24 @@ class KVCache:
                 for layer in self.cache.layers:
                     layer.keys, layer.values = layer.keys[..., unused:, :], layer.values[..., unused:, :]
                 self.mask = self.mask[:, unused:]
+                self.length -= unused
+        self._unpad()
+
+    def _unpad(self) -> None:
+        """Drop the mask once no row is padded (every row's positions then count every column)."""
+        if self.mask is not None and bool(self.mask.all()):
+            self.mask = self.positions = None
+
+
+def _keeps_logits(model: Model) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs): a prefill
+    then computes the head's logits for the last position only, not for the whole prompt."""
+    if "logits_to_keep" not in model.memo:
+        try:
+            model.memo["logits_to_keep"] = "logits_to_keep" in inspect.signature(model.module.forward).parameters
+        except (TypeError, ValueError):
+            model.memo["logits_to_keep"] = False
+    return bool(model.memo["logits_to_keep"])
 
 
 class ModelState:
