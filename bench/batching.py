@@ -67,16 +67,7 @@ TOLERANCE = {"float32": 1e-4}
 TOLERANCE_HALF = 5e-2
 PEERS = {"litserve": "LitServe"}
 
-PROMPTS = [
-    "The capital of France is",
-    "Water boils at a temperature of",
-    "The largest planet in the solar system is",
-    "A group of crows is called a",
-    "The first person to walk on the moon was",
-    "The chemical symbol for gold is",
-    "The tallest mountain on Earth is",
-    "Photosynthesis turns sunlight into",
-]
+PROMPTS = common.SHORT_PROMPTS
 CONTINUATIONS = [" Paris", " 100 degrees", " Jupiter", " murder", " Neil Armstrong", " Au", " Everest", " energy"]
 TOOLS = ("predict", "loglikelihood", "generate")
 

@@ -35,6 +35,18 @@ import msgspec
 from gateway.stream import raise_fd_limit  # noqa: F401  (the benchmarks' clients need what the gateway does)
 from tests.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port
 
+# Short prompts the model benchmarks send in turn (batching.py, ray_serve.py, generation.py).
+SHORT_PROMPTS = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "The largest planet in the solar system is",
+    "A group of crows is called a",
+    "The first person to walk on the moon was",
+    "The chemical symbol for gold is",
+    "The tallest mountain on Earth is",
+    "Photosynthesis turns sunlight into",
+]
+
 STOP_GRACE_S = 10.0  # then SIGKILL: a gateway with a long queue may take its time to drain
 
 

@@ -74,17 +74,8 @@ TARGET_PER_TOKEN = 1.1
 
 # The default model continues it for well over 64 tokens without an EOS.
 PROMPT = "Once upon a time, in a land far away, there lived"
-PROMPTS = [
-    PROMPT,
-    "The capital of France is",
-    "Water boils at a temperature of",
-    "The largest planet in the solar system is",
-    "A group of crows is called a",
-    "The first person to walk on the moon was",
-    "The chemical symbol for gold is",
-    "Photosynthesis turns sunlight into",
-]
-
+# The lone job's prompt, then the batching benchmark's short prompts (its "tallest mountain" one left out).
+PROMPTS = [PROMPT, *common.SHORT_PROMPTS[:6], common.SHORT_PROMPTS[7]]
 
 def options(parser) -> None:
     parser.add_argument("--tokens", type=int, default=None, help="Tokens per job (default 32; --quick 8).")
