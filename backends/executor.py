@@ -15,12 +15,19 @@ open a socket per job or lose track of jobs when a socket drops:
 - Results are kept until the gateway deletes the job after fetching it, or
   `result_ttl` after the job ended.
 
+A result is served as the msgpack bytes the worker encoded, in large slices of
+them (views, not copies), and its SHA-256 is computed once, from the moment the
+job ends, on a thread of its own (a small one at once): hashing it for each
+download, on the event loop, held back every other session's frames while it
+ran and added its time to every download.
+
 Every call, the socket included, needs the shared bearer token when one is set.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import hmac
@@ -33,8 +40,9 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
+from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from backends.local import LocalBackend
@@ -62,8 +70,14 @@ from gateway.protocol import (
 
 log = logging.getLogger("streamgate.executor")
 
-RESULT_CHUNK = 1 << 16
+# Large enough that a body takes few trips through the ASGI server; not the whole result in
+# one write, as a transport keeps what the socket does not take at once (asyncio's, a copy).
+RESULT_CHUNK = 1 << 20
 SWEEP_INTERVAL_S = 1.0
+HASH_INLINE = 1 << 16  # a result this small is hashed on the loop (tens of microseconds), not handed off
+
+# One thread of its own for hashing results, not the loop's default pool, which grows to a thread per core.
+_HASHING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="streamgate-hash")
 
 
 @dataclass(eq=False)
@@ -116,6 +130,43 @@ class Entry:
     job: Job
     session: Session
     ended: float | None = None
+    _digest: asyncio.Future[str] | None = None
+
+    def digest(self) -> asyncio.Future[str]:
+        """The SHA-256 of the job's result (hex), computed once: on the hashing thread, or at once if small."""
+        if self._digest is None:
+            assert self.job.terminal is not None and self.job.terminal.type is EventType.DATA
+            data = self.job.terminal.data
+            loop = asyncio.get_running_loop()
+            if len(data) <= HASH_INLINE:
+                self._digest = loop.create_future()
+                self._digest.set_result(hashlib.sha256(data).hexdigest())
+            else:
+                self._digest = loop.run_in_executor(_HASHING, lambda: hashlib.sha256(data).hexdigest())
+        return self._digest
+
+    def ended_with(self, job: Job) -> None:
+        """`Job.on_end`: start hashing a result now, so that it is ready when the gateway asks."""
+        if job.terminal is not None and job.terminal.type is EventType.DATA:
+            self.digest()
+
+
+class ResultResponse(Response):
+    """A result's msgpack, sent as slices of the bytes it already is, with its length and SHA-256."""
+
+    media_type = "application/msgpack"
+
+    def __init__(self, data: bytes, digest: str) -> None:
+        super().__init__(headers={"Content-Length": str(len(data)), "X-Content-SHA256": digest})
+        self.data = data
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        view = memoryview(self.data) if scope["method"] != "HEAD" else memoryview(b"")
+        last = max(0, (len(view) - 1) // RESULT_CHUNK * RESULT_CHUNK)  # where the last slice starts
+        for start in range(0, last, RESULT_CHUNK):
+            await send({"type": "http.response.body", "body": view[start : start + RESULT_CHUNK], "more_body": True})
+        await send({"type": "http.response.body", "body": view[last:] if view else b""})
 
 
 class Executor:
@@ -181,8 +232,10 @@ class Executor:
         job = Job(tool.name, params, job_id=submitted.job_id)
         self.metrics.track(job)
         session = self.session(session_id)
+        entry = Entry(job, session)
+        job.on_end.append(entry.ended_with)
         await self.backend.submit(job)
-        self.entries[job.id] = Entry(job, session)
+        self.entries[job.id] = entry
         session.jobs[job.id] = job
         session.follow(job, 0)
         return self._accepted(job)
@@ -199,14 +252,8 @@ class Executor:
             raise ApiError(Code.BAD_REQUEST, "the job has not finished", status=409)
         if terminal.type is not EventType.DATA:
             raise ApiError(Code.NOT_FOUND, "the job ended with an error; it has no result")
-        data = terminal.data
-
-        async def chunks() -> AsyncIterator[bytes]:
-            for start in range(0, len(data), RESULT_CHUNK):
-                yield data[start : start + RESULT_CHUNK]
-
-        headers = {"Content-Length": str(len(data)), "X-Content-SHA256": hashlib.sha256(data).hexdigest()}
-        return StreamingResponse(chunks(), media_type="application/msgpack", headers=headers)
+        # Shielded: a gateway that gives up on its request must not cancel the hash it shares with the next.
+        return ResultResponse(terminal.data, await asyncio.shield(entry.digest()))
 
     async def delete(self, request: Request) -> Response:
         """Cancel the job if it still runs, and forget it and its result."""
