@@ -11,7 +11,10 @@ worker takes the next job, so the least-loaded device gets it.
 
 Jobs of a tool that batches (see gateway/tools/batching.py) run together: the
 worker takes every compatible job waiting (same tool, same batch key), up to
-`max_batch_size`; a lone job waits up to `batch_wait` seconds for company.
+`max_batch_size`; a lone job waits up to `batch_wait` seconds for company,
+unless it came to an idle worker and the tool's last batch was a lone job too:
+one client sending jobs one after another then pays no wait, while clients
+whose jobs arrive together, or queue behind other work, are still gathered.
 Between the steps of a continuous batch it takes in jobs that arrived since.
 Each member still gets its own frames, result, error and cancellation.
 
@@ -245,6 +248,8 @@ class Worker:
         self.mean_run_s: float | None = None
         # The sizes of the batches run, for benchmarks and metrics.
         self.batch_sizes: collections.Counter[int] = collections.Counter()
+        # The most members each tool's last batch had: after a lone job (1), the next lone one does not wait.
+        self._last_batch: dict[str, int] = {}
         self._thread: DeviceThread | None = None
         self._task: asyncio.Task[None] | None = None
         # Every worker of the backend, this one included: the devices a spread job's chunks run on.
@@ -279,13 +284,14 @@ class Worker:
 
     async def _loop(self) -> None:
         while True:
+            idle = not self.queue  # nothing waited: the job comes to an idle worker
             job = await self.queue.get()
             tool = self.tools[job.tool]
             try:
                 if tool.batch is None:
                     await self._run_alone(job, tool)
                 else:
-                    await self._run_batch(job, tool)
+                    await self._run_batch(job, tool, idle)
             except asyncio.CancelledError:
                 for member in self.running:
                     member.cancel()
@@ -311,7 +317,7 @@ class Worker:
 
         await self.call(run)
 
-    async def _run_batch(self, first: Job, tool: Tool) -> None:
+    async def _run_batch(self, first: Job, tool: Tool, idle: bool = False) -> None:
         loop = asyncio.get_running_loop()
         key = tool.batch_key(first.params) if tool.batch_key is not None else None
 
@@ -319,12 +325,18 @@ class Worker:
             return job.tool == tool.name and (tool.batch_key is None or tool.batch_key(job.params) == key)
 
         joining = [first, *self.queue.take(compatible, self.max_batch_size - 1)]
-        deadline = loop.time() + self.batch_wait
+        # A job that came to an idle worker, as the last of its tool did alone, is one client's next
+        # job: waiting would only delay it. One that queued behind other work waits, so that clients
+        # whose jobs ended together fall into step and batch.
+        alone = idle and len(joining) == 1 and self._last_batch.get(tool.name) == 1
+        wait = 0.0 if alone else self.batch_wait
+        deadline = loop.time() + wait
         while len(joining) < self.max_batch_size and (left := deadline - loop.time()) > 0:
             await self.queue.arrival(left)
             joining += self.queue.take(compatible, self.max_batch_size - len(joining))
         batch: Batch = tool.batch(self.model)
         members: dict[Context, tuple[Job, float]] = {}
+        self._last_batch[tool.name] = 0
         while True:
             added = []
             for job in joining:
@@ -333,6 +345,7 @@ class Worker:
                     members[ctx] = (job, loop.time())
                     added.append((job.params, ctx))
             self.batch_sizes[len(members)] += 1
+            self._last_batch[tool.name] = max(self._last_batch[tool.name], len(members))
             if tool.spread is not None and len(self.peers) > 1 and len(members) == len(added):
                 try:
                     ended = await self._spread(tool, batch, added)

@@ -66,7 +66,7 @@ def _model_options(command: Any) -> Any:
         _option("--job-timeout", default=_D.job_timeout, type=click.FloatRange(min=0), help="Seconds a job may run before it ends with error timeout and its work is stopped (0: no limit)."),
         _option("--queue-size", default=_D.queue_size, type=click.IntRange(min=1), help="Jobs that may wait; more get 429 queue_full."),
         _option("--max-batch-size", default=_D.max_batch_size, type=click.IntRange(min=1), help="Most jobs of one tool run together (1: no batching)."),
-        _option("--batch-wait-ms", default=_D.batch_wait_ms, type=click.FloatRange(min=0), help="How long a lone job may wait for others to batch with."),
+        _option("--batch-wait-ms", default=_D.batch_wait_ms, type=click.FloatRange(min=0), help="How long a lone job may wait for others to batch with (not one client's next job on an idle worker)."),
         _option("--max-prompts", default=_D.max_prompts, type=click.IntRange(min=1), help="Most prompts in one job."),
         _option("--max-tokens", default=_D.max_tokens, type=click.IntRange(min=1), help="Most tokens one generate job may ask for."),
         _option("--max-sequences", default=_D.max_sequences, type=click.IntRange(min=1), help="Most texts or sequences in one embed or pseudo_loglikelihood job."),

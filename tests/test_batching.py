@@ -316,6 +316,47 @@ def test_concurrent_clients_batch_and_get_their_own_results(serve: Any, max_batc
     assert [o["data"]["y"] for i, o in enumerate(outcomes) if i != 1] == [2.0, 4.0, 6.0]
 
 
+_held = threading.Event()
+
+
+@tool
+def hold(model: Model, params: Number, ctx: Context) -> Doubled:
+    """x, once the test lets go (a tool that does not batch, to keep the worker busy)."""
+    _held.wait(30)
+    return Doubled(params.x)
+
+
+def test_a_lone_job_waits_for_company_unless_one_client_sends_one_job_after_another(serve: Any) -> None:
+    wait_s = 1.5
+    server = serve(tools=[double, hold], batch_wait_ms=wait_s * 1000)
+    worker = server.backend.workers[0]
+
+    def timed(x: float) -> float:
+        started = time.monotonic()
+        assert _data(run_stream(server.url, "double", {"x": x})) == {"y": 2 * x}
+        return time.monotonic() - started
+
+    # Nothing known of the tool yet: its first job waits for company.
+    assert timed(1.0) >= wait_s
+    # The next comes to an idle worker after a lone job: one client's next job, run at once.
+    assert timed(2.0) < wait_s / 2
+    assert timed(3.0) < wait_s / 2
+    # Jobs that queue behind other work are gathered, and batched.
+    _held.clear()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        held = pool.submit(run_stream, server.url, "hold", {"x": 0.0})
+        wait_until(lambda: len(worker.running) == 1, 10, "the hold job to run")
+        doubles = [pool.submit(run_stream, server.url, "double", {"x": x}) for x in (4.0, 5.0)]
+        wait_until(lambda: len(worker.queue) == 2, 10, "both jobs to queue")
+        worker.batch_sizes.clear()
+        _held.set()
+        assert _data(held.result(30)) == {"y": 0.0}
+        assert [_data(f.result(30)) for f in doubles] == [{"y": 8.0}, {"y": 10.0}]
+    assert worker.batch_sizes == {2: 1}
+    # After a batch of several, a lone job waits for company again.
+    assert timed(6.0) >= wait_s
+
+
 def test_a_generation_joins_a_running_batch_and_one_is_cancelled(serve: Any) -> None:
     server = serve()
     worker = server.backend.workers[0]
