@@ -769,7 +769,8 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
             case.gateway_s.append(await through_gateway(case))
             case.plain_s.append(in_plain_torch(case))
     report.fact("gateway floor", f"a job that does nothing (bench.tools.noop, no partials) takes {1000 * min(floor):.1f} ms "
-                "(best); a tool that batches also waits up to --batch-wait-ms (default 5) for company when alone")
+                "(best); a lone job of a tool that batches waits up to --batch-wait-ms (default 5) for company, "
+                "unless it follows a lone job of its tool on an idle worker (as here after the warm-up)")
 
     rows, failed = [], []
     for case in chosen:
