@@ -44,7 +44,6 @@ import hashlib
 import logging
 import threading
 import time
-import urllib.request
 import uuid
 from typing import Any, NamedTuple
 
@@ -174,7 +173,7 @@ class Link:
         self._socket: ClientConnection | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._on_tools = on_tools
-        self._direct = _direct(httpx.URL(self.url))
+        self._direct = _direct(self.http, httpx.URL(self.url))
         self._idle: list[_ResultConnection] = []  # kept-alive result connections, the latest last
         self._ssl: Any = None
 
@@ -367,9 +366,9 @@ class Link:
             connection, reused = await self._result_connection(request.url)
             try:
                 return await connection.fetch(head, self.http.timeout.read)
-            except _Retry:
-                if reused and not connection.answered:
-                    continue  # the executor closed the idle connection as the request went out: a fresh one
+            except _Stale:
+                if reused:
+                    continue  # the executor closed the idle connection as the request went out: the next one
                 raise
             finally:
                 # Kept for the next download only after a whole answer; cut short, it is out of step.
@@ -389,13 +388,12 @@ class Link:
             self._ssl = httpx.create_ssl_context()  # what the Link's httpx client verifies with
         loop = asyncio.get_running_loop()
         try:
-            _, connection = await asyncio.wait_for(
-                loop.create_connection(
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that comes as the connection does.
+            async with asyncio.timeout(self.http.timeout.connect):
+                _, connection = await loop.create_connection(
                     _ResultConnection, url.host, url.port or (443 if tls else 80),
                     ssl=self._ssl if tls else None, server_hostname=url.host if tls else None,
-                ),
-                self.http.timeout.connect,
-            )
+                )
         except (OSError, TimeoutError) as exc:
             raise _Retry(f"cannot connect: {exc or type(exc).__name__}") from None
         return connection, False
@@ -461,18 +459,23 @@ class _Retry(Exception):
     """A download failure worth another try."""
 
 
+class _Stale(_Retry):
+    """The connection closed before a byte of the answer: on a kept-alive one, the executor's
+    idle timeout met the request, which then goes on the next connection without counting as a try."""
+
+
 class _Body(NamedTuple):
     body: memoryview
     digest: _Digest
     expected_hash: str
 
 
-def _direct(url: httpx.URL) -> bool:
-    """Whether httpx would reach `url` without a proxy (the `*_PROXY` and `NO_PROXY` variables)."""
-    proxies = urllib.request.getproxies()
-    if url.scheme not in proxies and "all" not in proxies:
-        return True
-    return bool(urllib.request.proxy_bypass(url.host))
+def _direct(client: httpx.AsyncClient, url: httpx.URL) -> bool:
+    """Whether `client` reaches `url` without a proxy: the transport it picks itself, so that the
+    `*_PROXY` and `NO_PROXY` rules are httpx's own. Unable to ask, it says no: the httpx path is
+    never wrong, only slower."""
+    pick = getattr(client, "_transport_for_url", None)
+    return pick is not None and pick(url) is getattr(client, "_transport", None)
 
 
 def _refusal(status: int, text: str) -> Exception:
@@ -482,12 +485,21 @@ def _refusal(status: int, text: str) -> Exception:
     return ValueError(f"HTTP {status}: {text[:200]}")
 
 
+def _is_length(value: str) -> bool:
+    return value.isascii() and value.isdigit()
+
+
+def _closes(headers: dict[str, str]) -> bool:
+    """Whether an answer's `Connection` header (a list of tokens) says the connection ends after it."""
+    return "close" in (token.strip().lower() for token in headers.get("connection", "").split(","))
+
+
 def _checkable(headers: Any) -> tuple[int, str]:
     """The Content-Length and X-Content-SHA256 of a result's answer; `_Retry` without them."""
     size, expected_hash = headers.get("content-length"), headers.get("x-content-sha256")
     if size is None or expected_hash is None or "transfer-encoding" in headers:
         raise _Retry("the answer lacks Content-Length or X-Content-SHA256, so it cannot be checked")
-    if not size.isdigit():
+    if not _is_length(size):
         raise _Retry(f"the answer's Content-Length is {size!r}")
     return int(size), expected_hash
 
@@ -628,7 +640,8 @@ class _ResultConnection(asyncio.BufferedProtocol):
         self.closed = True
         why = f" ({exc})" if exc else ""
         if self._state == "head":
-            self._fail(_Retry(f"the connection closed before an answer{why}"))
+            error = _Stale if not self.answered else _Retry
+            self._fail(error(f"the connection closed before an answer{why}"))
         elif self._state == "body":
             self._fail(_Retry(f"truncated: {self._filled} of {len(self._view)} bytes{why}"))
         elif self._state == "error":
@@ -652,10 +665,15 @@ class _ResultConnection(asyncio.BufferedProtocol):
             return
         finally:
             self._head = bytearray()
-        self._keep_alive = headers.get("connection", "").lower() != "close"
+        if 100 <= self._status < 200 and self._status != 101:
+            # An interim answer (100 Continue, 103 Early Hints, from a proxy or ingress): the real one follows.
+            if rest:
+                self._on_head(rest)
+            return
+        self._keep_alive = not _closes(headers)
         if self._status != 200:
             length = headers.get("content-length", "")
-            self._error_length = int(length) if length.isdigit() and "transfer-encoding" not in headers else None
+            self._error_length = int(length) if _is_length(length) and "transfer-encoding" not in headers else None
             self._error_body = bytearray()
             self._state = "error"
             self._on_error_body(rest)

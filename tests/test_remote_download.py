@@ -83,7 +83,13 @@ class StandIn:
                 body = b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
         elif mode == "extra":
             body = body + b"garbage"
-        head = f"HTTP/1.1 {status}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+        elif mode == "close":
+            headers["Connection"] = "keep-alive, close"
+        interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" if mode == "interim" else b""
+        if mode == "silent":  # the request arrived and nothing ever comes back
+            await reader.read()
+            return False
+        head = interim.decode() + f"HTTP/1.1 {status}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
         writer.write(head.encode())
         if mode == "cut":
             writer.write(body[: len(body) // 2])
@@ -202,6 +208,77 @@ async def test_a_kept_connection_dropped_as_the_request_arrives_is_replaced(stan
             await link._download("j1")
     finally:
         await link.stop()
+
+
+async def test_interim_answers_are_passed_over(link: Link, stand_in: StandIn) -> None:
+    stand_in.modes = ["interim"]
+    assert bytes(await link._download("j1")) == BODY
+
+
+async def test_an_answer_that_closes_its_connection_is_not_kept(stand_in: StandIn) -> None:
+    link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
+    try:
+        stand_in.modes = ["close"]
+        assert bytes(await link._download("j1")) == BODY
+        assert not link._idle
+        assert bytes(await link._download("j1")) == BODY
+        assert (stand_in.connections, len(stand_in.requests)) == (2, 2)
+    finally:
+        await link.stop()
+
+
+async def test_silence_on_a_kept_connection_is_one_try_not_a_request_per_connection(stand_in: StandIn) -> None:
+    link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
+    link.http.timeout = httpx.Timeout(5.0, read=0.3)
+    try:
+        await asyncio.gather(*(link._download("j1") for _ in range(remote.IDLE_CONNECTIONS)))
+        assert len(link._idle) == remote.IDLE_CONNECTIONS
+        sent = len(stand_in.requests)
+        stand_in.modes = ["silent"] * 10
+        with pytest.raises(_Retry, match="timed out"):
+            await link._download("j1")
+        assert len(stand_in.requests) == sent + 1, "a timeout is a try: the request is not sent again"
+    finally:
+        await link.stop()
+
+
+async def test_no_more_than_a_few_connections_are_kept(stand_in: StandIn) -> None:
+    link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
+    try:
+        many = remote.IDLE_CONNECTIONS + 2
+        results = await asyncio.gather(*(link._download("j1") for _ in range(many)))
+        assert all(bytes(r) == BODY for r in results)
+        assert stand_in.connections == many
+        assert len(link._idle) == remote.IDLE_CONNECTIONS
+    finally:
+        await link.stop()
+
+
+@pytest.mark.parametrize(
+    ("no_proxy", "url", "direct"),
+    [  # httpx's NO_PROXY rules, which differ from urllib's on the first and the last
+        (".example.com", "http://example.com:8000", False),  # a leading dot: subdomains only
+        ("example.com", "http://example.com:8000", True),
+        ("example.com:8000", "http://example.com:8000", True),
+        ("other.org", "http://example.com:8000", False),
+        ("", "http://127.0.0.1:8000", False),
+        ("127.0.0.1", "http://127.0.0.1:8000", True),
+        ("*", "http://example.com:8000", True),
+    ],
+)
+def test_downloads_take_a_proxy_where_httpx_would(
+    monkeypatch: pytest.MonkeyPatch, no_proxy: str, url: str, direct: bool
+) -> None:
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    monkeypatch.setenv("NO_PROXY", no_proxy)
+    link = Link(url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
+    assert link._direct is direct
+
+
+def test_without_a_proxy_downloads_are_direct(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert Link("http://example.com:8000", token=None, deadline=30, poll_interval=1, on_tools=lambda: None)._direct
 
 
 async def test_bytes_past_the_body_retire_the_connection(stand_in: StandIn) -> None:
