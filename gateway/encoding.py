@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 import torch
 
-from gateway.tools.numbers import shortest
+from gateway.tools.numbers import as_json, shortest
 
 TENSOR_EXT = 1  # msgpack extension code: a header (dtype, shape) then the raw buffer
 
@@ -32,6 +32,10 @@ def _json_hook(obj: Any) -> Any:
     array = _as_array(obj)
     if array is None:
         raise TypeError(f"cannot encode a {type(obj).__name__} as JSON")
+    array = array.astype(array.dtype.newbyteorder("="), copy=False)  # a big-endian float32 is a float32 too
+    written = as_json(array)  # straight to JSON text: no Python float per number
+    if written is not None:
+        return msgspec.Raw(written)
     return shortest(array) if array.dtype == np.float32 else array.tolist()
 
 

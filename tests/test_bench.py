@@ -233,3 +233,14 @@ def test_generation_device_and_threads():
     assert plain_side({"device": "cpu", "dtype": "float32"}) == ("cpu", torch.float32)
     assert threads_flags(3, True) == (["--torch-threads", "3"], None)
     assert threads_flags(2, False) == ([], {"OMP_NUM_THREADS": "2"})
+
+
+def test_encoding():
+    printed = run_bench("encoding")
+    (table,) = printed.tables
+    assert [row["array"] for row in table.rows] == ["float32, an embed's size", "float64, precision 6", "float32, a lens grid"]
+    for column in ("JSON MB", "to_json ms", "msgpack to JSON ms", "a float each ms"):
+        assert all(value is not None and value > 0 for value in table.numbers(column)), (column, table.rows)
+    # The numbers agree each way (the script exits 1 otherwise).
+    assert [row["same numbers"] for row in table.rows] == ["yes"] * 3
+    assert printed.targets == [("every array's numbers the same each way: the same", "met")]
