@@ -27,7 +27,6 @@ Every call, the socket included, needs the shared bearer token when one is set.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import hashlib
 import hmac
@@ -49,6 +48,7 @@ from backends.local import LocalBackend
 from gateway import params as params_mod
 from gateway.config import Settings
 from gateway.drain import Drain, on_sigterm
+from gateway.encoding import HASH_INLINE, HASHING
 from gateway.errors import ApiError, api_error_handler, http_error_handler
 from gateway.jobs import Job
 from gateway.logs import RequestIds
@@ -74,10 +74,6 @@ log = logging.getLogger("streamgate.executor")
 # one write, as a transport keeps what the socket does not take at once (asyncio's, a copy).
 RESULT_CHUNK = 1 << 20
 SWEEP_INTERVAL_S = 1.0
-HASH_INLINE = 1 << 16  # a result this small is hashed on the loop (tens of microseconds), not handed off
-
-# One thread of its own for hashing results, not the loop's default pool, which grows to a thread per core.
-_HASHING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="streamgate-hash")
 
 
 @dataclass(eq=False)
@@ -142,7 +138,7 @@ class Entry:
                 self._digest = loop.create_future()
                 self._digest.set_result(hashlib.sha256(data).hexdigest())
             else:
-                self._digest = loop.run_in_executor(_HASHING, lambda: hashlib.sha256(data).hexdigest())
+                self._digest = loop.run_in_executor(HASHING, lambda: hashlib.sha256(data).hexdigest())
         return self._digest
 
     def ended_with(self, job: Job) -> None:

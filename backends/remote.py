@@ -56,7 +56,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from backends.base import Relaying
 from backends.frames import failure, relay
-from gateway.encoding import from_msgpack, to_json
+from gateway.encoding import HASH_INLINE, HASHING, from_msgpack, to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.logs import forward_request_id
@@ -80,7 +80,6 @@ log = logging.getLogger("streamgate.remote")
 DOWNLOAD_TRIES = 4
 BACKOFF_MAX_S = 2.0
 HASH_STEP = 1 << 20  # hashing starts once this much more has arrived: few thread hand-offs, a short tail
-HASH_INLINE = 1 << 16  # a rest this small is hashed on the loop (tens of microseconds), not handed off
 HEAD_MAX = 1 << 16  # the most an answer's status line and headers may take
 ERROR_BODY_MAX = 1 << 16  # of an error answer's body, kept for the message
 IDLE_CONNECTIONS = 4  # result connections kept open per executor between downloads
@@ -451,9 +450,6 @@ def as_json(data: bytes | memoryview) -> msgspec.Raw:
     return msgspec.Raw(to_json(from_msgpack(data)))
 
 
-# One thread of its own for hashing results, not the loop's default pool, which grows to a thread per core.
-_HASHING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="streamgate-hash")
-
 
 class _Retry(Exception):
     """A download failure worth another try."""
@@ -524,7 +520,7 @@ class _Digest:
         with self._lock:
             self._filled = upto
             if self._draining is None and upto - self._hashed >= HASH_STEP:
-                self._draining = _HASHING.submit(self._drain)
+                self._draining = HASHING.submit(self._drain)
 
     def _drain(self) -> None:
         while True:
@@ -545,7 +541,7 @@ class _Digest:
             return self._final()  # quicker than the hand-off to the thread and back
         if draining is not None:
             await asyncio.wrap_future(draining)
-        return await asyncio.get_running_loop().run_in_executor(_HASHING, self._final)
+        return await asyncio.get_running_loop().run_in_executor(HASHING, self._final)
 
     def _final(self) -> str:
         self._drain()

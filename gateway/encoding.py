@@ -9,6 +9,7 @@ about eleven characters, and become the same JSON at the gateway.
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import msgspec
@@ -18,6 +19,12 @@ import torch
 from gateway.tools.numbers import as_json, shortest
 
 TENSOR_EXT = 1  # msgpack extension code: a header (dtype, shape) then the raw buffer
+
+# A result's SHA-256 between services (the executor's header, the gateway's check): this little is
+# hashed on the loop (tens of microseconds), more on a thread of its own, not the loop's default
+# pool, which grows to a thread per core.
+HASH_INLINE = 1 << 16
+HASHING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="streamgate-hash")
 
 
 def _as_array(obj: Any) -> np.ndarray | None:
