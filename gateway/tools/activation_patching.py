@@ -159,7 +159,7 @@ def activation_patching(model: Model, params: PatchingParams, ctx: Context) -> P
             ctx.progress(end // n, len(layers), "layers")
 
     grid = (len(layers), n)
-    texts = model.token_texts([*src_ids, *tgt_ids, *targets])
+    texts = model.token_texts([*(src_ids[s] for s in src_pos), *(tgt_ids[t] for t in tgt_pos), *targets])
     return PatchingResult(
         layers=layers,
         positions=tgt_pos,

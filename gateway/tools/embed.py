@@ -140,19 +140,21 @@ def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
     n_states = _n_states(model)
     input_ids, mask = right_padded(model, chunk.data)
     states = model.hidden_states(input_ids, mask)
-    owns = [model.own(ids) for ids in chunk.data]
     groups: dict[tuple[Any, ...], list[int]] = {}
     for row, (job, _) in enumerate(chunk.items):
         params = jobs[job]
         # Pooling(…): params built in Python (not decoded) may hold the plain string.
-        pooling = Pooling.PER_TOKEN if _per_token(Pooling(params.pooling)) else Pooling(params.pooling)
+        pooling = Pooling(params.pooling)
+        pooling = Pooling.PER_TOKEN if _per_token(pooling) else pooling
         groups.setdefault((params.layer % n_states, pooling, params.normalize, params.precision), []).append(row)
     out: list[Any] = [None] * len(chunk.items)
+    owns: dict[int, list[int]] = {}  # each pooled row's own token positions (CLS reads none)
     for (layer, pooling, normalize, precision), rows in groups.items():
         device = states[layer].device
         if pooling is Pooling.CLS:
             vectors = states[layer][torch.tensor(rows, device=device), 0].float()
         else:
+            owns.update((row, model.own(chunk.data[row])) for row in rows)
             counts = [len(owns[row]) for row in rows]
             index = (
                 torch.tensor([row for row, n in zip(rows, counts) for _ in range(n)], device=device),

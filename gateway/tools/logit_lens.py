@@ -145,15 +145,15 @@ def residuals(
 
 def lens(
     model: Model, ids: list[int], layers: Sequence[int], positions: Sequence[int], ctx: Context,
-    counted: Sequence[int] | None = None,
+    counted: Sequence[int],
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """(first row, float32 probabilities) of the rows (layer, position), layer-major, a chunk at a time.
 
-    `layers` are distinct. The rows go through the head as one matmul per chunk of at most
+    `layers` are distinct; progress counts the layers asked for, `counted` (repeats included). The rows go through the head as one matmul per chunk of at most
     READOUT_FLOATS logits, so memory stays bounded whatever the vocabulary and prompt.
     """
     body = anatomy(model)
-    hidden = residuals(model, ids, layers, positions, ctx, layers if counted is None else counted)
+    hidden = residuals(model, ids, layers, positions, ctx, counted)
     step = readout_rows(model)
     for start in range(0, hidden.shape[0], step):
         ctx.raise_if_cancelled()
