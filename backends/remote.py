@@ -331,7 +331,8 @@ class Link:
                 await asyncio.sleep(0.2 * 2**attempt)
             try:
                 data = await self._download(job_id)
-                result = await asyncio.to_thread(as_json, data)
+                # A small one on the loop: a thread hop costs more, and each one the default pool runs concurrently leaves it a thread larger.
+                result = as_json(data) if len(data) <= HASH_INLINE else await asyncio.to_thread(as_json, data)
             except _Retry as exc:
                 problem = str(exc)
                 log.warning("job %s: result download failed (%s), try %d", job_id, exc, attempt + 1, extra={"job_id": job_id})

@@ -20,9 +20,9 @@ from gateway.tools.numbers import as_json, shortest
 
 TENSOR_EXT = 1  # msgpack extension code: a header (dtype, shape) then the raw buffer
 
-# A result's SHA-256 between services (the executor's header, the gateway's check): this little is
-# hashed on the loop (tens of microseconds), more on a thread of its own, not the loop's default
-# pool, which grows to a thread per core.
+# A result between services: this little is hashed, and turned into JSON at a remote gateway, on
+# the loop (tens of microseconds); the SHA-256 of more on a thread of its own, not the loop's
+# default pool, which grows to a thread per core.
 HASH_INLINE = 1 << 16
 HASHING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="streamgate-hash")
 
