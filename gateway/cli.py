@@ -71,6 +71,7 @@ def _model_options(command: Any) -> Any:
         _option("--max-tokens", default=_D.max_tokens, type=click.IntRange(min=1), help="Most tokens one generate job may ask for."),
         _option("--max-sequences", default=_D.max_sequences, type=click.IntRange(min=1), help="Most texts or sequences in one embed or pseudo_loglikelihood job."),
         _option("--max-body-bytes", default=_D.max_body_bytes, type=click.IntRange(min=1)),
+        _option("--max-header-bytes", default=_D.max_header_bytes, type=click.IntRange(min=1024), help="Most bytes of a request's line and headers together; more get 431 too_large and the connection is closed."),
         _option("--header-timeout", default=_D.header_timeout, type=click.FloatRange(min=1), help="Seconds a request's line and headers may take to arrive (from connecting, or from the first byte of the next request on a kept-alive connection) before 408 request_timeout and the connection is closed. Real clients send them in one round trip; 10 s allows very slow links yet stops a client that trickles them to hold a connection."),
         _option("--body-timeout", default=_D.body_timeout, type=click.FloatRange(min=1), help="Seconds a request body may take to arrive in full after its headers before 408 request_timeout; no job is created. 30 s carries the default 1 MiB body at 35 KB/s."),
         _option("--log-level", default=_D.log_level, type=click.Choice(["debug", "info", "warning", "error"])),

@@ -29,6 +29,7 @@ class Settings(msgspec.Struct, kw_only=True):
     max_tokens: int = 512
     max_sequences: int = 4096
     max_body_bytes: int = 1 << 20
+    max_header_bytes: int = 64 * 1024  # a request line and headers, together (gateway/slowclients.py)
     # Slow clients: seconds for a request's headers (gateway/slowclients.py), then its body (gateway/params.py).
     header_timeout: float = 10.0
     body_timeout: float = 30.0

@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from gateway.errors import ApiError, from_validation_error
 from gateway.jobs import Job
+from gateway.params import check_json
 from gateway.protocol import Code, EventType
 from gateway.metrics import Metrics
 from gateway.stream import CountedResponse, Streams
@@ -454,6 +455,7 @@ def routes(surface: Surface) -> list[Route]:
 
     async def decode(request: Request, kind: type[msgspec.Struct]) -> Any:
         body = await surface.read_body(request)
+        check_json(body)
         try:
             return msgspec.json.decode(body, type=kind)
         except msgspec.ValidationError as exc:

@@ -11,6 +11,10 @@ for what the client owes at the moment:
   kept-alive connection from the first byte of the next request. Past it the
   client is answered `408 Request Timeout` with the protocol's JSON error body
   (`request_timeout`) and `Connection: close`, and the connection is closed.
+- **Headers' size.** A request line and headers over `--max-header-bytes` are
+  answered `431 Request Header Fields Too Large` (`too_large`) and the
+  connection is closed: httptools sets no bound of its own, and a client could
+  otherwise send megabytes of one header for the parser to hold and scan.
 - **A body nobody reads.** When the answer went out before the request's body
   was all in (a 404, a 401), uvicorn goes on taking the rest of the body for as
   long as it trickles in. It gets `--body-timeout` seconds from the answer;
@@ -63,6 +67,7 @@ class SlowClientProtocol(HttpToolsProtocol):
         *args: Any,
         header_timeout: float,
         body_timeout: float,
+        max_header_bytes: int = 64 * 1024,
         on_timeout: Callable[[str], None] = lambda phase: None,
         **kwargs: Any,
     ) -> None:
@@ -72,6 +77,25 @@ class SlowClientProtocol(HttpToolsProtocol):
         self._owed: str | None = None  # what the timer waits for: "headers", "body" or nothing
         self._due: asyncio.TimerHandle | None = None
         self._message_done = True  # the current request's body is all in (or there is none yet)
+        self.max_header_bytes = max_header_bytes
+        # The current request's head: its request line and headers as parsed (exact), and the bytes read
+        # while it is incomplete (a bound on what the parser buffers of a header not yet whole); None in a body.
+        self._head: int | None = 0
+        self._head_read = 0
+        self._head_refused = False
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._head is not None and not self._head_refused:
+            # The read may also carry the end of the last request: a looser bound, for memory only;
+            # the exact count is checked when the head ends.
+            self._head_read += len(data)
+            self._head_refused = self._head_read > self.max_header_bytes + _READ_SLACK
+        if self._head_refused and not self.transport.is_closing():
+            log.info("%s: the request line and headers are over %d bytes: closed", _peer(self.client), self.max_header_bytes)
+            self._expect(None)
+            self._answer(431, ApiError(Code.TOO_LARGE, _TOO_BIG.format(self.max_header_bytes), status=431))
+            self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -81,15 +105,39 @@ class SlowClientProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._head, self._head_read = 0, 0
         self._message_done = False
         if self._owed != "headers":
             self._expect("headers")  # the first byte of the next request on a kept-alive connection
 
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._count_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self._count_head(len(name) + len(value) + 4)  # ": " and CRLF
+
+    def _count_head(self, n: int) -> None:
+        if self._head is not None:
+            self._head += n
+
     def on_headers_complete(self) -> None:
+        if self._head is not None and self._head > self.max_header_bytes:
+            self._head_refused = True  # answered once this read is parsed; the app never sees the request
+        self._head = None
+        if self._head_refused:
+            return
         super().on_headers_complete()
         self._expect(None)  # the app has the request now (or a WebSocket takes the connection over)
 
+    def on_body(self, body: bytes) -> None:
+        if not self._head_refused:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
+        if self._head_refused:
+            return
         super().on_message_complete()
         self._message_done = True
         if self._owed == "body" and not self.transport.is_closing():
@@ -131,12 +179,14 @@ class SlowClientProtocol(HttpToolsProtocol):
         log.info("%s: the request's %s did not arrive within %g s: closed", _peer(self.client), owed, timeout)
         self.on_timeout(owed)
         if owed == "headers" and (self.cycle is None or self.cycle.response_complete):
-            self._answer_408(timeout)  # unless an answer is still going out: then it is only closed
+            # Unless an answer is still going out: then it is only closed.
+            self._answer(408, ApiError(Code.REQUEST_TIMEOUT, _MESSAGE.format(timeout)))
         self.transport.close()
 
-    def _answer_408(self, timeout: float) -> None:
-        body = encode(ErrorBody(ApiError(Code.REQUEST_TIMEOUT, _MESSAGE.format(timeout)).info()))
-        head = [STATUS_LINE[408]]
+    def _answer(self, status: int, error: ApiError) -> None:
+        """Write `error` as the protocol's JSON error body, straight to the socket: the app never saw the request."""
+        body = encode(ErrorBody(error.info()))
+        head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]
         head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n"]
@@ -144,6 +194,9 @@ class SlowClientProtocol(HttpToolsProtocol):
 
 
 _MESSAGE = "the request line and headers did not arrive within {:g} s"
+_TOO_BIG = "the request line and headers are over the limit of {} bytes"
+# More than one read of the transport's: how far past the limit an unfinished head may be read.
+_READ_SLACK = 256 * 1024
 
 
 def _peer(client: tuple[str, int] | None) -> str:
@@ -157,6 +210,7 @@ def uvicorn_options(settings: Settings, on_timeout: Callable[[str], None]) -> di
         SlowClientProtocol,
         header_timeout=settings.header_timeout,
         body_timeout=settings.body_timeout,
+        max_header_bytes=settings.max_header_bytes,
         on_timeout=on_timeout,
     )
     return {"http": protocol, "loop": event_loop()}

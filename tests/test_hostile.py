@@ -1,0 +1,143 @@
+"""A hostile tenant of a shared gateway: requests built to freeze it, exhaust it or hold it.
+
+Each test sends what a careless or malicious client would and asserts what a
+shared deployment needs: a 4xx before any work, the loop still answering
+others, and nothing held past its bound.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.params import MAX_NESTING, nesting
+from tests.conftest import Server, make_server
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def gw(tiny_model_path: Path) -> Iterator[Server]:
+    s = make_server(tiny_model_path, max_body_bytes=2 * MIB)
+    yield s
+    s.stop()
+
+
+# -- bodies whose parsing could cost more than their size --------------------------------
+
+
+PATHOLOGICAL = {
+    # An unterminated string of escapes: a backtracking string matcher rescans the rest from every quote.
+    "unterminated escapes": b'{"prompt": "' + b'"\\' * (MIB // 2),
+    "quotes": b'"' * MIB,
+    "escaped quotes in a string": b'{"prompt": "' + b'\\"' * (MIB // 2) + b'"}',
+    "open brackets": b"[" * MIB,
+    "open objects": b'{"a":' * (MIB // 5),
+    "brackets in strings": b'{"prompt": "' + b"[{" * (MIB // 2) + b'"}',
+}
+
+
+@pytest.mark.parametrize("name", PATHOLOGICAL)
+def test_pathological_bodies_are_refused_with_400_while_healthz_answers(gw: Server, name: str) -> None:
+    body = PATHOLOGICAL[name]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(httpx.post, f"{gw.url}/predict/run", content=body, timeout=60)
+        # Probed while the body is read and checked: the loop is never the parser's.
+        slowest = 0.0
+        while not sent.done():
+            started = time.monotonic()
+            assert httpx.get(f"{gw.url}/healthz", timeout=10).status_code == 200
+            slowest = max(slowest, time.monotonic() - started)
+        r = sent.result()
+    assert 400 <= r.status_code < 500, r.text
+    assert r.json()["error"]["code"] in ("bad_request", "too_long")
+    # The quadratic scan this replaced took 22 s for 64 KB: a 1 MiB body would take minutes.
+    assert slowest < 2.0, slowest
+
+
+def test_nesting_is_counted_outside_strings_and_to_the_end_of_an_unterminated_one() -> None:
+    assert nesting(b'{"a": "[[[[{{{{", "b": [[1]]}') == 3
+    assert nesting(b'{"a": "\\"[[[["}') == 1  # an escaped quote does not end the string
+    assert nesting(b'{"a": "\\\\", "b": [[[1]]]}') == 4  # an escaped backslash does not escape the quote
+    assert nesting(b'{"a": "unterminated [[[[') == 1
+    assert nesting(b'{"a": "ends in a backslash \\') == 1
+    assert nesting(b"") == nesting(b"12") == 0
+    assert nesting(b"]]]]") == 0
+    deep = b"[" * (MAX_NESTING + 1) + b"]" * (MAX_NESTING + 1)
+    assert nesting(deep) == MAX_NESTING + 1
+
+
+def test_nesting_time_is_linear_in_the_size() -> None:
+    """Four times the body, about four times the time (a quadratic scan: sixteen); best of three each."""
+
+    def best(body: bytes) -> float:
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            nesting(body)
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    for body in (PATHOLOGICAL["unterminated escapes"], PATHOLOGICAL["quotes"], PATHOLOGICAL["open brackets"]):
+        small, large = best(body[: len(body) // 4]), best(body)
+        assert large < 8 * small + 0.005, (small, large)
+
+
+def test_openai_routes_refuse_deep_nesting_with_a_400_in_openais_shape(gw: Server) -> None:
+    deep = b'{"model": "x", "prompt": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = httpx.post(gw.url + path, content=deep, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "bad_request"
+        assert "nests 2001 levels deep" in error["message"]
+
+
+# -- headers --------------------------------------------------------------------------------
+
+
+def _raw(url: str, request: bytes) -> bytes:
+    """Send `request` on a socket of its own; what comes back until the server closes or 10 s pass."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        try:
+            sock.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # cut off mid-send: what it answered first is still to be read
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_headers_over_the_limit_get_431_and_the_connection_closes(gw: Server) -> None:
+    huge = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (4 * MIB) + b"\r\n\r\n"
+    answer = _raw(gw.url, huge)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 "), head
+    assert b"connection: close" in head.lower()
+    assert b'"code":"too_large"' in body and b"65536 bytes" in body
+    many = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 100) for i in range(1000)) + b"\r\n"
+    assert _raw(gw.url, many).startswith(b"HTTP/1.1 431 ")
+
+
+def test_headers_under_the_limit_and_a_big_body_in_the_same_read_are_served(gw: Server) -> None:
+    r = httpx.get(gw.url + "/healthz", headers={"X-Big": "a" * 60_000})
+    assert r.status_code == 200
+    # Small headers, then a 1.5 MiB body sent with them: the body's bytes are not the head's.
+    body = b'{"prompt": "' + b"a" * (3 * MIB // 2) + b'", "top_k": 0}'
+    r = httpx.post(gw.url + "/predict/run", content=body, timeout=60)
+    assert r.status_code == 422 and r.json()["error"]["field"] == "top_k", r.text
+
+
+def test_each_request_on_a_kept_alive_connection_has_its_own_header_budget(gw: Server) -> None:
+    # Three heads of 40 KB on one connection: 120 KB in all, each under the limit.
+    with httpx.Client() as client:
+        codes = [client.get(gw.url + "/healthz", headers={"X-Big": "a" * 40_000}).status_code for _ in range(3)]
+    assert codes == [200, 200, 200]
