@@ -6,6 +6,7 @@ import abc
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from gateway.cost import Cost
 from gateway.errors import ApiError
 from gateway.models import capabilities
 from gateway.jobs import Job
@@ -43,8 +44,10 @@ class Backend(abc.ABC):
     async def stop(self) -> None:
         """Stop all work; running jobs end with an error event."""
 
-    async def check(self, tool: Tool, params: Any) -> None:
-        """Model-dependent validation before queueing; raises `ApiError` (413, 422)."""
+    async def check(self, tool: Tool, params: Any) -> Cost | None:
+        """Model-dependent validation before queueing, and the job's price where the tool states
+        one (gateway/cost.py); raises `ApiError` (413, 422)."""
+        return None
 
     def tool(self, name: str) -> Tool:
         """The tool called `name`, or 404 `unknown_tool` listing the tools there are."""
@@ -103,15 +106,16 @@ class Backend(abc.ABC):
         """Changes whenever what `GET /tools` says would change: the tools, or the model they run on."""
         return id(self.tools)
 
-    async def admit(self, tool: Tool, params: Any, limits: Mapping[str, int]) -> None:
-        """The checks after decoding, in order: server caps, readiness, the model's capabilities, the tool's own check."""
+    async def admit(self, tool: Tool, params: Any, limits: Mapping[str, int]) -> Cost | None:
+        """The checks after decoding, in order: server caps, readiness, the model's capabilities, the
+        tool's own check and its price; the price, where this backend knows it (a `Job`'s `cost`)."""
         apply_caps(tool, params, limits)
         model = getattr(params, MODEL_FIELD, None)
         if not self.ready_for(model):
             raise self.not_ready_error(model)
         if (reason := self.unsupported(tool, model)) is not None:
             raise capabilities.refuse(reason)
-        await self.check(tool, params)
+        return await self.check(tool, params)
 
     @abc.abstractmethod
     async def submit(self, job: Job) -> None:

@@ -120,7 +120,13 @@ class JobQueue:
 
     def take(self, wanted: Callable[[Job], bool], n: int) -> list[Job]:
         """Up to `n` waiting jobs that are `wanted`, oldest first, out of the queue."""
-        taken = [job for job in self._jobs if wanted(job)][: max(n, 0)]
+        # Asked of each job in turn until `n` are taken: `wanted` may count what it accepts.
+        taken: list[Job] = []
+        for job in self._jobs:
+            if len(taken) >= n:
+                break
+            if wanted(job):
+                taken.append(job)
         if taken:
             for job in taken:
                 self._jobs.remove(job)
@@ -196,6 +202,10 @@ def _assemble(
     return [(ctx, Cancelled() if ctx.cancelled else msgspec.Raw(encode(result))) for ctx, result in zip(ctxs, results)]
 
 
+def _memory(job: Job) -> int:
+    return job.cost.memory if job.cost is not None else 0
+
+
 def device_failure(exc: BaseException) -> str | None:
     """`"oom"` for a device out of memory (the job fails, memory is freed, work goes on),
     `"fatal"` for a device that can no longer be trusted (an illegal access, a device-side
@@ -233,9 +243,11 @@ class Worker:
         max_batch_size: int = 32,
         batch_wait: float = 0.005,
         job_timeout: float = 0.0,
+        batch_memory: int = 0,
         on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.model = model
+        self.batch_memory = batch_memory  # what a batch's members may cost together (0: no bound)
         self.job_timeout = job_timeout
         self.on_fatal = on_fatal
         self.encode = encode
@@ -321,8 +333,17 @@ class Worker:
         loop = asyncio.get_running_loop()
         key = tool.batch_key(first.params) if tool.batch_key is not None else None
 
+        held = [_memory(first)]  # what the batch's members cost together, the running ones included
+
         def compatible(job: Job) -> bool:
-            return job.tool == tool.name and (tool.batch_key is None or tool.batch_key(job.params) == key)
+            # A batch is one padded pass (or one step of each member): its members' prices add up,
+            # and it takes no member that would carry it past --max-job-memory.
+            if job.tool != tool.name or (tool.batch_key is not None and tool.batch_key(job.params) != key):
+                return False
+            if self.batch_memory and held[0] + _memory(job) > self.batch_memory:
+                return False
+            held[0] += _memory(job)
+            return True
 
         joining = [first, *self.queue.take(compatible, self.max_batch_size - 1)]
         # A job that came to an idle worker, as the last of its tool did alone, is one client's next
@@ -358,6 +379,7 @@ class Worker:
             def finish(ended: list[tuple[Context, Outcome]]) -> None:
                 for ctx, outcome in ended:
                     job, started = members.pop(ctx)
+                    held[0] -= _memory(job)
                     self._finish(job, tool, outcome, loop.time() - started)
 
             try:

@@ -224,8 +224,9 @@ class Executor:
             return self._accepted(existing.job)  # a retried submit: the same job
         tool = self.backend.tool(submitted.tool)
         params = params_mod.on_model(params_mod.decode_body(tool, bytes(submitted.params), "params"), self.backend.resolve_model)
-        await self.backend.admit(tool, params, self.limits)
+        cost = await self.backend.admit(tool, params, self.limits)
         job = Job(tool.name, params, job_id=submitted.job_id)
+        job.cost = cost
         self.metrics.track(job)
         session = self.session(session_id)
         entry = Entry(job, session)

@@ -26,6 +26,7 @@ from backends.execution import JobQueue, Worker, set_torch_threads
 from backends.served import ServedModel
 from gateway import sae as sae_files
 from gateway.config import Settings
+from gateway.cost import DEFAULT_RESULT_BYTES, Budget, Cost, default_job_memory
 from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
@@ -62,6 +63,8 @@ class LocalBackend(Backend):
         exit_on_device_failure: bool = False,
         sae: list[str] | None = None,
         torch_threads: int | None = None,
+        max_job_memory: int | None = None,
+        max_result_bytes: int = DEFAULT_RESULT_BYTES,
     ) -> None:
         if device and devices:
             raise ValueError("give --device or --devices, not both")
@@ -77,10 +80,12 @@ class LocalBackend(Backend):
             self._tools = collect([*self._tools.values(), *sae_tools()])
         specs = models.specs(_listed(model), _listed(model_loader), model_devices or [])
         self.max_batch_size = max_batch_size
+        self.budget = Budget(memory=max_job_memory or default_job_memory(devices or ([device] if device else None)), result=max_result_bytes)
         self.exit_on_device_failure = exit_on_device_failure
         self.device_failed: str | None = None
         worker_options = {
             "encode": encode, "debug": debug, "max_batch_size": max_batch_size, "batch_wait": batch_wait, "job_timeout": job_timeout,
+        "batch_memory": self.budget.memory,
         }
         self.served: dict[str, ServedModel] = {
             spec.name: ServedModel(
@@ -213,15 +218,15 @@ class LocalBackend(Backend):
     def tools_version(self) -> object:
         return (id(self._tools), *(id(s.model) for s in self.served.values()))
 
-    async def check(self, tool: Tool, params: Any) -> None:
-        if tool.check is None and not tool.sequences:
-            return  # (a tool without sequences has no `tag`)
+    async def check(self, tool: Tool, params: Any) -> Cost | None:
+        if tool.check is None and tool.cost is None and not tool.sequences:
+            return None  # (a tool without sequences has no `tag`)
         name = getattr(params, MODEL_FIELD, None)
         model = self._served(name).model
         if model is None:
             raise self.not_ready_error(name)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._checks, prepare, tool, model, params)
+        return await loop.run_in_executor(self._checks, prepare, tool, model, params, self.budget)
 
     def ready_for(self, model: str | None) -> bool:
         return self._served(model).ready and self.device_failed is None
@@ -256,12 +261,19 @@ class LocalBackend(Backend):
         return info
 
 
-def prepare(tool: Tool, model: Model, params: Any) -> None:
+def prepare(tool: Tool, model: Model, params: Any, budget: Budget | None = None) -> Cost | None:
     """The model-dependent checks of a job before it is queued: its sequences cleaned and checked
-    against the model's alphabet, then the tool's own check (413, 422)."""
+    against the model's alphabet, then the tool's own check (413, 422), then its price against
+    `budget` (413 `too_large`); the price, where the tool states one."""
     alphabet.clean_params(model, tool.sequences, params, tool.tagged)
     if tool.check is not None:
         tool.check(model, params)
+    if tool.cost is None:
+        return None
+    cost: Cost = tool.cost(model, params)
+    if budget is not None:
+        budget.admit(cost)
+    return cost
 
 
 def _listed(value: str | list[str] | None) -> list[str]:
@@ -291,6 +303,8 @@ def from_settings(settings: Settings, **kwargs: Any) -> LocalBackend:
         job_timeout=settings.job_timeout,
         sae=settings.sae,
         torch_threads=settings.torch_threads,
+        max_job_memory=settings.max_job_memory,
+        max_result_bytes=settings.max_result_bytes,
         exit_on_device_failure=True,
         **kwargs,
     )

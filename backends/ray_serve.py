@@ -177,8 +177,9 @@ class Replica:
         try:
             tool = self.backend.tool(tool_name)
             decoded = params_mod.on_model(params_mod.decode_body(tool, params), self.backend.resolve_model)
-            await self.backend.admit(tool, decoded, self.limits)
+            cost = await self.backend.admit(tool, decoded, self.limits)
             job = Job(tool.name, decoded, job_id=job_id)
+            job.cost = cost
             await self.backend.submit(job)
         except ApiError as exc:
             yield encode(Dispatch(error=exc.info(), status=exc.status, retry_after=exc.retry_after))

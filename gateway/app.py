@@ -192,7 +192,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
                 await store.release(key, job.id)
             raise
         try:
-            await backend.admit(tool, job.params, limits)
+            job.cost = await backend.admit(tool, job.params, limits)
             await backend.submit(job)
         except BaseException:
             release()

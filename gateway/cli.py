@@ -37,6 +37,26 @@ class _CommaListed(click.ParamType):
         return value.strip() if isinstance(value, str) else value
 
 
+class _Bytes(click.ParamType):
+    """A size in bytes: 1048576, 512MiB, 8GiB, 4G (1024-based)."""
+
+    name = "bytes"
+    _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().lower().removesuffix("b").removesuffix("i")
+        number, unit = (text[:-1], text[-1]) if text[-1:] in "kmgt" else (text, "")
+        try:
+            size = int(float(number) * self._UNITS[unit])
+        except ValueError:
+            self.fail(f"{value!r} is not a size: give bytes, or a number with KiB, MiB, GiB", param, ctx)
+        if size < 1:
+            self.fail(f"{value!r}: a size must be at least 1 byte", param, ctx)
+        return size
+
+
 def _option(name: str, *decls: str, **kwargs: Any) -> Any:
     env = "STREAMGATE_" + name.lstrip("-").replace("-", "_").upper()
     return click.option(name, *decls, envvar=env, show_envvar=True, show_default=True, **kwargs)
@@ -71,6 +91,8 @@ def _model_options(command: Any) -> Any:
         _option("--max-tokens", default=_D.max_tokens, type=click.IntRange(min=1), help="Most tokens one generate job may ask for."),
         _option("--max-sequences", default=_D.max_sequences, type=click.IntRange(min=1), help="Most texts or sequences in one embed or pseudo_loglikelihood job."),
         _option("--max-body-bytes", default=_D.max_body_bytes, type=click.IntRange(min=1)),
+        _option("--max-job-memory", default=None, type=_Bytes(), help="Most memory one job may hold at its peak beyond the weights (activations, attention, states and logits kept, its result), as its tool prices it before queueing; more get 413 too_large naming the field to shrink. Batches are cut to fit it too. Default: half the smallest GPU's memory, else a quarter of this machine's."),
+        _option("--max-result-bytes", default=_D.max_result_bytes, type=_Bytes(), help="Most bytes of one job's result (JSON), as priced before queueing; more get 413 too_large."),
         _option("--max-header-bytes", default=_D.max_header_bytes, type=click.IntRange(min=1024), help="Most bytes of a request's line and headers together; more get 431 too_large and the connection is closed."),
         _option("--header-timeout", default=_D.header_timeout, type=click.FloatRange(min=1), help="Seconds a request's line and headers may take to arrive (from connecting, or from the first byte of the next request on a kept-alive connection) before 408 request_timeout and the connection is closed. Real clients send them in one round trip; 10 s allows very slow links yet stops a client that trickles them to hold a connection."),
         _option("--body-timeout", default=_D.body_timeout, type=click.FloatRange(min=1), help="Seconds a request body may take to arrive in full after its headers before 408 request_timeout; no job is created. 30 s carries the default 1 MiB body at 35 KB/s."),

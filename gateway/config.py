@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from gateway.cost import DEFAULT_RESULT_BYTES
+
 
 class Settings(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
@@ -29,6 +31,9 @@ class Settings(msgspec.Struct, kw_only=True):
     max_tokens: int = 512
     max_sequences: int = 4096
     max_body_bytes: int = 1 << 20
+    # What one job may cost (gateway/cost.py): None, a quarter of the machine's memory (half a GPU's).
+    max_job_memory: int | None = None
+    max_result_bytes: int = DEFAULT_RESULT_BYTES
     max_header_bytes: int = 64 * 1024  # a request line and headers, together (gateway/slowclients.py)
     # Slow clients: seconds for a request's headers (gateway/slowclients.py), then its body (gateway/params.py).
     header_timeout: float = 10.0

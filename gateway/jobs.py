@@ -65,6 +65,8 @@ class Job:
         self.last_progress: Progress | None = None
         self.idempotency_key: str | None = None
         self.request_digest = ""  # what the key was bound with (params.digest)
+        # Its price (gateway/cost.py), where the backend that admitted it knows it: batches are cut by it.
+        self.cost: Any = None
         # Called once with the job when its terminal event is appended (e.g. to free a per-token slot).
         self.on_end: list[Callable[[Job], None]] = []
         self.events: list[Event] = []

@@ -83,8 +83,14 @@ class SlowClientProtocol(HttpToolsProtocol):
         self._head: int | None = 0
         self._head_read = 0
         self._head_refused = False
+        self._lingering: int | None = None  # bytes dropped since a 431 went out
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:  # answered 431: the rest is read and dropped (see `_close_lingering`)
+            self._lingering += len(data)
+            if self._lingering > _LINGER_BYTES:
+                self.transport.close()
+            return
         super().data_received(data)
         if self._head is not None and not self._head_refused:
             # The read may also carry the end of the last request: a looser bound, for memory only;
@@ -95,7 +101,18 @@ class SlowClientProtocol(HttpToolsProtocol):
             log.info("%s: the request line and headers are over %d bytes: closed", _peer(self.client), self.max_header_bytes)
             self._expect(None)
             self._answer(431, ApiError(Code.TOO_LARGE, _TOO_BIG.format(self.max_header_bytes), status=431))
+            self._close_lingering()
+
+    def _close_lingering(self) -> None:
+        """Close after an answer the client is still sending into: the answer and a FIN first, then
+        what still arrives is read and dropped for a moment. Closed at once, the socket would still
+        hold unread bytes, and the kernel would reset the connection and drop the answer with them."""
+        if not self.transport.can_write_eof():
             self.transport.close()
+            return
+        self.transport.write_eof()
+        self._lingering = 0
+        self.loop.call_later(_LINGER_S, self.transport.close)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -197,6 +214,9 @@ _MESSAGE = "the request line and headers did not arrive within {:g} s"
 _TOO_BIG = "the request line and headers are over the limit of {} bytes"
 # More than one read of the transport's: how far past the limit an unfinished head may be read.
 _READ_SLACK = 256 * 1024
+# After a 431: how long, and how much more, a client still sending is read before the close.
+_LINGER_S = 1.0
+_LINGER_BYTES = 4 << 20
 
 
 def _peer(client: tuple[str, int] | None) -> str:

@@ -72,8 +72,10 @@ def byte_tokenizer(chat: bool = True) -> tuple[PreTrainedTokenizerFast, dict[str
     return tokenizer, vocab
 
 
-def _tiny_config(family: str, vocab: dict[str, int], layers: int, init: float | None) -> tuple[Any, type]:
-    """A tiny config of `family` (hidden 32, 4 heads, context TINY_CONTEXT) and its causal-LM class.
+def _tiny_config(
+    family: str, vocab: dict[str, int], layers: int, init: float | None, hidden: int = 32, context: int = TINY_CONTEXT
+) -> tuple[Any, type]:
+    """A tiny config of `family` (hidden 32, 4 heads, context TINY_CONTEXT by default) and its causal-LM class.
 
     Heads are tied to the input embeddings in gpt2, gemma and gemma2 (as in those
     families' real checkpoints) and separate in llama, gpt_neox and qwen2.
@@ -83,8 +85,8 @@ def _tiny_config(family: str, vocab: dict[str, int], layers: int, init: float | 
     ids = {"bos_token_id": vocab["<s>"], "eos_token_id": vocab["</s>"], "pad_token_id": vocab["<pad>"]}
     extra: dict[str, Any] = {} if init is None else {"initializer_range": init}
     common = dict(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, max_position_embeddings=TINY_CONTEXT, **ids, **extra,
+        vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, max_position_embeddings=context, **ids, **extra,
     )
     if family == "llama":
         return tf.LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=False), tf.LlamaForCausalLM
@@ -111,7 +113,8 @@ def _tiny_config(family: str, vocab: dict[str, int], layers: int, init: float | 
 
 
 def build_tiny_model(
-    path: Path, *, seed: int = 0, family: str = "llama", layers: int = 2, init: float | None = None, chat: bool = True
+    path: Path, *, seed: int = 0, family: str = "llama", layers: int = 2, init: float | None = None, chat: bool = True,
+    hidden: int = 32, context: int = TINY_CONTEXT,
 ) -> Path:
     """A tiny random causal LM with a byte-level tokenizer (one token per byte), saved at `path`.
 
@@ -123,10 +126,11 @@ def build_tiny_model(
     chance: tests that need EOS say which token it is. Where the head is tied to the
     input embeddings (gpt2, gemma, gemma2) the shared row is zeroed, which also
     zeroes EOS's input embedding; no prompt ever contains EOS, so only its logit changes.
-    `chat=False` leaves the tokenizer without a chat template.
+    `chat=False` leaves the tokenizer without a chat template. `hidden` and `context` make
+    a wider, longer one (for what memory a pass takes).
     """
     tokenizer, vocab = byte_tokenizer(chat)
-    config, model_class = _tiny_config(family, vocab, layers, init)
+    config, model_class = _tiny_config(family, vocab, layers, init, hidden, context)
     torch.manual_seed(seed)
     model = model_class(config)
     with torch.no_grad():
@@ -221,6 +225,8 @@ def make_server(
         batch_wait=settings_obj.batch_wait_ms / 1000,
         job_timeout=settings_obj.job_timeout,
         sae=settings_obj.sae,
+        max_job_memory=settings_obj.max_job_memory,
+        max_result_bytes=settings_obj.max_result_bytes,
     )
     server = Server(create_app(backend, settings_obj)).start()
     return server.wait_ready() if ready else server

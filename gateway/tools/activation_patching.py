@@ -25,10 +25,11 @@ from typing import Annotated
 import msgspec
 import torch
 
+from gateway.cost import JSON_FLOAT, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
 from gateway.tools.anatomy import anatomy, readout_rows, resolve_layers, resolve_positions, single_token
 from gateway.tools.base import Capability, Context, Model, tool
-from gateway.tools.logit_lens import Layers, rank
+from gateway.tools.logit_lens import MAX_POSITIONS, Layers, rank
 from gateway.tools.numbers import floats
 
 PATCH_TOKENS = 8192  # patched rows × the target's tokens per forward pass, at most
@@ -38,10 +39,15 @@ class PatchingParams(msgspec.Struct, forbid_unknown_fields=True):
     tgt_prompt: Annotated[str, msgspec.Meta(min_length=1, description="The run they are patched into.")]
     src_positions: Annotated[
         list[int],
-        msgspec.Meta(min_length=1, description="Source positions, paired with tgt_positions. Default: the same as tgt_positions, or all when the prompts have equal length."),
+        msgspec.Meta(min_length=1, max_length=MAX_POSITIONS, description="Source positions, paired with tgt_positions. Default: the same as tgt_positions, or all when the prompts have equal length."),
     ] | None = None
     tgt_positions: Annotated[
-        list[int], msgspec.Meta(min_length=1, description="Target positions to patch. Default: as src_positions, or all.")
+        list[int],
+        msgspec.Meta(
+            min_length=1,
+            max_length=MAX_POSITIONS,
+            description="Target positions to patch. Default: as src_positions, or all.",
+        ),
     ] | None = None
     target_tokens: Annotated[
         list[str],
@@ -108,7 +114,26 @@ def check(model: Model, params: PatchingParams) -> None:
     _plan(model, params)
 
 
-@tool(check=check, needs={Capability.NEXT_TOKEN, Capability.LAYERS}, sequences=("src_prompt", "tgt_prompt"))
+def cost(model: Model, params: PatchingParams) -> Cost:
+    """The source run with each patched layer's output kept, then the largest patched pass with its
+    last-position logits; two numbers a cell."""
+    shape = Shape.of(model)
+    src_ids, tgt_ids, layers, _, tgt_pos, _ = _plan(model, params)
+    cells = len(layers) * len(tgt_pos)
+    per_pass = max(1, min(PATCH_TOKENS // len(tgt_ids), readout_rows(model), cells))
+    source = shape.pass_bytes(2, max(len(src_ids), len(tgt_ids)), states=len(layers) + 1, logits=2)
+    patched = shape.pass_bytes(per_pass, len(tgt_ids), states=1, logits=per_pass)
+    result = cells * (JSON_FLOAT + 8) + len(tgt_pos) * (2 * JSON_TOKEN + 16)
+    return Cost(
+        memory=source + patched + cells * 12 + result,
+        result=result,
+        memory_field="layers",
+        result_field="tgt_positions",
+        tokens=max(len(src_ids), len(tgt_ids)),
+    )
+
+
+@tool(check=check, cost=cost, needs={Capability.NEXT_TOKEN, Capability.LAYERS}, sequences=("src_prompt", "tgt_prompt"))
 def activation_patching(model: Model, params: PatchingParams, ctx: Context) -> PatchingResult:
     """Patch the source run's residual stream into the target run, layer by layer and position by position."""
     src_ids, tgt_ids, layers, src_pos, tgt_pos, targets = _plan(model, params)

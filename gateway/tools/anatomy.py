@@ -262,11 +262,31 @@ def logits_at(model: Model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     With a layer stack the pass stops after the last block and only these positions go
     through the final norm and head (its matmul over every position is a large part of a
     small model's work); without one, the model's own logits at these positions.
+    For many positions, `readout_chunks` holds a few of them at a time.
     """
+    (logits,) = (logits for _, logits in readout_chunks(model, input_ids, attention_mask, rows, cols, len(rows)))
+    return logits
+
+
+def readout_chunks(
+    model: Model, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: Any, cols: Any, size: int | None = None
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """`logits_at`'s logits `size` positions at a time (default: as many as `readout_rows` allows), each
+    chunk with the slice of (rows, cols) it covers: the full-vocabulary logits of every position are
+    never held at once. A model without a layer stack gives its own logits, all of them (priced so).
+    """
+    size = max(1, size or readout_rows(model))
+    n = len(rows)
     if not model.has(Capability.LAYERS):
-        return model.logits(input_ids, attention_mask)[rows, cols].float()
+        logits = model.logits(input_ids, attention_mask)
+        for start in range(0, n, size):
+            part = slice(start, min(start + size, n))
+            yield part, logits[rows[part], cols[part]].float()
+        return
     body = anatomy(model)
     last = body.n_layers - 1
     with body.capture([last], stop=True) as captured:
         model.logits(input_ids, attention_mask)
-    return body.logits(captured[last][rows, cols])
+    for start in range(0, n, size):
+        part = slice(start, min(start + size, n))
+        yield part, body.logits(captured[last][rows[part], cols[part]])

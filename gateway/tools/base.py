@@ -70,6 +70,7 @@ _NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 RunFn = Callable[[Model, Any, Context], Any]
 CheckFn = Callable[[Model, Any], None]
+CostFn = Callable[[Model, Any], Any]  # -> gateway.cost.Cost
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ class Tool:
     `needs` are the model capabilities the tool cannot run without; a model
     that lacks one is refused with 422 `unsupported_by_model` before queueing.
     `spread` lets one job's work run on every device at once (see batching.py).
+    `cost(model, params) -> gateway.cost.Cost` prices a job before it is queued: the
+    memory of its largest step and the bytes of its result (gateway/cost.py); a job
+    over `--max-job-memory` or `--max-result-bytes` is refused with 413 `too_large`.
     `sequences` names the fields (a string, or a list of them) that hold the model's
     input text: on a protein or DNA model they are cleaned and checked against its
     alphabet before the job is queued (gateway/models/alphabet.py), and a `tag` param
@@ -99,6 +103,7 @@ class Tool:
     run: RunFn
     partial: type[Any] | None = None
     check: CheckFn | None = None
+    cost: CostFn | None = None
     caps: Mapping[str, str] = field(default_factory=dict)
     batch: Callable[[Model], Any] | None = None
     batch_key: Callable[[Any], Hashable] | None = None
@@ -173,6 +178,7 @@ def tool(
     description: str | None = None,
     partial: type[Any] | None = None,
     check: CheckFn | None = None,
+    cost: CostFn | None = None,
     caps: Mapping[str, str] | None = None,
     batch: Callable[[Model], Any] | None = None,
     batch_key: Callable[[Any], Hashable] | None = None,
@@ -194,6 +200,7 @@ def tool(
             run=run,
             partial=partial,
             check=check,
+            cost=cost,
             caps=dict(caps or {}),
             batch=batch,
             batch_key=batch_key,

@@ -203,5 +203,12 @@ def sorted_chunks(
     return chunks
 
 
+def chunk_peak(lengths: Sequence[int], size: int, max_tokens: int | None, pass_bytes: Callable[[int, int], int]) -> int:
+    """The most `pass_bytes(rows, width)` of the chunks `sorted_chunks` cuts rows of these lengths into:
+    what a `Chunked` tool's largest pass holds (gateway/cost.py)."""
+    chunks = sorted_chunks([((0, i), range(n)) for i, n in enumerate(lengths)], size, max_tokens)  # type: ignore[misc]
+    return max((pass_bytes(len(chunk.items), chunk.width) for chunk in chunks), default=0)
+
+
 def _chunk(rows: list[tuple[tuple[int, int], list[int]]]) -> Chunk:
     return Chunk(items=[key for key, _ in rows], data=[ids for _, ids in rows], width=max(len(ids) for _, ids in rows))

@@ -15,11 +15,12 @@ of `mean`, `last` and `per_token`, so a protein's mean embedding is the mean
 over its residues. `cls` reads the first token, `<cls>`, where an encoder
 gathers the whole sequence.
 
-Texts are sorted by length into chunks of `EMBED_BATCH` (padding stays small)
-and run chunk by chunk, or on every device at once (`--devices`) for one big
-job; each chunk needs about `EMBED_BATCH` × its longest text's tokens ×
+Texts are sorted by length into chunks of at most `EMBED_BATCH` texts and
+`EMBED_TOKENS` padded tokens (padding stays small, and so does one pass's
+memory) and run chunk by chunk, or on every device at once (`--devices`) for
+one big job; each chunk needs about its rows × its longest text's tokens ×
 hidden size × (layers + 1) × 4 bytes for the hidden states it returns, plus
-the attention of one layer.
+the attention of one layer (`cost` prices the largest before the job is queued).
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ import msgspec
 import numpy as np
 import torch
 
+from gateway.cost import JSON_FLOAT, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
-from gateway.tools.batching import Chunk, Chunked, one_pass, sorted_chunks
+from gateway.tools.batching import Chunk, Chunked, chunk_peak, one_pass, sorted_chunks
 
-EMBED_BATCH = 16  # texts per forward pass
+EMBED_BATCH = 16  # texts per forward pass at most
+EMBED_TOKENS = 16384  # padded tokens per forward pass at most (a longer text runs alone)
 
 
 class Pooling(str, enum.Enum):
@@ -125,9 +128,27 @@ def check(model: Model, params: EmbedParams) -> None:
             raise ParamError(f"texts[{i}]", "has no tokens of its own, only the tokenizer's special tokens")
 
 
+def cost(model: Model, params: EmbedParams) -> Cost:
+    """The largest chunk's pass with every hidden state it returns, then the vectors kept and their JSON."""
+    shape = Shape.of(model)
+    lengths = [len(model.encode(text)) for text in params.texts]
+    n_states = _n_states(model)
+    peak = chunk_peak(lengths, EMBED_BATCH, EMBED_TOKENS, lambda rows, width: shape.pass_bytes(rows, width, states=n_states))
+    vectors = sum(lengths) if _per_token(params.pooling) else len(lengths)
+    per_vector = shape.hidden * JSON_FLOAT + (JSON_TOKEN if _per_token(params.pooling) else 0)
+    result = vectors * per_vector
+    return Cost(
+        memory=peak + vectors * shape.hidden * 4 + result,
+        result=result,
+        memory_field="texts",
+        result_field="pooling" if _per_token(params.pooling) else "texts",
+        tokens=max(lengths),
+    )
+
+
 def _plan(model: Model, jobs: list[EmbedParams], by_length: bool = True) -> list[Chunk]:
     items = [((job, i), model.encode(text)) for job, params in enumerate(jobs) for i, text in enumerate(params.texts)]
-    return sorted_chunks(items, EMBED_BATCH, by_length=by_length)
+    return sorted_chunks(items, EMBED_BATCH, max_tokens=EMBED_TOKENS, by_length=by_length)
 
 
 def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
@@ -203,6 +224,7 @@ work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="texts")
 
 @tool(
     check=check,
+    cost=cost,
     caps={"texts": "max_sequences"},
     sequences=("texts",),
     batch=one_pass(work.many),

@@ -14,6 +14,7 @@ from typing import Annotated
 
 import msgspec
 
+from gateway.cost import JSON_ENTRY, JSON_TOKEN, PY_ENTRY, Cost, Shape
 from gateway.errors import ParamError
 from gateway.tools.anatomy import logits_at
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
@@ -56,6 +57,20 @@ def check(model: Model, params: FillMaskParams) -> None:
             raise ParamError(f"texts[{i}]", f"has no mask token; write {_mask(model)} where the model should fill in")
 
 
+def cost(model: Model, params: FillMaskParams) -> Cost:
+    """The texts' pass, the logits at their masks, and the top-k at each."""
+    shape = Shape.of(model)
+    rows = [model.encode(text) for text in params.texts]
+    masks = sum(ids.count(model.mask_token_id) for ids in rows)
+    result = masks * params.top_k * (JSON_ENTRY + JSON_TOKEN)
+    width = max(len(ids) for ids in rows)
+    memory = (
+        shape.block_bytes(len(rows), width) + shape.states_bytes(len(rows), width, 1) + shape.logits_bytes(masks)
+        + masks * params.top_k * PY_ENTRY + result
+    )
+    return Cost(memory=memory, result=result, memory_field="texts", result_field="top_k", tokens=width)
+
+
 def _fill_many(model: Model, jobs: list[FillMaskParams], ctxs: list[Context]) -> list[FillMaskResult]:
     # Every text of every job in one right-padded pass: each position sees only its own row's real tokens.
     encoded = [[model.encode(text) for text in params.texts] for params in jobs]
@@ -87,6 +102,7 @@ def _fill_many(model: Model, jobs: list[FillMaskParams], ctxs: list[Context]) ->
 
 @tool(
     check=check,
+    cost=cost,
     caps={"texts": "max_prompts"},
     sequences=("texts",),
     batch=one_pass(_fill_many),

@@ -26,6 +26,7 @@ import torch
 from jinja2 import TemplateError
 from transformers.cache_utils import DynamicLayer
 
+from gateway.cost import Cost, Shape
 from gateway.errors import ParamError
 from gateway.models import capabilities
 from gateway.models.base import Capability, Kind
@@ -125,6 +126,29 @@ def check(model: Model, params: GenerateParams) -> None:
         model.fit(len(ids) + params.max_tokens, f"token_ids[{i}]", "token_ids + max_tokens")
     if params.top_k is not None and params.top_k > model.vocab_size:
         raise ParamError("top_k", f"must be <= the vocabulary size {model.vocab_size}")
+
+
+# What one streamed token costs a job's event log: its `partial` event (id, text, frame) and its share of progress frames.
+EVENT_BYTES = 192
+
+
+def cost(model: Model, params: GenerateParams) -> Cost:
+    """The prefill of every row with its last logits, the decoding cache at full length, and what
+    each token adds to the job's event log and its completion."""
+    shape = Shape.of(model)
+    rows = inputs(model, params)
+    width = max(len(ids) for ids in rows)
+    n, new = len(rows), params.max_tokens
+    result = n * new * 12
+    memory = (
+        shape.block_bytes(n, width)
+        + shape.cache_bytes(n, width + new)
+        + shape.logits_bytes(n)
+        + n * new * EVENT_BYTES
+        + result
+    )
+    field = "messages" if params.messages is not None else "token_ids" if params.token_ids is not None else "prompts"
+    return Cost(memory=memory, result=result, memory_field=field, result_field="max_tokens", tokens=n * width)
 
 
 # Incremental detokenization: each step decodes only the tokens since the text was last
@@ -612,6 +636,7 @@ def _left_pad(t: torch.Tensor, n: int, dim: int = -2) -> torch.Tensor:
 @tool(
     partial=GeneratePartial,
     check=check,
+    cost=cost,
     caps={"prompts": "max_prompts", "token_ids": "max_prompts", "max_tokens": "max_tokens"},
     sequences=("prompts",),
     batch=Generation,

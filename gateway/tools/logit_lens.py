@@ -28,6 +28,7 @@ from typing import Annotated
 import msgspec
 import torch
 
+from gateway.cost import JSON_ENTRY, JSON_FLOAT, JSON_FRAME, JSON_TOKEN, PY_ENTRY, PY_FLOAT, Cost, Shape
 from gateway.errors import ParamError
 from gateway.tools.anatomy import anatomy, readout_rows, resolve_layers, resolve_positions, single_token
 from gateway.tools.base import Capability, Context, Model, tool
@@ -35,16 +36,26 @@ from gateway.tools.numbers import floats
 from gateway.tools.predict import TokenProb
 
 Prompt = Annotated[str, msgspec.Meta(min_length=1, description="The text to look through.")]
+# Caps on the lists themselves; what they multiply into (layers × positions × top_k) is priced
+# against --max-result-bytes before the job is queued (gateway/cost.py). A layer named twice is
+# computed once and its rows repeated.
+MAX_LAYERS = 512
+MAX_POSITIONS = 8192
 Layers = Annotated[
     list[int],
     msgspec.Meta(
         min_length=1,
+        max_length=MAX_LAYERS,
         description="Decoder layers by index (0 = first block's output; negatives count from the end). Default: all.",
     ),
 ]
 Positions = Annotated[
     list[int],
-    msgspec.Meta(min_length=1, description="Token positions (negatives count from the end). Default: all."),
+    msgspec.Meta(
+        min_length=1,
+        max_length=MAX_POSITIONS,
+        description="Token positions (negatives count from the end). Default: all.",
+    ),
 ]
 
 
@@ -182,13 +193,50 @@ def _prepare(model: Model, prompt: str, layers: list[int] | None, positions: lis
     return ids, resolve_layers(model, layers), resolve_positions(len(ids), positions)
 
 
+def _lens_cost(
+    model: Model, prompt: str, layers: list[int] | None, positions: list[int] | None, cell: int, kept: int,
+    field: str | None = None, tokens: bool = False,
+) -> Cost:
+    """A lens pass: the block's working set over the prompt, the residuals kept at every layer × position
+    read, one readout chunk's probabilities, and `kept` bytes (and `cell` bytes of JSON) per cell.
+    The field to shrink is `field`, else the longer of layers and positions."""
+    shape = Shape.of(model)
+    ids, layers_read, positions_read = _prepare(model, prompt, layers, positions)
+    cells = len(layers_read) * len(positions_read)
+    field = field or ("layers" if len(layers_read) > len(positions_read) else "positions")
+    result = JSON_FRAME + cells * cell + (len(layers_read) + len(positions_read)) * 8 + (len(ids) * JSON_TOKEN if tokens else 0)
+    memory = (
+        shape.block_bytes(1, len(ids))
+        + cells * shape.hidden * 4
+        + shape.logits_bytes(min(cells, readout_rows(model)))
+        + cells * kept
+        + result
+    )
+    return Cost(memory=memory, result=result, memory_field="prompt", result_field=field, tokens=len(ids))
+
+
+def cost_lens(model: Model, params: LogitLensParams) -> Cost:
+    tracked = len(params.track or [])
+    cell = min(params.top_k, model.vocab_size) * (JSON_ENTRY + JSON_TOKEN) + (JSON_FLOAT if params.include_entropy else 0) + tracked * JSON_FLOAT
+    kept = params.top_k * (12 + PY_ENTRY) + (1 + tracked) * (4 + PY_FLOAT)
+    return _lens_cost(model, params.prompt, params.layers, params.positions, cell, kept, "top_k" if params.top_k > 10 else None, tokens=True)
+
+
+def cost_line(model: Model, params: LensLineParams) -> Cost:
+    return _lens_cost(model, params.prompt, params.layers, [params.position], JSON_FLOAT, 12 + PY_FLOAT, "layers")
+
+
+def cost_grid(model: Model, params: LensGridParams) -> Cost:
+    return _lens_cost(model, params.prompt, params.layers, params.positions, JSON_FLOAT + JSON_TOKEN, 12 + 2 * PY_FLOAT)
+
+
 def check_lens(model: Model, params: LogitLensParams) -> None:
     _prepare(model, params.prompt, params.layers, params.positions)
     for i, text in enumerate(params.track or []):
         single_token(model, text, f"track[{i}]")
 
 
-@tool(check=check_lens, needs={Capability.LAYERS}, sequences=("prompt",))
+@tool(check=check_lens, cost=cost_lens, needs={Capability.LAYERS}, sequences=("prompt",))
 def logit_lens(model: Model, params: LogitLensParams, ctx: Context) -> LogitLensResult:
     """Each layer's residual stream through the final norm and unembedding: top tokens, entropy, tracked tokens."""
     ids, layers, positions = _prepare(model, params.prompt, params.layers, params.positions)
@@ -236,7 +284,7 @@ def check_line(model: Model, params: LensLineParams) -> None:
         single_token(model, params.token, "token")
 
 
-@tool(check=check_line, needs={Capability.LAYERS}, sequences=("prompt",))
+@tool(check=check_line, cost=cost_line, needs={Capability.LAYERS}, sequences=("prompt",))
 def lens_line(model: Model, params: LensLineParams, ctx: Context) -> LensLineResult:
     """One token's probability or rank, or the entropy, across layers at one position: a line chart."""
     ids, layers, _ = _prepare(model, params.prompt, params.layers, None)
@@ -251,7 +299,7 @@ def check_grid(model: Model, params: LensGridParams) -> None:
     _prepare(model, params.prompt, params.layers, params.positions)
 
 
-@tool(check=check_grid, needs={Capability.LAYERS}, sequences=("prompt",))
+@tool(check=check_grid, cost=cost_grid, needs={Capability.LAYERS}, sequences=("prompt",))
 def lens_grid(model: Model, params: LensGridParams, ctx: Context) -> LensGridResult:
     """A statistic at every layer × position, with each layer's top token: a heatmap."""
     ids, layers, positions = _prepare(model, params.prompt, params.layers, params.positions)

@@ -13,7 +13,8 @@ import msgspec
 import torch
 
 from gateway.errors import ParamError
-from gateway.tools.anatomy import logits_at
+from gateway.cost import JSON_FLOAT, Cost, Shape
+from gateway.tools.anatomy import readout_chunks, readout_rows
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import one_pass
 from gateway.tools.numbers import floats
@@ -50,6 +51,23 @@ def check(model: Model, params: LoglikelihoodParams) -> None:
         model.fit(len(context) + len(continuation), f"prompts[{i}]", "prompt + continuation")
 
 
+def cost(model: Model, params: LoglikelihoodParams) -> Cost:
+    """The pass with the last block's states kept, and one readout chunk's logits; two numbers a pair."""
+    shape = Shape.of(model)
+    pairs = _pairs(model, params)
+    lengths = [len(context) + len(continuation) for context, continuation in pairs]
+    positions = sum(len(continuation) for _, continuation in pairs)
+    read = min(positions, readout_rows(model)) if model.has(Capability.LAYERS) else sum(lengths)
+    memory = shape.block_bytes(len(pairs), max(lengths)) + shape.states_bytes(len(pairs), max(lengths), 1)
+    return Cost(
+        memory=memory + shape.logits_bytes(read) + positions * 16,
+        result=len(pairs) * (JSON_FLOAT + 8),
+        memory_field="continuations",
+        result_field="prompts",
+        tokens=max(lengths),
+    )
+
+
 def _loglikelihood_many(
     model: Model, jobs: list[LoglikelihoodParams], ctxs: list[Context]
 ) -> list[LoglikelihoodResult]:
@@ -63,10 +81,15 @@ def _loglikelihood_many(
     rows = torch.tensor([row for row, (_, cont) in enumerate(flat) for _ in cont], device=device)
     cols = torch.tensor([len(ctx) - 1 + k for ctx, cont in flat for k in range(len(cont))], device=device)
     target = torch.tensor([token for _, cont in flat for token in cont], device=device)
-    logprobs = logits_at(model, input_ids, mask, rows, cols).log_softmax(dim=-1)
+    # A chunk of positions at a time: each continuation token's log-probability, and whether it was the top one.
+    own_parts, top_parts = [], []
+    for part, logits in readout_chunks(model, input_ids, mask, rows, cols):
+        logprobs = logits.log_softmax(dim=-1)
+        own_parts.append(logprobs.gather(1, target[part, None])[:, 0])
+        top_parts.append(logprobs.argmax(dim=-1) == target[part])
     sizes = [len(cont) for _, cont in flat]
-    ll = floats(torch.stack([span.sum() for span in logprobs.gather(1, target[:, None])[:, 0].split(sizes)]))
-    greedy = torch.stack([span.all() for span in (logprobs.argmax(dim=-1) == target).split(sizes)]).tolist()
+    ll = floats(torch.stack([span.sum() for span in torch.cat(own_parts).split(sizes)]))
+    greedy = torch.stack([span.all() for span in torch.cat(top_parts).split(sizes)]).tolist()
     results, row = [], 0
     for job, ctx in zip(pairs, ctxs):
         results.append(LoglikelihoodResult(ll=ll[row : row + len(job)], is_greedy=greedy[row : row + len(job)]))
@@ -77,6 +100,7 @@ def _loglikelihood_many(
 
 @tool(
     check=check,
+    cost=cost,
     caps={"prompts": "max_prompts", "continuations": "max_prompts"},
     sequences=("prompts", "continuations"),
     tagged=("prompts",),  # the continuation follows its prompt: the tag is the prompt's

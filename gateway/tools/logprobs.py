@@ -16,7 +16,9 @@ from typing import Annotated, Any
 import msgspec
 import torch
 
+from gateway.cost import JSON_ENTRY, JSON_FLOAT, JSON_TOKEN, PY_ENTRY, PY_FLOAT, Cost, Shape
 from gateway.errors import ParamError
+from gateway.tools.anatomy import readout_chunks, readout_rows
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import one_pass
 from gateway.tools.numbers import floats
@@ -72,56 +74,81 @@ def check(model: Model, params: LogprobsParams) -> None:
         model.fit(len(ids), f"{field}[{i}]")
 
 
+def cost(model: Model, params: LogprobsParams) -> Cost:
+    """The pass with the last block's states kept, one readout chunk's logits, and the tokens scored."""
+    shape = Shape.of(model)
+    lengths = [len(ids) for ids in rows(model, params)]
+    positions = sum(lengths)
+    # A model without a layer stack gives its logits at every position at once.
+    read = min(positions, readout_rows(model)) if model.has(Capability.LAYERS) else positions
+    per_token = 8 + JSON_TOKEN + JSON_FLOAT + params.top * (JSON_ENTRY + JSON_TOKEN)
+    result = positions * per_token
+    memory = shape.block_bytes(len(lengths), max(lengths)) + shape.states_bytes(len(lengths), max(lengths), 1)
+    return Cost(
+        memory=memory + shape.logits_bytes(read) + positions * (8 + 4 + PY_FLOAT + params.top * (12 + PY_ENTRY)) + result,
+        result=result,
+        memory_field="prompts" if params.prompts is not None else "token_ids",
+        result_field="top" if params.top else ("prompts" if params.prompts is not None else "token_ids"),
+        tokens=max(lengths),
+    )
+
+
 def _logprobs_many(model: Model, jobs: list[LogprobsParams], ctxs: list[Context]) -> list[LogprobsResult]:
-    # Every text of every job in one right-padded forward pass.
+    # Every text of every job in one right-padded forward pass, read out a chunk of positions at a time.
     per_job = [rows(model, params) for params in jobs]
     flat = [ids for job in per_job for ids in job]
     input_ids, mask = right_padded(model, flat)
     device = input_ids.device
-    logprobs = model.logits(input_ids, mask).float().log_softmax(dim=-1)
-    # Logits at position t score token t + 1: each token's log-probability, row × position (padding too).
-    own = logprobs[:, :-1].gather(2, input_ids[:, 1:, None])[..., 0].cpu()
-    at_last = logprobs[torch.arange(len(flat), device=device), torch.tensor([len(ids) - 1 for ids in flat], device=device)]
-    best = at_last.argmax(dim=-1)
-    best_ids, best_logprobs = best.tolist(), floats(at_last.gather(1, best[:, None])[:, 0])
-    k = max(params.top for params in jobs)
-    top_ids: list[Any] = []
-    top_values: Any = None
-    if k:  # one top-k for every row and position, as deep as the deepest job asks
-        top = logprobs.topk(k, dim=-1)
-        top_ids, top_values = top.indices.tolist(), top.values.cpu()
-    texts = model.token_texts(
-        [*(t for ids in flat for t in ids), *best_ids, *(i for row in top_ids for position in row for i in position)]
-    )
+    # Every position of every text: at t < n - 1 its logits score token t + 1; at n - 1, the next token.
+    at_rows = torch.tensor([row for row, ids in enumerate(flat) for _ in ids], device=device)
+    at_cols = torch.tensor([t for ids in flat for t in range(len(ids))], device=device)
+    scored = torch.tensor([ids[t + 1] if t + 1 < len(ids) else 0 for ids in flat for t in range(len(ids))], device=device)
+    k = max(params.top for params in jobs)  # one top-k for every position, as deep as the deepest job asks
+    own_parts, best_parts, best_lp_parts, top_id_parts, top_value_parts = [], [], [], [], []
+    for part, logits in readout_chunks(model, input_ids, mask, at_rows, at_cols):
+        logprobs = logits.log_softmax(dim=-1)
+        own_parts.append(logprobs.gather(1, scored[part, None])[:, 0])
+        best = logprobs.argmax(dim=-1)
+        best_parts.append(best)
+        best_lp_parts.append(logprobs.gather(1, best[:, None])[:, 0])
+        if k:
+            top = logprobs.topk(k, dim=-1)
+            top_id_parts.append(top.indices)
+            top_value_parts.append(top.values)
+    own = floats(torch.cat(own_parts))
+    best_ids = torch.cat(best_parts).tolist()
+    best_logprobs = floats(torch.cat(best_lp_parts))
+    top_ids: list[Any] = torch.cat(top_id_parts).tolist() if k else []
+    top_values: Any = torch.cat(top_value_parts).cpu() if k else None
+    texts = model.token_texts([*(t for ids in flat for t in ids), *best_ids, *(i for position in top_ids for i in position)])
 
-    def alternatives(row: int, start: int, end: int, top: int) -> list[list[TokenLogprob]]:
-        values = floats(top_values[row, start:end, :top])
-        return [
-            [TokenLogprob(i, texts[i], v) for i, v in zip(ids, vs)]
-            for ids, vs in zip((position[:top] for position in top_ids[row][start:end]), values)
-        ]
+    def alternatives(start: int, end: int, top: int) -> list[list[TokenLogprob]]:
+        values = floats(top_values[start:end, :top])
+        return [[TokenLogprob(i, texts[i], v) for i, v in zip(ids[:top], vs)] for ids, vs in zip(top_ids[start:end], values)]
 
-    results, row = [], 0
+    results, at = [], 0  # `at`: the first position of the text at hand, in the flat order
     for job, params, ctx in zip(per_job, jobs, ctxs):
-        scored = []
+        entries = []
         for ids in job:
             n = len(ids)
-            entry = Scored(token_ids=list(ids), tokens=[texts[t] for t in ids], logprobs=[None, *floats(own[row, : n - 1])])
+            last = at + n - 1
+            entry = Scored(token_ids=list(ids), tokens=[texts[t] for t in ids], logprobs=[None, *own[at:last]])
             if params.top:
-                entry.top = alternatives(row, 0, n - 1, params.top)
+                entry.top = alternatives(at, last, params.top)
             if params.next_token:
-                entry.next_token = TokenLogprob(best_ids[row], texts[best_ids[row]], best_logprobs[row])
+                entry.next_token = TokenLogprob(best_ids[last], texts[best_ids[last]], best_logprobs[last])
                 if params.top:
-                    entry.next_top = alternatives(row, n - 1, n, params.top)[0]
-            scored.append(entry)
-            row += 1
+                    entry.next_top = alternatives(last, last + 1, params.top)[0]
+            entries.append(entry)
+            at += n
         ctx.progress(len(job), len(job), "sequences")
-        results.append(LogprobsResult(scored))
+        results.append(LogprobsResult(entries))
     return results
 
 
 @tool(
     check=check,
+    cost=cost,
     caps={"prompts": "max_prompts", "token_ids": "max_prompts"},
     sequences=("prompts",),
     batch=one_pass(_logprobs_many),

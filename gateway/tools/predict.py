@@ -7,6 +7,7 @@ from typing import Annotated
 import msgspec
 import torch
 
+from gateway.cost import JSON_ENTRY, JSON_TOKEN, PY_ENTRY, Cost, Shape
 from gateway.errors import ParamError
 from gateway.tools.anatomy import logits_at
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
@@ -35,6 +36,15 @@ def check(model: Model, params: PredictParams) -> None:
         raise ParamError("top_k", f"must be <= the vocabulary size {model.vocab_size}")
 
 
+def cost(model: Model, params: PredictParams) -> Cost:
+    """The prompt's pass, the logits at its last position, and the top-k."""
+    shape = Shape.of(model)
+    n = len(model.encode(params.prompt))
+    result = params.top_k * (JSON_ENTRY + JSON_TOKEN)
+    memory = shape.block_bytes(1, n) + shape.states_bytes(1, n, 1) + shape.logits_bytes(1) + params.top_k * PY_ENTRY + result
+    return Cost(memory=memory, result=result, memory_field="prompt", result_field="top_k", tokens=n)
+
+
 def _predict_many(model: Model, jobs: list[PredictParams], ctxs: list[Context]) -> list[PredictResult]:
     # Right padding: causal attention keeps each prompt's real tokens from seeing the pads after them.
     encoded = [model.encode(params.prompt) for params in jobs]
@@ -52,7 +62,7 @@ def _predict_many(model: Model, jobs: list[PredictParams], ctxs: list[Context]) 
     ]
 
 
-@tool(check=check, batch=one_pass(_predict_many), needs={Capability.NEXT_TOKEN}, sequences=("prompt",))
+@tool(check=check, cost=cost, batch=one_pass(_predict_many), needs={Capability.NEXT_TOKEN}, sequences=("prompt",))
 def predict(model: Model, params: PredictParams, ctx: Context) -> PredictResult:
     """The top-k next tokens after the prompt, with their probabilities."""
     return _predict_many(model, [params], [ctx])[0]

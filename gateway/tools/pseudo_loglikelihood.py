@@ -19,10 +19,11 @@ from typing import Annotated, Any
 import msgspec
 import torch
 
+from gateway.cost import JSON_FLOAT, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
 from gateway.tools.anatomy import logits_at
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
-from gateway.tools.batching import Chunk, Chunked, one_pass, sorted_chunks
+from gateway.tools.batching import Chunk, Chunked, chunk_peak, one_pass, sorted_chunks
 from gateway.tools.numbers import floats
 
 PLL_ROWS = 64  # masked copies per forward pass at most
@@ -55,6 +56,22 @@ def check(model: Model, params: PseudoLoglikelihoodParams) -> None:
             raise ParamError(f"sequences[{i}]", "has no tokens of its own, only the tokenizer's special tokens")
         if model.mask_token_id in ids:
             raise ParamError(f"sequences[{i}]", "already holds the mask token; give the sequence itself")
+
+
+def cost(model: Model, params: PseudoLoglikelihoodParams) -> Cost:
+    """The largest chunk of masked copies (each as long as its sequence) with its logits, and a number a copy."""
+    shape = Shape.of(model)
+    lengths = [len(model.encode(sequence)) for sequence in params.sequences]
+    copies = [n for n in lengths for _ in range(n)]  # a copy per position (own tokens: at most that)
+    peak = chunk_peak(copies, PLL_ROWS, PLL_TOKENS, lambda rows, width: shape.pass_bytes(rows, width, states=1, logits=rows))
+    result = len(lengths) * 2 * JSON_FLOAT + (sum(lengths) * (JSON_FLOAT + JSON_TOKEN) if params.per_position else 0)
+    return Cost(
+        memory=peak + len(copies) * 64 + result,
+        result=result,
+        memory_field="sequences",
+        result_field="per_position" if params.per_position else "sequences",
+        tokens=max(lengths),
+    )
 
 
 def _plan(model: Model, jobs: list[PseudoLoglikelihoodParams], by_length: bool = True) -> list[Chunk]:
@@ -107,6 +124,7 @@ work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="positions")  # ty
 
 @tool(
     check=check,
+    cost=cost,
     caps={"sequences": "max_sequences"},
     sequences=("sequences",),
     batch=one_pass(work.many),

@@ -17,6 +17,7 @@ same batch or the next.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal
@@ -24,6 +25,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import torch
 
+from gateway.cost import JSON_ENTRY, JSON_FLOAT, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
 from gateway.sae import SAE
 from gateway.tools.anatomy import anatomy
@@ -40,6 +42,7 @@ from gateway.tools.generate import (
     _Member,
 )
 from gateway.tools.generate import check as generate_check
+from gateway.tools.generate import cost as generate_cost
 
 # Beyond this a clamp only blows the residual stream up; real activations are far smaller.
 MAX_STRENGTH = 1e4
@@ -299,6 +302,29 @@ def _annotate_sequence(model: Model, sae: SAE, params: AnnotateParams, x: torch.
 PASS_TOKENS = 16384
 
 
+def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
+    """A pass's residuals at the SAE's layer encoded into every feature, then what is kept per token:
+    a prompt's k features each, or each sequence's tracks (a float per chosen feature and position)."""
+    shape = Shape.of(model)
+    sae = resolve_sae(model, params.sae)
+    lengths = [len(model.encode(t)) for t in ([params.prompt] if params.prompt is not None else params.sequences or [])]
+    chosen = len(params.feature_ids) if params.mode == "pick" and params.feature_ids else min(params.k, sae.n_features)
+    if params.prompt is not None:
+        result = lengths[0] * (JSON_TOKEN + 16 + 2 * JSON_FLOAT + chosen * (JSON_ENTRY + 16))
+    else:
+        result = sum(n * (JSON_TOKEN + JSON_FLOAT + chosen * (JSON_FLOAT + 8)) + chosen * 96 for n in lengths)
+    widest = max(lengths)
+    rows = max(1, min(len(lengths), PASS_TOKENS // widest))
+    encoded = rows * widest * sae.n_features * 4 * 2  # the features and their top-k or chosen rows
+    return Cost(
+        memory=shape.pass_bytes(rows, widest, states=1) + encoded + sum(lengths) * chosen * 4 + result,
+        result=result,
+        memory_field="sequences" if params.sequences is not None else "prompt",
+        result_field="k" if params.mode == "top" else "feature_ids",
+        tokens=widest,
+    )
+
+
 def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]) -> list[AnnotateResult]:
     for params in jobs:
         _check_annotate(model, params)  # also when called directly, without the gateway's check
@@ -345,6 +371,7 @@ def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]
 
 @tool(
     check=_check_annotate,
+    cost=_cost_annotate,
     caps={"sequences": "max_sequences"},
     sequences=("prompt", "sequences"),
     batch=one_pass(_annotate_many),
@@ -395,6 +422,13 @@ def _check_steer(model: Model, params: SteerParams) -> None:
         if clamp.end is not None and clamp.end <= clamp.start:
             raise ParamError(f"clamps[{i}].end", f"must be after start ({clamp.start})")
     generate_check(model, params)
+
+
+def _cost_steer(model: Model, params: SteerParams) -> Cost:
+    """`generate`'s, with every step's residuals at the SAE's layer encoded into every feature."""
+    plain = generate_cost(model, params)
+    sae = resolve_sae(model, params.sae)
+    return dataclasses.replace(plain, memory=plain.memory + plain.tokens * sae.n_features * 4 * 2)
 
 
 @dataclass(frozen=True)
@@ -486,6 +520,7 @@ class Steering(Generation):
 @tool(
     partial=GeneratePartial,
     check=_check_steer,
+    cost=_cost_steer,
     caps={"prompts": "max_prompts", "token_ids": "max_prompts", "max_tokens": "max_tokens"},
     sequences=("prompts",),
     batch=Steering,

@@ -1,0 +1,196 @@
+"""What a job will cost, known before it is queued: the memory of its largest step and the size of its result.
+
+A tool states its cost with `Tool.cost(model, params) -> Cost`, from its params
+and the model's shape (`Shape`: layers, widths, heads, vocabulary, dtype). The
+admission step (backends/local.py `prepare`, which every way a job enters goes
+through: a gateway's runs, `/v1`, an executor's, a Ray replica's) compares it
+with the server's `Budget` and refuses a job over either bound with 413
+`too_large`, naming the bound, the estimate and the field to shrink, before the
+job is queued. A tool that states no cost is bounded by the time limit alone.
+
+The one rule: an estimate is an upper bound of what the job's work holds at its
+peak beyond the weights (activations, attention, the states and logits kept,
+the result being built), never an average. It counts what a forward pass of
+transformers holds at once on the device, row by row of the padded batch:
+
+- one block's working set: the block's input and output, the attention's
+  queries, keys, values and output, the MLP's up and gate projections and their
+  product (`BLOCK_WIDTHS`), in the model's dtype;
+- attention: eager attention materialises each head's scores and their softmax
+  (2 × heads × width × width floats a row); a fused kernel (SDPA, flash) holds
+  the mask of width × width alone;
+- what the tool keeps across blocks (hidden states, logits), in float32 where it
+  reads them so.
+
+tests/test_cost.py measures peaks on small models (the process's peak RSS) and
+holds each estimate to at least 3/4 of what was measured.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import ApiError
+from gateway.protocol import Code
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+# Bytes one float takes in a JSON result ("-0.123456789," at most, float32's shortest form).
+JSON_FLOAT = 14
+# A `{"id":…,"text":"…","prob":…}` entry, its token's text aside.
+JSON_ENTRY = 48
+# A token's text in JSON, quotes and escapes included, for a vocabulary of words and pieces.
+JSON_TOKEN = 24
+# A result's own keys, scalars and short lists, around what grows with the params.
+JSON_FRAME = 256
+# What the result holds in Python before it is encoded: an entry Struct with its int and float,
+# and a float in a list (the object and its slot).
+PY_ENTRY = 144
+PY_FLOAT = 32
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A job's price: `memory` bytes at its peak (beyond the weights), `result` bytes of JSON.
+
+    `memory_field` and `result_field` name the param that drives each most (what to shrink);
+    `tokens` is the most tokens one forward pass of it runs over.
+    """
+
+    memory: int
+    result: int
+    memory_field: str
+    result_field: str
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's sizes, as its config gives them (or its probes measured)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    dtype_bytes: int
+    # Whether attention materialises its scores (eager), or a fused kernel does without (SDPA, flash).
+    eager: bool = False
+
+    @classmethod
+    def of(cls, model: Any) -> Shape:
+        """The shape of a served `gateway.models.base.Model`, worked out once per model."""
+        if (known := model.memo.get("shape")) is not None:
+            return known
+        config = getattr(model.module, "config", None)
+
+        def get(*names: str) -> int | None:
+            for name in names:
+                value = getattr(config, name, None)
+                if isinstance(value, int) and value > 0:
+                    return value
+            return None
+
+        hidden = get("hidden_size", "n_embd", "d_model", "dim") or int(model.memo.get("layer_width", 0)) or 1
+        layers = get("num_hidden_layers", "n_layer", "num_layers") or max(1, int(model.memo.get("n_states", 2)) - 1)
+        shape = cls(
+            layers=layers,
+            hidden=hidden,
+            intermediate=get("intermediate_size", "n_inner", "ffn_dim", "encoder_ffn_dim") or 4 * hidden,
+            heads=(heads := get("num_attention_heads", "n_head", "encoder_attention_heads") or 1),
+            kv_heads=get("num_key_value_heads", "multi_query_group_num") or heads,
+            vocab=max(int(model.vocab_size), 1),
+            dtype_bytes=_itemsize(model.dtype),
+            eager=getattr(config, "_attn_implementation", "eager") in (None, "eager"),
+        )
+        model.memo["shape"] = shape
+        return shape
+
+    def block_bytes(self, rows: int, width: int) -> int:
+        """One block's working set over `rows` padded rows of `width` tokens: activations and attention scores."""
+        activations = rows * width * (BLOCK_WIDTHS * self.hidden + 3 * self.intermediate) * self.dtype_bytes
+        # Eager attention holds each head's scores and their softmax; a fused kernel, the mask alone.
+        scores = (2 * self.heads if self.eager else 1) * rows * width * width * 4
+        return activations + scores
+
+    def states_bytes(self, rows: int, width: int, n: int) -> int:
+        """`n` hidden states (one per layer read) kept for every token of the batch."""
+        return n * rows * width * self.hidden * self.dtype_bytes
+
+    def logits_bytes(self, n_positions: int, copies: int = 2) -> int:
+        """Full-vocabulary logits at `n_positions` positions in float32, and `copies - 1` softmaxes of them."""
+        return copies * n_positions * self.vocab * 4
+
+    def cache_bytes(self, rows: int, tokens: int) -> int:
+        """A decoding cache of `tokens` positions for `rows` rows: each layer's keys and values."""
+        return 2 * self.layers * rows * tokens * (self.hidden * self.kv_heads // self.heads) * self.dtype_bytes
+
+    def pass_bytes(self, rows: int, width: int, *, states: int = 0, logits: int = 0) -> int:
+        """Peak of one forward pass: a block's working set, the hidden states kept, the logits read."""
+        return self.block_bytes(rows, width) + self.states_bytes(rows, width, states) + self.logits_bytes(logits)
+
+
+# The block's input, norm, query, key, value, attention output, projection and residual sum
+# (`hidden` wide each), beside the MLP's up, gate and product (`intermediate` wide).
+BLOCK_WIDTHS = 8
+
+
+def _itemsize(dtype: Any) -> int:
+    return int(getattr(dtype, "itemsize", 4) or 4)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The bounds every job is priced against (`--max-job-memory`, `--max-result-bytes`)."""
+
+    memory: int
+    result: int
+
+    def admit(self, cost: Cost) -> None:
+        """413 `too_large` for a job over either bound: the bound, the estimate, and what to shrink."""
+        # The result first: where it is over, it is also what makes the memory (the result is held).
+        if cost.result > self.result:
+            raise ApiError(
+                Code.TOO_LARGE,
+                f"this job's result would be about {_size(cost.result)}; the limit is {_size(self.result)} "
+                f"(--max-result-bytes): shrink {cost.result_field}",
+                field=cost.result_field,
+            )
+        if cost.memory > self.memory:
+            raise ApiError(
+                Code.TOO_LARGE,
+                f"this job needs about {_size(cost.memory)} of memory at its peak; the limit is {_size(self.memory)} "
+                f"(--max-job-memory): shrink {cost.memory_field}",
+                field=cost.memory_field,
+            )
+
+
+def _size(n: int) -> str:
+    if n >= GIB:
+        return f"{n / GIB:.1f} GiB"
+    if n >= MIB:
+        return f"{n / MIB:.1f} MiB"
+    return f"{n / 1024:.0f} KiB"
+
+
+def default_job_memory(devices: list[str] | None = None) -> int:
+    """`--max-job-memory`'s default: on GPUs, half the smallest one's memory (the weights and the
+    allocator's cache take the rest); else a quarter of this machine's memory, so that a big job,
+    the jobs batched beside it and the gateway itself fit together."""
+    import torch  # only where models run
+
+    cuda = [d for d in devices or [] if d.startswith("cuda")] or (["cuda"] if devices is None and torch.cuda.is_available() else [])
+    if cuda:
+        return min(torch.cuda.get_device_properties(torch.device(d)).total_memory for d in cuda) // 2
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 * GIB
+    return max(total // 4, 256 * MIB)
+
+
+DEFAULT_RESULT_BYTES = 64 * MIB

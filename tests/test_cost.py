@@ -1,0 +1,191 @@
+"""A job's price against what it takes: each tool's estimate of its peak memory and result size
+(gateway/cost.py) checked on a model wide and long enough for the work to show in the process's
+peak RSS, and the 413 `too_large` a job over a bound gets before it is queued."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import torch
+
+from backends import model as models
+from gateway.cost import Budget, Cost
+from gateway.encoding import to_json
+from gateway.errors import ApiError
+from gateway.tools import Model, builtin_tools
+from tests.conftest import Server, build_tiny_model, make_server, run_stream
+from tests.test_batching import Recorder
+
+MIB = 1 << 20
+TOOLS = {t.name: t for t in builtin_tools()}
+
+
+@pytest.fixture(scope="module")
+def wide_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Hidden 256 and 8k of context: a pass over a few thousand tokens takes tens of MB, well above the noise.
+    return build_tiny_model(tmp_path_factory.mktemp("wide-llama"), hidden=256, context=8192)
+
+
+@pytest.fixture(scope="module")
+def wide(wide_path: Path) -> Model:
+    return models.load(models.resolve(str(wide_path)), "cpu")
+
+
+_libc = ctypes.CDLL("libc.so.6")
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(key + r":\s+(\d+)", f.read()).group(1)) * 1024  # type: ignore[union-attr]
+
+
+def priced_and_measured(model: Model, tool_name: str, raw: dict[str, Any]) -> tuple[Cost, int, int]:
+    """The tool's price for `raw` params, the process's peak RSS over the run and the encoding of its
+    result (memory handed back to the system before, and the peak mark reset), and the result's bytes."""
+    t = TOOLS[tool_name]
+    params = msgspec.convert(raw, t.params)
+    if t.check is not None:
+        t.check(model, params)
+    cost = t.cost(model, params)
+    gc.collect()
+    _libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    before = _status("VmRSS")
+    with torch.inference_mode():
+        size = len(to_json(t.run(model, params, Recorder())))
+    return cost, _status("VmHWM") - before, size
+
+
+CASES = [
+    ("embed", {"texts": ["a" * 4000]}),
+    ("embed", {"texts": ["a" * 2000] * 4, "pooling": "per_token"}),
+    ("embed", {"texts": ["ab" * 100] * 64, "pooling": "per_token"}),
+    ("logprobs", {"prompts": ["a" * 3000]}),
+    ("logprobs", {"prompts": ["a" * 2000] * 3, "top": 5}),
+    ("loglikelihood", {"prompts": ["a" * 1000] * 4, "continuations": ["b" * 1000] * 4}),
+    ("predict", {"prompt": "a" * 4000, "top_k": 50}),
+    ("logit_lens", {"prompt": "a" * 2000, "top_k": 20}),
+    ("logit_lens", {"prompt": "a" * 300, "top_k": 100, "layers": [0] * 100, "positions": [0] * 100}),
+    ("lens_grid", {"prompt": "a" * 3000}),
+    ("lens_line", {"prompt": "a" * 3000}),
+    ("activation_patching", {"src_prompt": "a" * 500, "tgt_prompt": "b" * 500}),
+    ("generate", {"prompts": ["a" * 1000] * 4, "max_tokens": 64}),
+]
+
+
+@pytest.mark.parametrize(("tool_name", "raw"), CASES, ids=[f"{name}-{i}" for i, (name, _) in enumerate(CASES)])
+def test_the_price_is_never_under_the_measured_peak_by_more_than_a_quarter(wide: Model, tool_name: str, raw: dict[str, Any]) -> None:
+    cost, peak, size = priced_and_measured(wide, tool_name, raw)
+    assert cost.memory >= 0.75 * peak, (cost.memory / MIB, peak / MIB)
+    assert cost.result >= 0.75 * size, (cost.result, size)
+    # And not so far over that it refuses what fits: within 4x (plus what a small job's noise is).
+    assert cost.memory <= 4 * peak + 64 * MIB, (cost.memory / MIB, peak / MIB)
+    assert cost.result <= 4 * size + 64 * 1024, (cost.result, size)
+
+
+@pytest.mark.parametrize("tool_name", ["logprobs", "loglikelihood"])
+def test_logits_read_a_few_positions_at_a_time_give_what_one_readout_gives(
+    wide: Model, tool_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Full-vocabulary logits at every position are never held at once: read 3 positions at a time
+    (not the thousands one readout chunk takes here), every number is what one readout gives."""
+    import gateway.tools.anatomy as anatomy_mod
+
+    raw = {
+        "logprobs": {"prompts": ["The cat sat", "a" * 40, "xy"], "top": 4, "next_token": True},
+        "loglikelihood": {"prompts": ["The cat", "a" * 30], "continuations": [" sat on the mat", "bbbb"]},
+    }[tool_name]
+    t = TOOLS[tool_name]
+    params = msgspec.convert(raw, t.params)
+    with torch.inference_mode():
+        whole = msgspec.to_builtins(t.run(wide, params, Recorder()))
+        seen: list[int] = []
+        real = anatomy_mod.readout_chunks
+
+        def few(*args: Any, **kwargs: Any) -> Any:
+            for part, logits in real(*args, 3):
+                seen.append(logits.shape[0])
+                yield part, logits
+
+        monkeypatch.setattr(f"gateway.tools.{tool_name}.readout_chunks", few)
+        chunked = msgspec.to_builtins(t.run(wide, params, Recorder()))
+    assert max(seen) == 3 and len(seen) > 3
+    assert _close(chunked, whole)
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return abs(a - b) <= 1e-5
+    return a == b
+
+
+def test_a_budget_refuses_the_bound_it_passes_naming_the_field() -> None:
+    budget = Budget(memory=100 * MIB, result=10 * MIB)
+    budget.admit(Cost(memory=100 * MIB, result=10 * MIB, memory_field="texts", result_field="top_k"))
+    with pytest.raises(ApiError) as memory:
+        budget.admit(Cost(memory=101 * MIB, result=1, memory_field="texts", result_field="top_k"))
+    assert memory.value.status == 413 and memory.value.field == "texts"
+    assert "101.0 MiB" in memory.value.message and "100.0 MiB" in memory.value.message and "--max-job-memory" in memory.value.message
+    with pytest.raises(ApiError) as result:
+        budget.admit(Cost(memory=1, result=11 * MIB, memory_field="texts", result_field="top_k"))
+    assert result.value.field == "top_k" and "--max-result-bytes" in result.value.message
+
+
+# -- refused before queueing, through the server ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def priced(wide_path: Path) -> Iterator[Server]:
+    s = make_server(wide_path, max_job_memory=1024 * MIB, max_result_bytes=4 * MIB, max_sequences=64)
+    yield s
+    s.stop()
+
+
+BOMBS = [
+    # 400 layer × position cells × top_k 100: a result of hundreds of MB from a 1.6 KB request.
+    ("logit_lens", {"prompt": "a" * 300, "top_k": 100, "layers": [0] * 400, "positions": [0] * 400}, "top_k", "--max-result-bytes"),
+    ("lens_grid", {"prompt": "a" * 300, "layers": [0, 1] * 200, "positions": list(range(300))}, "layers", "--max-result-bytes"),
+    ("embed", {"texts": ["ab" * 1000] * 8, "pooling": "per_token"}, "pooling", "--max-result-bytes"),
+    ("logprobs", {"prompts": ["a" * 7000] * 8}, "prompts", "--max-job-memory"),
+    ("logprobs", {"prompts": ["a" * 1000] * 8, "top": 20}, "top", "--max-result-bytes"),
+    ("generate", {"prompts": ["a" * 6000] * 8, "max_tokens": 512}, "prompts", "--max-job-memory"),
+]
+
+
+@pytest.mark.parametrize(("tool_name", "raw", "field", "bound"), BOMBS, ids=[b[0] for b in BOMBS])
+def test_a_job_over_a_bound_is_refused_with_413_before_it_is_queued(
+    priced: Server, tool_name: str, raw: dict[str, Any], field: str, bound: str
+) -> None:
+    r = httpx.post(f"{priced.url}/{tool_name}/run", json=raw, timeout=60)
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["code"] == "too_large" and error["field"] == field and bound in error["message"]
+    assert "X-Job-Id" not in r.headers  # no job was made
+    assert httpx.get(f"{priced.url}/jobs", timeout=10).json()["jobs"] == []
+
+
+def test_a_job_within_both_bounds_runs(priced: Server) -> None:
+    s = run_stream(priced.url, "logit_lens", {"prompt": "a" * 300, "top_k": 5, "layers": [0, 1], "positions": [0, 1, 2]})
+    assert s.status == 200 and s.terminal["event"] == "data"
+
+
+def test_openai_routes_are_priced_too(priced: Server) -> None:
+    model = priced.backend.model_names()[0]
+    r = httpx.post(
+        f"{priced.url}/v1/completions", json={"model": model, "prompt": ["a" * 6000] * 8, "max_tokens": 512}, timeout=60
+    )
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "too_large"
