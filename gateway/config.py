@@ -23,6 +23,8 @@ class Settings(msgspec.Struct, kw_only=True):
     tools: list[str] = msgspec.field(default_factory=list)
     sae: list[str] = msgspec.field(default_factory=list)  # SAE files (gateway/sae.py)
     queue_size: int = 64
+    # Jobs one tenant (token, or client address) may have waiting; None: half of queue_size (backends/queue.py).
+    max_queued_per_owner: int | None = None
     max_batch_size: int = 32
     batch_wait_ms: float = 5.0
     max_prompts: int = 32
