@@ -4,7 +4,7 @@
 ordinary HTTP error with the protocol's JSON body, or `200` and the job's event
 stream. Every check that can fail runs before the stream opens, in this order:
 unknown tool, unreadable body, params, not ready, model-dependent checks
-(context length), queue full. Every job counts against its tenant
+(context length), queue full. Every job and stream counts against its tenant
 (gateway/tenants.py): the token's name, or without tokens the client's address.
 """
 
@@ -121,7 +121,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         ticket_ttl=settings.ticket_ttl,
     )
     drain = Drain(settings.drain_timeout)
-    streams = Streams(settings.max_streams)
+    streams = Streams(settings.max_streams, settings.max_streams_per_owner)
 
     def follow(job: JobHandle, slot: Slot, after: int = 0) -> Response:
         return job_response(
@@ -140,7 +140,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         principal = auth.authenticate(request)
         tool = backend.tool(request.path_params["tool"])
         auth.authorize(principal, tool.name)
-        with streams.slot() as slot:
+        with streams.slot(tenants.tenant(principal, request)) as slot:
             return await _run(request, principal, tool, slot)
 
     async def _run(request: Request, principal: Principal | None, tool: Tool, slot: Slot) -> Response:
@@ -240,7 +240,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
 
     async def job_events(request: Request) -> Response:
         principal = auth.authenticate(request)
-        with streams.slot() as slot:
+        with streams.slot(tenants.tenant(principal, request)) as slot:
             return await _job_events(request, principal, slot)
 
     async def _job_events(request: Request, principal: Principal | None, slot: Slot) -> Response:
@@ -338,6 +338,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     compatible = openai.Surface(
         backend=backend,
         authenticate=auth.authenticate,
+        tenant=tenants.tenant,
         launch=launch,
         cancel=store.cancel,
         streams=streams,

@@ -177,6 +177,7 @@ def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @_option("--store-outage-grace", default=_D.store_outage_grace, type=click.FloatRange(min=1), help="Seconds a Redis store may be unreachable while jobs run on and their events wait for it; also how long a silent replica counts as alive.")
 @_option("--ping-interval", default=_D.ping_interval, type=click.FloatRange(min=0), help="Seconds of quiet before a ': ping' comment (0: none).")
 @_option("--max-streams", default=_D.max_streams, type=click.IntRange(min=1), help="Event streams held at once; past it new streams get 503 overloaded with Retry-After (each takes a file descriptor and ~45 KB).")
+@_option("--max-streams-per-owner", default=None, type=click.IntRange(min=1), help="Event streams one owner (a token; without tokens, a client address) may hold; more get 429 rate_limited. Default: no limit but --max-streams.")
 @_option("--retry-ms", default=_D.retry_ms, type=click.IntRange(min=0), help="The reconnect delay sent to EventSource clients.")
 @_option("--tokens-file", default=None, type=click.Path(exists=True, dir_okay=False), help="A TOML file of client tokens ([tokens.<name>] token, tools, max_concurrent, jobs_per_minute, weight, admin). With tokens, runs need a bearer token.")
 @_option("--tokens", multiple=True, help="Client tokens as name=token (repeatable; prefer the env var: a command line is visible to other users).")

@@ -36,6 +36,7 @@ class Settings(msgspec.Struct, kw_only=True):
     body_timeout: float = 30.0
     ping_interval: float = 15.0
     max_streams: int = 10_000  # event streams held at once; past it 503 overloaded (gateway/stream.py)
+    max_streams_per_owner: int | None = None  # of those, by one tenant; None: no limit of its own
     retry_ms: int = 3000
     debug: bool = False
     log_level: str = "info"

@@ -1,13 +1,13 @@
-"""Tenants: whom a job and its queue place count against.
+"""Tenants: whom a job, a queue place and an event stream count against.
 
 A request's tenant is its token's name, or, on a gateway without tokens, its
 client's address (`addr:<host>`, as uvicorn reports it: from `X-Forwarded-For`
 when the connection comes from `FORWARDED_ALLOW_IPS`, so that behind a proxy
 it is the client's, not the proxy's). Tenants are what the queue serves in
 turn (backends/queue.py), with each token's `weight`, and what the per-owner
-limit counts (`--max-queued-per-owner`). A tenant is only a name: nothing here
-authenticates, and a client that can change its address can become another
-tenant, as it could open another connection.
+limits count (`--max-queued-per-owner`, `--max-streams-per-owner`). A tenant
+is only a name: nothing here authenticates, and a client that can change its
+address can become another tenant, as it could open another connection.
 
 Past a per-owner limit the answer is 429 `rate_limited` with `Retry-After`,
 the shape of the per-token limits (gateway/auth.py).

@@ -4,8 +4,8 @@
   tenant's jobs in the order they came; QUEUED positions are places in that order.
 - A worker busy with one tenant's long continuous batch runs another tool's job
   waiting at the head of the queue between two of its steps.
-- Past `--max-queued-per-owner` a tenant gets 429 `rate_limited` with
-  Retry-After, while another is still admitted.
+- Past `--max-queued-per-owner` or `--max-streams-per-owner` a tenant gets 429
+  `rate_limited` with Retry-After, while another is still admitted.
 - Without tokens, each client address is a tenant of its own.
 """
 
@@ -338,6 +338,34 @@ def test_past_a_tokens_queued_share_it_gets_429_while_another_token_is_admitted(
         assert refused.headers["retry-after"].isdigit() and int(refused.headers["retry-after"]) >= 1
         start_job(server.url, "hold", {"gate": gate}, bearer(BOB))
         assert len(server.backend.queue) == 3
+    finally:
+        GATES[gate].set()
+
+
+def test_past_a_tokens_stream_share_it_gets_429_while_another_token_is_admitted(serve: Any, tokens_file: Path) -> None:
+    server = serve(tools=[hold], tokens_file=str(tokens_file), max_streams_per_owner=2, detach_grace=30)
+    gate = new_gate()
+    try:
+        held = [Follower(server.url, "hold", {"gate": gate}, bearer(ALICE)) for _ in range(2)]
+        wait_until(lambda: all(f.events() for f in held), 10, "alice's two streams to open")
+        job_id = held[0].job_id
+        for refused in (
+            httpx.post(f"{server.url}/hold/run", json={"gate": gate}, headers=bearer(ALICE), timeout=30),
+            httpx.get(f"{server.url}/jobs/{job_id}/events", headers=bearer(ALICE), timeout=30),
+        ):
+            assert refused.status_code == 429, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "rate_limited"
+            assert "holds 2 event streams" in error["message"] and "--max-streams-per-owner" in error["message"]
+            assert 1 <= int(refused.headers["retry-after"]) <= 5
+        bob = Follower(server.url, "hold", {"gate": gate}, bearer(BOB))
+        wait_until(lambda: bool(bob.events()), 10, "bob's stream to open")
+        assert bob.status == 200
+        GATES[gate].set()
+        assert all(f.done()[-1]["event"] == "data" for f in (*held, bob))
+        # Her streams ended (each frees its slot just after its last write): she may open more.
+        again = lambda: httpx.post(f"{server.url}/predict/run", json={"prompt": "x"}, headers=bearer(ALICE), timeout=30)  # noqa: E731
+        wait_until(lambda: again().status_code == 200, 10, "alice to be admitted again")
     finally:
         GATES[gate].set()
 
