@@ -1,7 +1,8 @@
-"""The one execution path: a bounded job queue and a worker per device.
+"""The one execution path: a worker per device, taking jobs from a served model's queue.
 
 The local backend runs jobs through this module, and so does the executor
-service: there is no second copy of the queue, the worker or the tool call.
+service: there is no second copy of the worker or the tool call. The queue,
+and the fair order between tenants it serves jobs in, is backends/queue.py.
 
 A worker owns one device and one long-lived thread (backends/handoff.py). Its
 coroutine takes the next job from the shared queue and hands the tool's work to
@@ -10,13 +11,22 @@ tool's frames and each step's outcome back in bursts. Workers on several devices
 worker takes the next job, so the least-loaded device gets it.
 
 Jobs of a tool that batches (see gateway/tools/batching.py) run together: the
-worker takes every compatible job waiting (same tool, same batch key), up to
-`max_batch_size`; a lone job waits up to `batch_wait` seconds for company,
+worker takes every compatible job waiting (same tool, same batch key), in the
+queue's order, up to `max_batch_size`; a lone job waits up to `batch_wait` seconds for company,
 unless it came to an idle worker and the tool's last batch was a lone job too:
 one client sending jobs one after another then pays no wait, while clients
 whose jobs arrive together, or queue behind other work, are still gathered.
-Between the steps of a continuous batch it takes in jobs that arrived since.
-Each member still gets its own frames, result, error and cancellation.
+Between the steps of a continuous batch it takes in jobs that arrived since,
+in the queue's order, up to the first it cannot take. Each member still gets
+its own frames, result, error and cancellation.
+
+A batch never holds the worker against the queue's order: between two of its
+steps, if the job at the head of the queue is one the batch cannot take (another
+tool, another batch key), the worker runs it first, alone or as a batch of its
+own with the compatible jobs waiting, which runs to its end, takes no one in
+and lets nothing through. A job behind one tenant's long generation then waits
+about one step of it, not all of it. (A one-pass batch is a single step: it
+runs to its end.)
 
 A tool whose work falls into independent chunks (`Tool.spread`: `embed`,
 `pseudo_loglikelihood`) runs one job on every device at once when there are
@@ -44,10 +54,10 @@ import msgspec
 import torch
 
 from backends.handoff import DeviceThread, Handoff
+from backends.queue import JobQueue
 from gateway.encoding import to_json
-from gateway.errors import ApiError
 from gateway.jobs import Job, JobContext
-from gateway.protocol import Code, Status
+from gateway.protocol import Code
 from gateway.tools.base import Cancelled, Context, Model, Tool
 from gateway.tools.batching import Batch, Chunk, Chunked, Progress
 
@@ -71,84 +81,6 @@ def set_torch_threads(threads: int | None) -> int:
     with contextlib.suppress(RuntimeError):  # only before the first parallel work; a second call keeps the first
         torch.set_num_interop_threads(1)
     return threads
-
-
-class JobQueue:
-    """Jobs waiting for a worker, in order; full at `maxsize`.
-
-    Every waiting job is told its 1-based position whenever it changes.
-    """
-
-    def __init__(self, maxsize: int, eta: Callable[[int], float | None] = lambda n: None) -> None:
-        self.maxsize = maxsize
-        self._jobs: collections.deque[Job] = collections.deque()
-        self._ready = asyncio.Event()
-        self._eta = eta
-
-    def __len__(self) -> int:
-        return len(self._jobs)
-
-    def __contains__(self, job: Job) -> bool:
-        return job in self._jobs
-
-    def put(self, job: Job, retry_after: float | None = None) -> None:
-        if len(self._jobs) >= self.maxsize:
-            raise ApiError(
-                Code.QUEUE_FULL,
-                f"the queue is full ({self.maxsize} jobs waiting); try again shortly",
-                retry_after=retry_after or 1,
-            )
-        self._jobs.append(job)
-        self._ready.set()
-        self._announce()
-
-    def remove(self, job: Job) -> bool:
-        try:
-            self._jobs.remove(job)
-        except ValueError:
-            return False
-        self._announce()
-        return True
-
-    async def get(self) -> Job:
-        while not self._jobs:
-            self._ready.clear()
-            await self._ready.wait()
-        job = self._jobs.popleft()
-        self._announce()
-        return job
-
-    def take(self, wanted: Callable[[Job], bool], n: int) -> list[Job]:
-        """Up to `n` waiting jobs that are `wanted`, oldest first, out of the queue."""
-        # Asked of each job in turn until `n` are taken: `wanted` may count what it accepts.
-        taken: list[Job] = []
-        for job in self._jobs:
-            if len(taken) >= n:
-                break
-            if wanted(job):
-                taken.append(job)
-        if taken:
-            for job in taken:
-                self._jobs.remove(job)
-            self._announce()
-        return taken
-
-    async def arrival(self, timeout: float) -> None:
-        """Return when a job is put, or after `timeout` seconds."""
-        self._ready.clear()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):  # no task per wait, as wait_for makes
-                await self._ready.wait()
-
-    def _announce(self) -> None:
-        size = len(self._jobs)
-        for index, job in enumerate(self._jobs):
-            if job.position != index + 1:
-                fields: dict[str, Any] = {"position": index + 1, "queue_size": size}
-                eta = self._eta(index + 1)
-                if eta is not None:
-                    fields["eta_s"] = round(eta, 2)
-                job.set_status(Status.QUEUED, **fields)
 
 
 def execute(
@@ -298,12 +230,8 @@ class Worker:
         while True:
             idle = not self.queue  # nothing waited: the job comes to an idle worker
             job = await self.queue.get()
-            tool = self.tools[job.tool]
             try:
-                if tool.batch is None:
-                    await self._run_alone(job, tool)
-                else:
-                    await self._run_batch(job, tool, idle)
+                await self._run(job, idle)
             except asyncio.CancelledError:
                 for member in self.running:
                     member.cancel()
@@ -311,6 +239,27 @@ class Worker:
                 raise
             finally:
                 self.running.clear()
+
+    async def _run(self, job: Job, idle: bool, lets_through: bool = True) -> None:
+        """Run `job`: alone, or as the first of a batch (which, unless `lets_through` is false, lets
+        the head of the queue through between its steps and takes in jobs as it goes)."""
+        tool = self.tools[job.tool]
+        if tool.batch is None:
+            await self._run_alone(job, tool)
+        else:
+            await self._run_batch(job, tool, idle, lets_through)
+
+    async def _let_through(self, compatible: Callable[[Job], bool]) -> None:
+        """Between two steps of a batch: if the job served next is one the batch cannot take, run it now.
+
+        It runs alone or with the compatible jobs waiting, to its end, letting nothing through itself
+        and taking no one in: the batch it paused waits one such run, not a chain of them.
+        """
+        head = self.queue.head
+        if head is None or compatible(head):
+            return
+        self.queue.take(lambda job: job is head, 1)
+        await self._run(head, idle=False, lets_through=False)
 
     async def _run_alone(self, job: Job, tool: Tool) -> None:
         if not self._admit(job):
@@ -329,32 +278,34 @@ class Worker:
 
         await self.call(run)
 
-    async def _run_batch(self, first: Job, tool: Tool, idle: bool = False) -> None:
+    async def _run_batch(self, first: Job, tool: Tool, idle: bool = False, lets_through: bool = True) -> None:
         loop = asyncio.get_running_loop()
         key = tool.batch_key(first.params) if tool.batch_key is not None else None
 
         held = [_memory(first)]  # what the batch's members cost together, the running ones included
 
         def compatible(job: Job) -> bool:
+            return job.tool == tool.name and (tool.batch_key is None or tool.batch_key(job.params) == key)
+
+        def joins(job: Job) -> bool:
             # A batch is one padded pass (or one step of each member): its members' prices add up,
-            # and it takes no member that would carry it past --max-job-memory.
-            if job.tool != tool.name or (tool.batch_key is not None and tool.batch_key(job.params) != key):
-                return False
-            if self.batch_memory and held[0] + _memory(job) > self.batch_memory:
+            # and it takes no member that would carry it past --max-job-memory (that one waits its turn).
+            if not compatible(job) or (self.batch_memory and held[0] + _memory(job) > self.batch_memory):
                 return False
             held[0] += _memory(job)
             return True
 
-        joining = [first, *self.queue.take(compatible, self.max_batch_size - 1)]
+        joining = [first, *self.queue.take(joins, self.max_batch_size - 1)]
         # A job that came to an idle worker, as the last of its tool did alone, is one client's next
         # job: waiting would only delay it. One that queued behind other work waits, so that clients
         # whose jobs ended together fall into step and batch.
         alone = idle and len(joining) == 1 and self._last_batch.get(tool.name) == 1
-        wait = 0.0 if alone else self.batch_wait
+        # A batch let through pauses another: it takes what waits, and waits for nobody.
+        wait = 0.0 if alone or not lets_through else self.batch_wait
         deadline = loop.time() + wait
         while len(joining) < self.max_batch_size and (left := deadline - loop.time()) > 0:
             await self.queue.arrival(left)
-            joining += self.queue.take(compatible, self.max_batch_size - len(joining))
+            joining += self.queue.take(joins, self.max_batch_size - len(joining))
         batch: Batch = tool.batch(self.model)
         members: dict[Context, tuple[Job, float]] = {}
         self._last_batch[tool.name] = 0
@@ -365,6 +316,8 @@ class Worker:
                     ctx = self.context(job)
                     members[ctx] = (job, loop.time())
                     added.append((job.params, ctx))
+                else:
+                    held[0] -= _memory(job)
             self.batch_sizes[len(members)] += 1
             self._last_batch[tool.name] = max(self._last_batch[tool.name], len(members))
             if tool.spread is not None and len(self.peers) > 1 and len(members) == len(added):
@@ -388,7 +341,12 @@ class Worker:
                 finish([(ctx, exc) for ctx in members])
             if not members:
                 return
-            joining = self.queue.take(compatible, self.max_batch_size - len(members)) if batch.continuous else []
+            if not lets_through:
+                joining = []
+                continue
+            await self._let_through(compatible)
+            # In turn: a job the batch cannot take keeps those behind it out until it has run.
+            joining = self.queue.take(joins, self.max_batch_size - len(members), in_turn=True) if batch.continuous else []
 
     async def _spread(self, tool: Tool, batch: Batch, added: list[tuple[Any, Context]]) -> list[tuple[Context, Outcome]]:
         """Run a batch's chunks on every device at once; its members' outcomes, encoded.

@@ -67,6 +67,7 @@ from gateway.protocol import (
     encode,
     remote_frame,
 )
+from gateway.tenants import SESSION
 
 log = logging.getLogger("streamgate.executor")
 
@@ -225,7 +226,9 @@ class Executor:
         tool = self.backend.tool(submitted.tool)
         params = params_mod.on_model(params_mod.decode_body(tool, bytes(submitted.params), "params"), self.backend.resolve_model)
         cost = await self.backend.admit(tool, params, self.limits)
-        job = Job(tool.name, params, job_id=submitted.job_id)
+        # The gateway's tenant, as its own queue would count it; a gateway that sends none is one tenant.
+        tenant = submitted.tenant if submitted.tenant is not None else SESSION + session_id
+        job = Job(tool.name, params, job_id=submitted.job_id, tenant=tenant, weight=submitted.weight)
         job.cost = cost
         self.metrics.track(job)
         session = self.session(session_id)

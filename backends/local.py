@@ -22,7 +22,8 @@ from typing import Any
 
 from backends import model as models
 from backends.base import Backend
-from backends.execution import JobQueue, Worker, set_torch_threads
+from backends.execution import Worker, set_torch_threads
+from backends.queue import JobQueue
 from backends.served import ServedModel
 from gateway import sae as sae_files
 from gateway.config import Settings
@@ -55,6 +56,7 @@ class LocalBackend(Backend):
         dtype: str | None = None,
         cache_dir: str | Path | None = None,
         queue_size: int = 64,
+        max_queued_per_owner: int | None = None,
         debug: bool = False,
         encode: Callable[[Any], bytes] = to_json,
         max_batch_size: int = 32,
@@ -98,6 +100,7 @@ class LocalBackend(Backend):
                 # SAEs are read on the default model's layers.
                 sae_specs=self.sae_specs if i == 0 else [],
                 queue_size=queue_size,
+                max_queued_per_owner=max_queued_per_owner,
                 worker_options=worker_options,
                 on_fatal=self._device_failed,
             )
@@ -297,6 +300,7 @@ def from_settings(settings: Settings, **kwargs: Any) -> LocalBackend:
         dtype=settings.dtype,
         cache_dir=settings.cache_dir,
         queue_size=settings.queue_size,
+        max_queued_per_owner=settings.max_queued_per_owner,
         debug=settings.debug,
         max_batch_size=settings.max_batch_size,
         batch_wait=settings.batch_wait_ms / 1000,

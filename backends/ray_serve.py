@@ -173,12 +173,15 @@ class Replica:
         queued = sum(len(served.queue) for served in self.backend.served.values())
         return {"replica": self.name, "queued": queued, "jobs": self.backend.in_flight, "batch_sizes": sizes}
 
-    async def run(self, tool_name: str, params: bytes, job_id: str) -> AsyncIterator[bytes]:
+    async def run(
+        self, tool_name: str, params: bytes, job_id: str, tenant: str = "", weight: float = 1.0
+    ) -> AsyncIterator[bytes]:
+        """Run one job, queued as the gateway's `tenant` with its `weight`; its Dispatch, frames and result."""
         try:
             tool = self.backend.tool(tool_name)
             decoded = params_mod.on_model(params_mod.decode_body(tool, params), self.backend.resolve_model)
             cost = await self.backend.admit(tool, decoded, self.limits)
-            job = Job(tool.name, decoded, job_id=job_id)
+            job = Job(tool.name, decoded, job_id=job_id, tenant=tenant, weight=weight)
             job.cost = cost
             await self.backend.submit(job)
         except ApiError as exc:
@@ -354,7 +357,7 @@ class RayBackend(Relaying):
 
     async def submit(self, job: Job) -> None:
         tool = self.tool(job.tool)
-        call = self._handle.options(stream=True).run.remote(tool.name, encode(job.params), job.id)
+        call = self._handle.options(stream=True).run.remote(tool.name, encode(job.params), job.id, job.tenant, job.weight)
         try:
             dispatch = msgspec.json.decode(await call.__anext__(), type=Dispatch)
         except Exception as exc:  # noqa: BLE001 - the replica died, or Ray could not place the call

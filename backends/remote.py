@@ -304,7 +304,7 @@ class Link:
     async def submit(self, job: Job, tool: Tool) -> None:
         remote = RemoteJob(job, self)
         self.jobs[job.id] = remote  # before the POST: its frames may arrive before the answer
-        body = encode(SubmitRequest(tool.name, msgspec.Raw(encode(job.params)), job.id))
+        body = encode(SubmitRequest(tool.name, msgspec.Raw(encode(job.params)), job.id, job.tenant, job.weight))
         try:
             response = await self.http.post(
                 "/jobs", content=body, headers={"X-Session-Id": self.session_id, "Content-Type": "application/json"}

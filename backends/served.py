@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from backends import model as models
-from backends.execution import JobQueue, Worker
+from backends.execution import Worker
+from backends.queue import JobQueue
 from gateway import sae as sae_files
 from gateway.jobs import Job
 from gateway.models import capabilities
@@ -41,6 +42,7 @@ class ServedModel:
         trust_remote_code: bool,
         sae_specs: list[Any],
         queue_size: int,
+        max_queued_per_owner: int | None,
         worker_options: dict[str, Any],
         on_fatal: Callable[[BaseException], None],
     ) -> None:
@@ -54,7 +56,7 @@ class ServedModel:
         self.sae_specs = sae_specs
         self.worker_options = worker_options
         self.on_fatal = on_fatal
-        self.queue = JobQueue(queue_size, eta=self.eta)
+        self.queue = JobQueue(queue_size, eta=self.eta, per_owner=max_queued_per_owner)
         self.model: Model | None = None
         self.error: str | None = None
         self.workers: list[Worker] = []

@@ -4,7 +4,8 @@
 ordinary HTTP error with the protocol's JSON body, or `200` and the job's event
 stream. Every check that can fail runs before the stream opens, in this order:
 unknown tool, unreadable body, params, not ready, model-dependent checks
-(context length), queue full.
+(context length), queue full. Every job and stream counts against its tenant
+(gateway/tenants.py): the token's name, or without tokens the client's address.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from starlette.staticfiles import StaticFiles
 
 from backends.base import Backend
 from gateway import params as params_mod
+from gateway import tenants
 from gateway.auth import Auth, Principal, load_principals
 from gateway.config import Settings
 from gateway.drain import Drain, on_sigterm
@@ -119,7 +121,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         ticket_ttl=settings.ticket_ttl,
     )
     drain = Drain(settings.drain_timeout)
-    streams = Streams(settings.max_streams)
+    streams = Streams(settings.max_streams, settings.max_streams_per_owner)
 
     def follow(job: JobHandle, slot: Slot, after: int = 0) -> Response:
         return job_response(
@@ -138,7 +140,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         principal = auth.authenticate(request)
         tool = backend.tool(request.path_params["tool"])
         auth.authorize(principal, tool.name)
-        with streams.slot() as slot:
+        with streams.slot(tenants.tenant(principal, request)) as slot:
             return await _run(request, principal, tool, slot)
 
     async def _run(request: Request, principal: Principal | None, tool: Tool, slot: Slot) -> Response:
@@ -165,7 +167,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         given = request.headers.get("idempotency-key")
         # Per token: one token cannot attach to another's job by guessing its key.
         key = f"{principal.name if principal else ''}:{given}" if given else None
-        job = Job(tool.name, params, owner=principal.name if principal else None)
+        job = _new_job(request, principal, tool, params)
         digest = params_mod.digest(tool.name, params) if key else ""  # only a key is bound to a request
         if key and (bound := await store.reserve(key, job.id, digest)) is not None:
             # A key bound before requests were recorded with it (an older replica) has no digest: it attaches.
@@ -213,9 +215,15 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         params = params_mod.on_model(params, backend.resolve_model)
         if (problem := getattr(store, "problem", None)) is not None:
             raise ApiError(Code.STORE_UNAVAILABLE, problem, retry_after=5)
-        job = Job(tool.name, params, owner=principal.name if principal else None)
+        job = _new_job(request, principal, tool, params)
         await start(job, principal, tool)
         return job
+
+    def _new_job(request: Request, principal: Principal | None, tool: Tool, params: Any) -> Job:
+        """A job of `principal` (None: no tokens), queued as its tenant with its token's weight."""
+        owner = principal.name if principal else None
+        weight = principal.weight if principal else 1.0
+        return Job(tool.name, params, owner=owner, tenant=tenants.tenant(principal, request), weight=weight)
 
     async def _job(job_id: str, principal: Principal | None, *, to_follow: bool = False) -> JobHandle:
         job = await store.get(job_id, to_follow=to_follow)
@@ -232,7 +240,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
 
     async def job_events(request: Request) -> Response:
         principal = auth.authenticate(request)
-        with streams.slot() as slot:
+        with streams.slot(tenants.tenant(principal, request)) as slot:
             return await _job_events(request, principal, slot)
 
     async def _job_events(request: Request, principal: Principal | None, slot: Slot) -> Response:
@@ -330,6 +338,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     compatible = openai.Surface(
         backend=backend,
         authenticate=auth.authenticate,
+        tenant=tenants.tenant,
         launch=launch,
         cancel=store.cancel,
         streams=streams,

@@ -24,6 +24,10 @@ query is refused outright rather than ignored.
 Limits are counted by each gateway process; behind several replicas a token
 gets its limits at each one.
 
+A token's `weight` (default 1) is its share of the queue's turns when tokens'
+jobs wait together: a token of weight 2 has two jobs served for each one of a
+token of weight 1 (backends/queue.py).
+
 A job belongs to the token that started it (`JobSnapshot.owner`): every job
 route answers another token 404, exactly as for an id that does not exist, so
 that a job's existence leaks nothing. A token with `admin = true` in the
@@ -67,6 +71,7 @@ class Principal:
     max_concurrent: int | None = None
     jobs_per_minute: int | None = None
     admin: bool = False  # sees and cancels every token's jobs (operators)
+    weight: float = 1.0  # its share of the queue's turns against other tokens' (backends/queue.py)
 
     @property
     def digest(self) -> bytes:
@@ -91,7 +96,7 @@ def load_principals(
             where = f"--tokens-file {tokens_file}: [tokens.{name}]"
             if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
                 raise AuthConfigError(f"{where}: needs token = \"…\"")
-            unknown = set(entry) - {"token", "tools", "max_concurrent", "jobs_per_minute", "admin"}
+            unknown = set(entry) - {"token", "tools", "max_concurrent", "jobs_per_minute", "admin", "weight"}
             if unknown:
                 raise AuthConfigError(f"{where}: unknown keys {sorted(unknown)}")
             tools = entry.get("tools")
@@ -99,6 +104,9 @@ def load_principals(
                 raise AuthConfigError(f"{where}: tools must be a list of tool names")
             if not isinstance(entry.get("admin", False), bool):
                 raise AuthConfigError(f"{where}: admin must be true or false")
+            weight = entry.get("weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
+                raise AuthConfigError(f"{where}: weight must be a number > 0")
             for key in ("max_concurrent", "jobs_per_minute"):
                 value = entry.get(key)
                 if value is not None and not (isinstance(value, int) and value >= 1):
@@ -111,6 +119,7 @@ def load_principals(
                     max_concurrent=entry.get("max_concurrent", max_concurrent),
                     jobs_per_minute=entry.get("jobs_per_minute", jobs_per_minute),
                     admin=entry.get("admin", False),
+                    weight=float(weight),
                 )
             )
     for i, item in enumerate(t.strip() for t in tokens):

@@ -85,6 +85,7 @@ def _model_options(command: Any) -> Any:
         _option("--drain-timeout", default=_D.drain_timeout, type=click.FloatRange(min=0), help="On SIGTERM: seconds jobs in flight may finish before they end with shutting_down."),
         _option("--job-timeout", default=_D.job_timeout, type=click.FloatRange(min=0), help="Seconds a job may run before it ends with error timeout and its work is stopped (0: no limit)."),
         _option("--queue-size", default=_D.queue_size, type=click.IntRange(min=1), help="Jobs that may wait; more get 429 queue_full."),
+        _option("--max-queued-per-owner", default=None, type=click.IntRange(min=1), help="Jobs one owner (a token; without tokens, a client address) may have waiting; more get 429 rate_limited. Default: half of --queue-size, rounded up."),
         _option("--max-batch-size", default=_D.max_batch_size, type=click.IntRange(min=1), help="Most jobs of one tool run together (1: no batching)."),
         _option("--batch-wait-ms", default=_D.batch_wait_ms, type=click.FloatRange(min=0), help="How long a lone job may wait for others to batch with (not one client's next job on an idle worker)."),
         _option("--max-prompts", default=_D.max_prompts, type=click.IntRange(min=1), help="Most prompts in one job."),
@@ -199,8 +200,9 @@ def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @_option("--store-outage-grace", default=_D.store_outage_grace, type=click.FloatRange(min=1), help="Seconds a Redis store may be unreachable while jobs run on and their events wait for it; also how long a silent replica counts as alive.")
 @_option("--ping-interval", default=_D.ping_interval, type=click.FloatRange(min=0), help="Seconds of quiet before a ': ping' comment (0: none).")
 @_option("--max-streams", default=_D.max_streams, type=click.IntRange(min=1), help="Event streams held at once; past it new streams get 503 overloaded with Retry-After (each takes a file descriptor and ~45 KB).")
+@_option("--max-streams-per-owner", default=None, type=click.IntRange(min=1), help="Event streams one owner (a token; without tokens, a client address) may hold; more get 429 rate_limited. Default: no limit but --max-streams.")
 @_option("--retry-ms", default=_D.retry_ms, type=click.IntRange(min=0), help="The reconnect delay sent to EventSource clients.")
-@_option("--tokens-file", default=None, type=click.Path(exists=True, dir_okay=False), help="A TOML file of client tokens ([tokens.<name>] token, tools, max_concurrent, jobs_per_minute). With tokens, runs need a bearer token.")
+@_option("--tokens-file", default=None, type=click.Path(exists=True, dir_okay=False), help="A TOML file of client tokens ([tokens.<name>] token, tools, max_concurrent, jobs_per_minute, weight, admin). With tokens, runs need a bearer token.")
 @_option("--tokens", multiple=True, help="Client tokens as name=token (repeatable; prefer the env var: a command line is visible to other users).")
 @_option("--max-concurrent-per-token", default=None, type=click.IntRange(min=1), help="Jobs one token may run at once (429 rate_limited past it).")
 @_option("--jobs-per-minute-per-token", default=None, type=click.IntRange(min=1), help="Jobs one token may start per minute (429 rate_limited past it).")

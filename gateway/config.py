@@ -25,6 +25,8 @@ class Settings(msgspec.Struct, kw_only=True):
     tools: list[str] = msgspec.field(default_factory=list)
     sae: list[str] = msgspec.field(default_factory=list)  # SAE files (gateway/sae.py)
     queue_size: int = 64
+    # Jobs one tenant (token, or client address) may have waiting; None: half of queue_size (backends/queue.py).
+    max_queued_per_owner: int | None = None
     max_batch_size: int = 32
     batch_wait_ms: float = 5.0
     max_prompts: int = 32
@@ -40,6 +42,7 @@ class Settings(msgspec.Struct, kw_only=True):
     body_timeout: float = 30.0
     ping_interval: float = 15.0
     max_streams: int = 10_000  # event streams held at once; past it 503 overloaded (gateway/stream.py)
+    max_streams_per_owner: int | None = None  # of those, by one tenant; None: no limit of its own
     retry_ms: int = 3000
     debug: bool = False
     log_level: str = "info"

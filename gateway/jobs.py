@@ -52,10 +52,21 @@ PROGRESS_INTERVAL_S = 0.1  # RUNNING frames are coalesced to at most ~10/s per j
 class Job:
     """One run of one tool, from RECEIVED to its terminal event."""
 
-    def __init__(self, tool: str, params: Any, job_id: str | None = None, owner: str | None = None) -> None:
+    def __init__(
+        self,
+        tool: str,
+        params: Any,
+        job_id: str | None = None,
+        owner: str | None = None,
+        tenant: str | None = None,
+        weight: float = 1.0,
+    ) -> None:
         self.id = job_id or uuid.uuid4().hex
         self.tool = tool
         self.owner = owner  # the token's name that started it; None without tokens
+        # Whom its queue place counts against, and its share of turns (gateway/tenants.py, backends/queue.py).
+        self.tenant = tenant if tenant is not None else owner or ""
+        self.weight = weight
         self.params = params
         self.created = now()
         self.started: float | None = None

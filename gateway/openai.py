@@ -166,6 +166,7 @@ class Surface:
 
     backend: Any
     authenticate: Callable[[Request], Any]
+    tenant: Callable[[Any, Request], str]  # whom a principal's request counts against (gateway/tenants.py)
     launch: Callable[[Request, str, Any], Awaitable[Job]]
     cancel: Callable[[Job], Awaitable[None]]
     streams: Streams
@@ -465,8 +466,8 @@ def routes(surface: Surface) -> list[Route]:
 
     async def run(request: Request, plan_of: Callable[[Any], _Plan], kind: type[msgspec.Struct]) -> Response:
         try:
-            surface.authenticate(request)  # before the body is read: a client without a token learns only that
-            with surface.streams.slot() as slot:
+            principal = surface.authenticate(request)  # before the body is read: a client without a token learns only that
+            with surface.streams.slot(surface.tenant(principal, request)) as slot:
                 plan = plan_of(await decode(request, kind))
                 job = await surface.launch(request, plan.tool, _params(surface, plan))
                 if plan.stream:

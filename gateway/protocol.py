@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -299,11 +299,14 @@ SessionOp = Resume | Cancel
 
 
 class SubmitRequest(msgspec.Struct):
-    """`POST /jobs` on an executor."""
+    """`POST /jobs` on an executor: the job, and the gateway's tenant and weight for it, so that the
+    executor's queue takes turns between the gateway's clients (without them, the session is one tenant)."""
 
     tool: str
     params: msgspec.Raw
     job_id: str
+    tenant: str | None = None
+    weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
 
 
 class SubmitResponse(msgspec.Struct):

@@ -35,6 +35,7 @@ ends with `error` `shutting_down`, which the client still receives.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import random
 import resource
@@ -54,6 +55,7 @@ from gateway.logs import bind_job
 from gateway.metrics import Metrics
 from gateway.protocol import PING, Code, retry_line
 from gateway.store import JobHandle, JobStore, StoppedFollowing, StoreUnavailable
+from gateway.tenants import over_share
 
 log = logging.getLogger("streamgate.stream")
 
@@ -77,34 +79,42 @@ def raise_fd_limit(needed: int) -> int:
 
 
 class Streams:
-    """The event streams this process holds, and `--max-streams`.
+    """The event streams this process holds, `--max-streams`, and `--max-streams-per-owner`.
 
     A request for a stream takes a slot before any work, so that a burst of
     requests cannot all pass the check while each awaits its job: past the
     limit it is refused with 503 `overloaded` and a Retry-After drawn from
     1-5 s, so that the clients of a reconnect storm come back spread out rather
-    than all at once again. The slot is held by the response until it ends, or
-    freed as soon as the request ends without one.
+    than all at once again; past its owner's (gateway/tenants.py) share, with 429
+    `rate_limited` and the same Retry-After: the gateway has room, that owner
+    has not. The slot is held by the response until it ends, or freed as soon
+    as the request ends without one.
 
     On shutdown `close` ends them all: one handler for every stream, where a
     task per stream would wait for the same moment.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, per_owner: int | None = None) -> None:
         self.limit = limit
+        self.per_owner = per_owner
         self.open = 0
+        self.by_owner: collections.Counter[str] = collections.Counter()  # open streams of each owner that holds any
         self._live: dict[Slot, Callable[[], None]] = {}  # slots of open streams: how to end each
         self._closing = False
 
-    def slot(self) -> Slot:
+    def slot(self, owner: str = "") -> Slot:
         if self.open >= self.limit:
             raise ApiError(
                 Code.OVERLOADED,
                 f"this gateway holds its limit of {self.limit} event streams; try again shortly",
                 retry_after=random.randint(*RETRY_AFTER_S),
             )
+        held = self.by_owner[owner]
+        if self.per_owner is not None and held >= self.per_owner:
+            raise over_share(owner, f"holds {held} event streams", "--max-streams-per-owner", random.randint(*RETRY_AFTER_S))
         self.open += 1
-        return Slot(self)
+        self.by_owner[owner] = held + 1
+        return Slot(self, owner)
 
     async def close(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """End every open stream: its job is stopped with `shutting_down` (or, run elsewhere, no longer
@@ -142,8 +152,9 @@ class Streams:
 class Slot:
     """One stream's place: `with streams.slot() as slot:` frees it on leaving unless a response `keep`s it."""
 
-    def __init__(self, streams: Streams) -> None:
+    def __init__(self, streams: Streams, owner: str) -> None:
         self._streams = streams
+        self._owner = owner
         self._held = True
         self._kept = False
         self.response: JobStreamResponse | None = None
@@ -171,6 +182,10 @@ class Slot:
         if self._held:
             self._held = False
             self._streams.open -= 1
+            by_owner = self._streams.by_owner
+            by_owner[self._owner] -= 1
+            if not by_owner[self._owner]:
+                del by_owner[self._owner]  # only owners holding streams are counted: addresses come and go
             self._streams._live.pop(self, None)
             self.response = None
 

@@ -218,6 +218,7 @@ def make_server(
         trust_remote_code=settings_obj.trust_remote_code,
         device=None if settings_obj.devices else "cpu",
         queue_size=settings_obj.queue_size,
+        max_queued_per_owner=settings_obj.max_queued_per_owner,
         debug=settings_obj.debug,
         cache_dir=settings_obj.cache_dir,
         devices=settings_obj.devices or None,
@@ -282,7 +283,7 @@ USER_TOOLS = "tests.user_tools"  # every executor loads it (processes.start_exec
 # Settings of the process that holds the model, as `streamgate executor` flags; the
 # rest (max_body_bytes, ping_interval, retry_ms, …) belong to the gateway alone.
 EXECUTOR_FLAGS = {
-    "queue_size": "--queue-size", "max_prompts": "--max-prompts", "max_tokens": "--max-tokens",
+    "queue_size": "--queue-size", "max_queued_per_owner": "--max-queued-per-owner", "max_prompts": "--max-prompts", "max_tokens": "--max-tokens",
     "max_sequences": "--max-sequences",
 }
 # Caps that bind both: the gateway checks them and shows them in its schemas, the executor enforces them.

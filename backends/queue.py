@@ -1,0 +1,203 @@
+"""The job queue of a served model: bounded, and fair between tenants.
+
+Jobs wait here for a worker (backends/execution.py). The rule this module
+owns is the order they are served in: tenants (`Job.tenant`: a token's name,
+or without tokens a client's address; gateway/tenants.py) take turns, in
+proportion to their jobs' `weight`, and each tenant's own jobs keep the order
+they came in. One tenant's hundred waiting jobs then hold back another's one
+job by a turn, not by a hundred.
+
+The turns are start-time fair queueing: a job is put in line at a virtual time
+`start = max(clock, the tenant's next turn)`, and its tenant's next turn is
+`start + 1 / weight`; the queue is kept sorted by (start, arrival), and `clock`
+is the largest start of the jobs taken so far. A tenant with nothing waiting
+has no next turn, so it joins at the clock: it cannot save up turns while idle,
+and a newcomer goes ahead of the jobs a flooding tenant queued for later turns.
+
+Every waiting job is told its 1-based place in that order whenever it changes
+(a newcomer's job can move others back), at a cost linear in the queue's
+length per change; a flooding tenant's next job, put at the end, moves no
+one. `take` gathers jobs for a batch in the same order.
+
+Two limits refuse a job before it waits: the queue's size (429 `queue_full`)
+and the jobs one tenant may have waiting (`per_owner`, by default half the
+queue's size, rounded up; 429 `rate_limited`), so that one client cannot fill
+the queue for everyone.
+
+The queue does not know what runs: a worker busy with one tenant's long batch
+lets the head of the line through between its steps (backends/execution.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from gateway.errors import ApiError
+from gateway.jobs import Job
+from gateway.protocol import Code, Status
+from gateway.tenants import over_share
+
+
+class _Turns(msgspec.Struct):
+    """A tenant with jobs waiting: how many, and the virtual time of its next job's turn."""
+
+    waiting: int = 0
+    next: float = 0.0
+
+
+class _Place(msgspec.Struct):
+    """A job's place in line: the line is sorted by `rank`, its start, then its arrival."""
+
+    start: float
+    seq: int
+    job: Job
+
+    @property
+    def rank(self) -> tuple[float, int]:
+        return self.start, self.seq
+
+
+def _rank(place: _Place) -> tuple[float, int]:
+    return place.rank
+
+
+class JobQueue:
+    """Jobs waiting for a worker, in fair order; full at `maxsize`, `per_owner` jobs per tenant at most."""
+
+    def __init__(
+        self, maxsize: int, eta: Callable[[int], float | None] = lambda n: None, per_owner: int | None = None
+    ) -> None:
+        self.maxsize = maxsize
+        self.per_owner = per_owner if per_owner is not None else -(-maxsize // 2)
+        self._line: list[_Place] = []
+        self._places: dict[Job, _Place] = {}
+        self._tenants: dict[str, _Turns] = {}  # only those with jobs waiting
+        self._clock = 0.0
+        self._arrivals = itertools.count()
+        self._ready = asyncio.Event()
+        self._eta = eta
+
+    def __len__(self) -> int:
+        return len(self._line)
+
+    def __contains__(self, job: Job) -> bool:
+        return job in self._places
+
+    @property
+    def head(self) -> Job | None:
+        """The job served next, if any waits."""
+        return self._line[0].job if self._line else None
+
+    def put(self, job: Job, retry_after: float | None = None) -> None:
+        if len(self._line) >= self.maxsize:
+            raise ApiError(
+                Code.QUEUE_FULL,
+                f"the queue is full ({self.maxsize} jobs waiting); try again shortly",
+                retry_after=retry_after or 1,
+            )
+        turns = self._tenants.get(job.tenant)
+        if turns is not None and turns.waiting >= self.per_owner:
+            raise over_share(job.tenant, f"has {turns.waiting} jobs waiting", "--max-queued-per-owner", self._first_turn(job.tenant))
+        if turns is None:
+            turns = self._tenants[job.tenant] = _Turns(next=self._clock)
+        start = max(self._clock, turns.next)
+        turns.next = start + 1 / job.weight
+        turns.waiting += 1
+        place = _Place(start, next(self._arrivals), job)
+        bisect.insort(self._line, place, key=_rank)
+        self._places[job] = place
+        self._ready.set()
+        self._announce()
+
+    def remove(self, job: Job) -> bool:
+        """Take a job out that will not run (cancelled); False if it was not waiting."""
+        place = self._places.pop(job, None)
+        if place is None:
+            return False
+        del self._line[self._index(place)]
+        turns = self._tenants[job.tenant]
+        if turns.next == place.start + 1 / job.weight:
+            # Its tenant's last job: the turn is given back. One from the middle leaves its turn
+            # unused, so that the tenant's later jobs keep their places.
+            turns.next = place.start
+        self._left(job.tenant)
+        self._announce()
+        return True
+
+    async def get(self) -> Job:
+        while not self._line:
+            self._ready.clear()
+            await self._ready.wait()
+        place = self._line.pop(0)
+        self._served([place])
+        self._announce()
+        return place.job
+
+    def take(self, wanted: Callable[[Job], bool], n: int, *, in_turn: bool = False) -> list[Job]:
+        """Up to `n` waiting jobs that are `wanted`, in the order they would be served, out of the queue.
+
+        `in_turn`: none past the first job that is not wanted, which keeps its turn.
+        """
+        taken: list[_Place] = []
+        for place in self._line:
+            if len(taken) >= n:
+                break
+            if wanted(place.job):
+                taken.append(place)
+            elif in_turn:
+                break
+        if not taken:
+            return []
+        if len(taken) == len(self._line):
+            self._line = []
+        else:
+            gone = {id(place) for place in taken}
+            self._line = [place for place in self._line if id(place) not in gone]
+        self._served(taken)
+        self._announce()
+        return [place.job for place in taken]
+
+    async def arrival(self, timeout: float) -> None:
+        """Return when a job is put, or after `timeout` seconds."""
+        self._ready.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):  # no task per wait, as wait_for makes
+                await self._ready.wait()
+
+    def _index(self, place: _Place) -> int:
+        return bisect.bisect_left(self._line, place.rank, key=_rank)
+
+    def _served(self, places: list[_Place]) -> None:
+        for place in places:
+            del self._places[place.job]
+            self._clock = max(self._clock, place.start)
+            self._left(place.job.tenant)
+
+    def _left(self, tenant: str) -> None:
+        turns = self._tenants[tenant]
+        turns.waiting -= 1
+        if not turns.waiting:
+            del self._tenants[tenant]  # nothing waiting: its next job joins at the clock
+
+    def _first_turn(self, tenant: str) -> float:
+        """Seconds until `tenant`'s first waiting job starts, as a Retry-After (at least 1)."""
+        position = next((i + 1 for i, place in enumerate(self._line) if place.job.tenant == tenant), 1)
+        return self._eta(position) or 1
+
+    def _announce(self) -> None:
+        size = len(self._line)
+        for index, place in enumerate(self._line):
+            job = place.job
+            if job.position != index + 1:
+                fields: dict[str, Any] = {"position": index + 1, "queue_size": size}
+                eta = self._eta(index + 1)
+                if eta is not None:
+                    fields["eta_s"] = round(eta, 2)
+                job.set_status(Status.QUEUED, **fields)
