@@ -47,13 +47,14 @@ import gc
 import logging
 import os
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 import torch
 
 from backends.handoff import DeviceThread, Handoff
+from backends.stopping import big, stoppable
 from backends.queue import JobQueue
 from gateway.encoding import to_json
 from gateway.jobs import Job, JobContext
@@ -84,13 +85,14 @@ def set_torch_threads(threads: int | None) -> int:
 
 
 def execute(
-    tool: Tool, model: Model, params: Any, ctx: JobContext, encode: Callable[[Any], bytes]
+    tool: Tool, model: Model, params: Any, ctx: JobContext, encode: Callable[[Any], bytes], stop: bool = False
 ) -> msgspec.Raw:
-    """Run one tool call on the current thread and encode its result."""
+    """Run one tool call on the current thread and encode its result; with `stop`, its passes stop
+    between blocks once it is cancelled (backends/stopping.py)."""
     ctx.raise_if_cancelled()
     ctx.begin()
     # Inference mode is per thread, so it is set here, on the worker's thread.
-    with torch.inference_mode():
+    with torch.inference_mode(), (stoppable(model, [ctx]) if stop else contextlib.nullcontext()):
         result = tool.run(model, params, ctx)
     return msgspec.Raw(encode(result))
 
@@ -98,10 +100,18 @@ def execute(
 Outcome = msgspec.Raw | BaseException
 
 
-def step(batch: Batch, joining: list[tuple[Any, JobContext]], encode: Callable[[Any], bytes]) -> list[tuple[Context, Outcome]]:
-    """Add `joining` to `batch`, run one step, and encode the results of the members that ended."""
+def step(
+    batch: Batch,
+    joining: list[tuple[Any, JobContext]],
+    encode: Callable[[Any], bytes],
+    model: Model | None = None,
+    members: Sequence[Context] = (),
+) -> list[tuple[Context, Outcome]]:
+    """Add `joining` to `batch`, run one step, and encode the results of the members that ended.
+    With `model` and every member's context, the step's passes stop between blocks once all of
+    them are cancelled (backends/stopping.py)."""
     ended: list[tuple[Context, Outcome]] = []
-    with torch.inference_mode():
+    with torch.inference_mode(), (stoppable(model, members) if model is not None else contextlib.nullcontext()):
         for params, ctx in joining:
             ctx.begin()
             try:
@@ -270,7 +280,7 @@ class Worker:
 
         def run() -> None:
             try:
-                outcome: Outcome = execute(tool, self.model, job.params, ctx, self.encode)
+                outcome: Outcome = execute(tool, self.model, job.params, ctx, self.encode, stop=big([job]))
             except Exception as exc:
                 outcome = exc
             # The job ends in the burst that carries its frames (see `_ending`).
@@ -335,8 +345,9 @@ class Worker:
                     held[0] -= _memory(job)
                     self._finish(job, tool, outcome, loop.time() - started)
 
+            stop = (self.model, list(members)) if big([job for job, _ in members.values()]) else ()
             try:
-                await self.call(self._ending(step, finish), batch, added, self.encode)
+                await self.call(self._ending(step, finish), batch, added, self.encode, *stop)
             except Exception as exc:  # the batch as a whole failed: every member ends with it
                 finish([(ctx, exc) for ctx in members])
             if not members:

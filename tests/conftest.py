@@ -145,6 +145,13 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def wide_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wider, longer tiny Llama (hidden 256, 8k context): a pass over thousands of tokens takes
+    tens of MB and a good part of a second, as a long input does on a real model."""
+    return build_tiny_model(tmp_path_factory.mktemp("wide-llama"), hidden=256, context=8192)
+
+
 @pytest.fixture(scope="session", params=FAMILIES)
 def arch_model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model of each family in FAMILIES, built once per session (init 0.2, 2 layers; gemma2 3)."""

@@ -21,7 +21,7 @@ from gateway.cost import Budget, Cost
 from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.tools import Model, builtin_tools
-from tests.conftest import Server, build_tiny_model, make_server, run_stream
+from tests.conftest import Server, make_server, run_stream
 from tests.test_batching import Recorder
 
 MIB = 1 << 20
@@ -29,14 +29,8 @@ TOOLS = {t.name: t for t in builtin_tools()}
 
 
 @pytest.fixture(scope="module")
-def wide_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Hidden 256 and 8k of context: a pass over a few thousand tokens takes tens of MB, well above the noise.
-    return build_tiny_model(tmp_path_factory.mktemp("wide-llama"), hidden=256, context=8192)
-
-
-@pytest.fixture(scope="module")
-def wide(wide_path: Path) -> Model:
-    return models.load(models.resolve(str(wide_path)), "cpu")
+def wide(wide_model_path: Path) -> Model:
+    return models.load(models.resolve(str(wide_model_path)), "cpu")
 
 
 _libc = ctypes.CDLL("libc.so.6")
@@ -148,8 +142,8 @@ def test_a_budget_refuses_the_bound_it_passes_naming_the_field() -> None:
 
 
 @pytest.fixture(scope="module")
-def priced(wide_path: Path) -> Iterator[Server]:
-    s = make_server(wide_path, max_job_memory=1024 * MIB, max_result_bytes=4 * MIB, max_sequences=64)
+def priced(wide_model_path: Path) -> Iterator[Server]:
+    s = make_server(wide_model_path, max_job_memory=1024 * MIB, max_result_bytes=4 * MIB, max_sequences=64)
     yield s
     s.stop()
 

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from gateway.params import MAX_NESTING, nesting
-from tests.conftest import Server, make_server
+from tests.conftest import Server, make_server, run_stream, wait_until
 
 MIB = 1 << 20
 
@@ -125,3 +127,103 @@ def test_each_request_on_a_kept_alive_connection_has_its_own_header_budget(gw: S
     with httpx.Client() as client:
         codes = [client.get(gw.url + "/healthz", headers={"X-Big": "a" * 40_000}).status_code for _ in range(3)]
     assert codes == [200, 200, 200]
+
+
+# -- long passes stop within a step of a cancel or a timeout ----------------------------------
+
+
+class Gate:
+    """Holds the first wide pass (over `min_width` tokens or more) at the model's first block until
+    released, and counts the block calls of wide passes after that: what ran past a cancel."""
+
+    def __init__(self, model: Any, min_width: int) -> None:
+        from backends.stopping import stop_points
+
+        self.min_width = min_width
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.after = 0
+        points = stop_points(model)
+        # Set before any job's stop hooks, so this runs first at each point.
+        self.handles = [points[0].register_forward_pre_hook(self._hold)]
+        self.handles += [p.register_forward_pre_hook(self._count) for p in points]
+
+    def _width(self, args: Any) -> int:
+        return int(args[0].shape[1]) if args and hasattr(args[0], "shape") and args[0].dim() >= 2 else 0
+
+    def _hold(self, module: Any, args: Any) -> None:
+        if self._width(args) >= self.min_width and not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(60)
+
+    def _count(self, module: Any, args: Any) -> None:
+        if self.release.is_set() and self._width(args) >= self.min_width:
+            self.after += 1
+
+    def remove(self) -> None:
+        self.release.set()
+        for handle in self.handles:
+            handle.remove()
+
+
+@pytest.fixture
+def wide_gw(wide_model_path: Path) -> Iterator[Server]:
+    s = make_server(wide_model_path, job_timeout=600)
+    yield s
+    s.stop()
+
+
+def _job_started(url: str, tool: str, params: dict[str, Any], events: list[dict[str, Any]]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: events.extend(run_stream(url, tool, params, timeout=120).events), daemon=True)
+    thread.start()
+    return thread
+
+
+def _cancel_holds_then_releases(server: Server, tool: str, params: dict[str, Any], stop: Any) -> tuple[list[dict[str, Any]], int]:
+    """Start a long job, hold its first wide pass, `stop(job_id)` it, let the pass go on: its events,
+    and the wide block calls that ran after the release."""
+    gate = Gate(server.backend.model, min_width=1000)
+    try:
+        events: list[dict[str, Any]] = []
+        thread = _job_started(server.url, tool, params, events)
+        assert gate.entered.wait(60)
+        (job,) = httpx.get(server.url + "/jobs").json()["jobs"]
+        stop(job["job_id"])
+        bystander: list[dict[str, Any]] = []
+        waiting = _job_started(server.url, "predict", {"prompt": "Hello", "top_k": 3}, bystander)
+        gate.release.set()
+        thread.join(60)
+        waiting.join(60)
+    finally:
+        gate.remove()
+    assert bystander[-1]["event"] == "data", bystander[-1]
+    return events, gate.after
+
+
+LONG_JOBS = [
+    ("embed", {"texts": ["a" * 6000] * 4}),
+    ("logprobs", {"prompts": ["a" * 6000] * 2}),
+    ("generate", {"prompts": ["a" * 6000], "max_tokens": 64}),
+]
+
+
+@pytest.mark.parametrize(("tool", "params"), LONG_JOBS, ids=[t for t, _ in LONG_JOBS])
+def test_a_cancel_stops_a_long_pass_at_its_next_block(wide_gw: Server, tool: str, params: dict[str, Any]) -> None:
+    events, after = _cancel_holds_then_releases(
+        wide_gw, tool, params, lambda job_id: httpx.delete(f"{wide_gw.url}/jobs/{job_id}")
+    )
+    assert events[-1]["event"] == "error" and events[-1]["data"]["error"]["code"] == "cancelled", events[-1]
+    assert after == 1  # the held block's own call, counted as it is let go; not one block more
+
+
+def test_a_job_timeout_stops_a_long_pass_at_its_next_block(wide_model_path: Path) -> None:
+    server = make_server(wide_model_path, job_timeout=1)
+    try:
+        def timed_out(job_id: str) -> None:
+            wait_until(lambda: httpx.get(f"{server.url}/jobs/{job_id}").json()["status"] == "FAILED", 30, "the timeout")
+
+        events, after = _cancel_holds_then_releases(server, "embed", {"texts": ["a" * 6000] * 4}, timed_out)
+    finally:
+        server.stop()
+    assert events[-1]["data"]["error"]["code"] == "timeout"
+    assert after == 1

@@ -102,8 +102,8 @@ class OnePass:
         try:
             results = self.many(self.model, [p for p, _ in live], [c for _, c in live])
         except Exception as exc:
-            if len(live) == 1:
-                return [*ended, (live[0][1], exc)]
+            if len(live) == 1 or isinstance(exc, Cancelled):  # stopped: every member was cancelled
+                return [*ended, *((ctx, exc) for _, ctx in live)]
             results = [self._alone(params, ctx) for params, ctx in live]
         for (_, ctx), result in zip(live, results):
             ended.append((ctx, Cancelled() if ctx.cancelled else result))
