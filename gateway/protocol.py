@@ -41,6 +41,7 @@ class Code(str, enum.Enum):
     UNKNOWN_TOOL = "unknown_tool"
     UNKNOWN_MODEL = "unknown_model"
     TOO_LARGE = "too_large"
+    HEADERS_TOO_LARGE = "headers_too_large"
     TOO_LONG = "too_long"
     INVALID_PARAMS = "invalid_params"
     UNSUPPORTED_BY_MODEL = "unsupported_by_model"

@@ -12,7 +12,7 @@ for what the client owes at the moment:
   client is answered `408 Request Timeout` with the protocol's JSON error body
   (`request_timeout`) and `Connection: close`, and the connection is closed.
 - **Headers' size.** A request line and headers over `--max-header-bytes` are
-  answered `431 Request Header Fields Too Large` (`too_large`) and the
+  answered `431 Request Header Fields Too Large` (`headers_too_large`) and the
   connection is closed: httptools sets no bound of its own, and a client could
   otherwise send megabytes of one header for the parser to hold and scan.
 - **A body nobody reads.** When the answer went out before the request's body
@@ -100,7 +100,7 @@ class SlowClientProtocol(HttpToolsProtocol):
         if self._head_refused and not self.transport.is_closing():
             log.info("%s: the request line and headers are over %d bytes: closed", _peer(self.client), self.max_header_bytes)
             self._expect(None)
-            self._answer(431, ApiError(Code.TOO_LARGE, _TOO_BIG.format(self.max_header_bytes), status=431))
+            self._answer(431, ApiError(Code.HEADERS_TOO_LARGE, _TOO_BIG.format(self.max_header_bytes)))
             self._close_lingering()
 
     def _close_lingering(self) -> None:

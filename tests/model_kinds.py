@@ -33,15 +33,15 @@ BERT_VOCAB = [*BERT_SPECIAL, *string.ascii_lowercase, *(f"##{c}" for c in string
 KINDS = ("esm_mlm", "esm_encoder", "bert_mlm", "opt350", "hrm", "t5")
 
 
-def _esm(path: Path, head: bool, seed: int) -> Path:
+def _esm(path: Path, head: bool, seed: int, hidden: int = 32, context: int = TINY_CONTEXT) -> Path:
     import transformers as tf
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "vocab.txt").write_text("\n".join(ESM_VOCAB) + "\n")
     tokenizer = tf.EsmTokenizer(str(path / "vocab.txt"))
     config = tf.EsmConfig(
-        vocab_size=len(ESM_VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=TINY_CONTEXT + 2, position_embedding_type="rotary", pad_token_id=ESM_VOCAB.index("<pad>"),
+        vocab_size=len(ESM_VOCAB), hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * hidden,
+        max_position_embeddings=context + 2, position_embedding_type="rotary", pad_token_id=ESM_VOCAB.index("<pad>"),
         mask_token_id=ESM_VOCAB.index("<mask>"), token_dropout=True, emb_layer_norm_before=False,
     )
     torch.manual_seed(seed)

@@ -59,6 +59,34 @@ def priced_and_measured(model: Model, tool_name: str, raw: dict[str, Any]) -> tu
     return cost, _status("VmHWM") - before, size
 
 
+@pytest.fixture(scope="module")
+def wide_esm(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """A masked LM of ESM-2's kind, as wide and long as `wide`."""
+    from tests.model_kinds import _esm
+
+    path = _esm(tmp_path_factory.mktemp("wide-esm"), head=True, seed=0, hidden=256, context=4096)
+    return models.load(models.resolve(str(path)), "cpu")
+
+
+PROTEIN = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQVKVKALPDAQFEVVHSLAKWKRQTLGQHDFSAGEGLYTHMKALRPDEDRLSPLHSVYVDQWDWERVMGDGERQFSTLKSTVEAIWAGIKATEAAVSEEFGLAPFLPDQIHFVHSQELLSRYPDLDAKGRERAIAKDLGAVFLVGIGGKLSDGHRHDVRAPDYDDWUAAAALRKVEKPY"
+ESM_CASES = [
+    ("embed", {"texts": [PROTEIN * 10]}),
+    ("embed", {"texts": [PROTEIN * 4] * 4, "pooling": "per_token"}),
+    ("fill_mask", {"texts": [PROTEIN[:100] + "<mask>" + PROTEIN * 8] * 2, "top_k": 20}),
+    ("pseudo_loglikelihood", {"sequences": [PROTEIN, PROTEIN[:120]], "per_position": True}),
+]
+
+
+@pytest.mark.parametrize(("tool_name", "raw"), ESM_CASES, ids=[f"{name}-{i}" for i, (name, _) in enumerate(ESM_CASES)])
+def test_a_masked_lms_price_is_never_under_its_measured_peak_by_more_than_a_quarter(
+    wide_esm: Model, tool_name: str, raw: dict[str, Any]
+) -> None:
+    cost, peak, size = priced_and_measured(wide_esm, tool_name, raw)
+    assert cost.memory >= 0.75 * peak, (cost.memory / MIB, peak / MIB)
+    assert cost.result >= 0.75 * size, (cost.result, size)
+    assert cost.memory <= 4 * peak + 64 * MIB, (cost.memory / MIB, peak / MIB)
+
+
 CASES = [
     ("embed", {"texts": ["a" * 4000]}),
     ("embed", {"texts": ["a" * 2000] * 4, "pooling": "per_token"}),

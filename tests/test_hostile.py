@@ -108,7 +108,7 @@ def test_headers_over_the_limit_get_431_and_the_connection_closes(gw: Server) ->
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431 "), head
     assert b"connection: close" in head.lower()
-    assert b'"code":"too_large"' in body and b"65536 bytes" in body
+    assert b'"code":"headers_too_large"' in body and b"65536 bytes" in body
     many = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 100) for i in range(1000)) + b"\r\n"
     assert _raw(gw.url, many).startswith(b"HTTP/1.1 431 ")
 

@@ -17,6 +17,7 @@ export type Code =
   | 'bad_request'
   | 'cancelled'
   | 'forbidden'
+  | 'headers_too_large'
   | 'idempotency_key_reused'
   | 'internal'
   | 'invalid_params'
