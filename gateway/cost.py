@@ -110,11 +110,12 @@ class Shape:
         model.memo["shape"] = shape
         return shape
 
-    def block_bytes(self, rows: int, width: int) -> int:
-        """One block's working set over `rows` padded rows of `width` tokens: activations and attention scores."""
+    def block_bytes(self, rows: int, width: int, attended: int | None = None) -> int:
+        """One block's working set over `rows` padded rows of `width` tokens, each attending to
+        `attended` positions (default: the same `width`; more for a piece of a longer prefill)."""
         activations = rows * width * (BLOCK_WIDTHS * self.hidden + 3 * self.intermediate) * self.dtype_bytes
         # Eager attention holds each head's scores and their softmax; a fused kernel, the mask alone.
-        scores = (2 * self.heads if self.eager else 1) * rows * width * width * 4
+        scores = (2 * self.heads if self.eager else 1) * rows * width * (attended or width) * 4
         return activations + scores
 
     def states_bytes(self, rows: int, width: int, n: int) -> int:

@@ -183,7 +183,6 @@ BOMBS = [
     ("embed", {"texts": ["ab" * 1000] * 8, "pooling": "per_token"}, "pooling", "--max-result-bytes"),
     ("logprobs", {"prompts": ["a" * 7000] * 8}, "prompts", "--max-job-memory"),
     ("logprobs", {"prompts": ["a" * 1000] * 8, "top": 20}, "top", "--max-result-bytes"),
-    ("generate", {"prompts": ["a" * 6000] * 8, "max_tokens": 512}, "prompts", "--max-job-memory"),
 ]
 
 
@@ -206,8 +205,29 @@ def test_a_job_within_both_bounds_runs(priced: Server) -> None:
 
 def test_openai_routes_are_priced_too(priced: Server) -> None:
     model = priced.backend.model_names()[0]
-    r = httpx.post(
-        f"{priced.url}/v1/completions", json={"model": model, "prompt": ["a" * 6000] * 8, "max_tokens": 512}, timeout=60
-    )
+    # Scoring the prompts with their 5 top alternatives at every token: a result of about 10 MB.
+    body = {"model": model, "prompt": ["a" * 3000] * 8, "max_tokens": 0, "echo": True, "logprobs": 5}
+    r = httpx.post(f"{priced.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 413, r.text
-    assert r.json()["error"]["code"] == "too_large"
+    assert r.json()["error"]["code"] == "too_large" and "--max-result-bytes" in r.json()["error"]["message"]
+
+
+def test_a_long_prefill_in_pieces_gives_what_one_pass_gives(wide: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts of 700 and 400 tokens (left-padded together) and one alone, prefilled 64 columns at a
+    time: the next-token logits, and those after one decoding step, as one pass gives them."""
+    import gateway.tools.generate as generate_mod
+
+    prompts = [[5 + i % 200 for i in range(700)], [7 + i % 150 for i in range(400)]]
+    for rows in ([prompts[0]], prompts):
+        with torch.inference_mode():
+            whole = generate_mod.KVCache(wide)
+            first = whole.prefill(rows)
+            after = whole.decode(first.argmax(-1))
+            monkeypatch.setattr(generate_mod, "PREFILL_TOKENS", 64 * len(rows))
+            assert generate_mod.prefill_columns(len(rows), 700) == 64
+            pieces = generate_mod.KVCache(wide)
+            first_pieces = pieces.prefill(rows)
+            after_pieces = pieces.decode(first_pieces.argmax(-1))
+            monkeypatch.undo()
+        torch.testing.assert_close(first_pieces, first, atol=1e-5, rtol=0)
+        torch.testing.assert_close(after_pieces, after, atol=1e-5, rtol=0)

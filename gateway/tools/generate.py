@@ -133,15 +133,15 @@ EVENT_BYTES = 192
 
 
 def cost(model: Model, params: GenerateParams) -> Cost:
-    """The prefill of every row with its last logits, the decoding cache at full length, and what
-    each token adds to the job's event log and its completion."""
+    """The prefill of every row (a piece of columns at a time) with its last logits, the decoding
+    cache at full length, and what each token adds to the job's event log and its completion."""
     shape = Shape.of(model)
     rows = inputs(model, params)
     width = max(len(ids) for ids in rows)
     n, new = len(rows), params.max_tokens
     result = n * new * 12
     memory = (
-        shape.block_bytes(n, width)
+        shape.block_bytes(n, prefill_columns(n, width), attended=width)
         + shape.cache_bytes(n, width + new)
         + shape.logits_bytes(n)
         + n * new * EVENT_BYTES
@@ -437,6 +437,15 @@ def decoder_for(model: Model) -> Decoder:
     return KVCache(model)
 
 
+# Prompt tokens a prefill runs at once (rows × columns), at most: a longer one goes in pieces.
+PREFILL_TOKENS = 4096
+
+
+def prefill_columns(rows: int, width: int) -> int:
+    """How many columns of a `rows`-row prefill run at once."""
+    return width if rows * width <= PREFILL_TOKENS else max(1, PREFILL_TOKENS // rows)
+
+
 class KVCache:
     """A transformers KV cache, left-padded so that rows of any length decode together.
 
@@ -486,21 +495,30 @@ class KVCache:
         padded = any(len(ids) < width for ids in rows)
         pad = self.model.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in rows], device=device)
-        extra: dict[str, Any] = {"logits_to_keep": 1} if _keeps_logits(self.model) else {}
+        keep: dict[str, Any] = {"logits_to_keep": 1} if _keeps_logits(self.model) else {}
         mask = positions = None
         if padded:
             mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=device)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            extra |= {"attention_mask": mask, "position_ids": positions}
-        out = self.model.module(input_ids=input_ids, use_cache=True, **extra)
+        # A long prefill in pieces of columns, each attending to the cache of those before it: one
+        # piece's activations and attention are held at a time, not the whole prompt's.
+        step = prefill_columns(len(rows), width)
+        cache: Any = None
+        for start in range(0, width, step):
+            end = min(start + step, width)
+            extra = dict(keep)
+            if mask is not None and positions is not None:
+                extra |= {"attention_mask": mask[:, :end], "position_ids": positions[:, start:end]}
+            out = self.model.module(input_ids=input_ids[:, start:end], past_key_values=cache, use_cache=True, **extra)
+            cache = out.past_key_values
         if self.cache is None:
-            self.cache, self.rows, self.length = out.past_key_values, len(rows), width
+            self.cache, self.rows, self.length = cache, len(rows), width
             if mask is not None and positions is not None:
                 self.mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
                 self.positions = positions[:, -1:] + 1
             self.mergeable = _paddable(self.cache)
         else:
-            self._merge(out.past_key_values, rows, width)
+            self._merge(cache, rows, width)
         return out.logits[:, -1, :]
 
     def _merge(self, cache: Any, rows: list[list[int]], width: int) -> None:
