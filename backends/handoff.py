@@ -25,10 +25,25 @@ import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("streamgate.worker")
+
+# Every device thread that has not ended yet, for the process's exit (gateway/drain.py).
+_alive: set[threading.Thread] = set()
+
+
+def wait_ended(timeout: float) -> int:
+    """Wait up to `timeout` s for every device thread to end; how many have not.
+
+    A stopped thread ends after the step it is in; one never stopped waits for work (and counts).
+    """
+    deadline = time.monotonic() + timeout
+    for thread in list(_alive):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return sum(thread.is_alive() for thread in list(_alive))
 
 
 class Handoff:
@@ -82,6 +97,7 @@ class DeviceThread:
         self.handoff = handoff
         self._work: queue.SimpleQueue[tuple[asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        _alive.add(self._thread)
         self._thread.start()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
@@ -102,6 +118,12 @@ class DeviceThread:
         self._work.put(None)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            _alive.discard(self._thread)
+
+    def _serve(self) -> None:
         while (item := self._work.get()) is not None:
             future, fn, args = item
             try:
