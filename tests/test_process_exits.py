@@ -1,4 +1,5 @@
-"""A gateway process as its supervisor and its clients see it: every SIGTERM ends in exit 0.
+"""A gateway process as its supervisor and its clients see it: every SIGTERM ends in exit 0,
+and a killed replica's job reads as lost.
 
 Real `streamgate serve` processes on the tiny model, and a redis-server of each test's own.
 They run this checkout's code (PYTHONPATH), wherever the console script's
@@ -17,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import run_stream, wait_until
+from gateway.tools import load_module
+from tests.conftest import make_server, parse_sse, run_stream, wait_until
 from tests.processes import ROOT, ServeProcess, clean_env, free_port, start_serve
 from tests.redis_server import RedisServer, start_redis
 
@@ -74,3 +76,48 @@ def test_every_sigterm_drain_exits_zero_even_with_a_step_in_flight(
             assert outcome["result"].terminal["data"]["error"]["code"] == "shutting_down"
         finally:
             server.kill()
+
+
+def test_a_killed_replica_s_job_reads_as_lost_not_as_long_finished(
+    tiny_model_path: Path, own_redis: RedisServer, tmp_path: Path
+) -> None:
+    """kill -9 of the replica running a job: every other replica reads the job as ended with
+    backend_unavailable (retryable), in the listing, its snapshot and its events, never 404
+    "unknown, or finished more than N s ago". A retention shorter than the outage grace
+    used to let the job's record expire before its owner counted as gone."""
+    settings = {"retention": 3.0, "store_outage_grace": 5.0}
+    flags = ["--store", own_redis.url, "--tools", "tests.user_tools", "--detach-grace", "60",
+             "--retention", "3", "--store-outage-grace", "5"]
+    a = serve(tiny_model_path, tmp_path / "a.log", *flags)
+    b = make_server(tiny_model_path, tools=load_module("tests.user_tools"), store=own_redis.url, **settings)
+    try:
+        thread, _ = in_thread(run_stream, a.url, "echo", {"text": "ab", "repeat": 600, "delay": 0.05}, timeout=120)
+        wait_until(lambda: listed(b.url), 10, "the job to be listed on B")
+        (job_id,) = listed(b.url)
+        wait_until(lambda: listed(b.url)[job_id]["status"] == "RUNNING", 10, "the job to run")
+        a.kill()
+        killed = time.monotonic()
+        while listed(b.url).get(job_id, {}).get("status") == "RUNNING":
+            assert time.monotonic() - killed < 30, "the job still reads as running"
+            time.sleep(0.2)
+        shown = listed(b.url)
+        assert job_id in shown, "the lost job was forgotten before it read as lost"
+        for snapshot in (shown[job_id], httpx.get(f"{b.url}/jobs/{job_id}").json()):
+            assert snapshot["status"] == "FAILED"
+            error = snapshot["terminal"]["data"]["error"]
+            assert error["code"] == "backend_unavailable" and error["retryable"] is True
+        answer = httpx.get(f"{b.url}/jobs/{job_id}/events", timeout=30)
+        assert answer.status_code == 200, answer.text
+        events = [e for e in parse_sse(answer.content) if "id" in e]
+        assert [e["id"] for e in events] == [f"{job_id}:{i}" for i in range(1, len(events) + 1)]
+        assert events[-1]["event"] == "error" and events[-1]["data"]["error"]["code"] == "backend_unavailable"
+        # Then forgotten, as a finished job is, once its retention is over.
+        wait_until(lambda: httpx.get(f"{b.url}/jobs/{job_id}").status_code == 404, 15, "the lost job to be forgotten")
+    finally:
+        a.kill()
+        b.stop()
+    thread.join(10)
+
+
+def listed(url: str) -> dict[str, Any]:
+    return {job["job_id"]: job for job in httpx.get(f"{url}/jobs", timeout=30).json()["jobs"]}
