@@ -1,5 +1,5 @@
 """A gateway process as its supervisor and its clients see it: every SIGTERM ends in exit 0,
-and a killed replica's job reads as lost.
+a killed replica's job reads as lost, and the memory a big job took is given back.
 
 Real `streamgate serve` processes on the tiny model, and a redis-server of each test's own.
 They run this checkout's code (PYTHONPATH), wherever the console script's
@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.common import rss_kb
 from gateway.tools import load_module
 from tests.conftest import make_server, parse_sse, run_stream, wait_until
 from tests.processes import ROOT, ServeProcess, clean_env, free_port, start_serve
@@ -121,3 +122,31 @@ def test_a_killed_replica_s_job_reads_as_lost_not_as_long_finished(
 
 def listed(url: str) -> dict[str, Any]:
     return {job["job_id"]: job for job in httpx.get(f"{url}/jobs", timeout=30).json()["jobs"]}
+
+
+# A big job's own memory back within this of where the process was before it; without giving
+# back, about 110 MiB of this one's stays resident.
+MARGIN_MIB = 48
+
+
+def test_the_memory_a_big_job_took_is_given_back_once_idle(tiny_model_path: Path, tmp_path: Path) -> None:
+    # No retention: the result itself is forgotten at once, so that what is measured is the work's memory.
+    server = serve(tiny_model_path, tmp_path / "serve.log", "--retention", "0", "--log-level", "warning")
+    try:
+        pid = server.proc.pid
+        assert run_stream(server.url, "embed", {"texts": ["warm"], "pooling": "per_token"}).terminal["event"] == "data"
+        time.sleep(1.5)
+        before = rss_kb(pid) >> 10
+        texts = [("abcdefghij" * 25) + str(i) for i in range(2000)]  # ~170 MiB of per-token vectors
+        with httpx.stream("POST", f"{server.url}/embed/run", json={"texts": texts, "pooling": "per_token"}, timeout=300) as answer:
+            assert answer.status_code == 200
+            size = sum(len(chunk) for chunk in answer.iter_raw())
+        assert size > 100 << 20
+        peak = rss_kb(pid, "VmHWM") >> 10
+        assert peak - before > 200, (before, peak)  # the job did take memory
+        settled = time.monotonic() + 10
+        while (after := rss_kb(pid) >> 10) > before + MARGIN_MIB and time.monotonic() < settled:
+            time.sleep(0.5)
+        assert after <= before + MARGIN_MIB, f"resident {before} MiB before, {peak} at peak, {after} idle after"
+    finally:
+        server.stop()
