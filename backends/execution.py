@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import gc
 import logging
 import os
 import traceback
@@ -53,9 +52,11 @@ from typing import Any
 import msgspec
 import torch
 
+from backends import memory
 from backends.handoff import DeviceThread, Handoff
-from backends.stopping import big, stoppable
+from backends.memory import free_device_memory
 from backends.queue import JobQueue
+from backends.stopping import big, stoppable
 from gateway.encoding import to_json
 from gateway.jobs import Job, JobContext
 from gateway.protocol import Code
@@ -161,16 +162,6 @@ def device_failure(exc: BaseException) -> str | None:
     return None
 
 
-def free_device_memory() -> None:
-    """Hand cached blocks back after an out-of-memory error, so the next job starts clean."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    mps = getattr(torch, "mps", None)
-    if mps is not None and torch.backends.mps.is_available():
-        mps.empty_cache()
-
-
 class Worker:
     """Runs queued jobs on one device, on a thread of its own: alone, or batched."""
 
@@ -249,6 +240,12 @@ class Worker:
                 raise
             finally:
                 self.running.clear()
+                # Nothing of the last job is held while the next is awaited: its result stays in
+                # memory for as long as the store keeps the job, not until another job comes.
+                job = tool = None  # type: ignore[assignment]
+                if not self.queue and self._thread is not None:
+                    # Idle: what big work freed goes back (backends/memory.py), on the device's thread.
+                    self._thread.soon(memory.give_back, self.model.device)
 
     async def _run(self, job: Job, idle: bool, lets_through: bool = True) -> None:
         """Run `job`: alone, or as the first of a batch (which, unless `lets_through` is false, lets

@@ -25,10 +25,25 @@ import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("streamgate.worker")
+
+# Every device thread that has not ended yet, for the process's exit (gateway/drain.py).
+_alive: set[threading.Thread] = set()
+
+
+def wait_ended(timeout: float) -> int:
+    """Wait up to `timeout` s for every device thread to end; how many have not.
+
+    A stopped thread ends after the step it is in; one never stopped waits for work (and counts).
+    """
+    deadline = time.monotonic() + timeout
+    for thread in list(_alive):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return sum(thread.is_alive() for thread in list(_alive))
 
 
 class Handoff:
@@ -80,8 +95,9 @@ class DeviceThread:
 
     def __init__(self, name: str, handoff: Handoff) -> None:
         self.handoff = handoff
-        self._work: queue.SimpleQueue[tuple[asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[tuple[asyncio.Future[Any] | None, Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        _alive.add(self._thread)
         self._thread.start()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
@@ -90,6 +106,11 @@ class DeviceThread:
         self._work.put((future, fn, args))
         return future
 
+    def soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on this thread after the work queued before it, and report nothing back:
+        housekeeping that no one awaits (any thread)."""
+        self._work.put((None, fn, args))
+
     def stop(self) -> None:
         """Drop the work not yet started; the thread ends after the step it is in, if any."""
         while True:
@@ -97,13 +118,26 @@ class DeviceThread:
                 item = self._work.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
+            if item is not None and item[0] is not None:
                 item[0].cancel()
         self._work.put(None)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            _alive.discard(self._thread)
+
+    def _serve(self) -> None:
         while (item := self._work.get()) is not None:
             future, fn, args = item
+            if future is None:
+                try:
+                    fn(*args)
+                except Exception:  # housekeeping must never end the device's thread
+                    log.exception("housekeeping on a device's thread failed")
+                item = fn = args = None  # type: ignore[assignment]
+                continue
             try:
                 outcome: tuple[Any, BaseException | None] = (fn(*args), None)
             except BaseException as exc:  # noqa: BLE001 - every outcome goes back to its awaiter

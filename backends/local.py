@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from backends import memory
 from backends import model as models
 from backends.base import Backend
 from backends.execution import Worker, set_torch_threads
@@ -72,6 +73,7 @@ class LocalBackend(Backend):
             raise ValueError("give --device or --devices, not both")
         # Process-wide, as torch's threads are: this backend runs the process's model work.
         set_torch_threads(torch_threads)
+        memory.bound_heap()
         self._tools = dict(tools)
         # SAE files are checked here as far as they can be without the model (gateway/sae.py).
         self.sae_specs = sae_files.read_specs(sae or [])

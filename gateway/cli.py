@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -211,10 +212,7 @@ def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @_option("--cors-origins", default=None, callback=_split_list, help="Origins allowed to call from a browser, comma-separated (none by default).")
 def serve(**options: Any) -> None:
     """Start the gateway, with the model in this process or on executors."""
-    import uvicorn
-
     from gateway.app import create_app
-    from gateway.slowclients import uvicorn_options
 
     dry_run = options.pop("dry_run")
     settings = _settings(options)
@@ -266,10 +264,7 @@ def serve(**options: Any) -> None:
             "new connections fail; raise the limit or lower --max-streams",
             settings.max_streams, have, max(0, have - FD_MARGIN),
         )
-    uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None,
-        **uvicorn_options(settings, app.state.metrics.client_timeout),
-    )
+    _run_server(app, settings, app.state.metrics.client_timeout)
 
 
 @main.command()
@@ -280,11 +275,8 @@ def serve(**options: Any) -> None:
 @_option("--session-grace", default=_D.session_grace, type=click.FloatRange(min=0), help="Seconds a gateway's jobs run on without its socket before they are cancelled.")
 def executor(**options: Any) -> None:
     """Start an executor: runs tools on this machine for remote gateways."""
-    import uvicorn
-
     from backends.executor import Executor, create_executor_app
     from gateway.encoding import to_msgpack
-    from gateway.slowclients import uvicorn_options
 
     dry_run = options.pop("dry_run")
     settings = _settings(options)
@@ -308,11 +300,25 @@ def executor(**options: Any) -> None:
 
         report(service.backend, settings)
         return
-    app = create_executor_app(service)
-    uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None, ws="websockets",
-        **uvicorn_options(settings, service.metrics.client_timeout),
-    )
+    _run_server(create_executor_app(service), settings, service.metrics.client_timeout, ws="websockets")
+
+
+def _run_server(app: Any, settings: Settings, client_timeout: Callable[[str], None], **extra: Any) -> None:
+    """Serve `app` until uvicorn stops (SIGTERM drains first), then leave as gateway/drain.py says."""
+    import uvicorn
+
+    from gateway.drain import exit_cleanly
+    from gateway.slowclients import uvicorn_options
+
+    try:
+        uvicorn.run(
+            app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None,
+            **extra, **uvicorn_options(settings, client_timeout),
+        )
+    except KeyboardInterrupt:  # Ctrl-C, raised again by uvicorn once it is down: click exits 1
+        exit_cleanly(1)
+        raise
+    exit_cleanly()
 
 
 def _params_given(params_json: str | None, pairs: tuple[str, ...]) -> tuple[dict[str, Any] | None, list[tuple[str, str]] | None]:

@@ -12,7 +12,8 @@ Kubernetes) means "finish up", so on the first one:
    streams carry that terminal event to their clients;
    streams of jobs that other replicas run (a shared store) end with no
    terminal event, and their clients reconnect, to another replica;
-4. only then does uvicorn shut down, and the process exits 0.
+4. only then does uvicorn shut down, and the process exits 0 (`exit_cleanly`),
+   even while a device is still inside a step of work that was cancelled.
 
 A second SIGTERM skips the wait. SIGINT (Ctrl-C) keeps uvicorn's quick stop.
 """
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -30,6 +33,7 @@ from types import FrameType
 import uvicorn
 from sse_starlette.sse import AppStatus
 
+from backends import handoff
 from gateway.errors import ApiError
 from gateway.protocol import Code
 
@@ -37,6 +41,9 @@ log = logging.getLogger("streamgate.drain")
 
 # Time for the last terminal events to be written before the server closes its connections.
 FLUSH_S = 0.5
+# Once the server is down, how long the process waits for a device's step in flight to end:
+# a cancelled tool stops at its next check, well within this, unless one native call is long.
+STEP_WAIT_S = 1.0
 
 
 class Drain:
@@ -104,3 +111,27 @@ def on_sigterm(drain: Drain, in_flight: Callable[[], int], stop: Callable[[], Aw
         tasks.append(loop.create_task(drain_then_exit()))
 
     signal.signal(signal.SIGTERM, handle)
+
+
+def exit_cleanly(code: int = 0) -> None:
+    """Once uvicorn has returned: return, for the process to exit as usual, or exit with `code`
+    at once if a device's step is still running.
+
+    A step cannot be interrupted inside one native call (a forward pass over a
+    long prompt), and its thread is a daemon. Were the interpreter to finalize
+    around it, CPython (before 3.14) would end that thread with pthread_exit as
+    it leaves torch's C++ code to take the GIL back, and that unwinding through
+    a noexcept frame is std::terminate: "terminate called without an active
+    exception", SIGABRT, after a drain that was otherwise clean. Waiting for the
+    step instead could hold the exit past the supervisor's grace, so after
+    STEP_WAIT_S the process leaves with `os._exit`: nothing is lost by skipping
+    finalization, since every job has ended and its events have been written and
+    copied to the store by now; the logs are flushed first.
+    """
+    if not handoff.wait_ended(STEP_WAIT_S):
+        return
+    log.warning("a device is still inside a step of cancelled work; exiting without waiting for it")
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

@@ -23,9 +23,10 @@ deadline), `jobs` (sorted set of every job's id, scored by its creation time), `
 owner's liveness key; also the name of the channel the owner listens on).
 
 **Expiry.** While a job runs its owner re-leases its keys every `heartbeat` s
-for `retention + 3 × heartbeat`; the terminal event sets every key to expire
-`retention` s later, after which `get` answers None (404) everywhere. A job
-whose owner dies is therefore forgotten by itself, never pinned in Redis.
+(and on every copy) for its liveness (below) plus `retention`; the terminal
+event sets every key to expire `retention` s later, after which `get` answers
+None (404) everywhere. A job whose owner dies is therefore forgotten by itself,
+never pinned in Redis, but not before it has read as lost for `retention` s.
 
 **Idempotency keys** are `SET NX` (atomic across replicas) with the same
 lease; `release` is a compare-and-delete.
@@ -54,10 +55,12 @@ While Redis cannot be read the owner cancels nothing for want of clients.
 the outage grace (`--store-outage-grace`, plus `3 × heartbeat`): deliberately
 no sooner, since a replica cut off from a stalled or restarting Redis looks
 just like a dead one, and its jobs must outlive such an outage. Any replica
-that then reads the unfinished job (`get`, or a follower waiting on its
-stream) ends it with `error` `backend_unavailable` at the next seq — a
+that then reads the unfinished job (`get`, a listing, or a follower waiting on
+its stream) ends it with `error` `backend_unavailable` at the next seq — a
 compare-and-set in Lua, so it happens once and only if the owner is really
-silent. An owner that was only cut off from Redis for longer than the grace
+silent. Its keys last that long and `retention` more (see Expiry): for
+`retention` s after its owner counts as gone it reads as lost, never as
+unknown, whenever it is first asked for. An owner that was only cut off from Redis for longer than the grace
 and finds its job ended that way cancels the work (its own clients get that
 one terminal event). A replica that shuts down ends its unfinished jobs with
 `shutting_down`, copies those events out (for up to 2 s), then drops its
@@ -129,7 +132,9 @@ READ_COUNT = 1000  # most events one XREAD returns
 #
 # Writing is a sign of life (the liveness key), so a job Redis lost and gets
 # back is never taken for an orphan between its copy and the next heartbeat; and
-# a job copied afresh is listed and keeps its idempotency key again.
+# a job copied afresh is listed and keeps its idempotency key again. Its keys are
+# leased from then too: a stream begun just before its owner died expires with
+# the rest.
 _MIRROR = """
 if redis.call('HEXISTS', KEYS[1], 'tseq') == 1 then return 0 end
 local fresh = redis.call('EXISTS', KEYS[1]) == 0
@@ -152,7 +157,7 @@ end
 if ARGV[4] ~= '' then
   redis.call('HSET', KEYS[1], 'tseq', ARGV[4], 'ttype', ARGV[5])
   for _, key in ipairs(own) do redis.call('PEXPIRE', key, ARGV[3]) end
-elseif fresh then
+else
   for _, key in ipairs(own) do redis.call('PEXPIRE', key, ARGV[9]) end
 end
 return 1
@@ -497,7 +502,10 @@ class RedisStore(JobStore):
 
     @property
     def _lease_ms(self) -> int:
-        return self._ms(self.retention + self.ttl)
+        # A running job's keys outlive its owner's last sign of life by the owner's liveness and
+        # then the retention: a job whose owner died reads as lost (`_finalize_if_orphan`) for as
+        # long as a finished one reads as finished, never as unknown before its owner counts as gone.
+        return self._ms(self.liveness + self.retention)
 
     def _unavailable(self, exc: BaseException) -> ApiError:
         if isinstance(exc, TimeoutError) and self._busy():
@@ -711,12 +719,24 @@ class RedisStore(JobStore):
             ids = [member.decode() for member in await self._redis.zrange(self._index, 0, -1)]
             pipe = self._redis.pipeline(transaction=False)
             for job_id in ids:
-                pipe.hget(self._hash(job_id), "snapshot")
+                pipe.hmget(self._hash(job_id), "snapshot", "owner", "tseq")
             found = await pipe.execute() if ids else []
-            gone = [job_id for job_id, snapshot in zip(ids, found) if snapshot is None]
+            gone = [job_id for job_id, (snapshot, _, _) in zip(ids, found) if snapshot is None]
             if gone:  # expired jobs leave the index as it is read
                 await self._redis.zrem(self._index, *gone)
-        return [msgspec.json.decode(snapshot, type=JobSnapshot) for snapshot in found if snapshot is not None]
+            snapshots = {job_id: snapshot for job_id, (snapshot, _, _) in zip(ids, found) if snapshot is not None}
+            # A job whose owner went silent is listed as lost, as `get` reads it, not as running.
+            elsewhere = {
+                job_id: owner.decode()
+                for job_id, (snapshot, owner, tseq) in zip(ids, found)
+                if snapshot is not None and tseq is None and owner and owner.decode() != self.replica_id
+            }
+            silent = {owner for owner in set(elsewhere.values()) if not await self._owner_alive(owner)}
+            lost = [job_id for job_id, owner in elsewhere.items() if owner in silent]
+            for view in await asyncio.gather(*(self.get(job_id) for job_id in lost)):
+                if isinstance(view, RedisJobView):
+                    snapshots[view.id] = encode(view.snapshot())
+        return [msgspec.json.decode(snapshot, type=JobSnapshot) for snapshot in snapshots.values()]
 
     async def cancel(self, job: JobHandle) -> None:
         if isinstance(job, Job):

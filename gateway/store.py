@@ -191,10 +191,14 @@ class MemoryStore(JobStore):
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
-            now = time.time()
-            for job in list(self.jobs.values()):
-                if job.finished is not None and now - job.finished > self.retention:
-                    self._forget(job)
+            self._forget_expired(time.time())
+
+    def _forget_expired(self, now: float) -> None:
+        # A function of its own, so that no local of the sleeping sweep still holds the last job
+        # forgotten (and its result) until another comes.
+        for job in list(self.jobs.values()):
+            if job.finished is not None and now - job.finished > self.retention:
+                self._forget(job)
 
     def _forget(self, job: Job) -> None:
         self.jobs.pop(job.id, None)

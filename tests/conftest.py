@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from backends.execution import set_torch_threads
+from backends.memory import bound_heap
 from backends.local import LocalBackend
 from backends.remote import RemoteBackend
 from gateway.app import create_app
@@ -31,6 +32,8 @@ from tests.processes import ServeProcess, start_executor
 # default): the same here, so that what a test computes by hand and what a server returns are
 # summed in the same order, bit for bit.
 set_torch_threads(None)
+# And the heap's bound every server sets (backends/memory.py): peaks measured here are a server's.
+bound_heap()
 
 TINY_CONTEXT = 256
 
