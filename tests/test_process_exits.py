@@ -134,7 +134,9 @@ MARGIN_MIB = 48
 
 def test_the_memory_a_big_job_took_is_given_back_once_idle(tiny_model_path: Path, tmp_path: Path) -> None:
     # No retention: the result itself is forgotten at once, so that what is measured is the work's memory.
-    server = serve(tiny_model_path, tmp_path / "serve.log", "--retention", "0", "--log-level", "warning")
+    server = serve(
+        tiny_model_path, tmp_path / "serve.log", "--retention", "0", "--log-level", "warning", "--max-result-bytes", "512MiB"
+    )
     try:
         pid = server.proc.pid
         assert run_stream(server.url, "embed", {"texts": ["warm"], "pooling": "per_token"}).terminal["event"] == "data"
