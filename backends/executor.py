@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import logging
@@ -224,7 +225,8 @@ class Executor:
                 raise ApiError(Code.BAD_REQUEST, f"job {submitted.job_id} belongs to another session")
             return self._accepted(existing.job)  # a retried submit: the same job
         tool = self.backend.tool(submitted.tool)
-        params = params_mod.on_model(params_mod.decode_body(tool, bytes(submitted.params), "params"), self.backend.resolve_model)
+        decoded = await params_mod.off_loop(functools.partial(params_mod.decode_body, what="params"), bytes(submitted.params), tool)
+        params = params_mod.on_model(decoded, self.backend.resolve_model)
         cost = await self.backend.admit(tool, params, self.limits)
         # The gateway's tenant, as its own queue would count it; a gateway that sends none is one tenant.
         tenant = submitted.tenant if submitted.tenant is not None else SESSION + session_id

@@ -35,15 +35,21 @@ log = logging.getLogger("streamgate.worker")
 _alive: set[threading.Thread] = set()
 
 
-def wait_ended(timeout: float) -> int:
-    """Wait up to `timeout` s for every device thread to end; how many have not.
+def alive() -> frozenset[threading.Thread]:
+    """The device threads alive now."""
+    return frozenset(_alive)
+
+
+def wait_ended(timeout: float, besides: frozenset[threading.Thread] = frozenset()) -> int:
+    """Wait up to `timeout` s for every device thread but those `besides` to end; how many have not.
 
     A stopped thread ends after the step it is in; one never stopped waits for work (and counts).
     """
     deadline = time.monotonic() + timeout
-    for thread in list(_alive):
+    threads = [thread for thread in list(_alive) if thread not in besides]
+    for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    return sum(thread.is_alive() for thread in list(_alive))
+    return sum(thread.is_alive() for thread in threads)
 
 
 class Handoff:

@@ -179,7 +179,7 @@ class Replica:
         """Run one job, queued as the gateway's `tenant` with its `weight`; its Dispatch, frames and result."""
         try:
             tool = self.backend.tool(tool_name)
-            decoded = params_mod.on_model(params_mod.decode_body(tool, params), self.backend.resolve_model)
+            decoded = params_mod.on_model(await params_mod.off_loop(params_mod.decode_body, params, tool), self.backend.resolve_model)
             cost = await self.backend.admit(tool, decoded, self.limits)
             job = Job(tool.name, decoded, job_id=job_id, tenant=tenant, weight=weight)
             job.cost = cost

@@ -158,7 +158,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         drain.refuse()
         if request.method == "POST":
             body = await params_mod.read_body(request, settings.max_body_bytes, settings.body_timeout, metrics.client_timeout)
-            params = params_mod.decode_body(tool, body)
+            params = await params_mod.off_loop(params_mod.decode_body, body, tool)
         else:
             params = params_mod.decode_query(tool, request.query_params)
         params = params_mod.on_model(params, backend.resolve_model)

@@ -307,18 +307,20 @@ def _run_server(app: Any, settings: Settings, client_timeout: Callable[[str], No
     """Serve `app` until uvicorn stops (SIGTERM drains first), then leave as gateway/drain.py says."""
     import uvicorn
 
+    from backends import handoff
     from gateway.drain import exit_cleanly
     from gateway.slowclients import uvicorn_options
 
+    before = handoff.alive()
     try:
         uvicorn.run(
             app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None,
             **extra, **uvicorn_options(settings, client_timeout),
         )
     except KeyboardInterrupt:  # Ctrl-C, raised again by uvicorn once it is down: click exits 1
-        exit_cleanly(1)
+        exit_cleanly(1, before)
         raise
-    exit_cleanly()
+    exit_cleanly(0, before)
 
 
 def _params_given(params_json: str | None, pairs: tuple[str, ...]) -> tuple[dict[str, Any] | None, list[tuple[str, str]] | None]:

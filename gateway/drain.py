@@ -113,9 +113,10 @@ def on_sigterm(drain: Drain, in_flight: Callable[[], int], stop: Callable[[], Aw
     signal.signal(signal.SIGTERM, handle)
 
 
-def exit_cleanly(code: int = 0) -> None:
+def exit_cleanly(code: int = 0, besides: frozenset[threading.Thread] = frozenset()) -> None:
     """Once uvicorn has returned: return, for the process to exit as usual, or exit with `code`
-    at once if a device's step is still running.
+    at once if a device's step is still running (of the threads the server started: not those
+    `besides`, which were there before it, as other servers' are in a process that runs several).
 
     A step cannot be interrupted inside one native call (a forward pass over a
     long prompt), and its thread is a daemon. Were the interpreter to finalize
@@ -128,7 +129,7 @@ def exit_cleanly(code: int = 0) -> None:
     finalization, since every job has ended and its events have been written and
     copied to the store by now; the logs are flushed first.
     """
-    if not handoff.wait_ended(STEP_WAIT_S):
+    if not handoff.wait_ended(STEP_WAIT_S, besides):
         return
     log.warning("a device is still inside a step of cancelled work; exiting without waiting for it")
     logging.shutdown()

@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from gateway.errors import ApiError, from_validation_error
 from gateway.jobs import Job
-from gateway.params import check_json
+from gateway.params import check_json, off_loop
 from gateway.protocol import Code, EventType
 from gateway.metrics import Metrics
 from gateway.stream import CountedResponse, Streams
@@ -451,14 +451,18 @@ async def _result(job: Job, request: Request) -> bytes | None:
     return job.terminal.data if waiting.done() and not waiting.cancelled() and job.terminal is not None else None
 
 
+def _checked(kind: type[msgspec.Struct], body: bytes) -> Any:
+    check_json(body)
+    return msgspec.json.decode(body, type=kind)
+
+
 def routes(surface: Surface) -> list[Route]:
     """The `/v1/…` routes, every answer (errors included) in OpenAI's shape."""
 
     async def decode(request: Request, kind: type[msgspec.Struct]) -> Any:
         body = await surface.read_body(request)
-        check_json(body)
         try:
-            return msgspec.json.decode(body, type=kind)
+            return await off_loop(_checked, body, kind)
         except msgspec.ValidationError as exc:
             raise from_validation_error(exc) from None
         except msgspec.DecodeError as exc:

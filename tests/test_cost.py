@@ -4,9 +4,6 @@ peak RSS, and the 413 `too_large` a job over a bound gets before it is queued.""
 
 from __future__ import annotations
 
-import ctypes
-import gc
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,9 +15,9 @@ import torch
 
 from backends import model as models
 from gateway.cost import Budget, Cost
-from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.tools import Model, builtin_tools
+from bench.cost import cases, measure
 from tests.conftest import Server, make_server, run_stream
 from tests.test_batching import Recorder
 
@@ -33,30 +30,10 @@ def wide(wide_model_path: Path) -> Model:
     return models.load(models.resolve(str(wide_model_path)), "cpu")
 
 
-_libc = ctypes.CDLL("libc.so.6")
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(key + r":\s+(\d+)", f.read()).group(1)) * 1024  # type: ignore[union-attr]
-
-
 def priced_and_measured(model: Model, tool_name: str, raw: dict[str, Any]) -> tuple[Cost, int, int]:
-    """The tool's price for `raw` params, the process's peak RSS over the run and the encoding of its
-    result (memory handed back to the system before, and the peak mark reset), and the result's bytes."""
-    t = TOOLS[tool_name]
-    params = msgspec.convert(raw, t.params)
-    if t.check is not None:
-        t.check(model, params)
-    cost = t.cost(model, params)
-    gc.collect()
-    _libc.malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    before = _status("VmRSS")
-    with torch.inference_mode():
-        size = len(to_json(t.run(model, params, Recorder())))
-    return cost, _status("VmHWM") - before, size
+    """The tool's price for `raw` params, the peak its run took (the process's peak RSS, reset before
+    it; bench/cost.py measures the same on a GPU), and its result's bytes."""
+    return measure(model, tool_name, raw)
 
 
 @pytest.fixture(scope="module")
@@ -87,21 +64,7 @@ def test_a_masked_lms_price_is_never_under_its_measured_peak_by_more_than_a_quar
     assert cost.memory <= 4 * peak + 64 * MIB, (cost.memory / MIB, peak / MIB)
 
 
-CASES = [
-    ("embed", {"texts": ["a" * 4000]}),
-    ("embed", {"texts": ["a" * 2000] * 4, "pooling": "per_token"}),
-    ("embed", {"texts": ["ab" * 100] * 64, "pooling": "per_token"}),
-    ("logprobs", {"prompts": ["a" * 3000]}),
-    ("logprobs", {"prompts": ["a" * 2000] * 3, "top": 5}),
-    ("loglikelihood", {"prompts": ["a" * 1000] * 4, "continuations": ["b" * 1000] * 4}),
-    ("predict", {"prompt": "a" * 4000, "top_k": 50}),
-    ("logit_lens", {"prompt": "a" * 2000, "top_k": 20}),
-    ("logit_lens", {"prompt": "a" * 300, "top_k": 100, "layers": [0] * 100, "positions": [0] * 100}),
-    ("lens_grid", {"prompt": "a" * 3000}),
-    ("lens_line", {"prompt": "a" * 3000}),
-    ("activation_patching", {"src_prompt": "a" * 500, "tgt_prompt": "b" * 500}),
-    ("generate", {"prompts": ["a" * 1000] * 4, "max_tokens": 64}),
-]
+CASES = cases(scale=1)
 
 
 @pytest.mark.parametrize(("tool_name", "raw"), CASES, ids=[f"{name}-{i}" for i, (name, _) in enumerate(CASES)])
