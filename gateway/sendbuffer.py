@@ -37,7 +37,8 @@ import socket
 import struct
 from collections.abc import Callable, Iterator
 
-from starlette.types import Message, Scope
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
 log = logging.getLogger("streamgate.sendbuffer")
 
@@ -94,3 +95,36 @@ def limit_send_buffer(transport: asyncio.BaseTransport, size: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
     except OSError as exc:  # a socket gone before it was set up: nothing to bound
         log.debug("SO_SNDBUF not set: %s", exc)
+
+
+class WholeResponse(Response):
+    """A whole answer that may be big (a job's snapshot carries its result): a body over
+    `PIECE` is sent in pieces, each within `send_timeout`, and past it the connection is
+    cut (`on_write_timeout` counts it). A body up to `PIECE` is sent as any `Response`."""
+
+    def __init__(
+        self,
+        content: bytes,
+        *,
+        send_timeout: float,
+        on_write_timeout: Callable[[], None],
+        status_code: int = 200,
+        headers: dict[str, str] | None = None,
+        media_type: str = "application/json",
+    ) -> None:
+        super().__init__(content, status_code=status_code, headers=headers, media_type=media_type)
+        self.send_timeout = send_timeout
+        self._on_write_timeout = on_write_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if len(self.body) <= PIECE or scope.get("method") == "HEAD":
+            await super().__call__(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for message in pieces(self.body, more_body=False):
+            try:
+                async with asyncio.timeout(self.send_timeout):
+                    await send(message)
+            except TimeoutError:
+                await cut(scope, self._on_write_timeout, self.send_timeout)
+                return

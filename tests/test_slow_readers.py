@@ -1,6 +1,6 @@
 """Readers that never read: a big result written to a client that stopped reading is cut by
 the write timeout, its terminal event included, and what a connection holds unsent is bounded
-(gateway/sendbuffer.py), on the job streams and the OpenAI routes' streams alike.
+(gateway/sendbuffer.py), for event streams, snapshots and the OpenAI routes alike.
 
 A real gateway on loopback (uvicorn, the protocol of gateway/slowclients.py, as
 `streamgate serve` builds it), followed through raw sockets whose receive buffer is
@@ -215,17 +215,31 @@ def dechunk(raw: bytes) -> bytes:
         rest = rest[size + 2 :]
 
 
+def test_a_snapshot_of_a_big_result_to_a_client_that_never_reads_is_cut(server: Server, job_id: str) -> None:
+    """`GET /jobs/{id}` carries the result: a whole answer is written as a stream's big event is."""
+    before = timeouts(server)["write"]
+    with never_reads(server, get(f"/jobs/{job_id}")) as sock:
+        wait_until(lambda: timeouts(server)["write"] > before, TIMEOUT + 5, "the stalled answer to be cut")
+        wait_until(lambda: not held(server, [sock]), 5, "the server to drop the connection")
+        got = read_until_reset(sock)
+    assert got < RESULT
+    # Read at once, it arrives whole.
+    response = httpx.get(f"{server.url}/jobs/{job_id}", timeout=30)
+    assert response.status_code == 200 and response.json()["terminal"]["data"]["text"] == "x" * RESULT
+
+
 # The OpenAI routes: echo and logprobs of every prompt token (lm-eval's loglikelihood) make an
 # answer of about 1.5 MB on the tiny model; a send buffer of 64 KiB makes that many times what
 # a connection holds.
 SCORING = {"prompt": ["abcdefghij" * 25] * 32, "max_tokens": 0, "echo": True, "logprobs": 20, "temperature": 0}
 
 
-def test_an_openai_stream_to_a_client_that_never_reads_is_cut(tiny_model_path: Path) -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_an_openai_answer_to_a_client_that_never_reads_is_cut(tiny_model_path: Path, stream: bool) -> None:
     server = make_server(tiny_model_path, write_timeout=TIMEOUT, send_buffer=64 * 1024)
     try:
         before = timeouts(server)["write"]
-        with never_reads(server, post("/v1/completions", {**SCORING, "stream": True})) as sock:
+        with never_reads(server, post("/v1/completions", {**SCORING, "stream": stream})) as sock:
             wait_until(lambda: timeouts(server)["write"] > before, 30, "the stalled answer to be cut")
             wait_until(lambda: not held(server, [sock]), 5, "the server to drop the connection")
             assert open_streams(server) == 0
