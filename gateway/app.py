@@ -37,6 +37,7 @@ from gateway.jobs import Job
 from gateway.logs import RequestIds, request_id_headers
 from gateway.metrics import Metrics
 from gateway.protocol import Code, encode, parse_event_id
+from gateway.sendbuffer import WholeResponse
 from gateway.store import JobHandle, JobStore, MemoryStore, jobs_query
 from gateway.tools.base import Tool
 from gateway.stream import Slot, Streams, job_response
@@ -250,9 +251,13 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             raise ApiError(Code.BAD_REQUEST, f"Last-Event-ID {resumed[0]}:{resumed[1]} is not an event of job {job.id}")
         return _resume(job, slot, resumed[1] if resumed else 0)
 
+    def whole(body: bytes) -> Response:
+        """A JSON answer that may carry results (a snapshot, a page of them): big, it is sent as a stream's big event is."""
+        return WholeResponse(body, send_timeout=settings.write_timeout, on_write_timeout=lambda: metrics.client_timeout("write"))
+
     async def job_snapshot(request: Request) -> Response:
         job = await _job(request.path_params["job_id"], auth.authenticate(request))
-        return Response(encode(job.snapshot()), media_type="application/json")
+        return whole(encode(job.snapshot()))
 
     async def cancel_job(request: Request) -> Response:
         job = await _job(request.path_params["job_id"], auth.authenticate(request))
@@ -265,7 +270,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         principal = auth.authenticate(request)
         query = jobs_query(request)
         mine = [s for s in await store.snapshots() if auth.sees(principal, s.owner) and query.wants(s)]
-        return Response(encode(query.page(mine)), media_type="application/json")
+        return whole(encode(query.page(mine)))
 
     async def ticket(request: Request) -> Response:
         principal = auth.authenticate(request)

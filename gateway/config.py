@@ -37,6 +37,7 @@ class Settings(msgspec.Struct, kw_only=True):
     max_job_memory: int | None = None
     max_result_bytes: int = DEFAULT_RESULT_BYTES
     max_header_bytes: int = 64 * 1024  # a request line and headers, together (gateway/slowclients.py)
+    send_buffer: int = 512 * 1024  # each connection's SO_SNDBUF (gateway/sendbuffer.py)
     # Slow clients: seconds for a request's headers (gateway/slowclients.py), then its body (gateway/params.py).
     header_timeout: float = 10.0
     body_timeout: float = 30.0

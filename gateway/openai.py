@@ -39,6 +39,7 @@ from gateway.jobs import Job
 from gateway.params import check_json, off_loop
 from gateway.protocol import Code, EventType
 from gateway.metrics import Metrics
+from gateway.sendbuffer import WholeResponse
 from gateway.stream import CountedResponse, Streams
 
 _STARTED = time.time()  # the `created` of every model in /v1/models
@@ -512,7 +513,13 @@ def routes(surface: Surface) -> list[Route]:
             status, body = _failure(data)
             return Response(msgspec.json.encode(body), status_code=status, headers=headers, media_type="application/json")
         answer = _answer(plan, job, job.model or "", msgspec.json.decode(data))
-        return Response(msgspec.json.encode(answer), headers=headers, media_type="application/json")
+        # Big with echo and logprobs (lm-eval's loglikelihood): sent as a stream's big event is.
+        return WholeResponse(
+            msgspec.json.encode(answer),
+            headers=headers,
+            send_timeout=surface.write_timeout,
+            on_write_timeout=lambda: surface.metrics.client_timeout("write"),
+        )
 
     async def completions(request: Request) -> Response:
         return await run(request, _completion_plan, CompletionRequest)

@@ -30,6 +30,10 @@ What it deliberately leaves alone:
 - A body the app is reading: the app answers the 408 itself, as any other error
   (`read_body` in gateway/params.py, the same `--body-timeout`).
 - A slow reader: the stream's `send_timeout` (`--write-timeout`, gateway/stream.py).
+  The protocol only bounds what a connection may hold unsent, and offers a way
+  to drop it (gateway/sendbuffer.py): each connection's kernel send buffer is
+  fixed at `--send-buffer`, and each request's scope carries a way to drop the
+  connection (the `streamgate.drop` extension), for the write timeout's cut.
 
 `uvicorn_options` is the one way to build the server with it, for `streamgate
 serve`, `streamgate executor` and the tests alike. It names the protocol and
@@ -55,6 +59,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from gateway.config import Settings
 from gateway.errors import ApiError
 from gateway.protocol import Code, ErrorBody, encode
+from gateway.sendbuffer import DROP, drop, limit_send_buffer
 
 log = logging.getLogger("streamgate.slowclients")
 
@@ -68,6 +73,7 @@ class SlowClientProtocol(HttpToolsProtocol):
         header_timeout: float,
         body_timeout: float,
         max_header_bytes: int = 64 * 1024,
+        send_buffer: int | None = None,
         on_timeout: Callable[[str], None] = lambda phase: None,
         **kwargs: Any,
     ) -> None:
@@ -78,6 +84,7 @@ class SlowClientProtocol(HttpToolsProtocol):
         self._due: asyncio.TimerHandle | None = None
         self._message_done = True  # the current request's body is all in (or there is none yet)
         self.max_header_bytes = max_header_bytes
+        self.send_buffer = send_buffer  # SO_SNDBUF of each connection; None: the kernel's auto-tuning
         # The current request's head: its request line and headers as parsed (exact), and the bytes read
         # while it is incomplete (a bound on what the parser buffers of a header not yet whole); None in a body.
         self._head: int | None = 0
@@ -116,12 +123,15 @@ class SlowClientProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.send_buffer is not None:
+            limit_send_buffer(transport, self.send_buffer)
         self._expect("headers")  # from the start: a connection that never sends a byte is a slowloris too
 
     # The parser's callbacks, in a request's order.
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["extensions"] = {DROP: self._drop}
         self._head, self._head_read = 0, 0
         self._message_done = False
         if self._owed != "headers":
@@ -181,6 +191,9 @@ class SlowClientProtocol(HttpToolsProtocol):
         self._expect(None)
         super().connection_lost(exc)
 
+    def _drop(self) -> None:
+        drop(self.transport)
+
     def _expect(self, owed: str | None) -> None:
         if self._due is not None:
             self._due.cancel()
@@ -231,6 +244,7 @@ def uvicorn_options(settings: Settings, on_timeout: Callable[[str], None]) -> di
         header_timeout=settings.header_timeout,
         body_timeout=settings.body_timeout,
         max_header_bytes=settings.max_header_bytes,
+        send_buffer=settings.send_buffer,
         on_timeout=on_timeout,
     )
     return {"http": protocol, "loop": event_loop()}

@@ -15,7 +15,11 @@ headers and framing, with deliberate differences, each measured
   routes' streams (gateway/openai.py), which want its ping clock.
 - One watcher for every stream (`Streams.watch`), not timers and tasks per
   stream: each write is stamped with its start, and the watcher cuts a write
-  blocked past `send_timeout`; on shutdown it ends every open stream's job.
+  blocked past `send_timeout`, dropping what the connection has not sent; on
+  shutdown it ends every open stream's job. A chunk over a piece (a big
+  result) is written a piece at a time, each stamped, and counts as written
+  once drained (gateway/sendbuffer.py): a stream ends, and frees its slot,
+  when its client has the terminal event, not when the server buffered it.
 - Keep-alive comments come from this generator, not from a ping task: a
   `: ping` is written only after `ping_interval` seconds in which nothing else
   was, instead of on a fixed clock alongside the data.
@@ -46,9 +50,10 @@ from typing import Any
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus, SendTimeoutError
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from backends.base import Backend
+from gateway import sendbuffer
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.logs import bind_job
@@ -192,7 +197,9 @@ class Slot:
 
 class CountedResponse(EventSourceResponse):
     """An event stream that calls `on_end` however it ends (finished, client gone, cancelled before
-    its body began), and `on_write_timeout` when a client stopped reading for `send_timeout`."""
+    its body began), and `on_write_timeout` when a client stopped reading for `send_timeout`,
+    whose connection is then cut. An event over a piece is sent in pieces, each within
+    `send_timeout` (gateway/sendbuffer.py)."""
 
     def __init__(
         self, *args: object, on_end: Callable[[], None], on_write_timeout: Callable[[], None], **kwargs: object
@@ -205,16 +212,19 @@ class CountedResponse(EventSourceResponse):
         try:
             await super().__call__(scope, receive, send)
         except SendTimeoutError:
-            _write_timed_out(self._on_write_timeout, self.send_timeout)
+            await sendbuffer.cut(scope, self._on_write_timeout, self.send_timeout)
         finally:
             self._on_end()
 
-
-def _write_timed_out(count: Callable[[], None], timeout: float | None) -> None:
-    # A client that stopped reading (half-open, or a stalled proxy): detached, and its
-    # connection closed by the server. A known end, not an error with a traceback.
-    count()
-    log.warning("a client stopped reading for %g s: detached", timeout)
+    async def _send_with_timeout(self, send: Send, message: Message) -> None:
+        # sse-starlette times each of its sends; a big event is made several, each timed on its own,
+        # the last waiting for the rest to drain: the untimed send that ends the body never waits long.
+        body = message.get("body", b"")
+        if len(body) <= sendbuffer.PIECE:
+            await super()._send_with_timeout(send, message)
+            return
+        for piece in sendbuffer.pieces(body, more_body=message.get("more_body", False)):
+            await super()._send_with_timeout(send, piece)
 
 
 class JobStreamResponse(Response):
@@ -281,7 +291,7 @@ class JobStreamResponse(Response):
                     listener.cancel()
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 elif self._write_timed_out:
-                    _write_timed_out(self._on_write_timeout, self.send_timeout)
+                    await sendbuffer.cut(scope, self._on_write_timeout, self.send_timeout)
             finally:
                 listener.cancel()
         finally:
@@ -300,12 +310,15 @@ class JobStreamResponse(Response):
                 return False
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk, last in self.body_iterator:
-                # Stamped, not timed: the streams' watcher cuts a write blocked too long, at no
-                # cost to the writes that are not (a timer per write cost more than the write).
-                self._sending_since = loop.time()
-                # The last chunk ends the body in the same write (no empty chunk after it).
-                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
-                self._sending_since = None
+                if len(chunk) > sendbuffer.PIECE:
+                    await self._send_pieces(send, chunk, last)
+                else:
+                    # Stamped, not timed: the streams' watcher cuts a write blocked too long, at no
+                    # cost to the writes that are not (a timer per write cost more than the write).
+                    self._sending_since = loop.time()
+                    # The last chunk ends the body in the same write (no empty chunk after it).
+                    await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                    self._sending_since = None
                 if last:
                     return False
             return True
@@ -320,6 +333,15 @@ class JobStreamResponse(Response):
         finally:
             self._streaming = False
             self._sending_since = None
+
+    async def _send_pieces(self, send: Send, chunk: bytes, last: bool) -> None:
+        """A big chunk, a piece at a time, each stamped on its own: a reader that stopped blocks a
+        piece, for the watcher to cut; a last one ends the body once it has drained (gateway/sendbuffer.py)."""
+        loop = asyncio.get_running_loop()
+        for message in sendbuffer.pieces(chunk, more_body=not last):
+            self._sending_since = loop.time()
+            await send(message)
+        self._sending_since = None
 
     async def _listen(self, receive: Receive) -> None:
         while True:

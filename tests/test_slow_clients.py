@@ -201,12 +201,13 @@ def test_the_commands_build_their_servers_with_the_deadlines(
     where = ["--backend", "remote", "--executor", "http://127.0.0.1:9"] if command == "serve" else ["--model", str(tiny_model_path)]
     result = CliRunner().invoke(
         cli.main,
-        [command, *where, "--header-timeout", "2.5", "--body-timeout", "7"],
+        [command, *where, "--header-timeout", "2.5", "--body-timeout", "7", "--send-buffer", "256KiB"],
         env={name: None for name in os.environ if name.startswith("STREAMGATE_")},
     )
     assert result.exit_code == 0, result.output
     http = started["http"]
     assert http.func is SlowClientProtocol and started["loop"] == "uvloop"
     assert (http.keywords["header_timeout"], http.keywords["body_timeout"]) == (2.5, 7)
+    assert http.keywords["send_buffer"] == 256 * 1024
     state = started["app"].state
     assert (state.settings.body_timeout if command == "serve" else state.executor.body_timeout) == 7
