@@ -347,8 +347,8 @@ class Safety:
         outcome.notes.append(
             f"followers: {FOLLOWERS} never-reading streams (SO_RCVBUF {FOLLOWER_RCVBUF}) of a "
             f"{result:.1f} MB result: RSS {(held - before) / 1024:.0f} MB over the same "
-            f"job's without followers 0.5 s after it ended ({held_streams} streams open), "
-            f"{(after - before) / 1024:.0f} MB after --write-timeout {WRITE_TIMEOUT} s ({after_streams} open)"
+            f"job's without followers 0.5 s after it ended (streams the gateway counts open: {held_streams}), "
+            f"{(after - before) / 1024:.0f} MB after --write-timeout {WRITE_TIMEOUT} s ({after_streams})"
         )
         return outcome
 
@@ -515,11 +515,10 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     report.target(f"/healthz p99 < {HEALTHZ_MS} ms under every attack",
                   f"worst {common.fmt(common.percentile(worst.healthz, 99))} ms ({worst.attack})",
                   common.percentile(worst.healthz, 99) < HEALTHZ_MS and not safety.probe.failures)
-    late = [r for r in safety.rows if not r.bystander or max(r.bystander) > r.allowed]
-    ratios = [(max(r.bystander) / r.allowed, r.attack) for r in safety.rows if r.bystander]
+    late = [f"{r.attack} ({max(r.bystander) / r.allowed:.2f}x)" if r.bystander else f"{r.attack} (none measured)"
+            for r in safety.rows if not r.bystander or max(r.bystander) > r.allowed]
     report.target("every bystander within 2x its idle p50 plus one step",
-                  f"worst {common.fmt(max(ratios)[0], 2)}x its allowance ({max(ratios)[1]})" if ratios else "none measured",
-                  not late)
+                  f"over it: {', '.join(late)}" if late else f"all {len(safety.rows)}", not late)
     refusals = [r for r in safety.rows if r.outcome.refusal]
     wrong = [r for r in refusals if r.jobs or not all(a.startswith("4") for a in r.outcome.answer.split(" / "))]
     report.target("every refusal a 4xx before queueing (no job in GET /jobs)",
