@@ -83,7 +83,7 @@ class Bench:
         self.quick: bool = args.quick
         self.dir = Path(tempfile.mkdtemp(prefix="streamgate-bench-"))
         self.processes: list[ServeProcess] = []
-        self._tiny: Path | None = None
+        self._tiny: dict[bool, Path] = {}
 
     def __enter__(self) -> Bench:
         return self
@@ -93,21 +93,25 @@ class Bench:
             stop(process)
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def tiny_model(self) -> Path:
-        """A tiny random Llama (2 layers, hidden 32, byte tokenizer), built once per run."""
-        if self._tiny is None:
+    def tiny_model(self, wide: bool = False) -> Path:
+        """A tiny random Llama (2 layers, hidden 32, byte tokenizer), built once per run; `wide`: hidden
+        256 and an 8k context, as the tests' `wide_model_path` (a long input's pass takes tens of MB
+        and a good part of a second)."""
+        if wide not in self._tiny:
             from tests.conftest import build_tiny_model  # imports torch: only when a tiny model is needed
 
+            shape = {"hidden": 256, "context": 8192} if wide else {}
             with contextlib.redirect_stderr(io.StringIO()):  # transformers' progress bar while saving
-                self._tiny = build_tiny_model(self.dir / "tiny-model")
-        return self._tiny
+                self._tiny[wide] = build_tiny_model(self.dir / ("wide-model" if wide else "tiny-model"), **shape)
+        return self._tiny[wide]
 
-    def model(self, *, default_tiny: bool) -> str | None:
-        """`--model`, else the tiny model where the figures do not depend on it (or in --quick), else the default."""
+    def model(self, *, default_tiny: bool, wide: bool = False) -> str | None:
+        """`--model`, else the tiny model (`wide`: the wide one) where the figures do not depend on it
+        (or in --quick), else the default."""
         if self.args.model:
             return self.args.model
         if default_tiny or self.quick:
-            return str(self.tiny_model())
+            return str(self.tiny_model(wide))
         return None
 
     def start(self, argv: Sequence[str], port: int, name: str, env: dict[str, str] | None = None) -> ServeProcess:
@@ -162,6 +166,12 @@ def stop(process: ServeProcess) -> None:
             proc.wait(timeout=30)
 
 
+def reset_peak_rss(pid: int) -> None:
+    """Set a process's peak (VmHWM) back to its resident memory now, so that the next reading of
+    VmHWM is the peak since this call (Linux; a process of the same user)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
 def rss_kb(pid: int, field: str = "VmRSS") -> int:
     """Resident memory of a process, in KiB: now (VmRSS), or its peak so far (VmHWM)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -209,9 +219,13 @@ class Response:
 
     @classmethod
     async def open(
-        cls, port: int, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+        cls, port: int, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
+        source: str | None = None,
     ) -> Response:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
+        """`source`: the loopback address to connect from (127.0.0.2…): without tokens, the gateway's
+        owner of the request is its client's address, so each source is another tenant."""
+        local = (source, 0) if source else None
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24, local_addr=local)
         lines = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", "Connection: close"]
         lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
         if body is not None:
@@ -286,6 +300,7 @@ class JobRun:
     sent: float
     events: list[SseEvent] = field(default_factory=list)
     pings: int = 0
+    body: bytes = b""  # the answer, when it was not a stream (an error's JSON)
 
     @property
     def terminal(self) -> SseEvent | None:
@@ -308,13 +323,13 @@ class JobRun:
         return self.events[0].at - self.sent
 
 
-async def run_job(port: int, path: str, params: Any, *, method: str = "POST") -> JobRun:
+async def run_job(port: int, path: str, params: Any, *, method: str = "POST", source: str | None = None) -> JobRun:
     """POST `params` to `path` and follow the stream to its terminal event (or its end)."""
-    response = await Response.open(port, method, path, msgspec.json.encode(params))
+    response = await Response.open(port, method, path, msgspec.json.encode(params), source=source)
     run = JobRun(response.status, response.headers.get("x-job-id", ""), response.sent)
     try:
         if response.status != 200:
-            await response.body()
+            run.body = await response.body()
             return run
         async for event in response.events():
             run.events.append(event)
@@ -324,6 +339,57 @@ async def run_job(port: int, path: str, params: Any, *, method: str = "POST") ->
         run.pings = response.pings
         response.close()
     return run
+
+
+class Probe:
+    """One GET (`/healthz`) over and over on a kept-alive connection of its own, `gap` seconds apart,
+    from `start()` to `stop()`: when each was sent and how long its answer took, read per span of
+    the run with `between`. A probe still unanswered at `stop()` counts with the time it had waited."""
+
+    def __init__(self, port: int, path: str = "/healthz", gap: float = 0.01) -> None:
+        self.port = port
+        self.request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+        self.gap = gap
+        self.samples: list[tuple[float, float]] = []  # (time.time() sent, seconds to the whole answer)
+        self.failures = 0  # answers other than 200, and connections lost
+        self._sent: float | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        if self._sent is not None:
+            self.samples.append((self._sent, time.time() - self._sent))
+
+    def between(self, start: float, end: float) -> list[float]:
+        """Milliseconds of the probes sent from `start` to `end` (time.time())."""
+        return [seconds * 1000 for sent, seconds in self.samples if start <= sent <= end]
+
+    async def _loop(self) -> None:
+        while True:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            try:
+                while True:
+                    self._sent = time.time()
+                    writer.write(self.request)
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = next((int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                                   if line.startswith(b"content-length:")), 0)
+                    await reader.readexactly(length)
+                    self.samples.append((self._sent, time.time() - self._sent))
+                    self._sent = None
+                    self.failures += b" 200 " not in head.split(b"\r\n", 1)[0] + b" "
+                    await asyncio.sleep(self.gap)
+            except (OSError, asyncio.IncompleteReadError):
+                self.failures += 1
+                self._sent = None
+            finally:
+                writer.close()
 
 
 @dataclass

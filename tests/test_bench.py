@@ -244,3 +244,24 @@ def test_encoding():
     # The numbers agree each way (the script exits 1 otherwise).
     assert [row["same numbers"] for row in table.rows] == ["yes"] * 3
     assert printed.targets == [("every array's numbers the same each way: the same", "met")]
+
+
+SAFETY_ATTACKS = [
+    'body: 1 MiB of "\\', "header: 4 MiB", "lens: 400x400, top_k 100", "embed over the budget", "embed under the budget",
+    "flood: 200 streams", "cancel a long embed", "10 never-reading followers",
+]
+
+
+def test_safety():
+    printed = run_bench("safety")
+    (table,) = printed.tables
+    assert [row["attack"] for row in table.rows] == SAFETY_ATTACKS
+    answers = [row["answer"] for row in table.rows]
+    # What each attack is answered is a function, not a figure: each refusal its own 4xx, before any job is made.
+    assert answers[:4] == ["400 bad_request", "431 headers_too_large", "413 too_large: top_k", "413 too_large: texts"]
+    assert table.numbers("jobs made")[:4] == [0, 0, 0, 0]
+    assert answers[4] == answers[7] == "200 data" and answers[6] == "200 error cancelled", answers
+    assert re.fullmatch(r"\d+ ran; \d+ got 429 rate_limited", answers[5]), answers[5]
+    for column in ("answer ms", "peak RSS over idle MB", "healthz p50 ms", "healthz p99 ms", "bystander max ms", "allowed ms"):
+        assert all(value is not None for value in table.numbers(column)), (column, table.rows)
+    assert len(printed.targets) == 6
