@@ -105,7 +105,7 @@ class Shape:
             kv_heads=get("num_key_value_heads", "multi_query_group_num") or heads,
             vocab=max(int(model.vocab_size), 1),
             dtype_bytes=_itemsize(model.dtype),
-            eager=getattr(config, "_attn_implementation", "eager") in (None, "eager"),
+            eager=_materialises_scores(config, model),
         )
         model.memo["shape"] = shape
         return shape
@@ -138,6 +138,17 @@ class Shape:
 # The block's input, norm, query, key, value, attention output, projection and residual sum
 # (`hidden` wide each), beside the MLP's up, gate and product (`intermediate` wide).
 BLOCK_WIDTHS = 8
+
+
+def _materialises_scores(config: Any, model: Any) -> bool:
+    """Whether attention holds each head's scores: eager attention does; SDPA does on a CUDA
+    device in float32, where its fused kernels do not run (bench/RESULTS.md: an 8k-token embed
+    took 6.2 GB there, 0.5 GB in bfloat16); on the CPU its flash kernel runs in float32 too."""
+    implementation = getattr(config, "_attn_implementation", "eager")
+    if implementation in (None, "eager"):
+        return True
+    device = str(getattr(model, "device", "cpu"))
+    return implementation == "sdpa" and device.startswith("cuda") and _itemsize(model.dtype) >= 4
 
 
 def _itemsize(dtype: Any) -> int:
