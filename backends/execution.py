@@ -397,7 +397,10 @@ class Worker:
             return await self.call(_assemble, work, self.model, params, outputs, ctxs, self.encode)
         except Exception:
             log.warning("a spread %s batch failed; running it on one device", tool.name, exc_info=True)
-            return await self.call(step, batch, added, self.encode)
+            ended = await self.call(step, batch, added, self.encode)
+            while len(batch):  # a batch of several steps (a chunk each) runs them all
+                ended += await self.call(step, batch, [], self.encode)
+            return ended
 
     def _thread_post(self, fn: Callable[[], None]) -> None:
         assert self._thread is not None

@@ -133,13 +133,13 @@ def test_each_request_on_a_kept_alive_connection_has_its_own_header_budget(gw: S
 
 
 class Gate:
-    """Holds the first wide pass (over `min_width` tokens or more) at the model's first block until
+    """Holds the `nth` wide pass (over `min_width` tokens or more) at the model's first block until
     released, and counts the block calls of wide passes after that: what ran past a cancel."""
 
-    def __init__(self, model: Any, min_width: int) -> None:
+    def __init__(self, model: Any, min_width: int, nth: int = 1) -> None:
         from backends.stopping import stop_points
 
-        self.min_width = min_width
+        self.min_width, self.nth, self.passes = min_width, nth, 0
         self.entered = threading.Event()
         self.release = threading.Event()
         self.after = 0
@@ -153,8 +153,10 @@ class Gate:
 
     def _hold(self, module: Any, args: Any) -> None:
         if self._width(args) >= self.min_width and not self.entered.is_set():
-            self.entered.set()
-            assert self.release.wait(60)
+            self.passes += 1
+            if self.passes == self.nth:
+                self.entered.set()
+                assert self.release.wait(60)
 
     def _count(self, module: Any, args: Any) -> None:
         if self.release.is_set() and self._width(args) >= self.min_width:
@@ -227,3 +229,26 @@ def test_a_job_timeout_stops_a_long_pass_at_its_next_block(wide_model_path: Path
         server.stop()
     assert events[-1]["data"]["error"]["code"] == "timeout"
     assert after == 1
+
+
+def test_another_tools_job_runs_between_two_chunks_of_a_long_embed(wide_gw: Server) -> None:
+    """A's embed of 8 long texts runs in 4 chunks, one a step; B's predict, sent while the first
+    runs, ends while the second is held: it ran between them, not after the whole embed."""
+    gate = Gate(wide_gw.backend.model, min_width=1000, nth=2)
+    try:
+        first = Gate(wide_gw.backend.model, min_width=1000)
+        a_events: list[dict[str, Any]] = []
+        a = _job_started(wide_gw.url, "embed", {"texts": ["a" * 6000] * 8}, a_events)
+        assert first.entered.wait(60)
+        b_events: list[dict[str, Any]] = []
+        b = _job_started(wide_gw.url, "predict", {"prompt": "Hello", "top_k": 3}, b_events)
+        wait_until(lambda: httpx.get(wide_gw.url + "/jobs?state=active").json()["jobs"].__len__() == 2, 30, "B queued")
+        first.remove()
+        b.join(60)
+        assert b_events and b_events[-1]["event"] == "data", b_events[-1:]
+        # Then A goes on to its second chunk, held there: B did not wait for the whole embed.
+        assert gate.entered.wait(60) and not a_events
+    finally:
+        gate.remove()
+    a.join(120)
+    assert a_events[-1]["event"] == "data"

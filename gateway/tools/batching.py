@@ -16,13 +16,14 @@ A one-pass tool whose work falls into independent chunks (`embed`'s texts,
 `pseudo_loglikelihood`'s masked copies) describes it as `Chunked`: a plan of
 chunks, sorted by length so that padding is small, the work of one chunk, and
 the assembly of the results in the caller's order. On one device the chunks
-run in turn; with several (`--devices`), the worker spreads one job's chunks
+run in turn, one a step (`ChunkSteps`: another tool's job may run between two); with several (`--devices`), the worker spreads one job's chunks
 over every device at once (`Tool.spread`, backends/execution.py). Either way
 each chunk is the same padded pass, so the results are the same.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -148,8 +149,12 @@ class Chunked:
     assemble: Callable[[Model, list[Any], dict[tuple[int, int], Any]], list[Any]]
     unit: str
 
+    def batch(self, model: Model) -> ChunkSteps:
+        """The tool's `batch`: its jobs' chunks, one a step (`ChunkSteps`)."""
+        return ChunkSteps(model, self)
+
     def many(self, model: Model, jobs: list[Any], ctxs: list[Context]) -> list[Any]:
-        """Every chunk in turn on this device: the `many` of `one_pass`."""
+        """Every chunk in turn on this device, in one call (a job run alone, or again after a failure)."""
         chunks = self.plan(model, jobs)
         progress = Progress(chunks, ctxs, self.unit)
         outputs: dict[tuple[int, int], Any] = {}
@@ -158,6 +163,67 @@ class Chunked:
             outputs.update(zip(chunk.items, self.run(model, jobs, chunk)))
             progress.advance(chunk)
         return self.assemble(model, jobs, outputs)
+
+
+class ChunkSteps:
+    """A `Chunked` tool's jobs run one chunk a step (the batch of a `Chunked` tool: `Chunked.batch`).
+
+    Run as one step, a big job's chunks would keep the worker for all of them;
+    a chunk a step lets the worker run a waiting job of another tool (another
+    owner's `predict`) between two chunks, and stop the work at the next one
+    when every member is cancelled. The batch takes no member once started.
+    As with `OnePass`, if a chunk fails, each member runs again alone, so that
+    an error reaches only the job at fault.
+    """
+
+    continuous = False
+
+    def __init__(self, model: Model, work: Chunked) -> None:
+        self.model, self.work = model, work
+        self.members: list[tuple[Any, Context]] = []
+        self._chunks: collections.deque[Chunk] | None = None
+        self._outputs: dict[tuple[int, int], Any] = {}
+        self._progress: Progress | None = None
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def add(self, params: Any, ctx: Context) -> None:
+        assert self._chunks is None, "a chunked batch takes no member once started"
+        self.members.append((params, ctx))
+
+    def step(self) -> list[tuple[Context, Any]]:
+        jobs, ctxs = [p for p, _ in self.members], [c for _, c in self.members]
+        if all(ctx.cancelled for ctx in ctxs):
+            return self._end([Cancelled()] * len(ctxs))
+        try:
+            if self._chunks is None:
+                chunks = self.work.plan(self.model, jobs)
+                self._chunks, self._progress = collections.deque(chunks), Progress(chunks, ctxs, self.work.unit)
+            if self._chunks:
+                chunk = self._chunks.popleft()
+                self._outputs.update(zip(chunk.items, self.work.run(self.model, jobs, chunk)))
+                assert self._progress is not None
+                self._progress.advance(chunk)
+            if self._chunks:
+                return []
+            results: list[Any] = self.work.assemble(self.model, jobs, self._outputs)
+        except Exception as exc:
+            if len(jobs) == 1 or isinstance(exc, Cancelled):
+                return self._end([exc] * len(jobs))
+            results = [self._alone(params, ctx) for params, ctx in self.members]
+        return self._end([Cancelled() if ctx.cancelled and not isinstance(r, BaseException) else r for ctx, r in zip(ctxs, results)])
+
+    def _end(self, outcomes: list[Any]) -> list[tuple[Context, Any]]:
+        ended = [(ctx, outcome) for (_, ctx), outcome in zip(self.members, outcomes)]
+        self.members, self._chunks, self._outputs = [], None, {}
+        return ended
+
+    def _alone(self, params: Any, ctx: Context) -> Any:
+        try:
+            return self.work.many(self.model, [params], [ctx])[0]
+        except Exception as exc:
+            return exc
 
 
 class Progress:

@@ -35,7 +35,7 @@ import torch
 from gateway.cost import JSON_FLOAT, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
-from gateway.tools.batching import Chunk, Chunked, chunk_peak, one_pass, sorted_chunks
+from gateway.tools.batching import Chunk, Chunked, chunk_peak, sorted_chunks
 
 EMBED_BATCH = 16  # texts per forward pass at most
 EMBED_TOKENS = 16384  # padded tokens per forward pass at most (a longer text runs alone)
@@ -227,7 +227,7 @@ work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="texts")
     cost=cost,
     caps={"texts": "max_sequences"},
     sequences=("texts",),
-    batch=one_pass(work.many),
+    batch=work.batch,
     spread=work,
     needs={Capability.HIDDEN_STATES},
 )

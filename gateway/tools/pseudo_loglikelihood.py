@@ -23,7 +23,7 @@ from gateway.cost import JSON_FLOAT, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
 from gateway.tools.anatomy import logits_at
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
-from gateway.tools.batching import Chunk, Chunked, chunk_peak, one_pass, sorted_chunks
+from gateway.tools.batching import Chunk, Chunked, chunk_peak, sorted_chunks
 from gateway.tools.numbers import floats
 
 PLL_ROWS = 64  # masked copies per forward pass at most
@@ -127,7 +127,7 @@ work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="positions")  # ty
     cost=cost,
     caps={"sequences": "max_sequences"},
     sequences=("sequences",),
-    batch=one_pass(work.many),
+    batch=work.batch,
     spread=work,
     needs={Capability.MASKED_LM},
 )
