@@ -4,7 +4,7 @@
 ordinary HTTP error with the protocol's JSON body, or `200` and the job's event
 stream. Every check that can fail runs before the stream opens, in this order:
 unknown tool, unreadable body, params, not ready, model-dependent checks
-(context length), queue full. Every job and stream counts against its tenant
+(context length, the job's price: gateway/cost.py), queue full. Every job and stream counts against its tenant
 (gateway/tenants.py): the token's name, or without tokens the client's address.
 """
 
