@@ -94,7 +94,9 @@ class Held:
 
 async def measure(bench: common.Bench, mode: str, streams: int, ping: float, hold: float) -> dict[str, object]:
     gateway = bench.streamgate(
-        "serve", "--queue-size", str(streams + 2 * WARM_UP), "--max-streams", str(streams + 2 * WARM_UP),
+        # One client opens them all: one owner, whose share of the queue is the whole of it here.
+        "serve", "--queue-size", str(streams + 2 * WARM_UP), "--max-queued-per-owner", str(streams + 2 * WARM_UP),
+        "--max-streams", str(streams + 2 * WARM_UP),
         "--ping-interval", str(ping),
         model=bench.model(default_tiny=True), name=f"serve-{mode}",
     )

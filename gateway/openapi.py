@@ -84,7 +84,9 @@ PROTOCOL = (
 )
 
 # What each error status means, from the codes that answer it.
-ERROR_STATUSES = (400, 401, 403, 404, 408, 413, 422, 429, 503)
+ERROR_STATUSES = (400, 401, 403, 404, 408, 413, 422, 429, 431, 503)
+# What any request may be answered, whatever its route: its line and headers over --max-header-bytes.
+EVERY_ROUTE = (431,)
 
 
 def endpoint(backend: Backend, limits: Mapping[str, int], *, secured: bool) -> Callable[[Request], Any]:
@@ -149,7 +151,7 @@ def _run_path(info: ToolInfo, ref: Mapping[str, Any], schemas: dict[str, Any]) -
     result = _hoist(schemas, name, "result", info.result_schema)
     partial = _hoist(schemas, name, "partial", info.partial_schema) if info.partial_schema else None
     schemas[f"{name}.event"] = _event_schema(ref, result=result, partial=partial)
-    stream = _stream_responses({"$ref": REF.format(name=f"{name}.event")}, (400, 401, 403, 404, 408, 413, 422, 429, 503))
+    stream = _stream_responses({"$ref": REF.format(name=f"{name}.event")}, (400, 401, 403, 404, 408, 413, 422, 429, *EVERY_ROUTE, 503))
     idempotency = {
         "name": "Idempotency-Key",
         "in": "header",
@@ -339,7 +341,7 @@ def _other_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
     }
 
     def op(op_id: str, summary: str, responses: dict[str, Any], **more: Any) -> dict[str, Any]:
-        return {"operationId": op_id, "summary": summary, "responses": responses, **more}
+        return {"operationId": op_id, "summary": summary, "responses": {**responses, **errors(*EVERY_ROUTE)}, **more}
 
     return {
         "/jobs": {
