@@ -242,7 +242,7 @@ class Worker:
                 self.running.clear()
                 # Nothing of the last job is held while the next is awaited: its result stays in
                 # memory for as long as the store keeps the job, not until another job comes.
-                job = tool = None  # type: ignore[assignment]
+                job = None  # type: ignore[assignment]
                 if not self.queue and self._thread is not None:
                     # Idle: what big work freed goes back (backends/memory.py), on the device's thread.
                     self._thread.soon(memory.give_back, self.model.device)

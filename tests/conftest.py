@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 import uvicorn
 
 from backends.execution import set_torch_threads
