@@ -166,19 +166,13 @@ class Budget:
         """413 `too_large` for a job over either bound: the bound, the estimate, and what to shrink."""
         # The result first: where it is over, it is also what makes the memory (the result is held).
         if cost.result > self.result:
-            raise ApiError(
-                Code.TOO_LARGE,
-                f"this job's result would be about {_size(cost.result)}; the limit is {_size(self.result)} "
-                f"(--max-result-bytes): shrink {cost.result_field}",
-                field=cost.result_field,
-            )
+            _refuse(f"this job's result would be about {_size(cost.result)}", self.result, "--max-result-bytes", cost.result_field)
         if cost.memory > self.memory:
-            raise ApiError(
-                Code.TOO_LARGE,
-                f"this job needs about {_size(cost.memory)} of memory at its peak; the limit is {_size(self.memory)} "
-                f"(--max-job-memory): shrink {cost.memory_field}",
-                field=cost.memory_field,
-            )
+            _refuse(f"this job needs about {_size(cost.memory)} of memory at its peak", self.memory, "--max-job-memory", cost.memory_field)
+
+
+def _refuse(what: str, bound: int, flag: str, field: str) -> None:
+    raise ApiError(Code.TOO_LARGE, f"{what}; the limit is {_size(bound)} ({flag}): shrink {field}", field=field)
 
 
 def _size(n: int) -> str:
