@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import hmac
 import logging
@@ -47,6 +46,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from backends.local import LocalBackend
 from gateway import params as params_mod
+from gateway.admission import Admission, Applicant
 from gateway.config import Settings
 from gateway.drain import Drain, on_sigterm
 from gateway.encoding import HASH_INLINE, HASHING
@@ -194,6 +194,7 @@ class Executor:
         self.sessions: dict[str, Session] = {}
         self.entries: dict[str, Entry] = {}
         self.metrics = Metrics(backend)
+        self.admission = Admission(backend, self.limits, drain=self.drain, metrics=self.metrics)
 
     def authorize(self, conn: HTTPConnection) -> None:
         if not self.token:
@@ -210,7 +211,7 @@ class Executor:
 
     async def submit(self, request: Request) -> Response:
         self.authorize(request)
-        self.drain.refuse()
+        self.admission.refuse_if_draining()
         session_id = request.headers.get("x-session-id")
         if not session_id:
             raise ApiError(Code.BAD_REQUEST, "the X-Session-Id header is required")
@@ -225,18 +226,14 @@ class Executor:
                 raise ApiError(Code.BAD_REQUEST, f"job {submitted.job_id} belongs to another session")
             return self._accepted(existing.job)  # a retried submit: the same job
         tool = self.backend.tool(submitted.tool)
-        decoded = await params_mod.off_loop(functools.partial(params_mod.decode_body, what="params"), bytes(submitted.params), tool)
-        params = params_mod.on_model(decoded, self.backend.resolve_model)
-        cost = await self.backend.admit(tool, params, self.limits)
+        params = await self.admission.decode(tool, bytes(submitted.params), "params")
         # The gateway's tenant, as its own queue would count it; a gateway that sends none is one tenant.
         tenant = submitted.tenant if submitted.tenant is not None else SESSION + session_id
-        job = Job(tool.name, params, job_id=submitted.job_id, tenant=tenant, weight=submitted.weight)
-        job.cost = cost
-        self.metrics.track(job)
+        job = await self.admission.admit(tool, params, Applicant(tenant, submitted.weight), job_id=submitted.job_id)
+        # Held from here on, with no await between: the job cannot have ended yet (the executor keeps no store).
         session = self.session(session_id)
         entry = Entry(job, session)
         job.on_end.append(entry.ended_with)
-        await self.backend.submit(job)
         self.entries[job.id] = entry
         session.jobs[job.id] = job
         session.follow(job, 0)

@@ -47,6 +47,7 @@ from backends.base import Relaying
 from backends.frames import failure, relay
 from backends.remote import as_json
 from gateway import params as params_mod
+from gateway.admission import Admission, Applicant
 from gateway.config import Settings
 from gateway.errors import ApiError
 from gateway.jobs import Job
@@ -135,6 +136,7 @@ class Replica:
         self.limits = self.settings.limits()
         self.name = serve.get_replica_context().replica_tag
         self.backend = from_settings(self.settings, encode=to_msgpack)
+        self.admission = Admission(self.backend, self.limits)
         await self.backend.start()
         # Serve counts the replica as up once its constructor returns: only when the model is.
         while not self.backend.ready:
@@ -179,11 +181,7 @@ class Replica:
         """Run one job, queued as the gateway's `tenant` with its `weight`; its Dispatch, frames and result."""
         try:
             tool = self.backend.tool(tool_name)
-            decoded = params_mod.on_model(await params_mod.off_loop(params_mod.decode_body, params, tool), self.backend.resolve_model)
-            cost = await self.backend.admit(tool, decoded, self.limits)
-            job = Job(tool.name, decoded, job_id=job_id, tenant=tenant, weight=weight)
-            job.cost = cost
-            await self.backend.submit(job)
+            job = await self.admission.admit(tool, await self.admission.decode(tool, params), Applicant(tenant, weight), job_id=job_id)
         except ApiError as exc:
             yield encode(Dispatch(error=exc.info(), status=exc.status, retry_after=exc.retry_after))
             return

@@ -1,10 +1,10 @@
-"""The HTTP service: routes, and the checks a run passes before its stream opens.
+"""The HTTP service: routes, thin around the admission every job passes (gateway/admission.py).
 
 `POST /{tool}/run` (and the `GET` form for `EventSource`) answers either an
 ordinary HTTP error with the protocol's JSON body, or `200` and the job's event
-stream. Every check that can fail runs before the stream opens, in this order:
-unknown tool, unreadable body, params, not ready, model-dependent checks
-(context length, the job's price: gateway/cost.py), queue full. Every job and stream counts against its tenant
+stream. Every check that can fail runs before the stream opens: here the token, the
+tool's name and the stream slot, then admission's (params, readiness, the model's
+checks, the job's price, the queue). Every job and stream counts against its tenant
 (gateway/tenants.py): the token's name, or without tokens the client's address.
 """
 
@@ -29,6 +29,7 @@ from starlette.staticfiles import StaticFiles
 from backends.base import Backend
 from gateway import params as params_mod
 from gateway import tenants
+from gateway.admission import Admission, Applicant, Attached
 from gateway.auth import Auth, Principal, load_principals
 from gateway.config import Settings
 from gateway.drain import Drain, on_sigterm
@@ -122,6 +123,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         ticket_ttl=settings.ticket_ttl,
     )
     drain = Drain(settings.drain_timeout)
+    admission = Admission(backend, limits, drain=drain, store=store, quota=auth.limits, metrics=metrics)
     streams = Streams(settings.max_streams, settings.max_streams_per_owner)
 
     def follow(job: JobHandle, slot: Slot, after: int = 0) -> Response:
@@ -156,75 +158,28 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
                     f"Last-Event-ID {resumed[0]}:{resumed[1]} is an event of a {its_tool} job, not of {tool.name}",
                 )
             return _resume(job, slot, resumed[1])
-        drain.refuse()
+        admission.refuse_if_draining()  # before reading a request that would be refused anyway
         if request.method == "POST":
             body = await params_mod.read_body(request, settings.max_body_bytes, settings.body_timeout, metrics.client_timeout)
-            params = await params_mod.off_loop(params_mod.decode_body, body, tool)
+            params = await admission.decode(tool, body)
         else:
-            params = params_mod.decode_query(tool, request.query_params)
-        params = params_mod.on_model(params, backend.resolve_model)
-        if (problem := getattr(store, "problem", None)) is not None:  # a shared store that is unreachable
-            raise ApiError(Code.STORE_UNAVAILABLE, problem, retry_after=5)
-        given = request.headers.get("idempotency-key")
-        # Per token: one token cannot attach to another's job by guessing its key.
-        key = f"{principal.name if principal else ''}:{given}" if given else None
-        job = _new_job(request, principal, tool, params)
-        digest = params_mod.digest(tool.name, params) if key else ""  # only a key is bound to a request
-        if key and (bound := await store.reserve(key, job.id, digest)) is not None:
-            # A key bound before requests were recorded with it (an older replica) has no digest: it attaches.
-            if bound.request and bound.request != digest:
-                # A key names one request: the same key on another body is a client's bug, never a new job.
-                raise ApiError(
-                    Code.IDEMPOTENCY_KEY_REUSED,
-                    f"Idempotency-Key {given!r} was first sent with another request (tool or params); "
-                    "use a new key for a new request",
-                )
+            params = admission.decode_query(tool, request.query_params)
+        admitted = await admission.admit_once(
+            tool, params, Applicant.of(principal, tenants.tenant(principal, request)), key=request.headers.get("idempotency-key") or None
+        )
+        if isinstance(admitted, Attached):
             # The same request again (a client replaying its POST): attach to the job it started.
-            after = resumed[1] if resumed is not None and resumed[0] == bound.job_id else 0
-            return _resume(await _job(bound.job_id, principal, to_follow=True), slot, after)
-        await start(job, principal, tool, key, digest)
-        return follow(job, slot)
-
-    async def start(job: Job, principal: Principal | None, tool: Tool, key: str | None = None, digest: str = "") -> None:
-        """Admit `job` (per-token limits, the backend's checks) and submit it; on refusal its key is released."""
-        metrics.track(job)
-        try:
-            release = auth.limits.admit(principal)
-        except ApiError:
-            if key:
-                await store.release(key, job.id)
-            raise
-        try:
-            job.cost = await backend.admit(tool, job.params, limits)
-            await backend.submit(job)
-        except BaseException:
-            release()
-            if key:
-                await store.release(key, job.id)
-            raise
-        job.on_end.append(lambda _: release())
-        job.idempotency_key, job.request_digest = key, digest
-        await store.add(job)
+            after = resumed[1] if resumed is not None and resumed[0] == admitted.job_id else 0
+            return _resume(await _job(admitted.job_id, principal, to_follow=True), slot, after)
+        return follow(admitted, slot)
 
     async def launch(request: Request, tool_name: str, params: Any) -> Job:
         """Start a job of `tool_name` with `params` (its Struct) for another surface (the OpenAI routes):
-        the same checks, limits, queue, store and metrics as a run of `POST /{tool}/run`."""
+        the same admission as a run of `POST /{tool}/run`."""
         principal = auth.authenticate(request)
         tool = backend.tool(tool_name)
         auth.authorize(principal, tool.name)
-        drain.refuse()
-        params = params_mod.on_model(params, backend.resolve_model)
-        if (problem := getattr(store, "problem", None)) is not None:
-            raise ApiError(Code.STORE_UNAVAILABLE, problem, retry_after=5)
-        job = _new_job(request, principal, tool, params)
-        await start(job, principal, tool)
-        return job
-
-    def _new_job(request: Request, principal: Principal | None, tool: Tool, params: Any) -> Job:
-        """A job of `principal` (None: no tokens), queued as its tenant with its token's weight."""
-        owner = principal.name if principal else None
-        weight = principal.weight if principal else 1.0
-        return Job(tool.name, params, owner=owner, tenant=tenants.tenant(principal, request), weight=weight)
+        return await admission.admit(tool, params, Applicant.of(principal, tenants.tenant(principal, request)))
 
     async def _job(job_id: str, principal: Principal | None, *, to_follow: bool = False) -> JobHandle:
         job = await store.get(job_id, to_follow=to_follow)

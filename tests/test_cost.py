@@ -18,7 +18,7 @@ from gateway.cost import Budget, Cost
 from gateway.errors import ApiError
 from gateway.tools import Model, builtin_tools
 from bench.cost import cases, measure
-from tests.conftest import Server, make_server, run_stream
+from tests.conftest import Executors, Server, make_remote_server, make_server, run_stream
 from tests.test_batching import Recorder
 
 MIB = 1 << 20
@@ -194,3 +194,23 @@ def test_a_long_prefill_in_pieces_gives_what_one_pass_gives(wide: Model, monkeyp
             monkeypatch.undo()
         torch.testing.assert_close(first_pieces, first, atol=1e-5, rtol=0)
         torch.testing.assert_close(after_pieces, after, atol=1e-5, rtol=0)
+
+
+def test_an_executor_prices_the_jobs_a_gateway_relays_and_those_sent_to_it(executors: Executors, wide_model_path: Path) -> None:
+    """The executor admits as a gateway does: a bomb relayed by a remote gateway, or posted to the
+    executor itself, is refused with the same 413 and leaves no job on either."""
+    tool_name, raw, field, bound = BOMBS[0]
+    executor = executors.get(wide_model_path, (), ("--max-result-bytes", str(4 * MIB)))
+    gateway = make_remote_server([executor.url])
+    try:
+        relayed = httpx.post(f"{gateway.url}/{tool_name}/run", json=raw, timeout=60)
+        assert httpx.get(f"{gateway.url}/jobs", timeout=10).json()["jobs"] == []
+    finally:
+        gateway.stop()
+    body = {"tool": tool_name, "params": raw, "job_id": "a-bomb"}
+    direct = httpx.post(f"{executor.url}/jobs", json=body, headers={"X-Session-Id": "s"}, timeout=60)
+    for r in (relayed, direct):
+        assert r.status_code == 413, r.text
+        error = r.json()["error"]
+        assert error["code"] == "too_large" and error["field"] == field and bound in error["message"]
+    assert httpx.get(f"{executor.url}/jobs/a-bomb/result", timeout=10).status_code == 404

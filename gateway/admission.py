@@ -1,0 +1,143 @@
+"""Admission: the one way a job enters, whatever surface it comes through.
+
+`POST` and `GET /{tool}/run`, an idempotent retry, the OpenAI routes, the executor service
+and a Ray replica all start a job with `Admission.admit`; a surface only reads its request
+and says who asks (`Applicant`). The steps, in the protocol's order (shared/PROTOCOL.md):
+
+1. not shutting down (503 `shutting_down`);
+2. params decoded (on the parsing thread when big, gateway/params.py) and put on a served model;
+3. the store reachable, and the request's idempotency key bound, or the job it started found;
+4. the applicant's token quota (429 `rate_limited`);
+5. the backend's checks: server caps, readiness, the model's capabilities, the tool's own
+   check and the job's price (gateway/cost.py: 413 `too_large`);
+6. the queue, fair between tenants (backends/queue.py: 429 `queue_full`).
+
+A refusal at any step undoes those before it: a refused request leaves no key bound, no quota
+held and no job. A surface that lacks a part (the executor keeps no store, a replica no quota)
+leaves it out; the order of the rest does not change.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gateway import params as params_mod
+from gateway.errors import ApiError
+from gateway.jobs import Job
+from gateway.protocol import Code
+from gateway.tools.base import Tool
+
+if TYPE_CHECKING:
+    from starlette.datastructures import QueryParams
+
+    from backends.base import Backend
+    from gateway.auth import Limits, Principal
+    from gateway.drain import Drain
+    from gateway.metrics import Metrics
+    from gateway.store import JobStore
+
+
+@dataclass(frozen=True)
+class Applicant:
+    """Who asks for a job: the tenant it is queued as and with what weight (backends/queue.py),
+    the token that owns it (None: the gateway has no tokens), and that token's quota."""
+
+    tenant: str
+    weight: float = 1.0
+    owner: str | None = None
+    principal: Principal | None = None
+
+    @classmethod
+    def of(cls, principal: Principal | None, tenant: str) -> Applicant:
+        if principal is None:
+            return cls(tenant)
+        return cls(tenant, principal.weight, principal.name, principal)
+
+
+@dataclass(frozen=True)
+class Attached:
+    """The answer to a request sent again with its idempotency key: the job it first started."""
+
+    job_id: str
+
+
+@dataclass
+class Admission:
+    """The admission steps over one backend, with the parts of a gateway a surface has."""
+
+    backend: Backend
+    limits: Mapping[str, int]
+    drain: Drain | None = None
+    store: JobStore | None = None
+    quota: Limits | None = None  # per-token concurrency and rate (gateway/auth.py)
+    metrics: Metrics | None = None
+
+    def refuse_if_draining(self) -> None:
+        if self.drain is not None:
+            self.drain.refuse()
+
+    @staticmethod
+    async def decode(tool: Tool, body: bytes, what: str = "the body") -> Any:
+        """`tool`'s params from a JSON body."""
+        return await params_mod.off_loop(functools.partial(params_mod.decode_body, what=what), body, tool)
+
+    @staticmethod
+    def decode_query(tool: Tool, query: QueryParams) -> Any:
+        """`tool`'s params from a query string (no bigger than the header limit: decoded on the loop)."""
+        return params_mod.decode_query(tool, query)
+
+    async def admit(self, tool: Tool, params: Any, applicant: Applicant, *, job_id: str | None = None) -> Job:
+        """Admit a job of `tool` with decoded `params` (`decode`'s, or a Struct another surface
+        built) for `applicant`, and queue it; `job_id`: the id a gateway gave it."""
+        job = await self._admit(tool, params, applicant, job_id, None)
+        assert isinstance(job, Job)  # no key: never attached
+        return job
+
+    async def admit_once(self, tool: Tool, params: Any, applicant: Applicant, key: str | None) -> Job | Attached:
+        """`admit`, for a request that may carry an `Idempotency-Key` (`key`): the same request
+        with it again, from the same token (one token cannot reach another's job by guessing its
+        key), is `Attached` to the job it started; another request with it is a 409."""
+        return await self._admit(tool, params, applicant, None, key)
+
+    async def _admit(self, tool: Tool, params: Any, applicant: Applicant, job_id: str | None, key: str | None) -> Job | Attached:
+        self.refuse_if_draining()
+        # Its model by name, so that what the job records, routes by and is keyed on never depends on the default.
+        params = params_mod.on_model(params, self.backend.resolve_model)
+        if (problem := getattr(self.store, "problem", None)) is not None:  # a shared store that is unreachable
+            raise ApiError(Code.STORE_UNAVAILABLE, problem, retry_after=5)
+        job = Job(tool.name, params, job_id=job_id, owner=applicant.owner, tenant=applicant.tenant, weight=applicant.weight)
+        digest, scoped = "", None
+        if key is not None:
+            assert self.store is not None, "an idempotency key needs a store to bind it in"
+            digest, scoped = params_mod.digest(tool.name, params), f"{applicant.owner or ''}:{key}"
+            if (bound := await self.store.reserve(scoped, job.id, digest)) is not None:
+                # A key bound before requests were recorded with it (an older replica) has no digest: it attaches.
+                if bound.request and bound.request != digest:
+                    # A key names one request: the same key on another body is a client's bug, never a new job.
+                    raise ApiError(
+                        Code.IDEMPOTENCY_KEY_REUSED,
+                        f"Idempotency-Key {key!r} was first sent with another request "
+                        "(tool or params); use a new key for a new request",
+                    )
+                return Attached(bound.job_id)
+        if self.metrics is not None:
+            self.metrics.track(job)
+        release = lambda: None  # noqa: E731
+        try:
+            if self.quota is not None:
+                release = self.quota.admit(applicant.principal)
+            job.cost = await self.backend.admit(tool, params, self.limits)
+            await self.backend.submit(job)
+        except BaseException:
+            release()
+            if scoped is not None and self.store is not None:
+                await self.store.release(scoped, job.id)
+            raise
+        job.on_end.append(lambda _: release())
+        job.idempotency_key, job.request_digest = scoped, digest
+        if self.store is not None:
+            await self.store.add(job)
+        return job
