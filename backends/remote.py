@@ -53,6 +53,7 @@ import numpy as np
 import websockets
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
+from websockets.asyncio.client import unix_connect as ws_unix_connect
 
 from backends.base import Relaying
 from backends.frames import failure, relay
@@ -83,6 +84,8 @@ HASH_STEP = 1 << 20  # hashing starts once this much more has arrived: few threa
 HEAD_MAX = 1 << 16  # the most an answer's status line and headers may take
 ERROR_BODY_MAX = 1 << 16  # of an error answer's body, kept for the message
 IDLE_CONNECTIONS = 4  # result connections kept open per executor between downloads
+UNIX = "unix:"  # an executor URL of a Unix socket: unix:/PATH
+ON_SOCKET = "http://executor"  # the URL requests on a Unix socket are made to (the socket decides where they go)
 
 
 class Unreachable(Exception):
@@ -149,12 +152,15 @@ class Link:
         on_tools: Any,
     ) -> None:
         self.url = url.rstrip("/")
+        # unix:/PATH: an executor on this machine's Unix socket (an engine process, backends/engines.py).
+        self.uds = self.url.removeprefix(UNIX) if self.url.startswith(UNIX) else None
         self.session_id = uuid.uuid4().hex
         self.deadline = deadline
         self.poll_interval = poll_interval
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.AsyncClient(
-            base_url=self.url,
+            base_url=ON_SOCKET if self.uds else self.url,
+            transport=httpx.AsyncHTTPTransport(uds=self.uds) if self.uds else None,
             headers=self.headers,
             timeout=httpx.Timeout(10.0, read=60.0),
             event_hooks={"request": [forward_request_id]},
@@ -172,7 +178,7 @@ class Link:
         self._socket: ClientConnection | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._on_tools = on_tools
-        self._direct = _direct(self.http, httpx.URL(self.url))
+        self._direct = self.uds is not None or _direct(self.http, httpx.URL(self.url))
         self._idle: list[_ResultConnection] = []  # kept-alive result connections, the latest last
         self._ssl: Any = None
 
@@ -247,18 +253,12 @@ class Link:
     # -- the session socket ---------------------------------------------------
 
     async def _socket_loop(self) -> None:
-        ws_url = "ws" + self.url.removeprefix("http") + f"/session?id={self.session_id}"
+        ws_url = "ws" + (ON_SOCKET if self.uds else self.url).removeprefix("http") + f"/session?id={self.session_id}"
+        options: dict[str, Any] = {"additional_headers": self.headers, "ping_interval": 5, "ping_timeout": 10, "max_size": None, "open_timeout": 10}
         backoff = 0.1
         while True:
             try:
-                async with ws_connect(
-                    ws_url,
-                    additional_headers=self.headers,
-                    ping_interval=5,
-                    ping_timeout=10,
-                    max_size=None,
-                    open_timeout=10,
-                ) as socket:
+                async with (ws_unix_connect(self.uds, ws_url, **options) if self.uds else ws_connect(ws_url, **options)) as socket:
                     self._socket, self.connected = socket, True
                     self.epoch += 1
                     backoff = 0.1
@@ -383,10 +383,17 @@ class Link:
             connection = self._idle.pop()
             if connection.reusable:
                 return connection, True
+        loop = asyncio.get_running_loop()
+        if self.uds is not None:
+            try:
+                async with asyncio.timeout(self.http.timeout.connect):
+                    _, connection = await loop.create_unix_connection(_ResultConnection, self.uds)
+            except (OSError, TimeoutError) as exc:
+                raise _Retry(f"cannot connect: {exc or type(exc).__name__}") from None
+            return connection, False
         tls = url.scheme == "https"
         if tls and self._ssl is None:
             self._ssl = httpx.create_ssl_context()  # what the Link's httpx client verifies with
-        loop = asyncio.get_running_loop()
         try:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that comes as the connection does.
             async with asyncio.timeout(self.http.timeout.connect):
@@ -772,6 +779,8 @@ def _relayed(response: httpx.Response, url: str) -> ApiError:
 class RemoteBackend(Relaying):
     """Runs jobs on one or more executors; new jobs go to the least-loaded ready one."""
 
+    link_class: type[Link] = Link
+
     def __init__(
         self,
         executors: list[str],
@@ -784,7 +793,7 @@ class RemoteBackend(Relaying):
             raise ValueError("the remote backend needs at least one --executor URL")
         super().__init__()
         self.links = [
-            Link(url, token=token, deadline=deadline, poll_interval=poll_interval, on_tools=self._learn_tools)
+            self.link_class(url, token=token, deadline=deadline, poll_interval=poll_interval, on_tools=self._learn_tools)
             for url in executors
         ]
 

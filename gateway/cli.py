@@ -188,6 +188,8 @@ def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @_option("--port", default=_D.port, type=int)
 @_model_options
 @_option("--backend", default=_D.backend, type=click.Choice(["local", "remote", "ray"]), help="Run tools in this process, on executors, or on the replicas of a Ray Serve application.")
+@_option("--engine", default=_D.engine, type=click.Choice(["thread", "process"]), help="For --backend local: run the models on threads of this process, or each model in an engine process of its own that the gateway restarts if it dies (a crash, an out-of-memory kill, a failed device) while the gateway and the other models go on.")
+@_option("--engine-memory-limit", default=None, type=_Bytes(), help="For --engine process: the most address space each engine may take (RLIMIT_AS); a job that would pass it fails alone instead of exhausting the host. Leave room for the weights, torch's own reservations and the allocator's arenas.")
 @_option("--ray-address", default=None, help="For --backend ray: the Ray cluster, from one of its nodes (auto, or HEAD:6379); default: start or join a local one.")
 @_option("--ray-replicas", default=None, type=click.IntRange(min=1), help="For --backend ray: how many model replicas (default 1).")
 @_option("--ray-min-replicas", default=None, type=click.IntRange(min=1), help="For --backend ray: scale on ongoing requests, from this many replicas…")
@@ -238,6 +240,14 @@ def serve(**options: Any) -> None:
         backend = RemoteBackend(
             settings.executors, token=settings.executor_token, deadline=settings.executor_deadline
         )
+    elif settings.engine == "process" and not dry_run:
+        from backends.engines import EngineBackend
+        from backends.model import ModelError
+
+        try:
+            backend = EngineBackend(settings)
+        except (ValueError, ModelError) as exc:
+            raise click.ClickException(str(exc)) from None
     else:
         backend = _local_backend(settings)
     from gateway.auth import AuthConfigError
@@ -276,8 +286,7 @@ def serve(**options: Any) -> None:
 @_option("--session-grace", default=_D.session_grace, type=click.FloatRange(min=0), help="Seconds a gateway's jobs run on without its socket before they are cancelled.")
 def executor(**options: Any) -> None:
     """Start an executor: runs tools on this machine for remote gateways."""
-    from backends.executor import Executor, create_executor_app
-    from gateway.encoding import to_msgpack
+    from backends.executor import create_executor_app
 
     dry_run = options.pop("dry_run")
     settings = _settings(options)
@@ -286,7 +295,37 @@ def executor(**options: Any) -> None:
             "the executor listens on %s without --executor-token: anyone who reaches it can run jobs",
             settings.host,
         )
-    service = Executor(
+    service = _executor_service(settings)
+    if dry_run:
+        from gateway.dryrun import report
+
+        report(service.backend, settings)
+        return
+    _run_server(create_executor_app(service), settings, service.metrics.client_timeout, ws="websockets")
+
+
+@main.command(hidden=True)
+def engine() -> None:
+    """An engine process of a gateway with --engine process (backends/engines.py): its settings on stdin."""
+    from backends.engines import child_settings, engine_name
+    from backends.executor import create_executor_app
+    from gateway.logs import configure_logging
+
+    settings, socket = child_settings()
+    configure_logging(settings.log_level, settings.log_format, engine=engine_name(settings))
+    # The gateway logs each request; the engine's own access lines would be its polls and submits.
+    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    service = _executor_service(settings)
+    _run_server(create_executor_app(service), settings, service.metrics.client_timeout, ws="websockets", uds=socket)
+
+
+def _executor_service(settings: Settings) -> Any:
+    """The executor service of `settings`: its local backend, with results as msgpack."""
+    from backends.executor import Executor
+    from gateway.encoding import to_msgpack
+
+    return Executor(
         _local_backend(settings, encode=to_msgpack),
         token=settings.executor_token,
         max_body_bytes=settings.max_body_bytes,
@@ -296,12 +335,6 @@ def executor(**options: Any) -> None:
         session_grace=settings.session_grace,
         drain_timeout=settings.drain_timeout,
     )
-    if dry_run:
-        from gateway.dryrun import report
-
-        report(service.backend, settings)
-        return
-    _run_server(create_executor_app(service), settings, service.metrics.client_timeout, ws="websockets")
 
 
 def _run_server(app: Any, settings: Settings, client_timeout: Callable[[str], None], **extra: Any) -> None:

@@ -53,6 +53,9 @@ class Settings(msgspec.Struct, kw_only=True):
     store: str = "memory"  # or redis://host:port/db: jobs shared by every replica (gateway/redis_store.py)
     store_outage_grace: float = 30.0  # seconds a Redis outage is ridden out (gateway/redis_store.py)
     backend: str = "local"
+    # --backend local: the models in this process's threads, or each in an engine process (backends/engines.py).
+    engine: str = "thread"
+    engine_memory_limit: int | None = None  # each engine's address space (RLIMIT_AS); None: no limit
     executors: list[str] = msgspec.field(default_factory=list)
     # --backend ray: replicas of a Ray Serve application (backends/ray_serve.py).
     ray_address: str | None = None  # None: start or join a local Ray; "auto" or "head:6379" from a cluster's node

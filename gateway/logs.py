@@ -133,7 +133,19 @@ class RequestContext(logging.Filter):
 
 
 def _ids(record: logging.LogRecord) -> dict[str, str]:
-    return {k: v for k in ("request_id", "job_id") if (v := getattr(record, k, None))}
+    return {k: v for k in ("engine", "request_id", "job_id") if (v := getattr(record, k, None))}
+
+
+class EngineTag(logging.Filter):
+    """Stamps `engine`: the model whose engine process (backends/engines.py) wrote the line."""
+
+    def __init__(self, engine: str) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.engine = self.engine
+        return True
 
 
 class TextFormatter(logging.Formatter):
@@ -176,8 +188,9 @@ class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
 
 
-def configure_logging(level: str = "info", fmt: str = "text", stream: TextIO | None = None) -> logging.Handler:
-    """Log `level` and above to `stream` (stderr) as `text` or `json` lines, uvicorn's loggers included.
+def configure_logging(level: str = "info", fmt: str = "text", stream: TextIO | None = None, engine: str | None = None) -> logging.Handler:
+    """Log `level` and above to `stream` (stderr) as `text` or `json` lines, uvicorn's loggers included;
+    in an engine process, each line names the `engine`.
 
     Other handlers on the root logger are left alone; uvicorn must then be started
     with `log_config=None`, or its own configuration takes its loggers back.
@@ -185,6 +198,8 @@ def configure_logging(level: str = "info", fmt: str = "text", stream: TextIO | N
     handler = _Handler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(RequestContext())
+    if engine is not None:
+        handler.addFilter(EngineTag(engine))
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _Handler)]:
         root.removeHandler(old)

@@ -35,7 +35,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 from starlette.requests import Request
 from starlette.responses import Response
@@ -185,6 +185,23 @@ class _BackendState:
                 jobs.add_metric([executor["url"]], executor["jobs"])
             yield up
             yield jobs
+        if "engines" in facts:  # models in engine processes (backends/engines.py)
+            families = {
+                "up": GaugeMetricFamily("streamgate_engine_up", "1 when the model's engine process is ready, else 0", labels=["model"]),
+                "restarts": CounterMetricFamily("streamgate_engine_restarts", "Times the model's engine process ended and was started again", labels=["model"]),
+                "jobs": GaugeMetricFamily("streamgate_engine_jobs", "Jobs queued or running in the engine", labels=["model"]),
+                "waiting": GaugeMetricFamily("streamgate_engine_waiting", "Jobs of a lost engine waiting in the gateway for the next one", labels=["model"]),
+                "rss": GaugeMetricFamily("streamgate_engine_resident_memory_bytes", "The engine process's resident memory", labels=["model"]),
+            }
+            for engine in facts["engines"]:
+                labels = [engine["model"]]
+                families["up"].add_metric(labels, 1 if engine["state"] == "ready" else 0)
+                families["restarts"].add_metric(labels, engine["restarts"])
+                families["jobs"].add_metric(labels, engine["jobs"])
+                families["waiting"].add_metric(labels, engine["waiting"])
+                if engine["rss_bytes"] is not None:
+                    families["rss"].add_metric(labels, engine["rss_bytes"])
+            yield from families.values()
         if "replica_load" in facts:
             jobs = GaugeMetricFamily("streamgate_replica_jobs", "Jobs queued or running on each Ray Serve replica", labels=["replica"])
             queued = GaugeMetricFamily("streamgate_replica_queue_depth", "Jobs waiting on each Ray Serve replica", labels=["replica"])

@@ -1,0 +1,339 @@
+"""Engine processes: each served model in a child process of its own, supervised by the gateway.
+
+With `--engine process` the gateway holds no model. For each `--model` it starts an
+engine, `python -m gateway engine`: an executor service (backends/executor.py) with
+that one model, listening on a Unix socket in a folder only this user may enter, and
+it drives the engines as the remote backend drives executors (backends/remote.py):
+one execution path, the same protocol, admission run again where the model is (its
+tokenizer, its price). What this module adds is supervision:
+
+- an engine that exits, whatever the cause (a crash, `kill -9`, the kernel's
+  out-of-memory killer, exit 70 after a device failed: backends/local.py), is started
+  again, after a pause that doubles from 0.5 s to 30 s and starts over once an engine
+  has lived a minute;
+- its running jobs end once with `backend_unavailable` (retryable); its jobs that had
+  not started wait in the gateway, `queued`, and go to the new engine in their order
+  once it is ready (if it exits before it is ready, they end as the running ones did);
+- the gateway, its streams and the other models' engines go on untouched;
+- `--engine-memory-limit` caps each engine's address space (RLIMIT_AS), so that a
+  runaway job fails with that job's error instead of taking the host's memory.
+
+Deliberately one engine per model, holding all of that model's devices: the one
+queue every device takes from, and one job spread over every device (`Tool.spread`),
+stay inside a process. An engine dies with its gateway (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import resource
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from backends import model as models
+from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
+from gateway.config import Settings
+from gateway.errors import ApiError
+from gateway.jobs import Job
+from gateway.protocol import Code, Status
+
+log = logging.getLogger("streamgate.engines")
+
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
+HEALTHY_AFTER_S = 60.0  # an engine that lived this long starts the backoff over when it exits
+STOP_GRACE_S = 5.0  # on the gateway's stop: SIGTERM, then SIGKILL after this long
+POLL_S = 0.2  # an engine is on this machine: its readiness is cheap to ask often
+SOCKET_VAR = "STREAMGATE_ENGINE_SOCKET"  # an engine's Unix socket; its settings (JSON) arrive on stdin
+
+
+def exit_reason(code: int) -> str:
+    """How a process ended, as `asyncio`'s return code says it."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}" + (" (the out-of-memory killer sends it, among others)" if -code == signal.SIGKILL else "")
+    if code == 70:
+        return "exited after its device failed"
+    return f"exited with status {code}"
+
+
+class EngineLink(Link):
+    """The link to one engine: a `Link` that also keeps its unstarted jobs when the engine dies."""
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.waiting: list[Job] = []  # jobs of a lost engine that had not started, in their order
+        self.ready_since_start = False
+        self.tool_of: Any = None  # a tool by name (the backend's), to submit the waiting jobs again
+        self._requeuing: asyncio.Task[None] | None = None
+
+    async def _poll_loop(self) -> None:
+        watch = asyncio.create_task(self._watch_ready())
+        try:
+            await super()._poll_loop()
+        finally:
+            watch.cancel()
+
+    async def _watch_ready(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_S / 2)
+            if self.ready:
+                self.ready_since_start = True
+
+    def lost(self, reason: str) -> None:
+        """The engine's process ended: end its running jobs, keep the others for the next engine."""
+        self.healthy = False
+        self.problem = reason
+        self.abandoned.clear()  # a new engine has none of them
+        keep = self.ready_since_start  # an engine that never got ready is in a crash loop: nothing waits on it
+        for remote in list(self.jobs.values()):
+            if keep and remote.job.started is None:
+                self.jobs.pop(remote.job.id, None)
+                self.waiting.append(remote.job)
+            else:
+                self._end(remote, f"the engine {reason}; it is restarting: try again")
+        if not keep:
+            for job in self.waiting:
+                job.fail(Code.BACKEND_UNAVAILABLE, f"the engine {reason} before it was ready; try again")
+            self.waiting.clear()
+        for position, job in enumerate(self.waiting, 1):
+            job.set_status(Status.QUEUED, position=position, message="the engine is restarting")
+        self.ready_since_start = False
+        if self.waiting and (self._requeuing is None or self._requeuing.done()):
+            self._requeuing = asyncio.create_task(self._requeue())
+            self._tasks.add(self._requeuing)
+            self._requeuing.add_done_callback(self._tasks.discard)
+
+    def _end(self, remote: RemoteJob, message: str) -> None:
+        if self.jobs.pop(remote.job.id, None) is not None:
+            remote.job.fail(Code.BACKEND_UNAVAILABLE, message)
+
+    async def _requeue(self) -> None:
+        """Once the new engine is ready, submit the waiting jobs to it, in their order."""
+        while not self.ready:
+            await asyncio.sleep(POLL_S / 2)
+        while self.waiting:
+            job = self.waiting.pop(0)
+            if job.done:
+                continue
+            try:
+                await self.submit(job, self.tool_of(job.tool))
+            except ApiError as exc:  # the new engine refuses it (its queue is full, say)
+                job.fail(exc.code, exc.message)
+            except Unreachable as exc:
+                job.fail(Code.BACKEND_UNAVAILABLE, f"the engine could not be reached: {exc}")
+
+    def withdraw(self, job: Job) -> bool:
+        """Take `job` out of the waiting ones (a cancel); False if it is not waiting."""
+        if job in self.waiting:
+            self.waiting.remove(job)
+            return True
+        return False
+
+
+@dataclass(eq=False)
+class Engine:
+    """One engine process: how to start it, and what became of it."""
+
+    name: str  # the model's
+    settings: Settings
+    socket: Path
+    memory_limit: int | None
+    link: EngineLink
+    restarts: int = 0
+    state: str = "starting"  # starting, running, restarting, stopped
+    pid: int | None = None
+    last_exit: str | None = None
+    process: asyncio.subprocess.Process | None = None
+
+    async def supervise(self) -> None:
+        pause = BACKOFF_FIRST_S
+        while True:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket.unlink()  # a dead engine's socket: the next one binds anew
+            self.state = "starting" if self.restarts == 0 else "restarting"
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gateway", "engine",
+                stdin=asyncio.subprocess.PIPE,
+                env={**os.environ, SOCKET_VAR: str(self.socket)},
+                start_new_session=True,  # Ctrl-C reaches the gateway, which stops its engines itself
+            )
+            self.pid = self.process.pid
+            assert self.process.stdin is not None
+            self.process.stdin.write(msgspec.json.encode(self.settings))
+            self.process.stdin.close()
+            born = time.monotonic()
+            self.state = "running"
+            code = await self.process.wait()
+            self.pid = None
+            self.restarts += 1
+            self.last_exit = exit_reason(code)
+            log.error("the engine of model %s %s; starting it again in %.1f s", self.name, self.last_exit, pause)
+            self.state = "restarting"
+            self.link.lost(f"of model {self.name} {self.last_exit}")
+            if time.monotonic() - born > HEALTHY_AFTER_S:
+                pause = BACKOFF_FIRST_S
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, BACKOFF_MAX_S)
+
+    async def stop(self) -> None:
+        """SIGTERM (it drains), then SIGKILL if it is still there after STOP_GRACE_S."""
+        self.state = "stopped"
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        try:
+            async with asyncio.timeout(STOP_GRACE_S):
+                await process.wait()
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+
+    def rss(self) -> int | None:
+        """The engine's resident memory in bytes, while it runs (Linux)."""
+        if self.pid is None:
+            return None
+        try:
+            return int(Path(f"/proc/{self.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return None
+
+
+def engine_settings(settings: Settings, spec: models.ModelSpec, first: bool, token: str) -> Settings:
+    """The settings of the engine of `spec`: the gateway's, with that model alone."""
+    loader = [f"{spec.name}={spec.loader}"] if spec.loader else []
+    devices = [f"{spec.name}={','.join(spec.devices)}"] if spec.devices else []
+    return msgspec.structs.replace(
+        settings,
+        model=[f"{spec.name}={spec.source}"] if spec.source else [],
+        model_loader=loader,
+        model_devices=devices,
+        sae=settings.sae if first else [],  # SAEs are read on the default model's layers
+        executor_token=token,
+        # The gateway checked the body's size already; what it sends on is its params re-encoded.
+        max_body_bytes=max(settings.max_body_bytes * 2, 1 << 20),
+        tokens=[],
+        tokens_file=None,
+    )
+
+
+class EngineBackend(RemoteBackend):
+    """Every model in an engine process of its own, driven as executors are."""
+
+    link_class = EngineLink
+
+    def __init__(self, settings: Settings) -> None:
+        specs = models.specs(settings.model, settings.model_loader, settings.model_devices)
+        self.folder = Path(tempfile.mkdtemp(prefix="streamgate-engines-"))  # 0700: only this user reaches the sockets
+        token = secrets.token_urlsafe(24)
+        sockets = [self.folder / f"{i}.sock" for i in range(len(specs))]
+        super().__init__(
+            [UNIX + str(path) for path in sockets], token=token, deadline=settings.executor_deadline, poll_interval=POLL_S
+        )
+        self.engines = [
+            Engine(spec.name, engine_settings(settings, spec, i == 0, token), path, settings.engine_memory_limit, link)
+            for i, (spec, path, link) in enumerate(zip(specs, sockets, self.links))
+        ]
+        for engine in self.engines:
+            engine.link.tool_of = self.tool
+        self._supervisors: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        await super().start()
+        for engine in self.engines:
+            self._supervisors.append(asyncio.create_task(engine.supervise(), name=f"engine {engine.name}"))
+
+    async def stop(self) -> None:
+        for task in self._supervisors:
+            task.cancel()
+        await asyncio.gather(*self._supervisors, return_exceptions=True)
+        for engine in self.engines:
+            for job in engine.link.waiting:
+                job.fail(Code.SHUTTING_DOWN, "the gateway is shutting down")
+            engine.link.waiting.clear()
+        await super().stop()
+        await asyncio.gather(*(engine.stop() for engine in self.engines))
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def cancel(self, job: Job) -> None:
+        for engine in self.engines:
+            if engine.link.withdraw(job):
+                job.cancel()
+                job.fail(Code.CANCELLED, "the job was cancelled while its engine restarted")
+                return
+        super().cancel(job)
+
+    @property
+    def in_flight(self) -> int:
+        return super().in_flight + sum(len(engine.link.waiting) for engine in self.engines)
+
+    @property
+    def ready(self) -> bool:
+        # Every model, as with models on threads: a gateway is ready when all it serves is.
+        return all(engine.link.ready for engine in self.engines)
+
+    @property
+    def not_ready_reason(self) -> str:
+        problems = [
+            f"the engine of model {e.name} is {e.state}" + (f" (it {e.last_exit})" if e.last_exit else "")
+            for e in self.engines
+            if not e.link.ready
+        ]
+        return "; ".join(problems) or "the engines are not ready"
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": "local",
+            "engine": "process",
+            "engines": [
+                {
+                    "model": e.name,
+                    "state": "ready" if e.link.ready else e.state,
+                    "pid": e.pid,
+                    "restarts": e.restarts,
+                    "jobs": e.link.load,
+                    "waiting": len(e.link.waiting),
+                    "rss_bytes": e.rss(),
+                }
+                | ({"last_exit": e.last_exit} if e.last_exit else {})
+                | ({} if e.link.ready else {"problem": e.link.problem})
+                for e in self.engines
+            ],
+        }
+
+
+def child_settings() -> tuple[Settings, str]:
+    """In an engine process (`python -m gateway engine`): its settings and socket, as its gateway
+    gave them; and from here on it dies with that gateway (Linux: PR_SET_PDEATHSIG), however
+    the gateway dies, and holds no more address space than `--engine-memory-limit`."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the gateway died before the line above ran
+        os._exit(0)
+    settings = msgspec.json.decode(sys.stdin.buffer.read(), type=Settings)
+    if settings.engine_memory_limit:
+        resource.setrlimit(resource.RLIMIT_AS, (settings.engine_memory_limit, settings.engine_memory_limit))
+    return settings, os.environ[SOCKET_VAR]
+
+
+def engine_name(settings: Settings) -> str:
+    return models.specs(settings.model, settings.model_loader, settings.model_devices)[0].name

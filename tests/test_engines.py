@@ -1,0 +1,211 @@
+"""Engine processes (`--engine process`, backends/engines.py): each model in a child process the
+gateway supervises. A killed engine ends its running jobs once (retryable), runs its queued ones
+on the engine started in its place, and leaves the gateway, its streams and the other model alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import make_server, parse_sse, run_stream, wait_until
+from tests.processes import ServeProcess, clean_env, free_port, start_serve
+from tests.tiny_models import build_tiny_model
+
+
+class Follower(threading.Thread):
+    """One job's stream, read on a thread, its events kept as they arrive."""
+
+    def __init__(self, url: str, tool: str, params: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.tool, self.params = url, tool, params
+        self.events: list[dict[str, Any]] = []
+        self.status: int | None = None
+
+    def run(self) -> None:
+        with httpx.stream("POST", f"{self.url}/{self.tool}/run", json=self.params, timeout=120) as response:
+            self.status = response.status_code
+            pending = b""
+            for chunk in response.iter_bytes():
+                pending += chunk
+                while b"\n\n" in pending:
+                    block, pending = pending.split(b"\n\n", 1)
+                    self.events.extend(parse_sse(block + b"\n\n"))
+
+    def statuses(self) -> list[str]:
+        return [e["data"]["status"].lower() for e in self.events if e["event"] == "status"]
+
+    def terminals(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] in ("data", "error")]
+
+    def ended(self) -> dict[str, Any]:
+        self.join(timeout=120)
+        assert not self.is_alive(), "the stream did not end"
+        (terminal,) = self.terminals()  # exactly one
+        return terminal
+
+
+def follow(url: str, tool: str, params: dict[str, Any]) -> Follower:
+    follower = Follower(url, tool, params)
+    follower.start()
+    return follower
+
+
+def engines(gateway: ServeProcess) -> dict[str, dict[str, Any]]:
+    body = httpx.get(f"{gateway.url}/readyz", timeout=10).json()
+    return {e["model"]: e for e in body["engines"]}
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (dead, not yet reaped) counts as gone.
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def start_gateway(tmp: Path, *models: str, extra: tuple[str, ...] = ()) -> ServeProcess:
+    port = free_port()
+    args = [
+        *(arg for model in models for arg in ("--model", model)),
+        "--engine", "process", "--tools", "tests.engine_tools", "--port", str(port), "--device", "cpu",
+        "--torch-threads", "1", "--log-level", "warning", *extra,
+    ]
+    return start_serve(args, clean_env(), port, tmp / f"gateway-{port}.log")
+
+
+@pytest.fixture(scope="module")
+def other_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("other") / "other", seed=1)
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_model_path: Path, other_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    # A batch wait long enough that naps sent together run as one batch.
+    s = start_gateway(tmp_path_factory.mktemp("engines"), f"a={tiny_model_path}", f"b={other_model_path}", extra=("--batch-wait-ms", "300"))
+    yield s
+    s.stop()
+
+
+def test_each_model_runs_in_an_engine_process_of_the_gateway_and_gives_what_a_thread_gives(
+    gateway: ServeProcess, tiny_model_path: Path
+) -> None:
+    found = engines(gateway)
+    assert set(found) == {"a", "b"} and all(e["state"] == "ready" and e["restarts"] == 0 for e in found.values())
+    pids = {e["pid"] for e in found.values()}
+    assert len(pids) == 2 and gateway.proc.pid not in pids
+    assert all(parent_of(pid) == gateway.proc.pid for pid in pids)
+    params = {"prompts": ["hello there", "a"], "max_tokens": 12, "model": "a"}
+    in_engine = run_stream(gateway.url, "generate", params)
+    thread = make_server(tiny_model_path)
+    try:
+        in_thread = run_stream(thread.url, "generate", {**params, "model": None})
+    finally:
+        thread.stop()
+    assert in_engine.terminal["event"] == "data", in_engine.events
+    assert in_engine.terminal["data"] == in_thread.terminal["data"]
+
+
+def test_a_killed_engine_ends_its_running_jobs_once_runs_its_queued_ones_anew_and_touches_nothing_else(
+    gateway: ServeProcess,
+) -> None:
+    before = engines(gateway)
+    url = gateway.url
+    # Three naps run as one batch on a; two more wait behind them; one runs on b meanwhile.
+    running = [follow(url, "nap", {"seconds": 60, "tag": f"run{i}", "model": "a"}) for i in range(3)]
+    wait_until(lambda: all("running" in f.statuses() for f in running), timeout=60, what="the batch to run")
+    queued = [follow(url, "nap", {"seconds": 0.2, "tag": f"queued{i}", "model": "a"}) for i in range(2)]
+    wait_until(lambda: all("queued" in f.statuses() for f in queued), timeout=60, what="the others to queue")
+    other = follow(url, "nap", {"seconds": 3, "tag": "other", "model": "b"})
+    wait_until(lambda: "running" in other.statuses(), timeout=60, what="b's nap to run")
+
+    os.kill(before["a"]["pid"], signal.SIGKILL)
+    # Not ready while a restarts (the restart waits half a second before it even starts a process).
+    readiness: list[httpx.Response] = []
+    wait_until(lambda: readiness.append(httpx.get(f"{url}/readyz", timeout=10)) or readiness[-1].status_code == 503, what="503")
+    assert "the engine of model a is restarting" in readiness[-1].json()["reason"]
+    assert "SIGKILL" in readiness[-1].json()["reason"]
+
+    for follower in running:
+        terminal = follower.ended()
+        assert terminal["event"] == "error", terminal
+        error = terminal["data"]["error"]
+        assert error["code"] == "backend_unavailable" and error["retryable"] is True
+        assert "SIGKILL" in error["message"]
+    for i, follower in enumerate(queued):
+        terminal = follower.ended()
+        assert terminal == {"event": "data", "data": {"tag": f"queued{i}", "batch": terminal["data"]["batch"]}, "id": terminal["id"]}
+        # Told they wait for the new engine, and then queued or running there.
+        assert any(
+            e["event"] == "status" and e["data"].get("message") == "the engine is restarting" for e in follower.events
+        ), follower.events
+    assert other.ended()["data"] == {"tag": "other", "batch": 1}
+
+    after = engines(gateway)
+    assert after["a"]["restarts"] == 1 and after["a"]["pid"] not in (None, before["a"]["pid"])
+    assert after["b"]["restarts"] == 0 and after["b"]["pid"] == before["b"]["pid"]
+    assert gateway.proc.poll() is None
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert re.search(r'^streamgate_engine_restarts_total\{model="a"\} 1\.0$', metrics, re.M), metrics
+    assert re.search(r'^streamgate_engine_restarts_total\{model="b"\} 0\.0$', metrics, re.M)
+    # And the new engine serves as the old one did.
+    assert run_stream(url, "nap", {"seconds": 0, "tag": "again", "model": "a"}).terminal["data"] == {"tag": "again", "batch": 1}
+
+
+def test_a_job_cancelled_while_its_engine_restarts_ends_cancelled(gateway: ServeProcess) -> None:
+    url = gateway.url
+    blocker = follow(url, "nap", {"seconds": 60, "tag": "blocker", "model": "b"})
+    wait_until(lambda: "running" in blocker.statuses(), timeout=60, what="the blocker to run")
+    waiting = follow(url, "nap", {"seconds": 0, "tag": "waits", "model": "b"})
+    wait_until(lambda: "queued" in waiting.statuses(), timeout=60, what="a queued nap")
+    os.kill(engines(gateway)["b"]["pid"], signal.SIGKILL)
+    wait_until(
+        lambda: any(e["event"] == "status" and e["data"].get("message") == "the engine is restarting" for e in waiting.events),
+        what="the nap to wait for the new engine",
+    )
+    job_id = waiting.events[0]["id"].split(":")[0]
+    assert httpx.delete(f"{url}/jobs/{job_id}", timeout=10).json()["cancelled"] is True
+    assert waiting.ended()["data"]["error"]["code"] == "cancelled"
+    assert blocker.ended()["data"]["error"]["code"] == "backend_unavailable"
+    wait_until(lambda: engines(gateway)["b"]["state"] == "ready", timeout=120, what="b's new engine")
+
+
+def test_an_engine_over_its_memory_limit_fails_the_job_not_the_host_and_dies_with_its_gateway(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    gateway = start_gateway(tmp_path, str(tiny_model_path), extra=("--engine-memory-limit", "4GiB"))
+    try:
+        hog = run_stream(gateway.url, "hog", {"gib": 6})
+        assert hog.terminal["event"] == "error", hog.events
+        assert "allocate" in hog.terminal["data"]["error"]["message"].lower()
+        small = run_stream(gateway.url, "hog", {"gib": 0.01})
+        assert small.terminal["data"] == {"bytes": int(0.01 * (1 << 30))}
+        (engine,) = engines(gateway).values()
+        assert engine["restarts"] == 0
+        # A gateway killed outright takes its engines with it: nothing is left holding a model.
+        gateway.kill()
+        wait_until(lambda: not alive(engine["pid"]), timeout=30, what="the engine to die with its gateway")
+    finally:
+        gateway.stop()
+
+
+def test_a_gateway_that_stops_stops_its_engines(tiny_model_path: Path, tmp_path: Path) -> None:
+    gateway = start_gateway(tmp_path, str(tiny_model_path))
+    (engine,) = engines(gateway).values()
+    gateway.stop()
+    assert gateway.proc.returncode == 0, gateway.output()
+    assert not alive(engine["pid"])
+    assert "Traceback" not in gateway.output(), gateway.output()
