@@ -64,6 +64,7 @@ class LocalBackend(Backend):
         batch_wait: float = 0.005,
         job_timeout: float = 0.0,
         exit_on_device_failure: bool = False,
+        supervised: bool = False,
         sae: list[str] | None = None,
         torch_threads: int | None = None,
         max_job_memory: int | None = None,
@@ -86,6 +87,8 @@ class LocalBackend(Backend):
         self.max_batch_size = max_batch_size
         self.budget = Budget(memory=max_job_memory or default_job_memory(devices or ([device] if device else None)), result=max_result_bytes)
         self.exit_on_device_failure = exit_on_device_failure
+        # An engine process (backends/engines.py): its gateway queues the jobs that had not started again.
+        self.supervised = supervised
         self.device_failed: str | None = None
         worker_options = {
             "encode": encode, "debug": debug, "max_batch_size": max_batch_size, "batch_wait": batch_wait, "job_timeout": job_timeout,
@@ -180,8 +183,11 @@ class LocalBackend(Backend):
         self.device_failed = f"{type(exc).__name__}: {exc}"
         log.critical("the device failed: %s; ending every job", self.device_failed)
         for served in self.served.values():
+            # Out of the queue, so that no worker starts one on a device that cannot be trusted;
+            # a supervised engine's gateway submits them again to the next engine.
             for job in served.take_all():
-                job.fail(Code.BACKEND_UNAVAILABLE, "the device failed and the server is restarting")
+                if not self.supervised:
+                    job.fail(Code.BACKEND_UNAVAILABLE, "the device failed and the server is restarting")
             for worker in served.workers:
                 for job in list(worker.running):
                     job.fail(Code.BACKEND_UNAVAILABLE, "the device failed and the server is restarting")
@@ -312,6 +318,7 @@ def from_settings(settings: Settings, **kwargs: Any) -> LocalBackend:
         max_job_memory=settings.max_job_memory,
         max_result_bytes=settings.max_result_bytes,
         exit_on_device_failure=True,
+        supervised=settings.engine == "process",
         **kwargs,
     )
     backend.check_kind()

@@ -95,7 +95,10 @@ def other_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def gateway(tiny_model_path: Path, other_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     # A batch wait long enough that naps sent together run as one batch.
-    s = start_gateway(tmp_path_factory.mktemp("engines"), f"a={tiny_model_path}", f"b={other_model_path}", extra=("--batch-wait-ms", "300"))
+    s = start_gateway(
+        tmp_path_factory.mktemp("engines"), f"a={tiny_model_path}", f"b={other_model_path}",
+        extra=("--batch-wait-ms", "300", "--tools", "tests.device_tools"),
+    )
     yield s
     s.stop()
 
@@ -181,6 +184,22 @@ def test_a_job_cancelled_while_its_engine_restarts_ends_cancelled(gateway: Serve
     assert waiting.ended()["data"]["error"]["code"] == "cancelled"
     assert blocker.ended()["data"]["error"]["code"] == "backend_unavailable"
     wait_until(lambda: engines(gateway)["b"]["state"] == "ready", timeout=120, what="b's new engine")
+
+
+def test_a_device_that_fails_for_good_restarts_its_engine_and_the_jobs_waiting_there_run_on_the_next(gateway: ServeProcess) -> None:
+    url = gateway.url
+    restarts = engines(gateway)["b"]["restarts"]
+    wait_until(lambda: engines(gateway)["b"]["state"] == "ready", timeout=120, what="b ready")
+    failing = follow(url, "device_error", {"kind": "fatal", "delay": 2, "model": "b"})
+    wait_until(lambda: "running" in failing.statuses(), timeout=60, what="the failing job to run")
+    waiting = follow(url, "nap", {"seconds": 0, "tag": "after", "model": "b"})
+    wait_until(lambda: "queued" in waiting.statuses(), timeout=60, what="a nap queued behind it")
+    error = failing.ended()["data"]["error"]
+    assert error["code"] == "backend_unavailable" and error["retryable"] is True
+    assert waiting.ended()["data"] == {"tag": "after", "batch": 1}
+    after = engines(gateway)["b"]
+    assert after["restarts"] == restarts + 1 and after["last_exit"] == "exited after its device failed"
+    assert engines(gateway)["a"]["state"] == "ready"
 
 
 def test_an_engine_over_its_memory_limit_fails_the_job_not_the_host_and_dies_with_its_gateway(
