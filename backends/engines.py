@@ -42,13 +42,15 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import websockets
 
 from backends import model as models
 from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
 from gateway.config import Settings
 from gateway.errors import ApiError
 from gateway.jobs import Job
-from gateway.protocol import Code, Status
+from gateway.protocol import Code, Forget, Refusal, RemoteFrame, RemoteKind, Status, Submit, encode
+from gateway.tools.base import Tool
 
 log = logging.getLogger("streamgate.engines")
 
@@ -74,14 +76,73 @@ def exit_reason(code: int) -> str:
 
 
 class EngineLink(Link):
-    """The link to one engine: a `Link` that also keeps its unstarted jobs when the engine dies."""
+    """The link to one engine: a `Link` that submits and forgets jobs on the session socket, takes
+    results from their `completed` frames, and keeps its unstarted jobs when the engine dies.
+
+    The socket, not `POST /jobs` and `DELETE /jobs/{id}`: each HTTP call costs the gateway a
+    request's worth of work, which with many short jobs was a third of its time (py-spy).
+    """
+
+    inline_results = True
 
     def __init__(self, url: str, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
+        self.answers: dict[str, asyncio.Future[None]] = {}  # submits waiting for `accepted` or `refused`
         self.waiting: list[Job] = []  # jobs of a lost engine that had not started, in their order
         self.ready_since_start = False
         self.tool_of: Any = None  # a tool by name (the backend's), to submit the waiting jobs again
         self._requeuing: asyncio.Task[None] | None = None
+
+    async def submit(self, job: Job, tool: Tool) -> None:
+        socket = self._socket
+        if socket is None:
+            raise Unreachable("the engine's socket is not open")
+        remote = RemoteJob(job, self)
+        self.jobs[job.id] = remote  # before the answer: its first frames come right after it
+        answer = self.answers[job.id] = asyncio.get_running_loop().create_future()
+        op = Submit(tool.name, msgspec.Raw(encode(job.params)), job.id, job.tenant, job.weight)
+        try:
+            await socket.send(encode(op).decode())
+            await answer
+        except websockets.exceptions.ConnectionClosed as exc:
+            self.jobs.pop(job.id, None)
+            raise Unreachable(str(exc)) from None
+        except BaseException:
+            self.jobs.pop(job.id, None)
+            raise
+        finally:
+            self.answers.pop(job.id, None)
+        if job.id not in self.jobs:  # cancelled while the submit was in flight
+            self.spawn(self._forget(job.id))
+            return
+        remote.accept()
+
+    def _on_frames(self, frames: list[RemoteFrame]) -> None:
+        for frame in frames:
+            if frame.kind is RemoteKind.ACCEPTED or frame.kind is RemoteKind.REFUSED:
+                answer = self.answers.get(frame.job_id)
+                if answer is not None and not answer.done():
+                    if frame.kind is RemoteKind.ACCEPTED:
+                        answer.set_result(None)
+                    else:
+                        refusal = msgspec.json.decode(frame.data, type=Refusal)
+                        error = refusal.error
+                        answer.set_exception(
+                            ApiError(error.code, error.message, field=error.field, status=refusal.status, retry_after=refusal.retry_after)
+                        )
+            else:
+                super()._on_frames([frame])
+
+    def _closed(self) -> None:
+        for answer in self.answers.values():
+            if not answer.done():
+                answer.set_exception(Unreachable("the engine's socket closed"))
+
+    async def _forget(self, job_id: str) -> None:
+        if self._socket is None:
+            await super()._forget(job_id)
+        else:
+            self._send(encode(Forget(job_id)))
 
     async def _poll_loop(self) -> None:
         watch = asyncio.create_task(self._watch_ready())
@@ -101,6 +162,7 @@ class EngineLink(Link):
         self.healthy = False
         self.problem = reason
         self.abandoned.clear()  # a new engine has none of them
+        self._closed()
         keep = self.ready_since_start  # an engine that never got ready is in a crash loop: nothing waits on it
         for remote in list(self.jobs.values()):
             if keep and remote.job.started is None:
@@ -301,7 +363,10 @@ class EngineBackend(RemoteBackend):
         return "; ".join(problems) or "the engines are not ready"
 
     def describe(self) -> dict[str, Any]:
+        # The default model's facts as its engine last told them, as a gateway with threads tells its own.
+        facts = {k: v for k, v in self.engines[0].link.facts.items() if k not in ("ready", "backend", "sessions", "reason")}
         return {
+            **facts,
             "backend": "local",
             "engine": "process",
             "engines": [

@@ -61,8 +61,11 @@ from gateway.protocol import (
     ErrorInfo,
     RemoteFrame,
     RemoteKind,
+    Forget,
+    Refusal,
     Resume,
     SessionOp,
+    Submit,
     SubmitRequest,
     SubmitResponse,
     encode,
@@ -80,7 +83,12 @@ SWEEP_INTERVAL_S = 1.0
 
 @dataclass(eq=False)
 class Session:
-    """One gateway's jobs, and the socket (if any) their frames go out on."""
+    """One gateway's jobs, and the socket (if any) their frames go out on.
+
+    Frames are sent in messages of as many as are ready: the frames a batch's step
+    gives its members (a token each, say) arrive on the loop together, and go out
+    as one message, a JSON array, instead of one message each.
+    """
 
     id: str
     jobs: dict[str, Job] = field(default_factory=dict)
@@ -88,6 +96,10 @@ class Session:
     detached_since: float | None = field(default_factory=time.monotonic)
     followers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    outbox: list[bytes] = field(default_factory=list)  # frames for the next message
+    sent: asyncio.Future[None] | None = None  # done when the outbox's message is sent
+    inline: bool = False  # results in their `completed` frames (Executor.inline_results)
+    taking: set[asyncio.Task[None]] = field(default_factory=set)  # submits on the socket being admitted
 
     def follow(self, job: Job, after: int) -> None:
         """(Re)start sending `job`'s frames after `after`; replaces any follower it had."""
@@ -102,21 +114,45 @@ class Session:
         while True:
             batch = await job.wait_events(seen)
             for event in batch:
-                await self.send(socket, encode(remote_frame(event)))
+                self.outbox.append(encode(remote_frame(event, self.inline)))
                 seen = event.seq
+            # Waiting for the message that carries them: a gateway that reads slowly slows its jobs' followers.
+            await asyncio.shield(self.sent_for(socket))
             if job.terminal is not None and seen >= job.terminal.seq:
                 self.followers.pop(job.id, None)
                 return
 
+    def sent_for(self, socket: WebSocket) -> asyncio.Future[None]:
+        """The message that will carry the outbox: sent once every follower woken with it has added its frames."""
+        if self.sent is None:
+            self.sent = asyncio.get_running_loop().create_future()
+            # A task starts after the callbacks already due, among them the other followers woken by the same step.
+            asyncio.ensure_future(self._send_outbox(socket, self.sent))
+        return self.sent
+
+    async def _send_outbox(self, socket: WebSocket, sent: asyncio.Future[None]) -> None:
+        try:
+            async with self.send_lock:
+                frames, self.outbox, self.sent = self.outbox, [], None
+                await socket.send_bytes(frames[0] if len(frames) == 1 else b"[" + b",".join(frames) + b"]")
+        except BaseException as exc:  # the socket closed: the gateway reconnects and resumes
+            sent.set_exception(exc if isinstance(exc, Exception) else ConnectionError("the send was cancelled"))
+            sent.exception()  # retrieved: followers may all be gone
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            sent.set_result(None)
+
     async def send(self, socket: WebSocket, data: bytes) -> None:
-        # Many followers share the socket; frames must not interleave.
+        # Many followers share the socket; messages must not interleave.
         async with self.send_lock:
-            await socket.send_text(data.decode())
+            await socket.send_bytes(data)
 
     def detach(self, socket: WebSocket) -> None:
         if self.socket is not socket:
             return
         self.socket = None
+        self.outbox.clear()  # frames for the socket gone: a resume sends them again
         self.detached_since = time.monotonic()
         for task in self.followers.values():
             task.cancel()
@@ -181,8 +217,11 @@ class Executor:
         result_ttl: float = 600.0,
         session_grace: float = 30.0,
         drain_timeout: float = 30.0,
+        inline_results: bool = False,
     ) -> None:
         self.backend = backend
+        # Results in the `completed` frame (JSON: an engine's, backends/engines.py), not fetched apart.
+        self.inline_results = inline_results
         # On SIGTERM, as a gateway drains: no new jobs; held ones finish and their results are fetched.
         self.drain = Drain(drain_timeout)
         self.token = token
@@ -206,7 +245,7 @@ class Executor:
     def session(self, session_id: str) -> Session:
         found = self.sessions.get(session_id)
         if found is None:
-            found = self.sessions[session_id] = Session(session_id)
+            found = self.sessions[session_id] = Session(session_id, inline=self.inline_results)
         return found
 
     async def submit(self, request: Request) -> Response:
@@ -220,11 +259,15 @@ class Executor:
             submitted = msgspec.json.decode(body, type=SubmitRequest)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise ApiError(Code.BAD_REQUEST, f"a job is {{tool, params, job_id}}: {exc}") from None
+        return self._accepted(await self.take(session_id, submitted))
+
+    async def take(self, session_id: str, submitted: SubmitRequest | Submit) -> Job:
+        """Admit a job a gateway submits (by `POST /jobs` or on its socket), or find it if it was submitted already."""
         existing = self.entries.get(submitted.job_id)
         if existing is not None:
             if existing.session.id != session_id:
                 raise ApiError(Code.BAD_REQUEST, f"job {submitted.job_id} belongs to another session")
-            return self._accepted(existing.job)  # a retried submit: the same job
+            return existing.job  # a retried submit: the same job
         tool = self.backend.tool(submitted.tool)
         params = await self.admission.decode(tool, bytes(submitted.params), "params")
         # The gateway's tenant, as its own queue would count it; a gateway that sends none is one tenant.
@@ -237,7 +280,7 @@ class Executor:
         self.entries[job.id] = entry
         session.jobs[job.id] = job
         session.follow(job, 0)
-        return self._accepted(job)
+        return job
 
     @staticmethod
     def _accepted(job: Job) -> Response:
@@ -258,11 +301,15 @@ class Executor:
         """Cancel the job if it still runs, and forget it and its result."""
         self.authorize(request)
         entry = self._entry(request.path_params["job_id"])
+        return JSONResponse({"job_id": entry.job.id, "cancelled": self._drop(entry)})
+
+    def _drop(self, entry: Entry) -> bool:
+        """Cancel the job if it still runs (True), and forget it and its result."""
         running = not entry.job.done
         if running:
             self.backend.cancel(entry.job)
         self._forget(entry)
-        return JSONResponse({"job_id": entry.job.id, "cancelled": running})
+        return running
 
     def _entry(self, job_id: str) -> Entry:
         entry = self.entries.get(job_id)
@@ -308,17 +355,39 @@ class Executor:
                 except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                     log.warning("session %s: bad message %r: %s", session_id, message[:200], exc)
                     continue
+                if isinstance(op, Submit):
+                    # On a task: admission waits for checks, and the socket's other messages must not.
+                    taking = asyncio.create_task(self._take_on_socket(session, websocket, op))
+                    session.taking.add(taking)
+                    taking.add_done_callback(session.taking.discard)
+                    continue
                 job = session.jobs.get(op.job_id)
                 if job is None:
-                    await session.send(websocket, encode(_lost(op.job_id)))
+                    if not isinstance(op, Forget):
+                        await session.send(websocket, encode(_lost(op.job_id)))
                 elif isinstance(op, Resume):
                     session.follow(job, op.after_seq)
+                elif isinstance(op, Forget):
+                    self._drop(self.entries[job.id])
                 else:
                     self.backend.cancel(job)
         except WebSocketDisconnect:
             pass
         finally:
             session.detach(websocket)
+
+    async def _take_on_socket(self, session: Session, websocket: WebSocket, op: Submit) -> None:
+        try:
+            await self.take(session.id, op)
+        except ApiError as exc:
+            refusal = Refusal(exc.status, exc.info(), exc.retry_after)
+            answer = RemoteFrame(op.job_id, 0, RemoteKind.REFUSED, msgspec.Raw(encode(refusal)))
+        else:
+            answer = RemoteFrame(op.job_id, 0, RemoteKind.ACCEPTED, msgspec.Raw(b"null"))
+        # Into the outbox, ahead of the job's first frames (its follower adds them later on the loop).
+        session.outbox.insert(0, encode(answer))
+        with contextlib.suppress(Exception):  # a socket gone: the gateway fails the submit itself
+            await asyncio.shield(session.sent_for(websocket))
 
     async def sweep(self) -> None:
         """Drop expired results; cancel the jobs of sessions abandoned past their grace."""

@@ -61,6 +61,7 @@ from gateway.encoding import HASH_INLINE, HASHING, from_msgpack, to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.logs import forward_request_id
+from gateway.params import INLINE_BYTES, off_loop
 from gateway.protocol import (
     Code,
     ErrorBody,
@@ -84,6 +85,7 @@ HASH_STEP = 1 << 20  # hashing starts once this much more has arrived: few threa
 HEAD_MAX = 1 << 16  # the most an answer's status line and headers may take
 ERROR_BODY_MAX = 1 << 16  # of an error answer's body, kept for the message
 IDLE_CONNECTIONS = 4  # result connections kept open per executor between downloads
+_FRAMES = msgspec.json.Decoder(RemoteFrame | list[RemoteFrame])  # a message holds one frame, or several
 UNIX = "unix:"  # an executor URL of a Unix socket: unix:/PATH
 ON_SOCKET = "http://executor"  # the URL requests on a Unix socket are made to (the socket decides where they go)
 
@@ -134,13 +136,18 @@ class RemoteJob:
         if frame.kind is RemoteKind.ERROR:
             self.link.finish(self, *failure(frame))
         elif frame.kind is RemoteKind.COMPLETED:
-            self.link.spawn(self.link.deliver(self))
+            if self.link.inline_results:
+                self.link.succeed(self, frame.data)
+            else:
+                self.link.spawn(self.link.deliver(self))
         else:
             relay(self.job, frame)
 
 
 class Link:
     """One executor: the session socket, its health, and this gateway's jobs there."""
+
+    inline_results = False  # results come in their `completed` frames (an engine's, as JSON)
 
     def __init__(
         self,
@@ -168,6 +175,7 @@ class Link:
         self.jobs: dict[str, RemoteJob] = {}
         self.tools: list[ToolInfo] = []
         self.models: list[ModelInfo] = []
+        self.facts: dict[str, Any] = {}  # its last /readyz answer when ready: its model, device, queue
         self.healthy = False
         self.connected = False
         self.epoch = 0
@@ -216,6 +224,8 @@ class Link:
             try:
                 ready = await self.http.get("/readyz", timeout=5.0)
                 healthy = ready.status_code == 200
+                if healthy:
+                    self.facts = ready.json()
                 self.refused = ready.status_code == 401
                 if self.refused:
                     self.problem = "the executor refused the token"
@@ -269,7 +279,10 @@ class Link:
                         self.spawn(self._forget(job_id))
                     self.abandoned.clear()
                     async for message in socket:
-                        self._on_message(message)
+                        if len(message) <= INLINE_BYTES:
+                            self._on_frames(_decode_frames(self.url, message))
+                        else:  # a big result inline: decoded on the parsing thread, the frames after it waiting
+                            self._on_frames(await off_loop(_decode_frames, message, self.url))
             except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
                 if not self.refused:
                     self.problem = f"session socket: {exc or type(exc).__name__}"
@@ -277,18 +290,18 @@ class Link:
                 if self.connected:
                     self.down_since = time.monotonic()
                 self._socket, self.connected = None, False
+                self._closed()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
-    def _on_message(self, message: str | bytes) -> None:
-        try:
-            frame = msgspec.json.decode(message, type=RemoteFrame)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            log.warning("executor %s sent a bad frame: %s", self.url, exc)
-            return
-        remote = self.jobs.get(frame.job_id)
-        if remote is not None:
-            remote.receive(frame)
+    def _on_frames(self, frames: list[RemoteFrame]) -> None:
+        for frame in frames:
+            remote = self.jobs.get(frame.job_id)
+            if remote is not None:
+                remote.receive(frame)
+
+    def _closed(self) -> None:
+        """The session socket just closed (it is reopened with backoff)."""
 
     def resume(self, remote: RemoteJob) -> None:
         self._send(encode(Resume(remote.job.id, remote.last_seq)))
@@ -321,6 +334,12 @@ class Link:
             self.spawn(self._forget(job.id))
             return
         remote.accept()
+
+    def succeed(self, remote: RemoteJob, result: msgspec.Raw) -> None:
+        """End a job with the result its `completed` frame carried (JSON already)."""
+        if self.jobs.pop(remote.job.id, None) is not None:
+            remote.job.succeed(result)
+            self.spawn(self._forget(remote.job.id))
 
     async def deliver(self, remote: RemoteJob) -> None:
         """Fetch a completed job's result, check it, and end the job with it as JSON."""
@@ -451,6 +470,16 @@ class Link:
         """`DELETE /jobs/{id}`: cancels the job there if it still runs, and frees its result."""
         with contextlib.suppress(httpx.HTTPError):
             await self.http.delete(f"/jobs/{job_id}")
+
+
+def _decode_frames(url: str, message: str | bytes) -> list[RemoteFrame]:
+    """A socket message's frames (one, or an array of them); none from a message that is not frames."""
+    try:
+        frames = _FRAMES.decode(message)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        log.warning("executor %s sent a bad frame: %s", url, exc)
+        return []
+    return frames if isinstance(frames, list) else [frames]
 
 
 def as_json(data: bytes | memoryview) -> msgspec.Raw:

@@ -83,6 +83,8 @@ def options(parser) -> None:
     parser.add_argument("--batch-sizes", default=None, help="Concurrent jobs, comma-separated (default 4,16; --quick 4).")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch threads on both sides (default: one less than the cores, at least 1).")
+    parser.add_argument("--engine", default=None, choices=["thread", "process"],
+                        help="The gateway's --engine (default: its own default).")
 
 
 def has_threads_flag() -> bool:
@@ -272,6 +274,8 @@ async def run(bench: common.Bench, report: common.Report) -> list[str] | None:
     threads_flag = has_threads_flag()
     more, env = threads_flags(threads, threads_flag)
     flags += more
+    if args.engine:
+        flags += ["--engine", args.engine]
     threads_how = "--torch-threads" if threads_flag else "OMP_NUM_THREADS"
     common.step("starting the gateway")
     gateway = bench.streamgate("serve", *flags, model=model, name="gateway", env=env)
@@ -282,6 +286,7 @@ async def run(bench: common.Bench, report: common.Report) -> list[str] | None:
     device, dtype = plain_side(ready)
     plain = Plain(model_source(model), device, dtype)
     report.fact("machine", common.machine(ready.get("device", "?")))
+    report.fact("engine", ready.get("engine", "thread") + (" (each model in a process of its own)" if ready.get("engine") == "process" else " (the model on the gateway's threads)"))
     report.fact("model", f"{ready.get('model', '?')}: gateway {ready.get('dtype', '?')} on {ready.get('device', '?')}, "
                 f"plain transformers {str(dtype).removeprefix('torch.')} on {device}")
     report.fact("torch threads", f"{threads} on both sides (gateway: {threads_how}; this process: "

@@ -316,17 +316,20 @@ def engine() -> None:
     # The gateway logs each request; the engine's own access lines would be its polls and submits.
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    service = _executor_service(settings)
+    # Results as the JSON the gateway's clients get, in their `completed` frames: nothing to convert or fetch.
+    service = _executor_service(settings, inline_results=True)
     _run_server(create_executor_app(service), settings, service.metrics.client_timeout, ws="websockets", uds=socket)
 
 
-def _executor_service(settings: Settings) -> Any:
-    """The executor service of `settings`: its local backend, with results as msgpack."""
+def _executor_service(settings: Settings, inline_results: bool = False) -> Any:
+    """The executor service of `settings`: its local backend, with results as msgpack to fetch, or
+    (`inline_results`, an engine's) as JSON in their `completed` frames."""
     from backends.executor import Executor
-    from gateway.encoding import to_msgpack
+    from gateway.encoding import to_json, to_msgpack
 
     return Executor(
-        _local_backend(settings, encode=to_msgpack),
+        _local_backend(settings, encode=to_json if inline_results else to_msgpack),
+        inline_results=inline_results,
         token=settings.executor_token,
         max_body_bytes=settings.max_body_bytes,
         body_timeout=settings.body_timeout,

@@ -267,6 +267,9 @@ class RemoteKind(str, enum.Enum):
     PARTIAL = "partial"
     COMPLETED = "completed"
     ERROR = "error"
+    # The answers to a `submit` op (seq 0): the job was taken, or refused as `POST /jobs` would refuse it.
+    ACCEPTED = "accepted"
+    REFUSED = "refused"
 
 
 class RemoteFrame(msgspec.Struct):
@@ -274,7 +277,8 @@ class RemoteFrame(msgspec.Struct):
 
     `seq` is the executor's sequence number for the job (what `resume` counts
     from); `data` is the event's JSON (a status, log, partial or error frame).
-    `completed` carries `null`: the result is fetched from `GET /jobs/{id}/result`.
+    `completed` carries `null`, the result to be fetched from `GET /jobs/{id}/result`,
+    or, from an executor whose results are JSON (an engine), the result itself.
     """
 
     job_id: str
@@ -296,7 +300,31 @@ class Cancel(msgspec.Struct, tag_field="op", tag="cancel"):
     job_id: str
 
 
-SessionOp = Resume | Cancel
+class Forget(msgspec.Struct, tag_field="op", tag="forget"):
+    """Gateway → executor: as `DELETE /jobs/{id}`, cancel this job if it runs and drop it and its result."""
+
+    job_id: str
+
+
+class Submit(msgspec.Struct, tag_field="op", tag="submit"):
+    """Gateway → executor: as `POST /jobs`, on the socket; answered by an `accepted` or `refused` frame."""
+
+    tool: str
+    params: msgspec.Raw
+    job_id: str
+    tenant: str | None = None
+    weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+
+
+class Refusal(msgspec.Struct, omit_defaults=True):
+    """A `refused` frame's data: the HTTP status `POST /jobs` would have answered, and its error."""
+
+    status: int
+    error: ErrorInfo
+    retry_after: float | None = None
+
+
+SessionOp = Resume | Cancel | Forget | Submit
 
 
 class SubmitRequest(msgspec.Struct):
@@ -324,8 +352,9 @@ REMOTE_KIND = {
 }
 
 
-def remote_frame(event: Event) -> RemoteFrame:
-    """An executor job's event as a session frame (results stay behind, to be fetched)."""
+def remote_frame(event: Event, inline: bool = False) -> RemoteFrame:
+    """An executor job's event as a session frame; its result stays behind to be fetched, unless
+    `inline` (the result is JSON, and the gateway is an engine's, on the same machine)."""
     kind = REMOTE_KIND[event.type]
-    data = msgspec.Raw(b"null" if kind is RemoteKind.COMPLETED else event.data)
+    data = msgspec.Raw(b"null" if kind is RemoteKind.COMPLETED and not inline else event.data)
     return RemoteFrame(event.job_id, event.seq, kind, data)
