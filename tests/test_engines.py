@@ -122,6 +122,17 @@ def test_each_model_runs_in_an_engine_process_of_the_gateway_and_gives_what_a_th
     assert in_engine.terminal["data"] == in_thread.terminal["data"]
 
 
+def test_a_refusal_only_the_engine_can_make_comes_back_before_the_stream(gateway: ServeProcess) -> None:
+    """The prompt's length is known where the tokenizer is: the engine refuses the submit on its
+    socket, and the client gets that 413 as an ordinary answer, with no job left behind."""
+    before = httpx.get(f"{gateway.url}/jobs", timeout=10).json()["jobs"]
+    refused = httpx.post(f"{gateway.url}/generate/run", json={"prompts": ["a" * 400], "model": "a"}, timeout=30)
+    assert refused.status_code == 413, refused.text
+    assert refused.json()["error"]["code"] == "too_long" and "X-Job-Id" not in refused.headers
+    assert httpx.get(f"{gateway.url}/jobs", timeout=10).json()["jobs"] == before
+    assert all(e["jobs"] == 0 for e in engines(gateway).values())
+
+
 def test_a_killed_engine_ends_its_running_jobs_once_runs_its_queued_ones_anew_and_touches_nothing_else(
     gateway: ServeProcess,
 ) -> None:
