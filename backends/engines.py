@@ -84,6 +84,7 @@ class EngineLink(Link):
     """
 
     inline_results = True
+    says_dispatched = False  # the engine is this gateway's own: the stream is the one threads give
 
     def __init__(self, url: str, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)

@@ -108,7 +108,8 @@ class RemoteJob:
     def accept(self) -> None:
         """The executor took the job: say DISPATCHED, then apply what arrived before its answer."""
         self.accepted = True
-        self.job.set_status(Status.DISPATCHED)
+        if self.link.says_dispatched:
+            self.job.set_status(Status.DISPATCHED)
         early, self.early = self.early, []
         for frame in early:
             self.receive(frame)
@@ -148,6 +149,7 @@ class Link:
     """One executor: the session socket, its health, and this gateway's jobs there."""
 
     inline_results = False  # results come in their `completed` frames (an engine's, as JSON)
+    says_dispatched = True  # a job's stream says DISPATCHED when the executor takes it
 
     def __init__(
         self,

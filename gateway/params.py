@@ -67,8 +67,10 @@ def describe(
     """The `GET /tools` entries: JSON Schema generated from each tool's Structs, caps applied,
     and for a tool the served model cannot run, why (`unsupported`)."""
     return [
-        t.info
-        or ToolInfo(
+        # A tool another service published: its schemas as published, whether this model runs it from here.
+        msgspec.structs.replace(t.info, unsupported=unsupported(t))
+        if t.info is not None
+        else ToolInfo(
             name=t.name,
             description=t.description,
             params_schema=schema(t.params, t.caps, limits),
