@@ -44,6 +44,7 @@ from typing import Any
 import msgspec
 import websockets
 
+from backends import memory
 from backends import model as models
 from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
 from gateway.config import Settings
@@ -84,6 +85,7 @@ class EngineLink(Link):
     """
 
     inline_results = True
+    passes_codes = True  # an engine's errors are this gateway's own: `tool_error` stays `tool_error`
     says_dispatched = False  # the engine is this gateway's own: the stream is the one threads give
 
     def __init__(self, url: str, **kwargs: Any) -> None:
@@ -305,7 +307,16 @@ class EngineBackend(RemoteBackend):
     link_class = EngineLink
 
     def __init__(self, settings: Settings) -> None:
+        """Checks what a gateway with threads checks before it starts (raises ValueError, ModelError):
+        the models' names and kinds, and that the tool modules import and define tools."""
+        memory.bound_heap()  # results pass through this process: big ones given back when freed (backends/memory.py)
         specs = models.specs(settings.model, settings.model_loader, settings.model_devices)
+        for spec in specs:
+            models.check_kind(spec, settings.trust_remote_code)
+        from gateway.tools import load_module
+
+        for name in settings.tools:
+            load_module(name)
         self.folder = Path(tempfile.mkdtemp(prefix="streamgate-engines-"))  # 0700: only this user reaches the sockets
         token = secrets.token_urlsafe(24)
         sockets = [self.folder / f"{i}.sock" for i in range(len(specs))]

@@ -34,6 +34,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -276,7 +277,8 @@ class Executor:
         # Held from here on, with no await between: the job cannot have ended yet (the executor keeps no store).
         session = self.session(session_id)
         entry = Entry(job, session)
-        job.on_end.append(entry.ended_with)
+        if not self.inline_results:  # a result sent in its frame is never fetched: nothing to hash
+            job.on_end.append(entry.ended_with)
         self.entries[job.id] = entry
         session.jobs[job.id] = job
         session.follow(job, 0)
@@ -355,26 +357,31 @@ class Executor:
                 except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                     log.warning("session %s: bad message %r: %s", session_id, message[:200], exc)
                     continue
-                if isinstance(op, Submit):
-                    # On a task: admission waits for checks, and the socket's other messages must not.
-                    taking = asyncio.create_task(self._take_on_socket(session, websocket, op))
-                    session.taking.add(taking)
-                    taking.add_done_callback(session.taking.discard)
-                    continue
-                job = session.jobs.get(op.job_id)
-                if job is None:
-                    if not isinstance(op, Forget):
-                        await session.send(websocket, encode(_lost(op.job_id)))
-                elif isinstance(op, Resume):
-                    session.follow(job, op.after_seq)
-                elif isinstance(op, Forget):
-                    self._drop(self.entries[job.id])
-                else:
-                    self.backend.cancel(job)
+                await self._on_op(session, websocket, op)
         except WebSocketDisconnect:
             pass
         finally:
             session.detach(websocket)
+
+    async def _on_op(self, session: Session, websocket: WebSocket, op: Any) -> None:
+        """One op from the session's socket. A method of its own, so that the job it names is not
+        held (by the socket's loop, waiting for the next op) after it is forgotten."""
+        if isinstance(op, Submit):
+            # On a task: admission waits for checks, and the socket's other messages must not.
+            taking = asyncio.create_task(self._take_on_socket(session, websocket, op))
+            session.taking.add(taking)
+            taking.add_done_callback(session.taking.discard)
+            return
+        job = session.jobs.get(op.job_id)
+        if job is None:
+            if not isinstance(op, Forget):
+                await session.send(websocket, encode(_lost(op.job_id)))
+        elif isinstance(op, Resume):
+            session.follow(job, op.after_seq)
+        elif isinstance(op, Forget):
+            self._drop(self.entries[job.id])
+        else:
+            self.backend.cancel(job)
 
     async def _take_on_socket(self, session: Session, websocket: WebSocket, op: Submit) -> None:
         try:

@@ -32,7 +32,7 @@ def relay(job: Job, frame: RemoteFrame) -> None:
         job.partial(data)
 
 
-def failure(frame: RemoteFrame) -> tuple[Code, str]:
-    """An `error` frame's code (as the gateway passes it on) and message."""
+def failure(frame: RemoteFrame, every_code: bool = False) -> tuple[Code, str]:
+    """An `error` frame's code (as the gateway passes it on: all of them with `every_code`) and message."""
     error = msgspec.json.decode(frame.data, type=ErrorFrame).error
-    return (error.code if error.code in PASSED_THROUGH else Code.REMOTE_ERROR), error.message
+    return (error.code if every_code or error.code in PASSED_THROUGH else Code.REMOTE_ERROR), error.message

@@ -64,6 +64,12 @@ def _named(entry: str, flag: str) -> tuple[str | None, str]:
     return None, entry
 
 
+def check_kind(spec: ModelSpec, trust_remote_code: bool = False) -> None:
+    """Refuse a local checkpoint of a kind that cannot be served, from its config alone (ModelError)."""
+    if spec.loader is None and spec.gguf is None and Path(spec.source).is_dir():
+        detect_kind(spec.source, trust_remote_code)
+
+
 def specs(models: list[str], loaders: list[str] = (), devices: list[str] = ()) -> list[ModelSpec]:  # type: ignore[assignment]
     """The models `--model [NAME=]SOURCE`, `--model-loader [NAME=]module:function` and
     `--model-devices NAME=cuda:0,cuda:1` (each repeatable) ask for, the default first.

@@ -135,7 +135,7 @@ class RemoteJob:
 
     def _apply(self, frame: RemoteFrame) -> None:
         if frame.kind is RemoteKind.ERROR:
-            self.link.finish(self, *failure(frame))
+            self.link.finish(self, *failure(frame, self.link.passes_codes))
         elif frame.kind is RemoteKind.COMPLETED:
             if self.link.inline_results:
                 self.link.succeed(self, frame.data)
@@ -150,6 +150,7 @@ class Link:
 
     inline_results = False  # results come in their `completed` frames (an engine's, as JSON)
     says_dispatched = True  # a job's stream says DISPATCHED when the executor takes it
+    passes_codes = False  # an executor's error codes other than frames.PASSED_THROUGH become `remote_error`
 
     def __init__(
         self,
@@ -285,6 +286,7 @@ class Link:
                             self._on_frames(_decode_frames(self.url, message))
                         else:  # a big result inline: decoded on the parsing thread, the frames after it waiting
                             self._on_frames(await off_loop(_decode_frames, message, self.url))
+                        del message  # not held until the next one comes: it may be a big result
             except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
                 if not self.refused:
                     self.problem = f"session socket: {exc or type(exc).__name__}"

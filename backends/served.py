@@ -73,8 +73,7 @@ class ServedModel:
 
     def check_kind(self) -> None:
         """Refuse a local checkpoint of a kind that cannot be served, from its config alone (ModelError)."""
-        if self.spec.loader is None and self.spec.gguf is None and Path(self.spec.source).is_dir():
-            models.detect_kind(self.spec.source, self.trust_remote_code)
+        models.check_kind(self.spec, self.trust_remote_code)
 
     async def load(self) -> None:
         """Load a copy on every device and start their workers; on failure, `error` says why."""

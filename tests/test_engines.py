@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import make_server, parse_sse, run_stream, wait_until
-from tests.processes import ServeProcess, clean_env, free_port, start_serve
+from tests.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
 from tests.tiny_models import build_tiny_model
 
 
@@ -131,6 +132,20 @@ def test_a_refusal_only_the_engine_can_make_comes_back_before_the_stream(gateway
     assert refused.json()["error"]["code"] == "too_long" and "X-Job-Id" not in refused.headers
     assert httpx.get(f"{gateway.url}/jobs", timeout=10).json()["jobs"] == before
     assert all(e["jobs"] == 0 for e in engines(gateway).values())
+
+
+def test_a_tools_error_keeps_its_code_through_the_engine(gateway: ServeProcess) -> None:
+    """The engine is the gateway's own: a tool's failure reads as it does with threads, not as `remote_error`."""
+    failed = run_stream(gateway.url, "device_error", {"kind": "oom", "model": "a"})
+    error = failed.terminal["data"]["error"]
+    assert error["code"] == "tool_error" and error["message"].startswith("the device ran out of memory running this job")
+    assert engines(gateway)["a"]["state"] == "ready"
+
+
+def test_serve_checks_the_tool_modules_before_it_starts_any_engine(tiny_model_path: Path) -> None:
+    args = ["serve", "--model", str(tiny_model_path), "--engine", "process", "--tools", "no_such_module_here", "--port", str(free_port())]
+    done = subprocess.run([str(STREAMGATE), *args], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=ROOT)
+    assert done.returncode != 0 and "no_such_module_here: cannot import it" in done.stderr, done.stderr
 
 
 def test_a_killed_engine_ends_its_running_jobs_once_runs_its_queued_ones_anew_and_touches_nothing_else(
