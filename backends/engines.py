@@ -39,6 +39,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -50,6 +51,7 @@ from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
 from gateway.config import Settings
 from gateway.errors import ApiError
 from gateway.jobs import Job
+from gateway.logs import request_id
 from gateway.protocol import Code, Forget, Refusal, RemoteFrame, RemoteKind, Status, Submit, encode
 from gateway.tools.base import Tool
 
@@ -103,7 +105,7 @@ class EngineLink(Link):
         remote = RemoteJob(job, self)
         self.jobs[job.id] = remote  # before the answer: its first frames come right after it
         answer = self.answers[job.id] = asyncio.get_running_loop().create_future()
-        op = Submit(tool.name, msgspec.Raw(encode(job.params)), job.id, job.tenant, job.weight)
+        op = Submit(tool.name, msgspec.Raw(encode(job.params)), job.id, job.tenant, job.weight, request_id.get())
         try:
             await socket.send(encode(op).decode())
             await answer
@@ -374,9 +376,13 @@ class EngineBackend(RemoteBackend):
         ]
         return "; ".join(problems) or "the engines are not ready"
 
+    def batch_size_counts(self) -> list[Mapping[int, int]]:
+        """Each engine's batch sizes so far, as it last reported them on /readyz."""
+        return [{int(size): n for size, n in e.link.facts.get("batch_sizes", {}).items()} for e in self.engines]
+
     def describe(self) -> dict[str, Any]:
         # The default model's facts as its engine last told them, as a gateway with threads tells its own.
-        facts = {k: v for k, v in self.engines[0].link.facts.items() if k not in ("ready", "backend", "sessions", "reason")}
+        facts = {k: v for k, v in self.engines[0].link.facts.items() if k not in ("ready", "backend", "sessions", "reason", "batch_sizes")}
         return {
             **facts,
             "backend": "local",
@@ -388,6 +394,7 @@ class EngineBackend(RemoteBackend):
                     "pid": e.pid,
                     "restarts": e.restarts,
                     "jobs": e.link.load,
+                    "queued": e.link.facts.get("queued", 0) if e.link.ready else 0,
                     "waiting": len(e.link.waiting),
                     "rss_bytes": e.rss(),
                 }

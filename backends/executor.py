@@ -53,7 +53,7 @@ from gateway.drain import Drain, on_sigterm
 from gateway.encoding import HASH_INLINE, HASHING
 from gateway.errors import ApiError, api_error_handler, http_error_handler
 from gateway.jobs import Job
-from gateway.logs import RequestIds
+from gateway.logs import RequestIds, accept_request_id, request_id
 from gateway.metrics import Metrics
 from gateway.protocol import (
     Code,
@@ -384,6 +384,8 @@ class Executor:
             self.backend.cancel(job)
 
     async def _take_on_socket(self, session: Session, websocket: WebSocket, op: Submit) -> None:
+        if op.request_id:  # on this task only: its log lines name the client's request, as a POST's would
+            request_id.set(accept_request_id(op.request_id))
         try:
             await self.take(session.id, op)
         except ApiError as exc:
@@ -447,6 +449,11 @@ def create_executor_app(executor: Executor) -> Starlette:
         executor.authorize(request)
         ready = backend.ready and not executor.drain.draining
         body = {"ready": ready, **backend.describe(), "sessions": len(executor.sessions)}
+        sizes: dict[int, int] = {}
+        for counts in backend.batch_size_counts():
+            for size, n in counts.items():
+                sizes[size] = sizes.get(size, 0) + n
+        body["batch_sizes"] = sizes  # for a gateway that shows them (an engine's: backends/engines.py)
         if executor.drain.draining:
             body["reason"] = "shutting down"
         elif not backend.ready:

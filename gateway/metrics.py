@@ -191,6 +191,7 @@ class _BackendState:
                 "restarts": CounterMetricFamily("streamgate_engine_restarts", "Times the model's engine process ended and was started again", labels=["model"]),
                 "jobs": GaugeMetricFamily("streamgate_engine_jobs", "Jobs queued or running in the engine", labels=["model"]),
                 "waiting": GaugeMetricFamily("streamgate_engine_waiting", "Jobs of a lost engine waiting in the gateway for the next one", labels=["model"]),
+                "queued": GaugeMetricFamily("streamgate_engine_queue_depth", "Jobs waiting in the engine's queue, as it last said", labels=["model"]),
                 "rss": GaugeMetricFamily("streamgate_engine_resident_memory_bytes", "The engine process's resident memory", labels=["model"]),
             }
             for engine in facts["engines"]:
@@ -199,6 +200,7 @@ class _BackendState:
                 families["restarts"].add_metric(labels, engine["restarts"])
                 families["jobs"].add_metric(labels, engine["jobs"])
                 families["waiting"].add_metric(labels, engine["waiting"])
+                families["queued"].add_metric(labels, engine["queued"])
                 if engine["rss_bytes"] is not None:
                     families["rss"].add_metric(labels, engine["rss_bytes"])
             yield from families.values()

@@ -314,6 +314,7 @@ class Submit(msgspec.Struct, tag_field="op", tag="submit"):
     job_id: str
     tenant: str | None = None
     weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    request_id: str | None = None  # the client request's X-Request-Id, for the executor's log lines
 
 
 class Refusal(msgspec.Struct, omit_defaults=True):

@@ -121,6 +121,14 @@ def test_each_model_runs_in_an_engine_process_of_the_gateway_and_gives_what_a_th
         thread.stop()
     assert in_engine.terminal["event"] == "data", in_engine.events
     assert in_engine.terminal["data"] == in_thread.terminal["data"]
+    # The engine's batches in the gateway's /metrics (a step per token at least), once it has polled the engine again.
+    def steps() -> float:
+        found = re.search(r"^streamgate_batch_size_count (\S+)$", httpx.get(f"{gateway.url}/metrics", timeout=10).text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    wait_until(lambda: steps() >= 12, timeout=10, what="the engine's batch sizes in /metrics")
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    assert re.search(r'^streamgate_engine_queue_depth\{model="a"\} 0\.0$', metrics, re.M), metrics
 
 
 def test_a_refusal_only_the_engine_can_make_comes_back_before_the_stream(gateway: ServeProcess) -> None:

