@@ -122,6 +122,10 @@ class EngineLink(Link):
             return
         remote.accept()
 
+    @staticmethod
+    def as_json(data: bytes | memoryview) -> msgspec.Raw:
+        return msgspec.Raw(data)  # an engine's results are JSON already
+
     def _on_frames(self, frames: list[RemoteFrame]) -> None:
         for frame in frames:
             if frame.kind is RemoteKind.ACCEPTED or frame.kind is RemoteKind.REFUSED:

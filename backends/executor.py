@@ -79,6 +79,9 @@ log = logging.getLogger("streamgate.executor")
 # Large enough that a body takes few trips through the ASGI server; not the whole result in
 # one write, as a transport keeps what the socket does not take at once (asyncio's, a copy).
 RESULT_CHUNK = 1 << 20
+# The largest result sent in its `completed` frame (Executor.inline_results); a bigger one is fetched, its
+# bytes sent as they are rather than copied into a frame and a message.
+INLINE_RESULT_BYTES = 1 << 20
 SWEEP_INTERVAL_S = 1.0
 
 
@@ -115,7 +118,8 @@ class Session:
         while True:
             batch = await job.wait_events(seen)
             for event in batch:
-                self.outbox.append(encode(remote_frame(event, self.inline)))
+                inline = self.inline and len(event.data) <= INLINE_RESULT_BYTES
+                self.outbox.append(encode(remote_frame(event, inline)))
                 seen = event.seq
             # Waiting for the message that carries them: a gateway that reads slowly slows its jobs' followers.
             await asyncio.shield(self.sent_for(socket))
@@ -191,8 +195,8 @@ class ResultResponse(Response):
 
     media_type = "application/msgpack"
 
-    def __init__(self, data: bytes, digest: str) -> None:
-        super().__init__(headers={"Content-Length": str(len(data)), "X-Content-SHA256": digest})
+    def __init__(self, data: bytes, digest: str, media_type: str | None = None) -> None:
+        super().__init__(headers={"Content-Length": str(len(data)), "X-Content-SHA256": digest}, media_type=media_type)
         self.data = data
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -277,8 +281,7 @@ class Executor:
         # Held from here on, with no await between: the job cannot have ended yet (the executor keeps no store).
         session = self.session(session_id)
         entry = Entry(job, session)
-        if not self.inline_results:  # a result sent in its frame is never fetched: nothing to hash
-            job.on_end.append(entry.ended_with)
+        job.on_end.append(entry.ended_with)
         self.entries[job.id] = entry
         session.jobs[job.id] = job
         session.follow(job, 0)
@@ -297,7 +300,8 @@ class Executor:
         if terminal.type is not EventType.DATA:
             raise ApiError(Code.NOT_FOUND, "the job ended with an error; it has no result")
         # Shielded: a gateway that gives up on its request must not cancel the hash it shares with the next.
-        return ResultResponse(terminal.data, await asyncio.shield(entry.digest()))
+        media_type = "application/json" if self.inline_results else None  # an engine's results are JSON
+        return ResultResponse(terminal.data, await asyncio.shield(entry.digest()), media_type)
 
     async def delete(self, request: Request) -> Response:
         """Cancel the job if it still runs, and forget it and its result."""
@@ -322,6 +326,10 @@ class Executor:
     def _forget(self, entry: Entry) -> None:
         self.entries.pop(entry.job.id, None)
         entry.session.jobs.pop(entry.job.id, None)
+        # The entry and its job refer to each other (`Job.on_end`): a cycle that only the cyclic
+        # collector frees, at its own pace, with the result in it. Broken here, freed now.
+        with contextlib.suppress(ValueError):
+            entry.job.on_end.remove(entry.ended_with)
         task = entry.session.followers.pop(entry.job.id, None)
         if task is not None:
             task.cancel()
@@ -402,22 +410,26 @@ class Executor:
         """Drop expired results; cancel the jobs of sessions abandoned past their grace."""
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
-            now = time.monotonic()
-            for entry in list(self.entries.values()):
-                if entry.job.done and entry.ended is None:
-                    entry.ended = now
-                if entry.ended is not None and now - entry.ended > self.result_ttl:
-                    self._forget(entry)
-            for session in list(self.sessions.values()):
-                if session.socket is not None or session.detached_since is None:
-                    continue
-                if now - session.detached_since > self.session_grace:
-                    for job in list(session.jobs.values()):
-                        if not job.done:
-                            log.info("session %s abandoned: cancelling job %s", session.id, job.id, extra={"job_id": job.id})
-                            self.backend.cancel(job)
-                    if not session.jobs:
-                        del self.sessions[session.id]
+            self._sweep(time.monotonic())
+
+    def _sweep(self, now: float) -> None:
+        # A function of its own: its loops' last entry and job are let go when it returns, not
+        # held (with a job's result) by the sweeping coroutine while it sleeps.
+        for entry in list(self.entries.values()):
+            if entry.job.done and entry.ended is None:
+                entry.ended = now
+            if entry.ended is not None and now - entry.ended > self.result_ttl:
+                self._forget(entry)
+        for session in list(self.sessions.values()):
+            if session.socket is not None or session.detached_since is None:
+                continue
+            if now - session.detached_since > self.session_grace:
+                for job in list(session.jobs.values()):
+                    if not job.done:
+                        log.info("session %s abandoned: cancelling job %s", session.id, job.id, extra={"job_id": job.id})
+                        self.backend.cancel(job)
+                if not session.jobs:
+                    del self.sessions[session.id]
 
 
 def _lost(job_id: str) -> RemoteFrame:

@@ -85,6 +85,7 @@ HASH_STEP = 1 << 20  # hashing starts once this much more has arrived: few threa
 HEAD_MAX = 1 << 16  # the most an answer's status line and headers may take
 ERROR_BODY_MAX = 1 << 16  # of an error answer's body, kept for the message
 IDLE_CONNECTIONS = 4  # result connections kept open per executor between downloads
+_NULL = msgspec.Raw(b"null")
 _FRAMES = msgspec.json.Decoder(RemoteFrame | list[RemoteFrame])  # a message holds one frame, or several
 UNIX = "unix:"  # an executor URL of a Unix socket: unix:/PATH
 ON_SOCKET = "http://executor"  # the URL requests on a Unix socket are made to (the socket decides where they go)
@@ -137,7 +138,8 @@ class RemoteJob:
         if frame.kind is RemoteKind.ERROR:
             self.link.finish(self, *failure(frame, self.link.passes_codes))
         elif frame.kind is RemoteKind.COMPLETED:
-            if self.link.inline_results:
+            # A big result stays behind (`null`), to be fetched as the other executors' are.
+            if self.link.inline_results and frame.data != _NULL:
                 self.link.succeed(self, frame.data)
             else:
                 self.link.spawn(self.link.deliver(self))
@@ -339,6 +341,11 @@ class Link:
             return
         remote.accept()
 
+    @staticmethod
+    def as_json(data: bytes | memoryview) -> msgspec.Raw:
+        """A downloaded result as the JSON a local backend would have sent (an executor's is msgpack)."""
+        return as_json(data)
+
     def succeed(self, remote: RemoteJob, result: msgspec.Raw) -> None:
         """End a job with the result its `completed` frame carried (JSON already)."""
         if self.jobs.pop(remote.job.id, None) is not None:
@@ -355,7 +362,7 @@ class Link:
             try:
                 data = await self._download(job_id)
                 # A small one on the loop: a thread hop costs more, and each one the default pool runs concurrently leaves it a thread larger.
-                result = as_json(data) if len(data) <= HASH_INLINE else await asyncio.to_thread(as_json, data)
+                result = self.as_json(data) if len(data) <= HASH_INLINE else await asyncio.to_thread(self.as_json, data)
             except _Retry as exc:
                 problem = str(exc)
                 log.warning("job %s: result download failed (%s), try %d", job_id, exc, attempt + 1, extra={"job_id": job_id})
@@ -641,7 +648,9 @@ class _ResultConnection(asyncio.BufferedProtocol):
             wait = None if read_timeout is None else max(0.0, self.last_read + read_timeout - self._loop.time())
             done, _ = await asyncio.wait({self._answer}, timeout=wait)
             if done:
-                return self._answer.result()
+                # Not kept: an idle connection would hold the last result's buffer until its next download.
+                answer, self._answer = self._answer, None
+                return answer.result()
             if self._loop.time() - self.last_read >= read_timeout:  # type: ignore[operator]
                 raise _Retry(f"timed out: nothing arrived for {read_timeout:g} s")
 
