@@ -188,7 +188,7 @@ def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @_option("--port", default=_D.port, type=int)
 @_model_options
 @_option("--backend", default=_D.backend, type=click.Choice(["local", "remote", "ray"]), help="Run tools in this process, on executors, or on the replicas of a Ray Serve application.")
-@_option("--engine", default=_D.engine, type=click.Choice(["thread", "process"]), help="For --backend local: run the models on threads of this process, or each model in an engine process of its own that the gateway restarts if it dies (a crash, an out-of-memory kill, a failed device) while the gateway and the other models go on.")
+@_option("--engine", default=_D.engine, type=click.Choice(["thread", "process"]), help="For --backend local: each model in an engine process of its own that the gateway restarts if it dies (a crash, an out-of-memory kill, a failed device) while the gateway and the other models go on; or all of them on threads of this process.")
 @_option("--engine-memory-limit", default=None, type=_Bytes(), help="For --engine process: the most address space each engine may take (RLIMIT_AS); a job that would pass it fails alone instead of exhausting the host. Leave room for the weights, torch's own reservations and the allocator's arenas.")
 @_option("--ray-address", default=None, help="For --backend ray: the Ray cluster, from one of its nodes (auto, or HEAD:6379); default: start or join a local one.")
 @_option("--ray-replicas", default=None, type=click.IntRange(min=1), help="For --backend ray: how many model replicas (default 1).")

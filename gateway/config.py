@@ -54,7 +54,7 @@ class Settings(msgspec.Struct, kw_only=True):
     store_outage_grace: float = 30.0  # seconds a Redis outage is ridden out (gateway/redis_store.py)
     backend: str = "local"
     # --backend local: the models in this process's threads, or each in an engine process (backends/engines.py).
-    engine: str = "thread"
+    engine: str = "process"
     engine_memory_limit: int | None = None  # each engine's address space (RLIMIT_AS); None: no limit
     executors: list[str] = msgspec.field(default_factory=list)
     # --backend ray: replicas of a Ray Serve application (backends/ray_serve.py).

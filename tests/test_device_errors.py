@@ -68,7 +68,9 @@ def test_a_batch_out_of_memory_runs_its_jobs_one_by_one(serve: Any) -> None:
 def test_a_fatal_device_error_ends_every_job_and_exits_non_zero(tiny_model_path: Path, tmp_path: Path) -> None:
     port = free_port()
     server = start_serve(
-        ["--model", str(tiny_model_path), "--device", "cpu", "--port", str(port), "--tools", "tests.device_tools"],
+        # Threads: the model in the gateway's own process, which exits for its supervisor (with
+        # engine processes the gateway restarts the engine itself: tests/test_engines.py).
+        ["--model", str(tiny_model_path), "--device", "cpu", "--port", str(port), "--tools", "tests.device_tools", "--engine", "thread"],
         clean_env(),
         port,
         tmp_path / "serve.log",
