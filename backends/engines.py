@@ -293,9 +293,11 @@ def engine_settings(settings: Settings, spec: models.ModelSpec, first: bool, tok
     """The settings of the engine of `spec`: the gateway's, with that model alone."""
     loader = [f"{spec.name}={spec.loader}"] if spec.loader else []
     devices = [f"{spec.name}={','.join(spec.devices)}"] if spec.devices else []
+    # A GGUF (the bundled default's too) by its path: the engine converts it, or finds it converted, as threads would.
+    source = str(spec.gguf) if spec.gguf is not None else spec.source
     return msgspec.structs.replace(
         settings,
-        model=[f"{spec.name}={spec.source}"] if spec.source else [],
+        model=[f"{spec.name}={source}"] if source else [],
         model_loader=loader,
         model_devices=devices,
         sae=settings.sae if first else [],  # SAEs are read on the default model's layers

@@ -17,6 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
+from backends import model as models
+from backends.engines import engine_settings
+from gateway.config import Settings
 from tests.conftest import make_server, parse_sse, run_stream, wait_until
 from tests.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
 from tests.tiny_models import build_tiny_model
@@ -102,6 +105,23 @@ def gateway(tiny_model_path: Path, other_model_path: Path, tmp_path_factory: pyt
     )
     yield s
     s.stop()
+
+
+@pytest.mark.parametrize(
+    ("given", "loaders"),
+    [([], []), (["./tests"], []), (["a=./tests", "b=org/some-model"], ["b=tests.custom_model:load"])],
+    ids=["the bundled default", "a folder", "named, a loader"],
+)
+def test_each_engine_is_given_its_own_model_as_the_gateway_resolved_it(given: list[str], loaders: list[str]) -> None:
+    """Without loading anything: each engine's settings name one model, which resolves in the engine
+    to what it was in the gateway (the bundled default by its GGUF, not by a name the hub would be asked for)."""
+    settings = Settings(model=given, model_loader=loaders)
+    specs = models.specs(settings.model, settings.model_loader, settings.model_devices)
+    for i, spec in enumerate(specs):
+        child = engine_settings(settings, spec, i == 0, "token")
+        (again,) = models.specs(child.model, child.model_loader, child.model_devices)
+        assert (again.name, again.gguf, again.loader) == (spec.name, spec.gguf, spec.loader)
+        assert again.source == (str(spec.gguf) if spec.gguf else spec.source)
 
 
 def test_each_model_runs_in_an_engine_process_of_the_gateway_and_gives_what_a_thread_gives(
