@@ -318,7 +318,12 @@ def engine() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     # Results as the JSON the gateway's clients get, in their `completed` frames: nothing to convert or fetch.
     service = _executor_service(settings, inline_results=True)
-    _run_server(create_executor_app(service), settings, service.metrics.client_timeout, ws="websockets", uds=socket)
+    # A submit on the socket carries a job's params, which may be as big as the gateway's bodies:
+    # uvicorn's 16 MiB cap on a message would close the socket every job shares.
+    ws_max_size = max(settings.max_body_bytes + (1 << 16), 16 << 20)
+    _run_server(
+        create_executor_app(service), settings, service.metrics.client_timeout, ws="websockets", uds=socket, ws_max_size=ws_max_size
+    )
 
 
 def _executor_service(settings: Settings, inline_results: bool = False) -> Any:

@@ -282,3 +282,18 @@ def test_a_gateway_that_stops_stops_its_engines(tiny_model_path: Path, tmp_path:
     assert gateway.proc.returncode == 0, gateway.output()
     assert not alive(engine["pid"])
     assert "Traceback" not in gateway.output(), gateway.output()
+
+
+def test_a_body_as_big_as_the_gateway_takes_reaches_the_engine_and_its_result_comes_back(tiny_model_path: Path, tmp_path: Path) -> None:
+    """20 MB of params on the engine's socket (over the 16 MiB a WebSocket message may have by
+    default), and 20 MB of result fetched rather than sent in a frame; the other jobs' socket stays up."""
+    gateway = start_gateway(tmp_path, str(tiny_model_path), extra=("--max-body-bytes", str(32 << 20)))
+    try:
+        tag = "x" * (20 << 20)
+        done = run_stream(gateway.url, "nap", {"seconds": 0, "tag": tag}, timeout=120)
+        assert done.terminal["event"] == "data" and done.terminal["data"] == {"tag": tag, "batch": 1}
+        assert run_stream(gateway.url, "nap", {"seconds": 0, "tag": "small"}).terminal["data"] == {"tag": "small", "batch": 1}
+        (engine,) = engines(gateway).values()
+        assert engine["restarts"] == 0 and engine["state"] == "ready"
+    finally:
+        gateway.stop()
