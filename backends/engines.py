@@ -98,29 +98,20 @@ class EngineLink(Link):
         self.tool_of: Any = None  # a tool by name (the backend's), to submit the waiting jobs again
         self._requeuing: asyncio.Task[None] | None = None
 
-    async def submit(self, job: Job, tool: Tool) -> None:
+    async def _submit(self, job: Job, tool: Tool) -> None:
+        """The `submit` op on the socket: returns once the engine answers `accepted`."""
         socket = self._socket
         if socket is None:
             raise Unreachable("the engine's socket is not open")
-        remote = RemoteJob(job, self)
-        self.jobs[job.id] = remote  # before the answer: its first frames come right after it
         answer = self.answers[job.id] = asyncio.get_running_loop().create_future()
         op = Submit(tool.name, msgspec.Raw(encode(job.params)), job.id, job.tenant, job.weight, request_id.get())
         try:
             await socket.send(encode(op).decode())
             await answer
         except websockets.exceptions.ConnectionClosed as exc:
-            self.jobs.pop(job.id, None)
             raise Unreachable(str(exc)) from None
-        except BaseException:
-            self.jobs.pop(job.id, None)
-            raise
         finally:
             self.answers.pop(job.id, None)
-        if job.id not in self.jobs:  # cancelled while the submit was in flight
-            self.spawn(self._forget(job.id))
-            return
-        remote.accept()
 
     @staticmethod
     def as_json(data: bytes | memoryview) -> msgspec.Raw:

@@ -322,24 +322,30 @@ class Link:
 
     async def submit(self, job: Job, tool: Tool) -> None:
         remote = RemoteJob(job, self)
-        self.jobs[job.id] = remote  # before the POST: its frames may arrive before the answer
+        self.jobs[job.id] = remote  # before the submit: its frames may arrive before the answer
+        try:
+            await self._submit(job, tool)
+        except BaseException:
+            self.jobs.pop(job.id, None)
+            raise
+        if job.id not in self.jobs:  # cancelled while the submit was in flight
+            self.spawn(self._forget(job.id))
+            return
+        remote.accept()
+
+    async def _submit(self, job: Job, tool: Tool) -> None:
+        """`POST /jobs`: returns once the executor took the job; raises `Unreachable`, or its refusal."""
         body = encode(SubmitRequest(tool.name, msgspec.Raw(encode(job.params)), job.id, job.tenant, job.weight))
         try:
             response = await self.http.post(
                 "/jobs", content=body, headers={"X-Session-Id": self.session_id, "Content-Type": "application/json"}
             )
         except httpx.HTTPError as exc:
-            self.jobs.pop(job.id, None)
             self.healthy = False
             self.problem = f"unreachable: {exc or type(exc).__name__}"
             raise Unreachable(str(exc)) from None
         if response.status_code != 202:
-            self.jobs.pop(job.id, None)
             raise _relayed(response, self.url)
-        if job.id not in self.jobs:  # cancelled while the submit was in flight
-            self.spawn(self._forget(job.id))
-            return
-        remote.accept()
 
     @staticmethod
     def as_json(data: bytes | memoryview) -> msgspec.Raw:
