@@ -162,6 +162,31 @@ def device_failure(exc: BaseException) -> str | None:
     return None
 
 
+class _Steps:
+    """What a batch stepping on the device's thread shares with the event loop.
+
+    The loop hands joining members through `inbox` and asks for a pause (to let a
+    job through) or a stop; the thread reads them between two steps. `big`: the
+    members' passes are long enough to stop inside (backends/stopping.py).
+    """
+
+    def __init__(self) -> None:
+        self.inbox: collections.deque[tuple[Any, Context]] = collections.deque()
+        self.pause = False
+        self.stopped = False
+        self.big = False
+        self.changed = asyncio.Event()  # set on the loop when members end
+
+    def offer(self, added: list[tuple[Any, Context]]) -> None:
+        self.inbox.extend(added)
+
+    def drain(self) -> list[tuple[Any, Context]]:
+        added = []
+        while self.inbox:
+            added.append(self.inbox.popleft())
+        return added
+
+
 class Worker:
     """Runs queued jobs on one device, on a thread of its own: alone, or batched."""
 
@@ -199,6 +224,8 @@ class Worker:
         self._task: asyncio.Task[None] | None = None
         # Every worker of the backend, this one included: the devices a spread job's chunks run on.
         self.peers: list[Worker] = [self]
+        # The batches stepping on the device's thread now (one, and one let through while it waits).
+        self._runs: set[_Steps] = set()
 
     @property
     def busy(self) -> bool:
@@ -221,6 +248,8 @@ class Worker:
     async def stop(self) -> None:
         for job in self.running:
             job.cancel()
+        for run in self._runs:
+            run.stopped = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -280,7 +309,8 @@ class Worker:
                 outcome: Outcome = execute(tool, self.model, job.params, ctx, self.encode, stop=big([job]))
             except Exception as exc:
                 outcome = exc
-            # The job ends in the burst that carries its frames (see `_ending`).
+            # The job ends in the hand-off that carries its frames: a short job's RUNNING, partials and
+            # terminal event reach its client in one write.
             self._thread_post(lambda: self._finish(job, tool, outcome, loop.time() - started))
 
         await self.call(run)
@@ -315,46 +345,100 @@ class Worker:
             joining += self.queue.take(joins, self.max_batch_size - len(joining))
         batch: Batch = tool.batch(self.model)
         members: dict[Context, tuple[Job, float]] = {}
-        self._last_batch[tool.name] = 0
-        while True:
+        run = _Steps()
+
+        def admit(jobs: list[Job]) -> list[tuple[Any, Context]]:
             added = []
-            for job in joining:
+            for job in jobs:
                 if self._admit(job):
                     ctx = self.context(job)
                     members[ctx] = (job, loop.time())
                     added.append((job.params, ctx))
                 else:
                     held[0] -= _memory(job)
-            self.batch_sizes[len(members)] += 1
-            self._last_batch[tool.name] = max(self._last_batch[tool.name], len(members))
-            if tool.spread is not None and len(self.peers) > 1 and len(members) == len(added):
-                try:
-                    ended = await self._spread(tool, batch, added)
-                except Exception as exc:  # even the one-device rerun failed: every member ends with it
-                    ended = [(ctx, exc) for ctx in members]
-                for ctx, outcome in ended:
-                    job, started = members.pop(ctx)
-                    self._finish(job, tool, outcome, loop.time() - started)
-                return
-            def finish(ended: list[tuple[Context, Outcome]]) -> None:
-                for ctx, outcome in ended:
-                    job, started = members.pop(ctx)
-                    held[0] -= _memory(job)
-                    self._finish(job, tool, outcome, loop.time() - started)
+            self._last_batch[tool.name] = max(self._last_batch.get(tool.name, 0), len(members))
+            run.big = big([job for job, _ in members.values()])
+            return added
 
-            stop = (self.model, list(members)) if big([job for job, _ in members.values()]) else ()
+        def finish(ended: list[tuple[Context, Outcome]], size: int) -> None:
+            self.batch_sizes[size] += 1
+            for ctx, outcome in ended:
+                job, started = members.pop(ctx)
+                held[0] -= _memory(job)
+                self._finish(job, tool, outcome, loop.time() - started)
+            if ended:
+                run.big = big([job for job, _ in members.values()])
+                run.changed.set()
+
+        self._last_batch[tool.name] = 0
+        added = admit(joining)
+        if not members:
+            return
+        if tool.spread is not None and len(self.peers) > 1:
+            self.batch_sizes[len(members)] += 1
             try:
-                await self.call(self._ending(step, finish), batch, added, self.encode, *stop)
-            except Exception as exc:  # the batch as a whole failed: every member ends with it
-                finish([(ctx, exc) for ctx in members])
-            if not members:
+                ended = await self._spread(tool, batch, added)
+            except Exception as exc:  # even the one-device rerun failed: every member ends with it
+                ended = [(ctx, exc) for ctx in members]
+            for ctx, outcome in ended:
+                job, started = members.pop(ctx)
+                self._finish(job, tool, outcome, loop.time() - started)
+            return
+        run.inbox.extend(added)
+        self._runs.add(run)
+        try:
+            while members:
+                steps = self.call(self._steps, batch, run, finish)
+                try:
+                    # While the device steps: a job the batch cannot take at the head of the queue pauses
+                    # it after its step (let through below); compatible ones join it between two steps.
+                    while lets_through and not steps.done():
+                        head = self.queue.head
+                        if head is not None and not compatible(head):
+                            run.pause = True
+                        elif batch.continuous and not run.pause and len(members) < self.max_batch_size:
+                            # In turn: a job the batch cannot take keeps those behind it out until it has run.
+                            run.offer(admit(self.queue.take(joins, self.max_batch_size - len(members), in_turn=True)))
+                        await self._stepping(steps, run)
+                    await steps
+                except Exception as exc:  # the batch as a whole failed: every member ends with it
+                    finish([(ctx, exc) for ctx in members], len(members))
+                    return
+                if run.pause and members:
+                    run.pause = False
+                    await self._let_through(compatible)
+        finally:
+            self._runs.discard(run)
+
+    async def _stepping(self, steps: asyncio.Future[Any], run: _Steps) -> None:
+        """Return when the device's steps end, a member ends or a job is queued."""
+        run.changed.clear()
+        waiters = [asyncio.ensure_future(self.queue.arrival(3600)), asyncio.ensure_future(run.changed.wait())]
+        try:
+            await asyncio.wait([steps, *waiters], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+    def _steps(self, batch: Batch, run: _Steps, finish: Callable[[list[tuple[Context, Outcome]], int], None]) -> None:
+        """A batch's steps, back to back on the device's thread, until it is empty or paused.
+
+        The event loop is not asked between two steps: each step's frames and ended members go to
+        it in one hand-off, and jobs join through `run`'s inbox. A step waiting on the loop's turn
+        cost a lone job about half a step of a small model on a fast device (bench/generation.py).
+        """
+        live: list[Context] = []
+        while True:
+            added = run.drain()
+            live += [ctx for _, ctx in added]
+            ended = step(batch, added, self.encode, *((self.model, live) if run.big else ()))
+            size = len(live)
+            if ended:
+                gone = {ctx for ctx, _ in ended}
+                live = [ctx for ctx in live if ctx not in gone]
+            self._thread_post(lambda ended=ended, size=size: finish(ended, size))
+            if run.pause or run.stopped or (not len(batch) and not run.inbox):
                 return
-            if not lets_through:
-                joining = []
-                continue
-            await self._let_through(compatible)
-            # In turn: a job the batch cannot take keeps those behind it out until it has run.
-            joining = self.queue.take(joins, self.max_batch_size - len(members), in_turn=True) if batch.continuous else []
 
     async def _spread(self, tool: Tool, batch: Batch, added: list[tuple[Any, Context]]) -> list[tuple[Context, Outcome]]:
         """Run a batch's chunks on every device at once; its members' outcomes, encoded.
@@ -405,21 +489,6 @@ class Worker:
     def _thread_post(self, fn: Callable[[], None]) -> None:
         assert self._thread is not None
         self._thread.handoff.post(fn)
-
-    def _ending(self, work: Callable[..., list[tuple[Context, Outcome]]], finish: Callable[[list[tuple[Context, Outcome]]], None]) -> Callable[..., None]:
-        """`work`, then `finish` its ended members, posted from the device's thread.
-
-        The members end in the same hand-off as the frames their work sent, before
-        the coroutine awaiting the step resumes: a client's stream then gets a short
-        job's RUNNING, partials and terminal event in one write, where ending them
-        from the coroutine came a loop turn later, in a write of its own.
-        """
-
-        def run(*args: Any) -> None:
-            ended = work(*args)
-            self._thread_post(lambda: finish(ended))
-
-        return run
 
     def _admit(self, job: Job) -> bool:
         """Mark the job running, unless it was cancelled while it waited."""

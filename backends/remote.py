@@ -270,6 +270,8 @@ class Link:
     async def _socket_loop(self) -> None:
         ws_url = "ws" + (ON_SOCKET if self.uds else self.url).removeprefix("http") + f"/session?id={self.session_id}"
         options: dict[str, Any] = {"additional_headers": self.headers, "ping_interval": 5, "ping_timeout": 10, "max_size": None, "open_timeout": 10}
+        if self.uds:  # a socket on this machine: compressing its frames only costs both ends CPU
+            options["compression"] = None
         backoff = 0.1
         while True:
             try:

@@ -128,19 +128,24 @@ SHAPES = {
 }
 
 
-def build(shape: str, folder: Path, device: str, dtype: str | None) -> Model:
-    """A random Llama of `shape` with the byte tokenizer, saved and loaded as the gateway loads a model."""
+def save(shape: str, folder: Path, tokenizer_from: Path | None = None) -> None:
+    """A random Llama of `shape` saved at `folder`, with the byte tokenizer, or the one in
+    `tokenizer_from` (a model folder: SmolLM2's own, for a model of its shape that reads text as it does)."""
     import transformers as tf
 
-    from backends import model as models
-    from backends.memory import bound_heap
     from tests.tiny_models import byte_tokenizer
 
-    bound_heap()
-    tokenizer, vocab = byte_tokenizer()
     s = SHAPES[shape]
+    if tokenizer_from is not None:
+        tokenizer = tf.AutoTokenizer.from_pretrained(tokenizer_from)
+        vocab = {"<s>": tokenizer.bos_token_id, "</s>": tokenizer.eos_token_id, "<pad>": tokenizer.pad_token_id}
+        vocab["<pad>"] = vocab["<pad>"] if vocab["<pad>"] is not None else vocab["</s>"]
+        size = len(tokenizer)
+    else:
+        tokenizer, vocab = byte_tokenizer()
+        size = len(vocab)
     config = tf.LlamaConfig(
-        vocab_size=max(s["vocab"], len(vocab)), hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+        vocab_size=max(s["vocab"], size), hidden_size=s["hidden"], intermediate_size=s["intermediate"],
         num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
         max_position_embeddings=s["context"], tie_word_embeddings=shape == "smollm2",
         bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"],
@@ -148,6 +153,15 @@ def build(shape: str, folder: Path, device: str, dtype: str | None) -> Model:
     torch.manual_seed(0)
     tf.LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def build(shape: str, folder: Path, device: str, dtype: str | None) -> Model:
+    """A random Llama of `shape` with the byte tokenizer, saved and loaded as the gateway loads a model."""
+    from backends import model as models
+    from backends.memory import bound_heap
+
+    bound_heap()
+    save(shape, folder)
     return models.load(models.resolve(str(folder)), device, dtype=dtype)
 
 
@@ -159,7 +173,12 @@ def main() -> int:
     parser.add_argument("--scale", type=int, default=1, help="multiply the cases' lengths")
     parser.add_argument("--quick", action="store_true", help="a few cases, for CI")
     parser.add_argument("--tool", action="append", help="only this tool's cases (repeatable)")
+    parser.add_argument("--save", type=Path, default=None, help="only save a random model of --shape in this folder")
+    parser.add_argument("--tokenizer-from", type=Path, default=None, help="with --save: the tokenizer of this model folder")
     args = parser.parse_args()
+    if args.save is not None:
+        save(args.shape, args.save, args.tokenizer_from)
+        return 0
     from backends.execution import set_torch_threads
 
     set_torch_threads(None)

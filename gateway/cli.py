@@ -322,7 +322,8 @@ def engine() -> None:
     # uvicorn's 16 MiB cap on a message would close the socket every job shares.
     ws_max_size = max(settings.max_body_bytes + (1 << 16), 16 << 20)
     _run_server(
-        create_executor_app(service), settings, service.metrics.client_timeout, ws="websockets", uds=socket, ws_max_size=ws_max_size
+        create_executor_app(service), settings, service.metrics.client_timeout, ws="websockets", uds=socket, ws_max_size=ws_max_size,
+        ws_per_message_deflate=False,
     )
 
 

@@ -562,3 +562,20 @@ def test_recomputing_the_context_gives_the_tokens_of_the_kv_cache(paths: dict[st
         assert result(server.url, "generate", params) == cached
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("kind", ["llama", "esm_mlm", "bert_mlm", "opt350"])
+def test_decoding_is_the_tokenizers_own_for_every_id(paths: dict[str, Path], kind: str) -> None:
+    """`Model.decode` may skip transformers' wrapper (gateway/models/base.py `_decoder`): the text must
+    be what the wrapper gives, special tokens and cut multi-byte characters included."""
+    from transformers import AutoTokenizer
+
+    from backends import model as models
+
+    model = models.load(models.resolve(str(paths[kind])), "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(paths[kind])
+    generator = torch.Generator().manual_seed(0)
+    size = len(tokenizer)
+    rows = [list(range(size))] + [torch.randint(0, size, (n,), generator=generator).tolist() for n in (1, 2, 3, 7, 40) for _ in range(20)]
+    for ids in rows:
+        assert model.decode(ids) == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import array
 import collections
 import enum
+import functools
 import inspect
 import threading
 from collections.abc import Iterable
@@ -68,6 +69,31 @@ TOKENS_KEPT = 1 << 21  # token ids of recent texts kept by a model (16 MB)
 
 class _Returned(Exception):
     """The base model has returned what a pass was run for: the rest of the model is not run."""
+
+
+DECODE = "decode"  # the model's memo: `_decoder`'s function
+
+
+def _decoder(tokenizer: Any) -> Any:
+    """`ids -> text`, special tokens left out and spaces as they are.
+
+    For a fast tokenizer whose decoding transformers does not change, the Rust
+    tokenizer's own `decode`: transformers' wrapper checks each id's type in
+    Python first, which cost 5 times the decode itself on a generation step's
+    short windows (every member's every token).
+    """
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    if (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and callable(getattr(backend, "decode", None))
+    ):
+        return functools.partial(backend.decode, skip_special_tokens=True)
+    return functools.partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 @dataclass(eq=False)
@@ -165,7 +191,10 @@ class Model:
         return self.tokenize(text, special=False)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        decode = self.memo.get(DECODE)
+        if decode is None:
+            decode = self.memo[DECODE] = _decoder(self.tokenizer)
+        return decode(ids)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
