@@ -57,6 +57,7 @@ from gateway.logs import RequestIds, accept_request_id, request_id
 from gateway.metrics import Metrics
 from gateway.protocol import (
     Code,
+    Event,
     EventType,
     ErrorFrame,
     ErrorInfo,
@@ -98,7 +99,7 @@ class Session:
     jobs: dict[str, Job] = field(default_factory=dict)
     socket: WebSocket | None = None
     detached_since: float | None = field(default_factory=time.monotonic)
-    followers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    followed: dict[str, Job] = field(default_factory=dict)  # the jobs whose new events go out on the socket
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     outbox: list[bytes] = field(default_factory=list)  # frames for the next message
     sent: asyncio.Future[None] | None = None  # done when the outbox's message is sent
@@ -106,43 +107,59 @@ class Session:
     taking: set[asyncio.Task[None]] = field(default_factory=set)  # submits on the socket being admitted
 
     def follow(self, job: Job, after: int) -> None:
-        """(Re)start sending `job`'s frames after `after`; replaces any follower it had."""
-        old = self.followers.pop(job.id, None)
-        if old is not None:
-            old.cancel()
-        if self.socket is not None:
-            self.followers[job.id] = asyncio.create_task(self._follow(self.socket, job, after))
+        """(Re)start sending `job`'s frames after `after`: those it has now, then each as it comes."""
+        self.unfollow(job.id)
+        if self.socket is None:
+            return
+        for event in job.events[after:]:
+            self._add(event)
+        if job.terminal is None:
+            job.listeners.append(self._add)
+            self.followed[job.id] = job
 
-    async def _follow(self, socket: WebSocket, job: Job, after: int) -> None:
-        seen = after
-        while True:
-            batch = await job.wait_events(seen)
-            for event in batch:
-                inline = self.inline and len(event.data) <= INLINE_RESULT_BYTES
-                self.outbox.append(encode(remote_frame(event, inline)))
-                seen = event.seq
-            # Waiting for the message that carries them: a gateway that reads slowly slows its jobs' followers.
-            await asyncio.shield(self.sent_for(socket))
-            if job.terminal is not None and seen >= job.terminal.seq:
-                self.followers.pop(job.id, None)
-                return
+    def unfollow(self, job_id: str) -> None:
+        job = self.followed.pop(job_id, None)
+        if job is not None:
+            with contextlib.suppress(ValueError):
+                job.listeners.remove(self._add)
+
+    def _add(self, event: Event) -> None:
+        """A followed job's event, into the next message (`Job.listeners`: on the loop, as it is appended).
+
+        The events that one hand-off from a device's thread appends (a batch step's tokens) all
+        land here before the message's task runs, and go out together. A gateway that reads
+        slowly lets the outbox grow by what its jobs' logs hold anyway.
+        """
+        inline = self.inline and len(event.data) <= INLINE_RESULT_BYTES
+        self.outbox.append(encode(remote_frame(event, inline)))
+        if event.terminal:
+            self.followed.pop(event.job_id, None)
+        if self.socket is not None:
+            self.sent_for(self.socket)
 
     def sent_for(self, socket: WebSocket) -> asyncio.Future[None]:
-        """The message that will carry the outbox: sent once every follower woken with it has added its frames."""
+        """The message that will carry the outbox: sent once the frames added with it are in."""
         if self.sent is None:
             self.sent = asyncio.get_running_loop().create_future()
-            # A task starts after the callbacks already due, among them the other followers woken by the same step.
+            # A task starts after the callbacks already due, among them the rest of the same step's events.
             asyncio.ensure_future(self._send_outbox(socket, self.sent))
         return self.sent
 
     async def _send_outbox(self, socket: WebSocket, sent: asyncio.Future[None]) -> None:
         try:
             async with self.send_lock:
+                if socket is not self.socket:  # gone while this waited: its frames go out on the next one
+                    raise ConnectionError("the socket closed")
                 frames, self.outbox, self.sent = self.outbox, [], None
-                await socket.send_bytes(frames[0] if len(frames) == 1 else b"[" + b",".join(frames) + b"]")
+                if frames:
+                    await socket.send_bytes(frames[0] if len(frames) == 1 else b"[" + b",".join(frames) + b"]")
         except BaseException as exc:  # the socket closed: the gateway reconnects and resumes
+            if self.sent is sent:
+                self.sent = None
+                if self.outbox and self.socket is not None and self.socket is not socket:
+                    self.sent_for(self.socket)  # frames added for the new socket meanwhile go out on it
             sent.set_exception(exc if isinstance(exc, Exception) else ConnectionError("the send was cancelled"))
-            sent.exception()  # retrieved: followers may all be gone
+            sent.exception()  # retrieved: nobody may be waiting
             if not isinstance(exc, Exception):
                 raise
         else:
@@ -159,9 +176,8 @@ class Session:
         self.socket = None
         self.outbox.clear()  # frames for the socket gone: a resume sends them again
         self.detached_since = time.monotonic()
-        for task in self.followers.values():
-            task.cancel()
-        self.followers.clear()
+        for job_id in list(self.followed):
+            self.unfollow(job_id)
 
 
 @dataclass(eq=False)
@@ -330,9 +346,7 @@ class Executor:
         # collector frees, at its own pace, with the result in it. Broken here, freed now.
         with contextlib.suppress(ValueError):
             entry.job.on_end.remove(entry.ended_with)
-        task = entry.session.followers.pop(entry.job.id, None)
-        if task is not None:
-            task.cancel()
+        entry.session.unfollow(entry.job.id)
 
     async def session_socket(self, websocket: WebSocket) -> None:
         try:
@@ -401,7 +415,7 @@ class Executor:
             answer = RemoteFrame(op.job_id, 0, RemoteKind.REFUSED, msgspec.Raw(encode(refusal)))
         else:
             answer = RemoteFrame(op.job_id, 0, RemoteKind.ACCEPTED, msgspec.Raw(b"null"))
-        # Into the outbox, ahead of the job's first frames (its follower adds them later on the loop).
+        # Into the outbox, ahead of the job's first frames (added as it was admitted).
         session.outbox.insert(0, encode(answer))
         with contextlib.suppress(Exception):  # a socket gone: the gateway fails the submit itself
             await asyncio.shield(session.sent_for(websocket))

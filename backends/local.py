@@ -174,6 +174,7 @@ class LocalBackend(Backend):
         # One after the other: two models loading at once would only compete for the same disk and cores.
         for served in self.served.values():
             await served.load()
+        memory.settle()  # the weights' modules are for life: out of the collector's passes
 
     def _device_failed(self, exc: BaseException) -> None:
         """A device can no longer be trusted: not ready, every job ended, then exit non-zero

@@ -17,6 +17,12 @@ same memory again.
 `free_device_memory` is the other way back, after an out-of-memory error:
 unconditional, and with a garbage collection first.
 
+`settle` takes what a process holds for its whole life (imported modules,
+loaded models, the server's routes: 300 to 400 thousand objects tracked by the
+garbage collector in a gateway) out of the collector's full passes: each of
+those walked all of it, and a gateway streaming tokens to 64 clients stopped
+its event loop for 170 to 210 ms every few seconds to do so.
+
 `bound_heap` keeps a job's peak to what it holds: glibc raises its threshold
 for mapping a block on its own each time a big mapped block is freed, up to
 32 MiB, after which the activations of one forward pass after another are
@@ -127,6 +133,14 @@ def bound_heap() -> bool:
         return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     except (OSError, AttributeError):
         return False
+
+
+def settle() -> None:
+    """Once the process has loaded what it keeps: move every object the garbage collector tracks now
+    out of its generations (`gc.freeze`), so that no collection walks them again. They are still
+    freed when nothing refers to them; only a cycle among them would stay (none is made at start)."""
+    gc.collect()
+    gc.freeze()
 
 
 def free_device_memory() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -281,6 +282,11 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await backend.start()
         await store.start()
+        # What is loaded by now (modules, routes, a remote backend's clients) lives as long as the
+        # process: out of the collector's full passes, which walked it all and held the loop for
+        # a fifth of a second (see backends/memory.py `settle`).
+        gc.collect()
+        gc.freeze()
         on_sigterm(drain, lambda: backend.in_flight, backend.stop)
         watcher = asyncio.create_task(streams.watch(), name="streams' watcher")
         try:

@@ -86,6 +86,9 @@ class Job:
         self.cancel_requested = threading.Event()
         self._loop = asyncio.get_running_loop()
         self._waiters: list[asyncio.Future[None]] = []  # followers waiting for the next event
+        # Called with each event as it is appended, on the loop: a follower of many jobs (an executor's
+        # session) takes their events in one pass, where a waiting task per job woke once per event.
+        self.listeners: list[Callable[[Event], None]] = []
         self._pending_progress: Progress | None = None
         self._progress_timer: asyncio.TimerHandle | None = None
         self._last_progress = 0.0
@@ -112,6 +115,13 @@ class Job:
                     callback(self)
                 except Exception:  # one bookkeeping bug must not keep the others from running
                     log.exception("an end-of-job callback failed for job %s", self.id)
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # one follower's bug must not keep the event from the others
+                log.exception("a listener of job %s failed", self.id)
+        if event.terminal:
+            self.listeners = []
         if self._waiters:
             waiters, self._waiters = self._waiters, []
             for waiter in waiters:

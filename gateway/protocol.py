@@ -202,7 +202,7 @@ class JobList(msgspec.Struct):
     next: str | None = None
 
 
-class Event(msgspec.Struct, frozen=True):
+class Event(msgspec.Struct, frozen=True, gc=False):
     """One event of a job, encoded: `id` is `<job_id>:<seq>`, `data` is JSON."""
 
     job_id: str

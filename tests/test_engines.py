@@ -297,3 +297,23 @@ def test_a_body_as_big_as_the_gateway_takes_reaches_the_engine_and_its_result_co
         assert engine["restarts"] == 0 and engine["state"] == "ready"
     finally:
         gateway.stop()
+
+
+async def test_what_a_backend_loaded_is_out_of_the_collectors_passes(tiny_model_path: Path) -> None:
+    """A full collection walked every module and model object (300-400 thousand in a gateway), holding
+    the event loop for a fifth of a second; loaded, they are frozen out of its generations."""
+    import gc
+
+    from backends.local import LocalBackend
+    from gateway.tools import builtin_tools, collect
+
+    gc.unfreeze()
+    backend = LocalBackend(collect(builtin_tools()), model=str(tiny_model_path), device="cpu")
+    await backend.start()
+    try:
+        await backend.wait_ready()
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000, frozen  # torch's and transformers' modules, and the model's
+    finally:
+        await backend.stop()
+        gc.unfreeze()
