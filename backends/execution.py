@@ -12,7 +12,8 @@ worker takes the next job, so the least-loaded device gets it.
 
 Jobs of a tool that batches (see gateway/tools/batching.py) run together: the
 worker takes every compatible job waiting (same tool, same batch key), in the
-queue's order, up to `max_batch_size`; a lone job waits up to `batch_wait` seconds for company,
+queue's order, up to `max_batch_size` (a continuous batch, `generate`'s, up to
+`max_decoding_jobs`), and as long as their priced memory fits together; a lone job waits up to `batch_wait` seconds for company,
 unless it came to an idle worker and the tool's last batch was a lone job too:
 one client sending jobs one after another then pays no wait, while clients
 whose jobs arrive together, or queue behind other work, are still gathered.
@@ -199,6 +200,7 @@ class Worker:
         encode: Callable[[Any], bytes] = to_json,
         debug: bool = False,
         max_batch_size: int = 32,
+        max_decoding_jobs: int = 256,
         batch_wait: float = 0.005,
         job_timeout: float = 0.0,
         batch_memory: int = 0,
@@ -213,6 +215,9 @@ class Worker:
         self.tools = tools
         self.debug = debug
         self.max_batch_size = max_batch_size
+        # A continuous batch's members hold a KV cache each and add a row to every step, not a pass
+        # each: their priced memory bounds them (`batch_memory`), and this count; 1 turns batching off.
+        self.max_decoding_jobs = max_decoding_jobs if max_batch_size > 1 else 1
         self.batch_wait = batch_wait
         self.running: set[Job] = set()
         self.mean_run_s: float | None = None
@@ -332,7 +337,9 @@ class Worker:
             held[0] += _memory(job)
             return True
 
-        joining = [first, *self.queue.take(joins, self.max_batch_size - 1)]
+        batch: Batch = tool.batch(self.model)
+        most = self.max_decoding_jobs if batch.continuous else self.max_batch_size
+        joining = [first, *self.queue.take(joins, most - 1)]
         # A job that came to an idle worker, as the last of its tool did alone, is one client's next
         # job: waiting would only delay it. One that queued behind other work waits, so that clients
         # whose jobs ended together fall into step and batch.
@@ -340,10 +347,9 @@ class Worker:
         # A batch let through pauses another: it takes what waits, and waits for nobody.
         wait = 0.0 if alone or not lets_through else self.batch_wait
         deadline = loop.time() + wait
-        while len(joining) < self.max_batch_size and (left := deadline - loop.time()) > 0:
+        while len(joining) < most and (left := deadline - loop.time()) > 0:
             await self.queue.arrival(left)
-            joining += self.queue.take(joins, self.max_batch_size - len(joining))
-        batch: Batch = tool.batch(self.model)
+            joining += self.queue.take(joins, most - len(joining))
         members: dict[Context, tuple[Job, float]] = {}
         run = _Steps()
 
@@ -396,9 +402,9 @@ class Worker:
                         head = self.queue.head
                         if head is not None and not compatible(head):
                             run.pause = True
-                        elif batch.continuous and not run.pause and len(members) < self.max_batch_size:
+                        elif batch.continuous and not run.pause and len(members) < most:
                             # In turn: a job the batch cannot take keeps those behind it out until it has run.
-                            run.offer(admit(self.queue.take(joins, self.max_batch_size - len(members), in_turn=True)))
+                            run.offer(admit(self.queue.take(joins, most - len(members), in_turn=True)))
                         await self._stepping(steps, run)
                     await steps
                 except Exception as exc:  # the batch as a whole failed: every member ends with it

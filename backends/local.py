@@ -61,6 +61,7 @@ class LocalBackend(Backend):
         debug: bool = False,
         encode: Callable[[Any], bytes] = to_json,
         max_batch_size: int = 32,
+        max_decoding_jobs: int = 256,
         batch_wait: float = 0.005,
         job_timeout: float = 0.0,
         exit_on_device_failure: bool = False,
@@ -85,13 +86,14 @@ class LocalBackend(Backend):
             self._tools = collect([*self._tools.values(), *sae_tools()])
         specs = models.specs(_listed(model), _listed(model_loader), model_devices or [])
         self.max_batch_size = max_batch_size
+        self.max_decoding_jobs = max_decoding_jobs
         self.budget = Budget(memory=max_job_memory or default_job_memory(devices or ([device] if device else None)), result=max_result_bytes)
         self.exit_on_device_failure = exit_on_device_failure
         # An engine process (backends/engines.py): its gateway queues the jobs that had not started again.
         self.supervised = supervised
         self.device_failed: str | None = None
         worker_options = {
-            "encode": encode, "debug": debug, "max_batch_size": max_batch_size, "batch_wait": batch_wait, "job_timeout": job_timeout,
+            "encode": encode, "debug": debug, "max_batch_size": max_batch_size, "max_decoding_jobs": max_decoding_jobs, "batch_wait": batch_wait, "job_timeout": job_timeout,
         "batch_memory": self.budget.memory,
         }
         self.served: dict[str, ServedModel] = {
@@ -268,6 +270,7 @@ class LocalBackend(Backend):
         info["queued"] = sum(len(s.queue) for s in self.served.values())
         info["running"] = sum(s.running for s in self.served.values())
         info["max_batch_size"] = self.max_batch_size
+        info["max_decoding_jobs"] = self.max_decoding_jobs
         if self.sae_specs:
             info["saes"] = [f"{s.name} (layer {s.layer}, {s.n_features} features, {s.activation})" for s in self.sae_specs]
         return info
@@ -312,6 +315,7 @@ def from_settings(settings: Settings, **kwargs: Any) -> LocalBackend:
         max_queued_per_owner=settings.max_queued_per_owner,
         debug=settings.debug,
         max_batch_size=settings.max_batch_size,
+        max_decoding_jobs=settings.max_decoding_jobs,
         batch_wait=settings.batch_wait_ms / 1000,
         job_timeout=settings.job_timeout,
         sae=settings.sae,

@@ -88,6 +88,7 @@ def _model_options(command: Any) -> Any:
         _option("--queue-size", default=_D.queue_size, type=click.IntRange(min=1), help="Jobs that may wait; more get 429 queue_full."),
         _option("--max-queued-per-owner", default=None, type=click.IntRange(min=1), help="Jobs one owner (a token; without tokens, a client address) may have waiting; more get 429 rate_limited. Default: half of --queue-size, rounded up."),
         _option("--max-batch-size", default=_D.max_batch_size, type=click.IntRange(min=1), help="Most jobs of one tool run together (1: no batching)."),
+        _option("--max-decoding-jobs", default=_D.max_decoding_jobs, type=click.IntRange(min=1), help="Most generate jobs decoding together in one continuous batch; new ones join it up to this count and as long as the priced memory of all of them fits --max-job-memory (--max-batch-size 1 turns batching off for them too)."),
         _option("--batch-wait-ms", default=_D.batch_wait_ms, type=click.FloatRange(min=0), help="How long a lone job may wait for others to batch with (not one client's next job on an idle worker)."),
         _option("--max-prompts", default=_D.max_prompts, type=click.IntRange(min=1), help="Most prompts in one job."),
         _option("--max-tokens", default=_D.max_tokens, type=click.IntRange(min=1), help="Most tokens one generate job may ask for."),

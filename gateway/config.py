@@ -28,6 +28,8 @@ class Settings(msgspec.Struct, kw_only=True):
     # Jobs one tenant (token, or client address) may have waiting; None: half of queue_size (backends/queue.py).
     max_queued_per_owner: int | None = None
     max_batch_size: int = 32
+    # Jobs of a continuous batch (generate) decoding together: bounded by their priced memory (max_job_memory) first.
+    max_decoding_jobs: int = 256
     batch_wait_ms: float = 5.0
     max_prompts: int = 32
     max_tokens: int = 512

@@ -132,6 +132,7 @@ def make_server(
         cache_dir=settings_obj.cache_dir,
         devices=settings_obj.devices or None,
         max_batch_size=settings_obj.max_batch_size,
+        max_decoding_jobs=settings_obj.max_decoding_jobs,
         batch_wait=settings_obj.batch_wait_ms / 1000,
         job_timeout=settings_obj.job_timeout,
         sae=settings_obj.sae,

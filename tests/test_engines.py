@@ -317,3 +317,29 @@ async def test_what_a_backend_loaded_is_out_of_the_collectors_passes(tiny_model_
     finally:
         await backend.stop()
         gc.unfreeze()
+
+
+def test_generate_jobs_decode_together_past_a_batch_of_32(tiny_model_path: Path, tmp_path: Path) -> None:
+    """A continuous batch takes every waiting generate job its memory allows (--max-decoding-jobs 256),
+    not --max-batch-size's 32: 40 jobs queued behind a nap start decoding as one batch."""
+    gateway = start_gateway(tmp_path, str(tiny_model_path), extra=("--queue-size", "128", "--max-queued-per-owner", "64"))
+    try:
+        url = gateway.url
+        holder = follow(url, "nap", {"seconds": 120})
+        wait_until(lambda: "running" in holder.statuses(), timeout=60, what="the nap to hold the engine")
+        jobs = [follow(url, "generate", {"prompts": [f"prompt {i}"], "max_tokens": 3}) for i in range(40)]
+        wait_until(lambda: all("queued" in f.statuses() for f in jobs), timeout=60, what="the generate jobs to queue")
+        httpx.delete(f"{url}/jobs/{holder.events[0]['id'].split(':')[0]}", timeout=10).raise_for_status()
+        assert holder.ended()["data"]["error"]["code"] == "cancelled"
+        for follower in jobs:
+            assert follower.ended()["event"] == "data"
+
+        def steps_over_32() -> float:
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text
+            upto = {m[0]: float(m[1]) for m in re.findall(r'^streamgate_batch_size_bucket\{le="([^"]+)"\} (\S+)$', metrics, re.M)}
+            return upto.get("64.0", 0.0) - upto.get("32.0", 0.0)
+
+        # The engine's facts reach the gateway within a fraction of a second.
+        wait_until(lambda: steps_over_32() >= 3, timeout=10, what="steps of 40 jobs in the batch sizes")
+    finally:
+        gateway.stop()
