@@ -71,7 +71,7 @@ run() {  # run SECONDS NAME ARGS...: one benchmark, its report appended
     local started=$SECONDS
     timeout --signal=INT --kill-after=15 "$limit" "$py" "$@" $quick >>"$report" 2>"$report_dir/$name.err"
     local rc=$?
-    [ $rc -eq 124 ] && say "(stopped at its limit of ${limit} s)"
+    { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && say "(stopped at its limit of ${limit} s)"
     say "(exit $rc after $((SECONDS - started)) s)"
     [ -s "$report_dir/$name.err" ] || rm -f "$report_dir/$name.err"
 }
