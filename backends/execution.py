@@ -173,6 +173,8 @@ class _Steps:
 
     def __init__(self) -> None:
         self.inbox: collections.deque[tuple[Any, Context]] = collections.deque()
+        # The members in the batch, on the device's thread: kept across a pause, whose batch goes on after it.
+        self.live: list[Context] = []
         self.pause = False
         self.stopped = False
         self.big = False
@@ -433,15 +435,14 @@ class Worker:
         it in one hand-off, and jobs join through `run`'s inbox. A step waiting on the loop's turn
         cost a lone job about half a step of a small model on a fast device (bench/generation.py).
         """
-        live: list[Context] = []
         while True:
             added = run.drain()
-            live += [ctx for _, ctx in added]
-            ended = step(batch, added, self.encode, *((self.model, live) if run.big else ()))
-            size = len(live)
+            run.live += [ctx for _, ctx in added]
+            ended = step(batch, added, self.encode, *((self.model, run.live) if run.big else ()))
+            size = len(run.live)
             if ended:
                 gone = {ctx for ctx, _ in ended}
-                live = [ctx for ctx in live if ctx not in gone]
+                run.live = [ctx for ctx in run.live if ctx not in gone]
             self._thread_post(lambda ended=ended, size=size: finish(ended, size))
             if run.pause or run.stopped or (not len(batch) and not run.inbox):
                 return

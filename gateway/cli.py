@@ -302,7 +302,7 @@ def executor(**options: Any) -> None:
 
         report(service.backend, settings)
         return
-    _run_server(create_executor_app(service), settings, service.metrics.client_timeout, ws="websockets")
+    _run_server(create_executor_app(service), settings, service.metrics.client_timeout, ws=WS)
 
 
 @main.command(hidden=True)
@@ -323,7 +323,7 @@ def engine() -> None:
     # uvicorn's 16 MiB cap on a message would close the socket every job shares.
     ws_max_size = max(settings.max_body_bytes + (1 << 16), 16 << 20)
     _run_server(
-        create_executor_app(service), settings, service.metrics.client_timeout, ws="websockets", uds=socket, ws_max_size=ws_max_size,
+        create_executor_app(service), settings, service.metrics.client_timeout, ws=WS, uds=socket, ws_max_size=ws_max_size,
         ws_per_message_deflate=False,
     )
 
@@ -345,6 +345,11 @@ def _executor_service(settings: Settings, inline_results: bool = False) -> Any:
         session_grace=settings.session_grace,
         drain_timeout=settings.drain_timeout,
     )
+
+
+# The executor's and an engine's session socket: uvicorn's sans-I/O websockets protocol (its legacy
+# one, deprecated, warned on every start).
+WS = "websockets-sansio"
 
 
 def _run_server(app: Any, settings: Settings, client_timeout: Callable[[str], None], **extra: Any) -> None:

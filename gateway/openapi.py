@@ -61,6 +61,7 @@ class Readiness(msgspec.Struct):
     queued: int | None = None
     running: int | None = None
     max_batch_size: int | None = None
+    max_decoding_jobs: int | None = None
     executors: list[dict[str, Any]] | None = None
 
 
