@@ -31,9 +31,9 @@ runs to its end.)
 
 A tool whose work falls into independent chunks (`Tool.spread`: `embed`,
 `pseudo_loglikelihood`) runs one job on every device at once when there are
-several: each device's thread takes the next chunk as it frees up, between
-the steps of whatever it runs itself, and the results come back in the
-caller's order, the same as on one device.
+several: the job's own device and every idle one take the next chunk as they
+free up, and the results come back in the caller's order, the same as on one
+device.
 
 Results are encoded on the worker thread too, as JSON for a gateway's clients
 or msgpack for an executor's: a large result costs the loop nothing.
@@ -368,12 +368,19 @@ class Worker:
             run.big = big([job for job, _ in members.values()])
             return added
 
-        def finish(ended: list[tuple[Context, Outcome]], size: int) -> None:
-            self.batch_sizes[size] += 1
+        def finish(ended: list[tuple[Context, Outcome]], size: int | None) -> None:
+            if size is not None:  # a step's (None: no step ran)
+                self.batch_sizes[size] += 1
             for ctx, outcome in ended:
-                job, started = members.pop(ctx)
+                if (member := members.pop(ctx, None)) is None:  # ended already, by a failure of the batch
+                    continue
+                job, started = member
                 held[0] -= _memory(job)
-                self._finish(job, tool, outcome, loop.time() - started)
+                try:
+                    self._finish(job, tool, outcome, loop.time() - started)
+                except Exception:  # one member's bookkeeping must not leave the others unended
+                    log.exception("ending job %s failed", job.id, extra={"job_id": job.id})
+                    job.fail(Code.INTERNAL, "the job could not be ended normally")
             if ended:
                 run.big = big([job for job, _ in members.values()])
                 run.changed.set()
@@ -408,10 +415,15 @@ class Worker:
                             # In turn: a job the batch cannot take keeps those behind it out until it has run.
                             run.offer(admit(self.queue.take(joins, most - len(members), in_turn=True)))
                         await self._stepping(steps, run)
-                    await steps
+                    left = await steps
                 except Exception as exc:  # the batch as a whole failed: every member ends with it
+                    run.stopped = True  # (if the loop's side failed, the thread stops after its step)
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(steps)
                     finish([(ctx, exc) for ctx in members], len(members))
                     return
+                if not left and not run.inbox and members:  # not one of them is in the batch any more
+                    finish([(ctx, RuntimeError("the batch ended without this job")) for ctx in members], None)
                 if run.pause and members:
                     run.pause = False
                     await self._let_through(compatible)
@@ -421,19 +433,20 @@ class Worker:
     async def _stepping(self, steps: asyncio.Future[Any], run: _Steps) -> None:
         """Return when the device's steps end, a member ends or a job is queued."""
         run.changed.clear()
-        waiters = [asyncio.ensure_future(self.queue.arrival(3600)), asyncio.ensure_future(run.changed.wait())]
+        waiters = [asyncio.ensure_future(self.queue.next_arrival()), asyncio.ensure_future(run.changed.wait())]
         try:
             await asyncio.wait([steps, *waiters], return_when=asyncio.FIRST_COMPLETED)
         finally:
             for waiter in waiters:
                 waiter.cancel()
 
-    def _steps(self, batch: Batch, run: _Steps, finish: Callable[[list[tuple[Context, Outcome]], int], None]) -> None:
-        """A batch's steps, back to back on the device's thread, until it is empty or paused.
+    def _steps(self, batch: Batch, run: _Steps, finish: Callable[[list[tuple[Context, Outcome]], int | None], None]) -> int:
+        """A batch's steps, back to back on the device's thread, until it is empty, paused or
+        stopped; the members left in it.
 
-        The event loop is not asked between two steps: each step's frames and ended members go to
-        it in one hand-off, and jobs join through `run`'s inbox. A step waiting on the loop's turn
-        cost a lone job about half a step of a small model on a fast device (bench/generation.py).
+        The event loop is not asked between two steps, so that a step never waits for the loop's
+        turn: each step's frames and ended members go to it in one hand-off, and jobs join through
+        `run`'s inbox.
         """
         while True:
             added = run.drain()
@@ -445,7 +458,7 @@ class Worker:
                 run.live = [ctx for ctx in run.live if ctx not in gone]
             self._thread_post(lambda ended=ended, size=size: finish(ended, size))
             if run.pause or run.stopped or (not len(batch) and not run.inbox):
-                return
+                return len(batch)
 
     async def _spread(self, tool: Tool, batch: Batch, added: list[tuple[Any, Context]]) -> list[tuple[Context, Outcome]]:
         """Run a batch's chunks on every device at once; its members' outcomes, encoded.

@@ -166,7 +166,7 @@ class Session:
             sent.set_result(None)
 
     async def send(self, socket: WebSocket, data: bytes) -> None:
-        # Many followers share the socket; messages must not interleave.
+        # Every job's frames and the answers share the socket; messages must not interleave.
         async with self.send_lock:
             await socket.send_bytes(data)
 
@@ -415,6 +415,8 @@ class Executor:
             answer = RemoteFrame(op.job_id, 0, RemoteKind.REFUSED, msgspec.Raw(encode(refusal)))
         else:
             answer = RemoteFrame(op.job_id, 0, RemoteKind.ACCEPTED, msgspec.Raw(b"null"))
+        if session.socket is not websocket:  # gone meanwhile: the gateway fails the submit itself
+            return
         # Into the outbox, ahead of the job's first frames (added as it was admitted).
         session.outbox.insert(0, encode(answer))
         with contextlib.suppress(Exception):  # a socket gone: the gateway fails the submit itself

@@ -34,7 +34,7 @@ import asyncio
 import bisect
 import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -163,6 +163,12 @@ class JobQueue:
         self._served(taken)
         self._announce()
         return [place.job for place in taken]
+
+    def next_arrival(self) -> Coroutine[Any, Any, Any]:
+        """An awaitable that returns when a job is put after this call (it counts from now, not
+        from when it is first awaited: a put in between is not missed)."""
+        self._ready.clear()
+        return self._ready.wait()
 
     async def arrival(self, timeout: float) -> None:
         """Return when a job is put, or after `timeout` seconds."""
