@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from backends import memory
 from backends.base import Backend
 from gateway import params as params_mod
 from gateway import tenants
@@ -283,10 +283,8 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         await backend.start()
         await store.start()
         # What is loaded by now (modules, routes, a remote backend's clients) lives as long as the
-        # process: out of the collector's full passes, which walked it all and held the loop for
-        # a fifth of a second (see backends/memory.py `settle`).
-        gc.collect()
-        gc.freeze()
+        # process: out of the collector's full passes, which walked it all and held the loop.
+        memory.settle()
         on_sigterm(drain, lambda: backend.in_flight, backend.stop)
         watcher = asyncio.create_task(streams.watch(), name="streams' watcher")
         try:
