@@ -18,9 +18,13 @@ tokenizer, its price). What this module adds is supervision:
 - `--engine-memory-limit` caps each engine's address space (RLIMIT_AS), so that a
   runaway job fails with that job's error instead of taking the host's memory.
 
-Deliberately one engine per model, holding all of that model's devices: the one
-queue every device takes from, and one job spread over every device (`Tool.spread`),
-stay inside a process. An engine dies with its gateway (PR_SET_PDEATHSIG).
+One engine per model and device (`--devices cuda:0,cuda:1`, or every GPU by default):
+each device's steps hold a GIL of their own, and a device that fails for good (a
+CUDA context lost to an illegal memory access) takes down its own engine, not the
+model's other copies. A new job goes to the model's engine with the fewest jobs not
+started yet; a job whose items split (`Tool.spread`: `embed`'s texts,
+`pseudo_loglikelihood`'s sequences) is cut over the idle ones (backends/spreading.py).
+An engine dies with its gateway (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -48,12 +52,14 @@ import websockets
 from backends import memory
 from backends import model as models
 from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
+from backends.spreading import Spread, cut
 from gateway.config import Settings
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.logs import request_id
 from gateway.protocol import Code, Forget, Refusal, RemoteFrame, RemoteKind, Status, Submit, encode
 from gateway.tools.base import Tool
+from gateway.tools.batching import Chunked
 
 log = logging.getLogger("streamgate.engines")
 
@@ -201,6 +207,11 @@ class EngineLink(Link):
             except Unreachable as exc:
                 job.fail(Code.BACKEND_UNAVAILABLE, f"the engine could not be reached: {exc}")
 
+    @property
+    def backlog(self) -> int:
+        """Its jobs that have not started: what a job sent now would wait behind."""
+        return sum(1 for remote in self.jobs.values() if remote.job.started is None) + len(self.waiting)
+
     def withdraw(self, job: Job) -> bool:
         """Take `job` out of the waiting ones (a cancel); False if it is not waiting."""
         if job in self.waiting:
@@ -214,6 +225,7 @@ class Engine:
     """One engine process: how to start it, and what became of it."""
 
     name: str  # the model's
+    device: str  # the one device its copy of the model is on
     settings: Settings
     socket: Path
     memory_limit: int | None
@@ -246,9 +258,9 @@ class Engine:
             self.pid = None
             self.restarts += 1
             self.last_exit = exit_reason(code)
-            log.error("the engine of model %s %s; starting it again in %.1f s", self.name, self.last_exit, pause)
+            log.error("the engine of model %s on %s %s; starting it again in %.1f s", self.name, self.device, self.last_exit, pause)
             self.state = "restarting"
-            self.link.lost(f"of model {self.name} {self.last_exit}")
+            self.link.lost(f"of model {self.name} on {self.device} {self.last_exit}")
             if time.monotonic() - born > HEALTHY_AFTER_S:
                 pause = BACKOFF_FIRST_S
             await asyncio.sleep(pause)
@@ -280,17 +292,29 @@ class Engine:
             return None
 
 
-def engine_settings(settings: Settings, spec: models.ModelSpec, first: bool, token: str) -> Settings:
-    """The settings of the engine of `spec`: the gateway's, with that model alone."""
+def engine_devices(settings: Settings, spec: models.ModelSpec) -> list[str]:
+    """The devices `spec`'s copies go on, an engine each: as a gateway with threads would put them."""
+    if spec.devices:
+        return list(spec.devices)
+    if settings.devices:
+        return list(settings.devices)
+    if settings.device:
+        return [settings.device]
+    return models.default_devices()
+
+
+def engine_settings(settings: Settings, spec: models.ModelSpec, first: bool, token: str, device: str) -> Settings:
+    """The settings of the engine of `spec` on `device`: the gateway's, with that one copy alone."""
     loader = [f"{spec.name}={spec.loader}"] if spec.loader else []
-    devices = [f"{spec.name}={','.join(spec.devices)}"] if spec.devices else []
     # A GGUF (the bundled default's too) by its path: the engine converts it, or finds it converted, as threads would.
     source = str(spec.gguf) if spec.gguf is not None else spec.source
     return msgspec.structs.replace(
         settings,
         model=[f"{spec.name}={source}"] if source else [],
         model_loader=loader,
-        model_devices=devices,
+        model_devices=[f"{spec.name}={device}"],
+        devices=[device],  # its job memory is that device's (backends/local.py)
+        device=None,
         sae=settings.sae if first else [],  # SAEs are read on the default model's layers
         executor_token=token,
         # The gateway checked the body's size already; what it sends on is its params re-encoded.
@@ -314,17 +338,24 @@ class EngineBackend(RemoteBackend):
             models.check_kind(spec, settings.trust_remote_code)
         from gateway.tools import load_module
 
-        for name in settings.tools:
-            load_module(name)
+        from gateway.tools import builtin_tools
+
+        local = [*builtin_tools(), *(t for name in settings.tools for t in load_module(name))]
+        # What the gateway cannot learn from a schema: how a tool's job is cut over engines.
+        self.works: dict[str, Chunked] = {
+            t.name: t.spread for t in local if isinstance(t.spread, Chunked) and t.spread.items
+        }
+        self._spreads: dict[str, Spread] = {}
         self.folder = Path(tempfile.mkdtemp(prefix="streamgate-engines-"))  # 0700: only this user reaches the sockets
         token = secrets.token_urlsafe(24)
-        sockets = [self.folder / f"{i}.sock" for i in range(len(specs))]
+        copies = [(i, spec, device) for i, spec in enumerate(specs) for device in engine_devices(settings, spec)]
+        sockets = [self.folder / f"{n}.sock" for n in range(len(copies))]
         super().__init__(
             [UNIX + str(path) for path in sockets], token=token, deadline=settings.executor_deadline, poll_interval=POLL_S
         )
         self.engines = [
-            Engine(spec.name, engine_settings(settings, spec, i == 0, token), path, settings.engine_memory_limit, link)
-            for i, (spec, path, link) in enumerate(zip(specs, sockets, self.links))
+            Engine(spec.name, device, engine_settings(settings, spec, i == 0, token, device), path, settings.engine_memory_limit, link)
+            for (i, spec, device), path, link in zip(copies, sockets, self.links)
         ]
         for engine in self.engines:
             engine.link.tool_of = self.tool
@@ -333,7 +364,7 @@ class EngineBackend(RemoteBackend):
     async def start(self) -> None:
         await super().start()
         for engine in self.engines:
-            self._supervisors.append(asyncio.create_task(engine.supervise(), name=f"engine {engine.name}"))
+            self._supervisors.append(asyncio.create_task(engine.supervise(), name=f"engine {engine.name} on {engine.device}"))
 
     async def stop(self) -> None:
         for task in self._supervisors:
@@ -347,7 +378,62 @@ class EngineBackend(RemoteBackend):
         await asyncio.gather(*(engine.stop() for engine in self.engines))
         shutil.rmtree(self.folder, ignore_errors=True)
 
+    def _learn_tools(self) -> None:
+        super()._learn_tools()
+        # A model's copies are engines of their own, each telling its one device.
+        devices: dict[str, list[str]] = {}
+        for engine in self.engines:
+            if any(info.name == engine.name for info in engine.link.models):
+                devices.setdefault(engine.name, []).append(engine.device)
+        self._models = [msgspec.structs.replace(m, device=",".join(devices.get(m.name, [])) or m.device) for m in self._models]
+
+    async def submit(self, job: Job) -> None:
+        """To the engine of the job's model with the fewest jobs not started (then the fewest jobs); a
+        job whose inputs split, cut over that model's idle engines when there are several."""
+        tool = self.tool(job.tool)
+        links = self._candidates(job, tool)
+        work = self.works.get(tool.name)
+        if work is not None and len(links) > 1:
+            idle = [link for link in links if link.load == 0]
+            if len(idle) > 1 and await self._spread(job, tool, work, idle):
+                return
+        await self._submit_first(job, tool, links)
+
+    def _order(self, link: Link) -> Any:
+        assert isinstance(link, EngineLink)
+        return (link.backlog, link.load)
+
+    async def _spread(self, job: Job, tool: Tool, work: Chunked, links: list[Link]) -> bool:
+        """Submit `job` as parts, one to each of `links`; False (nothing submitted) when it does not split
+        or an engine refused its part."""
+        entries = getattr(job.params, work.items, None)
+        if not isinstance(entries, list) or len(entries) < 2:
+            return False
+        runs = cut(entries, len(links), work.weight)
+        spread = Spread(job, work, runs, self._cancel_one)
+        self._spreads[job.id] = spread
+        outcomes = await asyncio.gather(*(link.submit(part, tool) for link, part in zip(links, spread.parts)), return_exceptions=True)
+        refused = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if refused:
+            # Whole, the job meets the refusal (or the acceptance) it would have met unspread.
+            self._spreads.pop(job.id, None)
+            spread.drop()
+            if any(isinstance(outcome, asyncio.CancelledError) for outcome in refused):
+                raise asyncio.CancelledError()
+            return False
+        job.on_end.append(lambda ended: self._spreads.pop(ended.id, None))
+        spread.arm()
+        return True
+
     def cancel(self, job: Job) -> None:
+        spread = self._spreads.get(job.id)
+        if spread is not None:
+            job.cancel()
+            spread.cancel()  # the first part to end cancelled ends the job so
+            return
+        self._cancel_one(job)
+
+    def _cancel_one(self, job: Job) -> None:
         for engine in self.engines:
             if engine.link.withdraw(job):
                 job.cancel()
@@ -367,7 +453,7 @@ class EngineBackend(RemoteBackend):
     @property
     def not_ready_reason(self) -> str:
         problems = [
-            f"the engine of model {e.name} is {e.state}" + (f" (it {e.last_exit})" if e.last_exit else "")
+            f"the engine of model {e.name} on {e.device} is {e.state}" + (f" (it {e.last_exit})" if e.last_exit else "")
             for e in self.engines
             if not e.link.ready
         ]
@@ -380,6 +466,12 @@ class EngineBackend(RemoteBackend):
     def describe(self) -> dict[str, Any]:
         # The default model's facts as its engine last told them, as a gateway with threads tells its own.
         facts = {k: v for k, v in self.engines[0].link.facts.items() if k not in ("ready", "backend", "sessions", "reason", "batch_sizes")}
+        default = self.engines[0].name
+        copies = [e for e in self.engines if e.name == default]
+        if len(copies) > 1:  # as threads tell it: the copies' devices
+            facts["device"] = ",".join(e.device for e in copies)
+            for key in ("queued", "running"):
+                facts[key] = sum(e.link.facts.get(key, 0) for e in copies)
         return {
             **facts,
             "backend": "local",
@@ -387,17 +479,21 @@ class EngineBackend(RemoteBackend):
             "engines": [
                 {
                     "model": e.name,
+                    "device": e.device,
+                    "copy": sum(1 for other in self.engines[:n] if other.name == e.name),  # the model's copies, from 0
                     "state": "ready" if e.link.ready else e.state,
                     "pid": e.pid,
                     "restarts": e.restarts,
                     "jobs": e.link.load,
                     "queued": e.link.facts.get("queued", 0) if e.link.ready else 0,
+                    "running": e.link.facts.get("running", 0) if e.link.ready else 0,
                     "waiting": len(e.link.waiting),
+                    "batches": sum(e.link.facts.get("batch_sizes", {}).values()),  # steps run, as it last said
                     "rss_bytes": e.rss(),
                 }
                 | ({"last_exit": e.last_exit} if e.last_exit else {})
                 | ({} if e.link.ready else {"problem": e.link.problem})
-                for e in self.engines
+                for n, e in enumerate(self.engines)
             ],
         }
 
@@ -417,4 +513,6 @@ def child_settings() -> tuple[Settings, str]:
 
 
 def engine_name(settings: Settings) -> str:
-    return models.specs(settings.model, settings.model_loader, settings.model_devices)[0].name
+    """What an engine's log lines call it: its model, and its device."""
+    spec = models.specs(settings.model, settings.model_loader, settings.model_devices)[0]
+    return f"{spec.name} on {','.join(spec.devices)}" if spec.devices else spec.name

@@ -898,11 +898,19 @@ class RemoteBackend(Relaying):
 
     async def submit(self, job: Job) -> None:
         tool = self.tool(job.tool)
-        candidates = sorted(
-            (link for link in self._serving(job.model) if any(t.name == tool.name for t in link.tools)),
-            key=lambda link: link.load,
-        )
-        for link in candidates:
+        await self._submit_first(job, tool, self._candidates(job, tool))
+
+    def _candidates(self, job: Job, tool: Tool) -> list[Link]:
+        """The ready links that run the job's model and tool, the least loaded first."""
+        serving = [link for link in self._serving(job.model) if any(t.name == tool.name for t in link.tools)]
+        return sorted(serving, key=self._order)
+
+    def _order(self, link: Link) -> Any:
+        return link.load
+
+    async def _submit_first(self, job: Job, tool: Tool, links: list[Link]) -> None:
+        """Submit to the first of `links` that can be reached."""
+        for link in links:
             try:
                 await link.submit(job, tool)
                 return

@@ -187,20 +187,22 @@ class _BackendState:
             yield jobs
         if "engines" in facts:  # models in engine processes (backends/engines.py)
             families = {
-                "up": GaugeMetricFamily("streamgate_engine_up", "1 when the model's engine process is ready, else 0", labels=["model"]),
-                "restarts": CounterMetricFamily("streamgate_engine_restarts", "Times the model's engine process ended and was started again", labels=["model"]),
-                "jobs": GaugeMetricFamily("streamgate_engine_jobs", "Jobs queued or running in the engine", labels=["model"]),
-                "waiting": GaugeMetricFamily("streamgate_engine_waiting", "Jobs of a lost engine waiting in the gateway for the next one", labels=["model"]),
-                "queued": GaugeMetricFamily("streamgate_engine_queue_depth", "Jobs waiting in the engine's queue, as it last said", labels=["model"]),
-                "rss": GaugeMetricFamily("streamgate_engine_resident_memory_bytes", "The engine process's resident memory", labels=["model"]),
+                "up": GaugeMetricFamily("streamgate_engine_up", "1 when the engine process of the model's copy on the device is ready, else 0", labels=["model", "device", "copy"]),
+                "restarts": CounterMetricFamily("streamgate_engine_restarts", "Times the engine process of the model's copy on the device ended and was started again", labels=["model", "device", "copy"]),
+                "jobs": GaugeMetricFamily("streamgate_engine_jobs", "Jobs queued or running in the engine", labels=["model", "device", "copy"]),
+                "waiting": GaugeMetricFamily("streamgate_engine_waiting", "Jobs of a lost engine waiting in the gateway for the next one", labels=["model", "device", "copy"]),
+                "queued": GaugeMetricFamily("streamgate_engine_queue_depth", "Jobs waiting in the engine's queue, as it last said", labels=["model", "device", "copy"]),
+                "batches": CounterMetricFamily("streamgate_engine_batches", "Batched steps the engine has run, as it last said", labels=["model", "device", "copy"]),
+                "rss": GaugeMetricFamily("streamgate_engine_resident_memory_bytes", "The engine process's resident memory", labels=["model", "device", "copy"]),
             }
             for engine in facts["engines"]:
-                labels = [engine["model"]]
+                labels = [engine["model"], engine["device"], str(engine["copy"])]
                 families["up"].add_metric(labels, 1 if engine["state"] == "ready" else 0)
                 families["restarts"].add_metric(labels, engine["restarts"])
                 families["jobs"].add_metric(labels, engine["jobs"])
                 families["waiting"].add_metric(labels, engine["waiting"])
                 families["queued"].add_metric(labels, engine["queued"])
+                families["batches"].add_metric(labels, engine["batches"])
                 if engine["rss_bytes"] is not None:
                     families["rss"].add_metric(labels, engine["rss_bytes"])
             yield from families.values()

@@ -1,14 +1,16 @@
-"""Tools for the engine-process tests: a batched nap that holds its engine for as long as asked, and a memory hog."""
+"""Tools for the engine-process tests: a batched nap that holds its engine for as long as asked, a memory hog, and
+a job whose texts are cut over a model's engines."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import msgspec
 import torch
 
 from gateway.tools import Cancelled, Context, Model, tool
-from gateway.tools.batching import one_pass
+from gateway.tools.batching import Chunk, Chunked, one_pass, sorted_chunks
 
 
 class NapParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -49,3 +51,44 @@ def hog(model: Model, params: HogParams, ctx: Context) -> Hogged:
     """Allocate (and touch) `gib` GiB: a job that runs away with memory."""
     block = torch.ones(int(params.gib * (1 << 30)), dtype=torch.uint8)
     return Hogged(block.numel())
+
+
+class LengthsParams(msgspec.Struct, forbid_unknown_fields=True):
+    texts: list[str]
+    trace: str = ""  # a file each chunk run appends a line to
+
+
+class Lengths(msgspec.Struct):
+    lengths: list[int]  # per text
+    pids: list[int]  # per text: the process that measured it
+    unit: str = "characters"  # the same in every part
+
+
+def _lengths_plan(model: Model, jobs: list[LengthsParams]) -> list[Chunk]:
+    return sorted_chunks([((j, i), list(t.encode())) for j, p in enumerate(jobs) for i, t in enumerate(p.texts)], 4)
+
+
+def _lengths_run(model: Model, jobs: list[LengthsParams], chunk: Chunk) -> list[int]:
+    texts = [jobs[j].texts[i] for j, i in chunk.items]
+    if "boom" in texts:
+        raise ValueError("boom")
+    time.sleep(0.5 * texts.count("slow"))
+    if jobs[0].trace:
+        with open(jobs[0].trace, "a") as trace:
+            trace.write(f"{os.getpid()}\n")
+    return [len(t) for t in texts]
+
+
+def _lengths_assemble(model: Model, jobs: list[LengthsParams], out: dict[tuple[int, int], int]) -> list[Lengths]:
+    return [Lengths([out[j, i] for i in range(len(p.texts))], [os.getpid()] * len(p.texts)) for j, p in enumerate(jobs)]
+
+
+_lengths = Chunked(
+    plan=_lengths_plan, run=_lengths_run, assemble=_lengths_assemble, unit="texts", items="texts", per_item=("lengths", "pids")
+)
+
+
+@tool(batch=_lengths.batch, spread=_lengths)
+def lengths(model: Model, params: LengthsParams, ctx: Context) -> Lengths:
+    """Each text's length and the process that measured it: a job cut over a model's engines."""
+    return _lengths.many(model, [params], [ctx])[0]

@@ -162,8 +162,11 @@ def test_batching_device_flags():
 def test_embeddings():
     printed = run_bench("embeddings")
     gateway, sorting, checks = printed.tables
-    assert [row["configuration"] for row in gateway.rows] == ["one device", "two workers", "one device, 2x threads"]
-    assert gateway.numbers("workers") == [1, 2, 1]
+    assert [row["configuration"] for row in gateway.rows] == [
+        "one device", "two engines", "two workers on threads", "one device, 2x threads"
+    ]
+    assert [row["engine"] for row in gateway.rows] == ["process", "process", "thread", "process"]
+    assert gateway.numbers("copies") == [1, 2, 2, 1]
     for column in ("best s", "sequences/s"):
         assert all(value is not None and value > 0 for value in gateway.numbers(column)), (column, gateway.rows)
     assert [row["chunk order"] for row in sorting.rows] == ["by length (embed's)", "as sent", "as sent / by length"]
@@ -174,10 +177,12 @@ def test_embeddings():
     assert padded[1] is not None and padded[0] is not None and real[0] <= padded[0] <= padded[1]
     assert all(value is not None and value > 0 for value in sorting.numbers("best s"))
     # The embeddings agree every way (the script exits 1 otherwise); a benchmark of wrong results is no benchmark.
-    assert [row[checks.columns[-1]] for row in checks.rows] == ["yes"] * 4
-    assert printed.targets == [
-        ("two workers return the one-device embeddings (max abs diff <= 0.0001): " + checks.rows[0]["max abs diff"], "met")
-    ]
+    assert [row[checks.columns[-1]] for row in checks.rows] == ["yes"] * 5
+    (agree, agreed), (scale, _) = printed.targets
+    worst = max(checks.rows[:2], key=lambda row: float(row["max abs diff"]))["max abs diff"]
+    assert (agree, agreed) == (f"two engines and two threads return the one-device embeddings (max abs diff <= 0.0001): {worst}", "met")
+    # A quick run on a shared machine measures nothing worth a verdict; the full run in bench/RESULTS.md does.
+    assert scale == f"two engines >= 1.8x one device's sequences/s: {gateway.rows[1]['vs one device']}"
 
 
 TOOL_SPEED_CASES = [

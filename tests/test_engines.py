@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from backends import model as models
-from backends.engines import engine_settings
+from backends.engines import engine_devices, engine_settings
 from gateway.config import Settings
 from tests.conftest import make_server, parse_sse, run_stream, wait_until
 from tests.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
@@ -115,13 +115,17 @@ def gateway(tiny_model_path: Path, other_model_path: Path, tmp_path_factory: pyt
 def test_each_engine_is_given_its_own_model_as_the_gateway_resolved_it(given: list[str], loaders: list[str]) -> None:
     """Without loading anything: each engine's settings name one model, which resolves in the engine
     to what it was in the gateway (the bundled default by its GGUF, not by a name the hub would be asked for)."""
-    settings = Settings(model=given, model_loader=loaders)
+    settings = Settings(model=given, model_loader=loaders, devices=["cuda:0", "cuda:1"])
     specs = models.specs(settings.model, settings.model_loader, settings.model_devices)
     for i, spec in enumerate(specs):
-        child = engine_settings(settings, spec, i == 0, "token")
-        (again,) = models.specs(child.model, child.model_loader, child.model_devices)
-        assert (again.name, again.gguf, again.loader) == (spec.name, spec.gguf, spec.loader)
-        assert again.source == (str(spec.gguf) if spec.gguf else spec.source)
+        # A copy on each device, each in an engine told that device alone.
+        assert engine_devices(settings, spec) == ["cuda:0", "cuda:1"]
+        for device in engine_devices(settings, spec):
+            child = engine_settings(settings, spec, i == 0, "token", device)
+            (again,) = models.specs(child.model, child.model_loader, child.model_devices)
+            assert (again.name, again.gguf, again.loader, again.devices) == (spec.name, spec.gguf, spec.loader, (device,))
+            assert again.source == (str(spec.gguf) if spec.gguf else spec.source)
+            assert child.devices == [device] and child.device is None
 
 
 def test_each_model_runs_in_an_engine_process_of_the_gateway_and_gives_what_a_thread_gives(
@@ -148,7 +152,7 @@ def test_each_model_runs_in_an_engine_process_of_the_gateway_and_gives_what_a_th
 
     wait_until(lambda: steps() >= 12, timeout=10, what="the engine's batch sizes in /metrics")
     metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
-    assert re.search(r'^streamgate_engine_queue_depth\{model="a"\} 0\.0$', metrics, re.M), metrics
+    assert re.search(r'^streamgate_engine_queue_depth\{copy="0",device="cpu",model="a"\} 0\.0$', metrics, re.M), metrics
 
 
 def test_a_refusal_only_the_engine_can_make_comes_back_before_the_stream(gateway: ServeProcess) -> None:
@@ -193,7 +197,7 @@ def test_a_killed_engine_ends_its_running_jobs_once_runs_its_queued_ones_anew_an
     # Not ready while a restarts (the restart waits half a second before it even starts a process).
     readiness: list[httpx.Response] = []
     wait_until(lambda: readiness.append(httpx.get(f"{url}/readyz", timeout=10)) or readiness[-1].status_code == 503, what="503")
-    assert "the engine of model a is restarting" in readiness[-1].json()["reason"]
+    assert "the engine of model a on cpu is restarting" in readiness[-1].json()["reason"]
     assert "SIGKILL" in readiness[-1].json()["reason"]
 
     for follower in running:
@@ -216,8 +220,8 @@ def test_a_killed_engine_ends_its_running_jobs_once_runs_its_queued_ones_anew_an
     assert after["b"]["restarts"] == 0 and after["b"]["pid"] == before["b"]["pid"]
     assert gateway.proc.poll() is None
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    assert re.search(r'^streamgate_engine_restarts_total\{model="a"\} 1\.0$', metrics, re.M), metrics
-    assert re.search(r'^streamgate_engine_restarts_total\{model="b"\} 0\.0$', metrics, re.M)
+    assert re.search(r'^streamgate_engine_restarts_total\{copy="0",device="cpu",model="a"\} 1\.0$', metrics, re.M), metrics
+    assert re.search(r'^streamgate_engine_restarts_total\{copy="0",device="cpu",model="b"\} 0\.0$', metrics, re.M)
     # And the new engine serves as the old one did.
     assert run_stream(url, "nap", {"seconds": 0, "tag": "again", "model": "a"}).terminal["data"] == {"tag": "again", "batch": 1}
 
@@ -343,3 +347,171 @@ def test_generate_jobs_decode_together_past_a_batch_of_32(tiny_model_path: Path,
         wait_until(lambda: steps_over_32() >= 3, timeout=10, what="steps of 40 jobs in the batch sizes")
     finally:
         gateway.stop()
+
+
+# -- a model on two devices: an engine each -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def esm_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests import model_kinds
+
+    return model_kinds.build("esm_mlm", tmp_path_factory.mktemp("esm") / "esm")
+
+
+@pytest.fixture(scope="module")
+def two_copies(esm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """A masked LM with a copy on each of two devices (two CPU copies here): an engine process each."""
+    s = start_gateway(tmp_path_factory.mktemp("copies"), f"esm={esm_path}", extra=("--model-devices", "esm=cpu,cpu"))
+    yield s
+    s.stop()
+
+
+def copies(gateway: ServeProcess) -> list[dict[str, Any]]:
+    return [e for e in httpx.get(f"{gateway.url}/readyz", timeout=10).json()["engines"] if e["model"] == "esm"]
+
+
+def pll_of(path: Path, sequence: str) -> float:
+    """Plain transformers: each own token masked in turn, its log-probability summed."""
+    import torch
+    import transformers as tf
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(path)
+    model = tf.AutoModelForMaskedLM.from_pretrained(path).eval()
+    ids = tokenizer(sequence, return_tensors="pt").input_ids[0]
+    total = 0.0
+    with torch.no_grad():
+        for at in range(1, len(ids) - 1):  # <cls> and <eos> are not scored
+            masked = ids.clone()
+            masked[at] = tokenizer.mask_token_id
+            total += model(masked[None]).logits[0, at].double().log_softmax(-1)[ids[at]].item()
+    return total
+
+
+def test_a_model_on_two_devices_runs_an_engine_on_each_and_one_job_is_cut_over_both(two_copies: ServeProcess, esm_path: Path) -> None:
+    import random
+
+    url = two_copies.url
+    found = copies(two_copies)
+    assert [(e["copy"], e["device"], e["state"]) for e in found] == [(0, "cpu", "ready"), (1, "cpu", "ready")]
+    assert len({e["pid"] for e in found}) == 2 and all(parent_of(e["pid"]) == two_copies.proc.pid for e in found)
+    (model,) = httpx.get(f"{url}/models", timeout=10).json()["models"]
+    assert model["device"] == "cpu,cpu"
+
+    rng = random.Random(0)
+    sequences = ["".join(rng.choice("LAGVSERTIDPKQNFYMHWC") for _ in range(rng.randint(3, 60))) for _ in range(70)]
+    alone = make_server(esm_path)  # one device, on a thread: the job uncut
+    try:
+        for tool, params, unit, total in [
+            ("embed", {"texts": sequences, "pooling": "per_token"}, "texts", len(sequences)),
+            ("pseudo_loglikelihood", {"sequences": sequences[:12], "per_position": True}, "positions",
+             sum(len(s) for s in sequences[:12])),
+        ]:
+            before = [e["batches"] for e in copies(two_copies)]
+            cut = run_stream(url, tool, params)
+            uncut = run_stream(alone.url, tool, params).terminal["data"]
+            assert cut.terminal["event"] == "data", cut.events[-3:]
+            assert [e["event"] for e in cut.events].count("data") == 1
+            got = cut.terminal["data"]
+            # Each input's result in the order sent; only padding (which inputs share a pass) may move the last bits.
+            assert got.keys() == uncut.keys()
+            for key in got:
+                if key in ("embeddings", "per_position", "pll"):
+                    flat = lambda v: torch_flat(v)  # noqa: E731
+                    assert flat(got[key]).shape == flat(uncut[key]).shape
+                    assert (flat(got[key]) - flat(uncut[key])).abs().max() <= 1e-4, key
+                else:
+                    assert got[key] == uncut[key], key
+            frames = [e["data"]["progress"] for e in cut.of("status") if "progress" in e["data"]]
+            assert frames[-1] == {"done": total, "total": total, "unit": unit}
+            assert [f["done"] for f in frames] == sorted(f["done"] for f in frames)
+            # Both engines ran a part of it.
+            wait_until(
+                lambda: all(e["batches"] > b for e, b in zip(copies(two_copies), before)), timeout=10, what="both engines' steps"
+            )
+        # And the numbers are the model's: an independent computation of two sequences' scores.
+        scored = result_of(url, "pseudo_loglikelihood", {"sequences": sequences[:2]})
+        for sequence, pll in zip(sequences[:2], scored["pll"]):
+            assert abs(pll - pll_of(esm_path, sequence)) <= 1e-4
+    finally:
+        alone.stop()
+
+
+def torch_flat(value: Any) -> Any:
+    import torch
+
+    def walk(v: Any) -> list[float]:
+        return [x for item in v for x in walk(item)] if isinstance(v, list) else [float(v)]
+
+    return torch.tensor(walk(value), dtype=torch.float64)
+
+
+def result_of(url: str, tool: str, params: dict[str, Any]) -> Any:
+    done = run_stream(url, tool, params)
+    assert done.terminal["event"] == "data", done.events[-3:]
+    return done.terminal["data"]
+
+
+def test_a_cut_job_puts_its_parts_back_in_order_and_ends_once_when_a_part_fails(two_copies: ServeProcess) -> None:
+    url = two_copies.url
+    pids = {e["pid"] for e in copies(two_copies)}
+    texts = [f"t{i}" * (i % 7 + 1) for i in range(30)]
+    got = result_of(url, "lengths", {"texts": texts})
+    assert got["lengths"] == [len(t) for t in texts] and got["unit"] == "characters"
+    assert set(got["pids"]) == pids  # measured in both engines
+
+    failed = run_stream(url, "lengths", {"texts": [*texts, "boom"]})
+    assert [e["event"] for e in failed.events].count("error") == 1 and failed.of("data") == []
+    assert failed.terminal["data"]["error"]["code"] == "tool_error" and "boom" in failed.terminal["data"]["error"]["message"]
+    # The other part ended too: nothing is left in either engine, and both serve the next job.
+    wait_until(lambda: all(e["jobs"] == 0 for e in copies(two_copies)), timeout=10, what="the engines to be empty")
+    assert result_of(url, "lengths", {"texts": texts}) == got | {"pids": result_of(url, "lengths", {"texts": texts})["pids"]}
+    # A refusal that only the engine can make (a text past the context) reads as for the job uncut, index and all.
+    refused = httpx.post(f"{url}/embed/run", json={"texts": ["MKT", "A" * 2000]}, timeout=30)
+    assert refused.status_code == 413 and refused.json()["error"]["field"] == "texts[1]", refused.text
+
+
+def test_a_cut_job_cancelled_ends_once_and_stops_every_part(two_copies: ServeProcess, tmp_path: Path) -> None:
+    url = two_copies.url
+    trace = tmp_path / "chunks"
+    # 20 slow texts a part: 5 chunks of 4, 2 s each, were it not cancelled.
+    job = follow(url, "lengths", {"texts": ["slow"] * 40, "trace": str(trace)})
+    wait_until(lambda: all(e["running"] == 1 for e in copies(two_copies)), timeout=60, what="a part running on each engine")
+    job_id = job.events[0]["id"].split(":")[0]
+    assert httpx.delete(f"{url}/jobs/{job_id}", timeout=10).json()["cancelled"] is True
+    assert job.ended()["data"]["error"]["code"] == "cancelled"
+    wait_until(lambda: all(e["running"] == 0 and e["jobs"] == 0 for e in copies(two_copies)), timeout=60, what="both parts to stop")
+    ran = trace.read_text().split() if trace.exists() else []
+    assert len(ran) < 10, ran  # the parts stopped before their last chunks
+
+
+def test_with_every_engine_busy_a_job_goes_whole_to_the_one_with_the_fewest_waiting(two_copies: ServeProcess) -> None:
+    url = two_copies.url
+    blockers = [follow(url, "nap", {"seconds": 60, "tag": f"b{i}"}) for i in range(2)]
+    wait_until(lambda: all("running" in b.statuses() for b in blockers), timeout=60, what="a nap on each engine")
+    assert sorted(e["jobs"] for e in copies(two_copies)) == [1, 1]  # one each: the least loaded took the second
+    first = follow(url, "lengths", {"texts": ["a", "bb", "ccc"]})
+    wait_until(lambda: "queued" in first.statuses(), timeout=60, what="the job to queue")
+    second = follow(url, "lengths", {"texts": ["dddd", "e"]})
+    wait_until(lambda: "queued" in second.statuses(), timeout=60, what="the next to queue")
+    assert sorted(e["jobs"] for e in copies(two_copies)) == [2, 2]  # the next went where none waited
+    for blocker in blockers:
+        httpx.delete(f"{url}/jobs/{blocker.events[0]['id'].split(':')[0]}", timeout=10).raise_for_status()
+        assert blocker.ended()["data"]["error"]["code"] == "cancelled"
+    one, two = first.ended()["data"], second.ended()["data"]
+    assert one["lengths"] == [1, 2, 3] and two["lengths"] == [4, 1]
+    assert len(set(one["pids"])) == 1 and len(set(two["pids"])) == 1 and one["pids"][0] != two["pids"][0]
+
+
+def test_a_killed_copy_leaves_the_models_other_copy_serving(two_copies: ServeProcess) -> None:
+    url = two_copies.url
+    first, second = copies(two_copies)
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_until(lambda: copies(two_copies)[0]["state"] != "ready", timeout=30, what="the copy to be seen gone")
+    # While it restarts, the model's jobs go to its other copy.
+    got = result_of(url, "lengths", {"texts": ["abc", "de"]})
+    assert got["pids"] == [second["pid"]] * 2
+    wait_until(lambda: copies(two_copies)[0]["state"] == "ready", timeout=120, what="the copy's new engine")
+    after = copies(two_copies)
+    assert after[0]["restarts"] == 1 and after[0]["pid"] != first["pid"]
+    assert after[1]["restarts"] == 0 and after[1]["pid"] == second["pid"]

@@ -142,12 +142,21 @@ class Chunked:
     since another device's worker may assemble them); `assemble(model, jobs,
     outputs)` builds each job's result from `{(job, item): output}`. `unit`
     names the items in progress frames.
+
+    Across engine processes (backends/spreading.py) a job is cut by its input
+    list instead: `items` names the params field whose entries are independent
+    (`texts`), `per_item` the result fields with one entry per input (the others
+    are the same in every part), and `weight(entry)` is an entry's share of the
+    work, by which the parts are balanced.
     """
 
     plan: Callable[[Model, list[Any]], list[Chunk]]
     run: Callable[[Model, list[Any], Chunk], list[Any]]
     assemble: Callable[[Model, list[Any], dict[tuple[int, int], Any]], list[Any]]
     unit: str
+    items: str = ""
+    per_item: tuple[str, ...] = ()
+    weight: Callable[[str], float] = len
 
     def batch(self, model: Model) -> ChunkSteps:
         """The tool's `batch`: its jobs' chunks, one a step (`ChunkSteps`)."""

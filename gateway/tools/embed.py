@@ -219,7 +219,8 @@ def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[tuple[int, in
     return results
 
 
-work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="texts")
+# Per text, a pass over its tokens: its length is its share of the work.
+work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="texts", items="texts", per_item=("embeddings", "tokens"))
 
 
 @tool(

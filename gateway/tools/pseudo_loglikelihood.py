@@ -119,7 +119,14 @@ def _assemble(
     return results
 
 
-work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="positions")  # type: ignore[arg-type]
+def _weight(sequence: str) -> float:
+    return len(sequence) ** 2  # a copy per position, each as long as the sequence
+
+
+work = Chunked(
+    plan=_plan, run=_run, assemble=_assemble, unit="positions",  # type: ignore[arg-type]
+    items="sequences", per_item=("pll", "tokens_scored", "per_position", "tokens"), weight=_weight,
+)
 
 
 @tool(
