@@ -1,6 +1,7 @@
 # `make serve` and `make test` are the two set-up commands: each creates the
 # virtual environment on first use, installs the project into it, then runs.
-# `make test` also installs web/'s npm packages (npm ci) and runs its tests:
+# `make test` also builds vLLM's environment (.vllm, below: the tests run a real vLLM
+# server) and installs web/'s npm packages (npm ci) and runs its tests:
 # the TypeScript client's, and the dashboard's in Debian's Chromium. Before any of
 # that, scripts/check-system checks the system tools the tests need (redis-server,
 # Chromium, Node.js 20+ and npm) and stops with the apt-get command naming the
@@ -11,7 +12,7 @@ BIN = $(VENV)/bin
 NPM ?= npm
 ARGS ?=
 
-.PHONY: check-system install web-install serve test test-web clean
+.PHONY: check-system install web-install vllm serve test test-web clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +23,19 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 install: $(BIN)/.installed
+
+# vLLM's own environment, for --model NAME=vllm:PATH (and the tests of it): a virtualenv of its own,
+# since vLLM pins transformers and companions apart from the project's. About 2 minutes and 3.5 GB on
+# first use; the torchvision, torchaudio and torchcodec it brings are CUDA builds that fail to import
+# beside the CPU torch, and transformers imports them when present.
+VLLM_ENV ?= .vllm
+$(VLLM_ENV)/.installed: deploy/vllm/requirements-cpu.txt
+	$(PYTHON) -m venv $(VLLM_ENV)
+	$(VLLM_ENV)/bin/pip install -r deploy/vllm/requirements-cpu.txt
+	$(VLLM_ENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm: $(VLLM_ENV)/.installed
 
 web/node_modules/.installed: web/package.json web/package-lock.json
 	cd web && $(NPM) ci --no-audit --no-fund
@@ -37,10 +51,10 @@ check-system:
 
 # Even under -j, `make test` installs nothing until the system check has passed.
 ifneq ($(filter test,$(MAKECMDGOALS)),)
-$(BIN)/.installed web/node_modules/.installed: | check-system
+$(BIN)/.installed web/node_modules/.installed $(VLLM_ENV)/.installed: | check-system
 endif
 
-test: check-system install web-install
+test: check-system install web-install vllm
 	$(BIN)/pytest $(ARGS)
 	cd web && $(NPM) test
 
@@ -49,4 +63,4 @@ test-web: install web-install
 	cd web && $(NPM) test
 
 clean:
-	rm -rf $(VENV) web/node_modules
+	rm -rf $(VENV) $(VLLM_ENV) web/node_modules

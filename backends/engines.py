@@ -36,24 +36,27 @@ import logging
 import os
 import resource
 import secrets
+import shlex
 import shutil
 import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import websockets
 
-from backends import memory
+from backends import inference, memory
 from backends import model as models
+from backends.base import Relaying
 from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
 from backends.spreading import Spread, cut
 from gateway.config import Settings
+from gateway import params as params_mod
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.logs import request_id
@@ -226,32 +229,37 @@ class Engine:
 
     name: str  # the model's
     device: str  # the one device its copy of the model is on
-    settings: Settings
-    socket: Path
-    memory_limit: int | None
-    link: EngineLink
+    link: Any  # an EngineLink; a vLLM server's, a ServerLink (backends/inference.py)
+    memory_limit: int | None = None
+    settings: Settings | None = None
+    socket: Path | None = None
     restarts: int = 0
     state: str = "starting"  # starting, running, restarting, stopped
     pid: int | None = None
     last_exit: str | None = None
     process: asyncio.subprocess.Process | None = None
 
+    async def _launch(self) -> asyncio.subprocess.Process:
+        assert self.socket is not None and self.settings is not None
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()  # a dead engine's socket: the next one binds anew
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "engine",
+            stdin=asyncio.subprocess.PIPE,
+            env={**os.environ, SOCKET_VAR: str(self.socket)},
+            start_new_session=True,  # Ctrl-C reaches the gateway, which stops its engines itself
+        )
+        assert process.stdin is not None
+        process.stdin.write(msgspec.json.encode(self.settings))
+        process.stdin.close()
+        return process
+
     async def supervise(self) -> None:
         pause = BACKOFF_FIRST_S
         while True:
-            with contextlib.suppress(FileNotFoundError):
-                self.socket.unlink()  # a dead engine's socket: the next one binds anew
             self.state = "starting" if self.restarts == 0 else "restarting"
-            self.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gateway", "engine",
-                stdin=asyncio.subprocess.PIPE,
-                env={**os.environ, SOCKET_VAR: str(self.socket)},
-                start_new_session=True,  # Ctrl-C reaches the gateway, which stops its engines itself
-            )
+            self.process = await self._launch()
             self.pid = self.process.pid
-            assert self.process.stdin is not None
-            self.process.stdin.write(msgspec.json.encode(self.settings))
-            self.process.stdin.close()
             born = time.monotonic()
             self.state = "running"
             code = await self.process.wait()
@@ -266,21 +274,25 @@ class Engine:
             await asyncio.sleep(pause)
             pause = min(pause * 2, BACKOFF_MAX_S)
 
+    grace_s: ClassVar[float] = STOP_GRACE_S
+
+    def _signal(self, process: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+        process.send_signal(sig)
+
     async def stop(self) -> None:
-        """SIGTERM (it drains), then SIGKILL if it is still there after STOP_GRACE_S."""
+        """SIGTERM (it drains), then SIGKILL to what is left after `grace_s`."""
         self.state = "stopped"
         process = self.process
         if process is None or process.returncode is not None:
             return
         with contextlib.suppress(ProcessLookupError):
-            process.terminate()
-        try:
-            async with asyncio.timeout(STOP_GRACE_S):
+            self._signal(process, signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.grace_s):
                 await process.wait()
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            self._signal(process, signal.SIGKILL)
+        await process.wait()
 
     def rss(self) -> int | None:
         """The engine's resident memory in bytes, while it runs (Linux)."""
@@ -290,6 +302,45 @@ class Engine:
             return int(Path(f"/proc/{self.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError, IndexError):
             return None
+
+
+@dataclass(eq=False)
+class VllmEngine(Engine):
+    """A vLLM OpenAI server for one model, started from vLLM's own environment; its lines are the gateway's."""
+
+    command: list[str] = field(default_factory=list)
+    spec: models.ModelSpec | None = None
+    cache_dir: str | None = None
+
+    async def _launch(self) -> asyncio.subprocess.Process:
+        assert self.spec is not None
+        if self.process is not None:  # the last server's engine processes, should any outlive it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        if self.spec.gguf is not None and self.restarts == 0:
+            # vLLM reads a folder: the GGUF converted once, as for a model here (it is cached).
+            folder = await asyncio.to_thread(models.converted_folder, self.spec, self.cache_dir)
+            self.command[self.command.index(inference.MODEL_PLACEHOLDER)] = str(folder)
+        process = await asyncio.create_subprocess_exec(
+            *self.command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+        assert process.stdout is not None
+        task = asyncio.create_task(inference.relay_lines(process.stdout, f"{self.name} (vllm)"))
+        self._relays.add(task)
+        task.add_done_callback(self._relays.discard)
+        return process
+
+    def __post_init__(self) -> None:
+        self._relays: set[asyncio.Task[None]] = set()
+
+    grace_s: ClassVar[float] = STOP_GRACE_S * 3  # vLLM drains its requests and its engine first
+
+    def _signal(self, process: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+        os.killpg(process.pid, sig)  # the server's group: its own engine processes too
 
 
 def engine_devices(settings: Settings, spec: models.ModelSpec) -> list[str]:
@@ -335,10 +386,9 @@ class EngineBackend(RemoteBackend):
         memory.bound_heap()  # results pass through this process: big ones given back when freed (backends/memory.py)
         specs = models.specs(settings.model, settings.model_loader, settings.model_devices)
         for spec in specs:
-            models.check_kind(spec, settings.trust_remote_code)
-        from gateway.tools import load_module
-
-        from gateway.tools import builtin_tools
+            if spec.server is None:
+                models.check_kind(spec, settings.trust_remote_code)
+        from gateway.tools import builtin_tools, load_module
 
         local = [*builtin_tools(), *(t for name in settings.tools for t in load_module(name))]
         # What the gateway cannot learn from a schema: how a tool's job is cut over engines.
@@ -348,18 +398,50 @@ class EngineBackend(RemoteBackend):
         self._spreads: dict[str, Spread] = {}
         self.folder = Path(tempfile.mkdtemp(prefix="streamgate-engines-"))  # 0700: only this user reaches the sockets
         token = secrets.token_urlsafe(24)
-        copies = [(i, spec, device) for i, spec in enumerate(specs) for device in engine_devices(settings, spec)]
-        sockets = [self.folder / f"{n}.sock" for n in range(len(copies))]
-        super().__init__(
-            [UNIX + str(path) for path in sockets], token=token, deadline=settings.executor_deadline, poll_interval=POLL_S
-        )
-        self.engines = [
-            Engine(spec.name, device, engine_settings(settings, spec, i == 0, token, device), path, settings.engine_memory_limit, link)
-            for (i, spec, device), path, link in zip(copies, sockets, self.links)
-        ]
-        for engine in self.engines:
-            engine.link.tool_of = self.tool
+        Relaying.__init__(self)
+        infos = params_mod.describe(local, settings.limits())
+        self.links: list[Any] = []  # in the models' order: the first one's default model is the gateway's
+        self.engines: list[Engine] = []
+        for i, spec in enumerate(specs):
+            if spec.server is not None:
+                link, engine = self._server(spec, settings, infos)
+                self.links.append(link)
+                if engine is not None:
+                    self.engines.append(engine)
+                continue
+            for device in engine_devices(settings, spec):
+                path = self.folder / f"{len(self.engines)}.sock"
+                link = EngineLink(
+                    UNIX + str(path), token=token, deadline=settings.executor_deadline, poll_interval=POLL_S, on_tools=self._learn_tools
+                )
+                link.tool_of = self.tool
+                settings_of = engine_settings(settings, spec, i == 0, token, device)
+                self.engines.append(Engine(spec.name, device, link, settings.engine_memory_limit, settings_of, path))
+                self.links.append(link)
         self._supervisors: list[asyncio.Task[None]] = []
+
+    def _server(self, spec: models.ModelSpec, settings: Settings, infos: list[Any]) -> tuple[Any, Engine | None]:
+        """A model an inference server serves: its link, and for vLLM the engine that runs the server."""
+        keys = dict(entry.split("=", 1) for entry in settings.model_api_key if "=" in entry)
+        if spec.server == "vllm":
+            port = inference.free_port()
+            url = f"http://127.0.0.1:{port}/v1"
+        else:
+            port, url = 0, spec.source
+        link = inference.ServerLink(
+            spec.name, url, spec.server or "openai",
+            api_key=None if spec.server == "vllm" else inference.api_key(spec.name, keys),
+            tools=infos, max_jobs=settings.max_decoding_jobs, queue_size=settings.queue_size,
+            per_owner=settings.max_queued_per_owner, job_timeout=settings.job_timeout, on_tools=self._learn_tools,
+        )
+        link.tool_of = self.tool
+        if spec.server != "vllm":
+            return link, None
+        source = inference.MODEL_PLACEHOLDER if spec.gguf is not None else spec.source
+        command = inference.vllm_command(
+            inference.vllm_python(settings.vllm_python), source, spec.name, port, settings.dtype, shlex.split(settings.vllm_args)
+        )
+        return link, VllmEngine(spec.name, "vllm server", link, command=command, spec=spec, cache_dir=settings.cache_dir)
 
     async def start(self) -> None:
         await super().start()
@@ -400,8 +482,7 @@ class EngineBackend(RemoteBackend):
         await self._submit_first(job, tool, links)
 
     def _order(self, link: Link) -> Any:
-        assert isinstance(link, EngineLink)
-        return (link.backlog, link.load)
+        return (link.backlog, link.load)  # type: ignore[attr-defined]
 
     async def _spread(self, job: Job, tool: Tool, work: Chunked, links: list[Link]) -> bool:
         """Submit `job` as parts, one to each of `links`; False (nothing submitted) when it does not split
@@ -448,7 +529,7 @@ class EngineBackend(RemoteBackend):
     @property
     def ready(self) -> bool:
         # Every model, as with models on threads: a gateway is ready when all it serves is.
-        return all(engine.link.ready for engine in self.engines)
+        return all(link.ready for link in self.links)
 
     @property
     def not_ready_reason(self) -> str:
@@ -457,7 +538,17 @@ class EngineBackend(RemoteBackend):
             for e in self.engines
             if not e.link.ready
         ]
+        problems += [
+            f"the inference server of model {link.name} is not ready ({link.problem})"
+            for link in self._outside()
+            if not link.ready
+        ]
         return "; ".join(problems) or "the engines are not ready"
+
+    def _outside(self) -> list[inference.ServerLink]:
+        """The links to servers the gateway did not start (`openai+` models)."""
+        started = {id(engine.link) for engine in self.engines}
+        return [link for link in self.links if isinstance(link, inference.ServerLink) and id(link) not in started]
 
     def batch_size_counts(self) -> list[Mapping[int, int]]:
         """Each engine's batch sizes so far, as it last reported them on /readyz."""
@@ -465,9 +556,9 @@ class EngineBackend(RemoteBackend):
 
     def describe(self) -> dict[str, Any]:
         # The default model's facts as its engine last told them, as a gateway with threads tells its own.
-        facts = {k: v for k, v in self.engines[0].link.facts.items() if k not in ("ready", "backend", "sessions", "reason", "batch_sizes")}
-        default = self.engines[0].name
-        copies = [e for e in self.engines if e.name == default]
+        first = self.links[0]
+        facts = {k: v for k, v in first.facts.items() if k not in ("ready", "backend", "sessions", "reason", "batch_sizes")}
+        copies = [e for e in self.engines if self.engines and e.name == self.engines[0].name and self.engines[0].link is first]
         if len(copies) > 1:  # as threads tell it: the copies' devices
             facts["device"] = ",".join(e.device for e in copies)
             for key in ("queued", "running"):
@@ -492,9 +583,15 @@ class EngineBackend(RemoteBackend):
                     "rss_bytes": e.rss(),
                 }
                 | ({"last_exit": e.last_exit} if e.last_exit else {})
+                | ({"url": e.link.url} if isinstance(e, VllmEngine) else {})
                 | ({} if e.link.ready else {"problem": e.link.problem})
                 for n, e in enumerate(self.engines)
             ],
+            **(
+                {"servers": [{"model": link.name, "url": link.url, "ready": link.ready, "jobs": link.load, **link.facts}
+                             | ({} if link.ready else {"problem": link.problem}) for link in self._outside()]}
+                if self._outside() else {}
+            ),
         }
 
 

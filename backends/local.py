@@ -85,6 +85,9 @@ class LocalBackend(Backend):
 
             self._tools = collect([*self._tools.values(), *sae_tools()])
         specs = models.specs(_listed(model), _listed(model_loader), model_devices or [])
+        if served := [spec.name for spec in specs if spec.server is not None]:
+            # An inference server is driven from the gateway's engine supervisor (backends/engines.py).
+            raise ValueError(f"the model(s) {', '.join(served)} on an inference server need --engine process (the default) on a gateway")
         self.max_batch_size = max_batch_size
         self.max_decoding_jobs = max_decoding_jobs
         self.budget = Budget(memory=max_job_memory or default_job_memory(devices or ([device] if device else None)), result=max_result_bytes)

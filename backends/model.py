@@ -46,6 +46,14 @@ class ModelSpec:
     gguf: Path | None = None
     loader: str | None = None
     devices: tuple[str, ...] = ()  # empty: the backend's --device/--devices
+    # Served by an inference server instead of loaded here (backends/inference.py): "vllm", a vLLM
+    # server the gateway starts on `source` (a folder, or `gguf` converted); "openai", one already
+    # running at `source`, an OpenAI-compatible base URL.
+    server: str | None = None
+
+
+VLLM = "vllm:"  # --model [NAME=]vllm:PATH
+OPENAI = "openai+"  # --model NAME=openai+http(s)://HOST[:PORT]/v1
 
 
 # An explicit NAME in `--model NAME=SOURCE`: strict, so that a path holding "=" is never taken apart.
@@ -110,6 +118,8 @@ def specs(models: list[str], loaders: list[str] = (), devices: list[str] = ()) -
             add(ModelSpec(called or loader, source or "", loader=loader), source or loader)
         else:
             spec = resolve(source)
+            if spec.server == "openai" and name is None:
+                raise ModelError(f"--model {source}: name the model it serves here: --model NAME={source}")
             add(replace(spec, name=name or spec.name), source or DEFAULT_MODEL)
     if None in by_loader:
         raise ModelError(f"--model-loader {by_loader[None]}: the first model has a loader already; name this one's model: NAME=module:function")
@@ -149,6 +159,15 @@ def cache_root(explicit: str | os.PathLike[str] | None = None) -> Path:
 
 def resolve(model: str | None) -> ModelSpec:
     """Decide where the model comes from, without loading anything."""
+    if model and model.startswith(VLLM):
+        # What the server loads: the same sources a model here takes, the bundled default's GGUF included.
+        spec = resolve(model.removeprefix(VLLM) or None)
+        return replace(spec, server="vllm")
+    if model and model.startswith(OPENAI):
+        url = model.removeprefix(OPENAI)
+        if not url.startswith(("http://", "https://")):
+            raise ModelError(f"--model {model}: expected openai+http://HOST:PORT/v1 or openai+https://…")
+        return ModelSpec(url, url, server="openai")
     if not model:
         return ModelSpec(DEFAULT_MODEL, DEFAULT_MODEL, default_gguf())
     path = Path(model).expanduser()
@@ -168,6 +187,15 @@ def converted_path(spec: ModelSpec, cache_dir: Path) -> Path:
     with spec.gguf.open("rb") as f:
         key.update(f.read(1 << 20))
     return cache_dir / "models" / f"{spec.gguf.stem}-{key.hexdigest()[:16]}"
+
+
+def converted_folder(spec: ModelSpec, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """`spec`'s GGUF as a safetensors folder, converted on first use and cached."""
+    assert spec.gguf is not None
+    path = converted_path(spec, cache_root(cache_dir))
+    if not (path / "config.json").exists():
+        convert_gguf(spec.gguf, path)
+    return path
 
 
 def convert_gguf(gguf: Path, dest: Path) -> None:
@@ -258,12 +286,7 @@ def load(
             return custom.load(loader, spec.source or None, device, torch_dtype)
         except custom.LoaderError as exc:
             raise ModelError(str(exc)) from None
-    source = spec.source
-    if spec.gguf is not None:
-        path = converted_path(spec, cache_root(cache_dir))
-        if not (path / "config.json").exists():
-            convert_gguf(spec.gguf, path)
-        source = str(path)
+    source = str(converted_folder(spec, cache_dir)) if spec.gguf is not None else spec.source
     kind = detect_kind(source, trust_remote_code)
     load_kind = {Kind.CAUSAL_LM: causal_lm.load, Kind.MASKED_LM: masked_lm.load, Kind.ENCODER: encoder.load}[kind]
     try:

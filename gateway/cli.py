@@ -72,7 +72,7 @@ def main() -> None:
 def _model_options(command: Any) -> Any:
     """The options of a process that loads the model and runs tools: `serve` and `executor`."""
     options = [
-        _option("--model", multiple=True, type=_CommaListed(), help="[NAME=]SOURCE: a local folder, .gguf file or Hugging Face id, served as NAME (default: the folder's or file's name). Repeatable: several models side by side, the first the default; a run picks one with its `model` param. Default: the bundled SmolLM2-135M-Instruct."),
+        _option("--model", multiple=True, type=_CommaListed(), help="[NAME=]SOURCE: a local folder, .gguf file or Hugging Face id, served as NAME (default: the folder's or file's name); vllm:PATH, a vLLM server the gateway starts on PATH; openai+http(s)://HOST/v1, an OpenAI-compatible server already running (NAME= required). Repeatable: several models side by side, the first the default; a run picks one with its `model` param. Default: the bundled SmolLM2-135M-Instruct."),
         _option("--model-loader", multiple=True, type=_CommaListed(), help="[NAME=]module:function that loads a custom model (see the README's Models section); the --model of that NAME (without NAME: the first) is passed to it. Repeatable."),
         _option("--model-devices", multiple=True, help="NAME=DEVICE[,DEVICE]: the devices of one model, instead of --device/--devices (repeatable)."),
         _option("--trust-remote-code", is_flag=True, default=False, help="Run the modelling code a checkpoint ships with it (transformers' trust_remote_code). Only for checkpoints you trust."),
@@ -139,7 +139,7 @@ def _is_loopback(host: str) -> bool:
 def _settings(options: dict[str, Any]) -> Settings:
     for key in ("tools", "sae", "model", "model_loader", "model_devices"):
         options[key] = list(options.get(key, ()))
-    for key in ("executors", "tokens"):
+    for key in ("executors", "tokens", "model_api_key"):
         if key in options:
             options[key] = list(options[key])
     # Like `python -m` and uvicorn: `--tools mypkg.tools` finds ./mypkg; a console
@@ -191,6 +191,9 @@ def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @_option("--backend", default=_D.backend, type=click.Choice(["local", "remote", "ray"]), help="Run tools in this process, on executors, or on the replicas of a Ray Serve application.")
 @_option("--engine", default=_D.engine, type=click.Choice(["thread", "process"]), help="For --backend local: each model in an engine process of its own that the gateway restarts if it dies (a crash, an out-of-memory kill, a failed device) while the gateway and the other models go on; or all of them on threads of this process.")
 @_option("--engine-memory-limit", default=None, type=_Bytes(), help="For --engine process: the most address space each engine may take (RLIMIT_AS); a job that would pass it fails alone instead of exhausting the host. Leave room for the weights, torch's own reservations and the allocator's arenas.")
+@_option("--vllm-python", default=None, help="For --model NAME=vllm:PATH: the Python of vLLM's environment. Default: the project's .vllm (make vllm).")
+@_option("--vllm-args", default=_D.vllm_args, help="For --model NAME=vllm:PATH: more flags for each vLLM server, as one string (\"--max-model-len 2048 --gpu-memory-utilization 0.8\").")
+@_option("--model-api-key", multiple=True, help="NAME=ENV_VAR: the environment variable holding the API key of the openai+ model NAME (repeatable). Default: OPENAI_API_KEY.")
 @_option("--ray-address", default=None, help="For --backend ray: the Ray cluster, from one of its nodes (auto, or HEAD:6379); default: start or join a local one.")
 @_option("--ray-replicas", default=None, type=click.IntRange(min=1), help="For --backend ray: how many model replicas (default 1).")
 @_option("--ray-min-replicas", default=None, type=click.IntRange(min=1), help="For --backend ray: scale on ongoing requests, from this many replicas…")

@@ -58,6 +58,11 @@ class Settings(msgspec.Struct, kw_only=True):
     # --backend local: the models in this process's threads, or each in an engine process (backends/engines.py).
     engine: str = "process"
     engine_memory_limit: int | None = None  # each engine's address space (RLIMIT_AS); None: no limit
+    # Models on inference servers (backends/inference.py): vLLM's interpreter (None: the project's .vllm),
+    # the server's extra flags, and NAME=ENV_VAR of an `openai+` model's API key.
+    vllm_python: str | None = None
+    vllm_args: str = ""
+    model_api_key: list[str] = msgspec.field(default_factory=list)
     executors: list[str] = msgspec.field(default_factory=list)
     # --backend ray: replicas of a Ray Serve application (backends/ray_serve.py).
     ray_address: str | None = None  # None: start or join a local Ray; "auto" or "head:6379" from a cluster's node

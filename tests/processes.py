@@ -43,8 +43,8 @@ class ServeProcess:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the process exited with {self.proc.returncode}:\n{self.output()}")
@@ -80,6 +80,7 @@ def start_serve(
     *,
     command: str = "serve",
     headers: dict[str, str] | None = None,
+    timeout: float = START_TIMEOUT,
 ) -> ServeProcess:
     """Start `streamgate <command> <args>` from the repository root; ready when it returns."""
     with log.open("wb") as out:
@@ -88,7 +89,7 @@ def start_serve(
         )
     server = ServeProcess(proc, f"http://127.0.0.1:{port}", log, headers)
     try:
-        server.wait_ready()
+        server.wait_ready(timeout)
     except BaseException:
         server.stop()
         raise

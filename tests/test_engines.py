@@ -515,3 +515,25 @@ def test_a_killed_copy_leaves_the_models_other_copy_serving(two_copies: ServePro
     after = copies(two_copies)
     assert after[0]["restarts"] == 1 and after[0]["pid"] != first["pid"]
     assert after[1]["restarts"] == 0 and after[1]["pid"] == second["pid"]
+
+
+def test_a_model_on_an_inference_server_is_told_apart_by_its_source(tiny_model_path: Path) -> None:
+    """Without starting anything: `vllm:` takes what a model here takes (the bundled GGUF included),
+    `openai+` a server's base URL and needs a name; neither runs on a gateway's own threads."""
+    from backends.local import LocalBackend
+    from gateway.tools import builtin_tools, collect
+
+    on_vllm, fronted, here = models.specs(
+        [f"vllm:{tiny_model_path}", "base=openai+http://127.0.0.1:9/v1", f"here={tiny_model_path}"]
+    )
+    assert (on_vllm.name, on_vllm.source, on_vllm.server) == (tiny_model_path.name, str(tiny_model_path), "vllm")
+    assert (fronted.name, fronted.source, fronted.server) == ("base", "http://127.0.0.1:9/v1", "openai")
+    assert here.server is None
+    (default,) = models.specs(["smol=vllm:"])
+    assert default.server == "vllm" and default.gguf is not None and default.name == "smol"
+    with pytest.raises(models.ModelError, match="name the model it serves here"):
+        models.specs(["openai+http://127.0.0.1:9/v1"])
+    with pytest.raises(models.ModelError, match="expected openai"):
+        models.specs(["x=openai+ftp://host/v1"])
+    with pytest.raises(ValueError, match="need --engine process"):
+        LocalBackend(collect(builtin_tools()), model=["base=openai+http://127.0.0.1:9/v1"], device="cpu")
