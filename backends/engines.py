@@ -60,7 +60,7 @@ from gateway import params as params_mod
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.logs import request_id
-from gateway.protocol import Code, Forget, Refusal, RemoteFrame, RemoteKind, Status, Submit, encode
+from gateway.protocol import Code, Forget, ModelInfo, Refusal, RemoteFrame, RemoteKind, Status, Submit, encode
 from gateway.tools.base import Tool
 from gateway.tools.batching import Chunked
 
@@ -258,7 +258,15 @@ class Engine:
         pause = BACKOFF_FIRST_S
         while True:
             self.state = "starting" if self.restarts == 0 else "restarting"
-            self.process = await self._launch()
+            try:
+                self.process = await self._launch()
+            except Exception as exc:  # nothing to start (vLLM's Python gone, a GGUF that does not convert)
+                self.state, self.last_exit = "failed", f"could not be started: {exc}"
+                self.link.problem = self.last_exit
+                log.error("the engine of model %s on %s %s; trying again in %.1f s", self.name, self.device, self.last_exit, pause)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, BACKOFF_MAX_S)
+                continue
             self.pid = self.process.pid
             born = time.monotonic()
             self.state = "running"
@@ -396,6 +404,7 @@ class EngineBackend(RemoteBackend):
             t.name: t.spread for t in local if isinstance(t.spread, Chunked) and t.spread.items
         }
         self._spreads: dict[str, Spread] = {}
+        self.model_order = [spec.name for spec in specs]
         self.folder = Path(tempfile.mkdtemp(prefix="streamgate-engines-"))  # 0700: only this user reaches the sockets
         token = secrets.token_urlsafe(24)
         Relaying.__init__(self)
@@ -432,7 +441,8 @@ class EngineBackend(RemoteBackend):
             spec.name, url, spec.server or "openai",
             api_key=None if spec.server == "vllm" else inference.api_key(spec.name, keys),
             tools=infos, max_jobs=settings.max_decoding_jobs, queue_size=settings.queue_size,
-            per_owner=settings.max_queued_per_owner, job_timeout=settings.job_timeout, on_tools=self._learn_tools,
+            per_owner=settings.max_queued_per_owner, job_timeout=settings.job_timeout, deadline=settings.executor_deadline,
+            on_tools=self._learn_tools,
         )
         link.tool_of = self.tool
         if spec.server != "vllm":
@@ -467,7 +477,13 @@ class EngineBackend(RemoteBackend):
         for engine in self.engines:
             if any(info.name == engine.name for info in engine.link.models):
                 devices.setdefault(engine.name, []).append(engine.device)
-        self._models = [msgspec.structs.replace(m, device=",".join(devices.get(m.name, [])) or m.device) for m in self._models]
+        known = {m.name: msgspec.structs.replace(m, device=",".join(devices.get(m.name, [])) or m.device) for m in self._models}
+        # Every model in the order given, the first the default, whichever answered first: a request
+        # without `model` must never land on another model because the default one is still loading.
+        self._models = [
+            msgspec.structs.replace(known.get(name) or ModelInfo(name, False, False, problem="its engine is starting"), default=i == 0)
+            for i, name in enumerate(self.model_order)
+        ]
 
     async def submit(self, job: Job) -> None:
         """To the engine of the job's model with the fewest jobs not started (then the fewest jobs); a
@@ -493,14 +509,16 @@ class EngineBackend(RemoteBackend):
         runs = cut(entries, len(links), work.weight)
         spread = Spread(job, work, runs, self._cancel_one)
         self._spreads[job.id] = spread
-        outcomes = await asyncio.gather(*(link.submit(part, tool) for link, part in zip(links, spread.parts)), return_exceptions=True)
-        refused = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        if refused:
+        try:
+            outcomes = await asyncio.gather(*(link.submit(part, tool) for link, part in zip(links, spread.parts)), return_exceptions=True)
+        except BaseException:  # the request itself was cancelled: no part may run on unattended
+            self._spreads.pop(job.id, None)
+            spread.drop()
+            raise
+        if any(isinstance(outcome, BaseException) for outcome in outcomes):
             # Whole, the job meets the refusal (or the acceptance) it would have met unspread.
             self._spreads.pop(job.id, None)
             spread.drop()
-            if any(isinstance(outcome, asyncio.CancelledError) for outcome in refused):
-                raise asyncio.CancelledError()
             return False
         job.on_end.append(lambda ended: self._spreads.pop(ended.id, None))
         spread.arm()

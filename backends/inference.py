@@ -43,12 +43,12 @@ from backends.queue import JobQueue
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.protocol import Code, ModelInfo, Status, ToolInfo
+from backends.server_requests import WORKS, Chunk, Work, refusal
 from gateway.tools.base import Tool
-from gateway.tools.generate import GeneratePartial, GenerateResult, Usage
 
 log = logging.getLogger("streamgate.inference")
 
-SERVED = ("generate",)  # the tools an inference server's answers make
+ROOT_PATHS = ("/tokenize", "/detokenize")  # vLLM's, beside /v1 rather than under it
 POLL_S = 0.5
 CONNECT_S = 10.0  # to open a request; a request's own time is bounded by --job-timeout
 
@@ -60,111 +60,12 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-class _Chunk(msgspec.Struct):
-    """What one streamed chunk of `/completions` or `/chat/completions` carries that a job reads."""
-
-    class _Delta(msgspec.Struct):
-        content: str | None = None
-
-    class _Choice(msgspec.Struct):
-        index: int = 0
-        text: str | None = None  # /completions
-        delta: _Chunk._Delta | None = None  # /chat/completions
-        finish_reason: str | None = None
-        token_ids: list[int] | None = None  # vLLM's, with `return_token_ids`
-
-    class _Usage(msgspec.Struct):
-        prompt_tokens: int = 0
-        completion_tokens: int = 0
-
-    class _Error(msgspec.Struct):
-        message: str = ""
-        code: int | str | None = None
-
-    choices: list[_Choice] = msgspec.field(default_factory=list)
-    usage: _Usage | None = None
-    # A refusal the server makes once its stream has begun (vLLM checks token ids there).
-    error: _Error | None = None
-
-
 class _Models(msgspec.Struct):
     class _Model(msgspec.Struct):
         id: str
         max_model_len: int | None = None  # vLLM's
 
     data: list[_Model]
-
-
-def refusal(status: int, body: bytes, server: str) -> ApiError:
-    """The protocol's error for a server's non-2xx answer to a request."""
-    message = ""
-    with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
-        decoded = msgspec.json.decode(body)
-        error = decoded.get("error", decoded) if isinstance(decoded, dict) else {}
-        message = str(error.get("message", "")) if isinstance(error, dict) else str(error)
-    message = message or body[:500].decode(errors="replace") or f"HTTP {status}"
-    if status in (400, 413, 422):
-        lowered = message.lower()
-        if "context length" in lowered or "maximum model length" in lowered or "too long" in lowered:
-            return ApiError(Code.TOO_LONG, f"{server}: {message}")
-        return ApiError(Code.INVALID_PARAMS, f"{server}: {message}")
-    if status == 429:
-        return ApiError(Code.OVERLOADED, f"{server} is overloaded: {message}", retry_after=1)
-    return ApiError(Code.BACKEND_UNAVAILABLE, f"{server} answered {status}: {message}", retry_after=5)
-
-
-class _Generation:
-    """A `generate` job's request, and its result assembled from the streamed chunks."""
-
-    def __init__(self, params: Any, model: str, token_ids: bool) -> None:
-        body: dict[str, Any] = {
-            "model": model,
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        for key in ("top_k", "seed", "stop"):
-            if getattr(params, key) is not None:
-                body[key] = getattr(params, key)
-        if token_ids:
-            body["return_token_ids"] = True  # each chunk's token ids, as a local model's partials carry
-        if params.messages is not None:
-            self.path = "/chat/completions"
-            body["messages"] = [msgspec.structs.asdict(m) for m in params.messages]
-            rows = 1
-        else:
-            self.path = "/completions"
-            body["prompt"] = params.token_ids if params.token_ids is not None else params.prompts
-            rows = len(body["prompt"])
-        self.body = body
-        self.texts = [""] * rows
-        self.finish = ["length"] * rows
-        self.usage = Usage(0, 0, 0)
-        self.started = False
-
-    def take(self, chunk: _Chunk, job: Job) -> None:
-        for choice in chunk.choices:
-            i = choice.index
-            if not 0 <= i < len(self.texts):
-                continue
-            text = choice.text if choice.text is not None else (choice.delta.content if choice.delta else None) or ""
-            if choice.finish_reason is not None:
-                self.finish[i] = "length" if choice.finish_reason == "length" else "stop"
-            if not text and not choice.token_ids:
-                continue
-            if not self.started:
-                self.started = True
-                job.set_status(Status.RUNNING)
-            self.texts[i] += text
-            job.partial(GeneratePartial(i, text, choice.token_ids or []))
-        if chunk.usage is not None:
-            prompt, completion = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
-            self.usage = Usage(prompt, completion, prompt + completion)
-
-    def result(self) -> GenerateResult:
-        return GenerateResult(self.texts, self.usage, self.finish)
 
 
 class ServerLink:
@@ -183,6 +84,7 @@ class ServerLink:
         queue_size: int,
         per_owner: int | None,
         job_timeout: float,
+        deadline: float,
         on_tools: Callable[[], None],
     ) -> None:
         self.name = name  # the model's name in this gateway
@@ -190,6 +92,8 @@ class ServerLink:
         self.kind = kind  # "vllm" or "openai"
         self.upstream: str | None = None  # the server's own name of the model, from GET /models
         self.token_ids = False  # whether its chunks carry their token ids (probed once it is up)
+        self.extended = False  # whether it has vLLM's /tokenize, /detokenize and prompt_logprobs (probed)
+        self.root = self.url.removesuffix("/v1")
         self.context_length: int | None = None
         self.http = httpx.AsyncClient(
             base_url=self.url,
@@ -203,6 +107,10 @@ class ServerLink:
         self.job_timeout = job_timeout
         self.jobs: dict[str, Job] = {}  # queued here or running there
         self.running: dict[str, asyncio.Task[None]] = {}
+        self.prepared: dict[str, Work] = {}  # the queued jobs' requests, ready to send
+        self.supervised = kind == "vllm"  # its process is the gateway's: `lost` says when it ends
+        self.deadline = deadline  # how long jobs queued for a server not the gateway's wait while it is down
+        self.down_since = time.monotonic()
         self.healthy = False
         self.problem = "not contacted yet"
         self.refused = False
@@ -236,19 +144,30 @@ class ServerLink:
         return self.all_tools if self.healthy else []
 
     @property
+    def served(self) -> list[str]:
+        """The tools this server's answers make: `generate` on any, the others where it has vLLM's extensions."""
+        return [name for name, work in WORKS.items() if not work.extended or self.extended]
+
+    @property
     def models(self) -> list[ModelInfo]:
         if not self.healthy:
             return []
+        served = self.served
         reasons = {
             t.name: f"{t.name} needs what the model {self.name} does not give: it is served by an inference server "
-            f"({self.kind}, {self.url}), whose answers are generated text, not the model's internals"
+            f"({self.kind}, {self.url}), whose answers are generated text and log-probabilities, not the model's internals"
             for t in self.all_tools
-            if t.name not in SERVED
+            if t.name not in WORKS
+        } | {
+            name: f"{name} needs prompt log-probabilities and the tokenizer from the inference server of the model "
+            f"{self.name} ({self.url}), which are vLLM's extensions of the OpenAI API; this server has not got them"
+            for name in WORKS
+            if name not in served
         }
         return [
             ModelInfo(
                 name=self.name, default=False, ready=True, kind="causal_lm", context_length=self.context_length,
-                device=f"{self.kind} server", tools=[t.name for t in self.all_tools if t.name in SERVED], unsupported=reasons,
+                device=f"{self.kind} server", tools=[t.name for t in self.all_tools if t.name in served], unsupported=reasons,
             )
         ]
 
@@ -260,25 +179,33 @@ class ServerLink:
         self._spawn(self._dispatch_loop())
 
     async def stop(self) -> None:
+        for job in list(self.jobs.values()):  # before their requests are closed, which would end them otherwise
+            job.fail(Code.SHUTTING_DOWN, "the gateway is shutting down")
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for job in list(self.jobs.values()):
-            job.fail(Code.SHUTTING_DOWN, "the gateway is shutting down")
         self.jobs.clear()
         await self.http.aclose()
 
     def lost(self, reason: str) -> None:
-        """The server's process ended: its running jobs end (retryable); those waiting here stay queued."""
-        self.healthy, self.problem = False, reason
-        self._ready.clear()
-        self.ready_since_start = False
+        """The server's process ended: its running jobs end (retryable); those waiting here stay queued
+        for the next one, unless this one never got ready (a crash loop: nothing waits on it)."""
+        self._went_away(reason)
         for job_id, task in list(self.running.items()):
-            job = self.jobs.pop(job_id, None)
-            task.cancel()
-            if job is not None:
+            job = self.jobs.get(job_id)
+            if job is not None and not job.done:
                 job.fail(Code.BACKEND_UNAVAILABLE, f"the inference server {reason}; it is restarting: try again")
-        self.running.clear()
+            task.cancel()
+        if not self.ready_since_start:
+            self._fail_queued(f"the inference server {reason} before it was ready; try again")
+        self.ready_since_start = False
+
+    def _fail_queued(self, message: str) -> None:
+        while (job := self.queue.head) is not None:
+            self.queue.remove(job)
+            self.jobs.pop(job.id, None)
+            self.prepared.pop(job.id, None)
+            job.fail(Code.BACKEND_UNAVAILABLE, message)
 
     # -- health -----------------------------------------------------------------
 
@@ -297,54 +224,77 @@ class ServerLink:
                 was = self.healthy
                 self.upstream, self.context_length = chosen.id, chosen.max_model_len
                 if not was:
-                    self.token_ids = await self._probe()
+                    self.token_ids, self.extended = await self._probe()
                 self.healthy, self.problem = True, ""
                 self.ready_since_start = True
                 self._ready.set()
                 if not was:
                     self._on_tools()
             except (httpx.HTTPError, ValueError, msgspec.DecodeError) as exc:
-                if self.healthy:
-                    log.warning("the inference server of model %s went away: %s", self.name, exc)
-                self.healthy = False
-                self._ready.clear()
-                self.problem = f"{self.url}: {exc or type(exc).__name__}"
+                self._went_away(f"{self.url}: {exc or type(exc).__name__}")
+                if not self.supervised and len(self.queue) and time.monotonic() - self.down_since > self.deadline:
+                    self._fail_queued(f"the inference server of model {self.name} has been unreachable for over {self.deadline:g} s")
             await asyncio.sleep(POLL_S)
 
-    async def _probe(self) -> bool:
-        """Whether the server streams each chunk's token ids (vLLM's `return_token_ids`): asked once it is up."""
-        body = {"model": self.upstream, "prompt": "a", "max_tokens": 1, "temperature": 0, "return_token_ids": True}
+    async def _probe(self) -> tuple[bool, bool]:
+        """What the server gives beyond the OpenAI API, asked once it is up: each chunk's token ids
+        (vLLM's `return_token_ids`), and prompt log-probabilities with its tokenizer's endpoints."""
+        body = {
+            "model": self.upstream, "prompt": "a b", "max_tokens": 1, "temperature": 0, "return_token_ids": True,
+            "prompt_logprobs": 1, "logprobs": 1, "return_tokens_as_token_ids": True,
+        }
         try:
             answer = await self.http.post("/completions", json=body, timeout=60.0)
-            choices = answer.json().get("choices") if answer.status_code == 200 else None
-            return bool(choices) and isinstance(choices[0].get("token_ids"), list)
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return False
+            choice = answer.json()["choices"][0] if answer.status_code == 200 else {}
+            token_ids = isinstance(choice.get("token_ids"), list)
+            logprobs = isinstance(choice.get("prompt_logprobs"), list) and str(
+                next(iter((choice.get("logprobs") or {}).get("top_logprobs", [{}])[0]), "")
+            ).startswith("token_id:")
+            tokenized = await self.http.post(f"{self.root}/tokenize", json={"model": self.upstream, "prompt": "a"}, timeout=30.0)
+            detokenized = await self.http.post(f"{self.root}/detokenize", json={"model": self.upstream, "tokens": [0]}, timeout=30.0)
+            return token_ids, logprobs and tokenized.status_code == 200 and detokenized.status_code == 200
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError, StopIteration):
+            return False, False
+
+    async def post(self, path: str, body: dict[str, Any]) -> Any:
+        """A JSON request to the server and its decoded answer; raises the protocol's refusal."""
+        url = (self.root if path in ROOT_PATHS else self.url) + path
+        try:
+            answer = await self.http.post(url, json=body)
+        except httpx.HTTPError as exc:
+            raise ApiError(Code.BACKEND_UNAVAILABLE, f"the inference server of model {self.name} could not be reached: {exc}", retry_after=5) from None
+        if answer.status_code != 200:
+            raise refusal(answer.status_code, answer.content, f"the inference server of model {self.name}")
+        return answer.json()
 
     # -- jobs -------------------------------------------------------------------
 
     async def submit(self, job: Job, tool: Tool) -> None:
-        """Send the job now if the server has room (its refusal is this call's), else queue it here."""
-        if tool.name not in SERVED:
+        """Check and prepare the job (its refusals are this call's); send it now if the server has room,
+        else queue it here."""
+        if tool.name not in self.served:
             raise ApiError(Code.UNSUPPORTED_BY_MODEL, f"{tool.name} cannot run on the inference server of model {self.name}")
+        work = WORKS[tool.name](job.params, self.upstream or self.name, self.post, token_ids=self.token_ids, context=self.context_length)
+        await work.prepare()
         if self.healthy and not len(self.queue) and not self.slots.locked():
             await self.slots.acquire()
             try:
-                generation = _Generation(job.params, self.upstream or self.name, self.token_ids)
-                response = await self._open(generation)
+                response = await self._open(work)
             except BaseException:
                 self.slots.release()
                 raise
             self.jobs[job.id] = job
-            self._begin(job, generation, response)
+            self._begin(job, work, response)  # (a cancel while it was sent ends it there)
             return
         self.queue.put(job)
         self.jobs[job.id] = job
+        self.prepared[job.id] = work
 
     def cancel(self, job: Job) -> None:
         job.cancel()
         if self.queue.remove(job):
             self.jobs.pop(job.id, None)
+            self.prepared.pop(job.id, None)
             job.fail(Code.CANCELLED, "the job was cancelled")
             return
         task = self.running.get(job.id)
@@ -360,71 +310,117 @@ class ServerLink:
             except BaseException:
                 self.slots.release()
                 raise
-            if job.done or job.id not in self.jobs:
+            work = self.prepared.pop(job.id, None)
+            if job.done or work is None or job.id not in self.jobs:
                 self.slots.release()
                 continue
             try:
-                generation = _Generation(job.params, self.upstream or self.name, self.token_ids)
-                response = await self._open(generation)
-            except ApiError as exc:
+                response = await self._open(work)
+            except Exception as exc:
                 self.slots.release()
+                if isinstance(exc, ApiError) and exc.code is Code.BACKEND_UNAVAILABLE and not job.cancel_requested.is_set():
+                    # The server went away under it: the job waits for it again, not fails.
+                    self._went_away(str(exc))
+                    self._requeue(job, work)
+                    continue
                 self.jobs.pop(job.id, None)
-                job.fail(exc.code, exc.message)
+                code, message = (exc.code, exc.message) if isinstance(exc, ApiError) else (Code.REMOTE_ERROR, repr(exc))
+                job.fail(code, message)
                 continue
-            self._begin(job, generation, response)
+            self._begin(job, work, response)
 
-    async def _open(self, generation: _Generation) -> httpx.Response:
+    def _requeue(self, job: Job, work: Work) -> None:
+        try:
+            self.queue.put(job)
+        except ApiError as exc:
+            self.jobs.pop(job.id, None)
+            job.fail(exc.code, exc.message)
+            return
+        self.prepared[job.id] = work
+
+    def _went_away(self, problem: str) -> None:
+        if self.healthy:
+            log.warning("the inference server of model %s went away: %s", self.name, problem)
+            self.down_since = time.monotonic()
+        self.healthy, self.problem = False, problem
+        self._ready.clear()
+
+    async def _open(self, work: Work) -> httpx.Response:
         """The request sent and its answer's head read; raises the protocol's refusal."""
-        request = self.http.build_request("POST", generation.path, json=generation.body)
+        request = self.http.build_request("POST", work.path, json=work.body)
         try:
             response = await self.http.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise ApiError(Code.BACKEND_UNAVAILABLE, f"the inference server of model {self.name} could not be reached: {exc}", retry_after=5) from None
         if response.status_code != 200:
-            body = await response.aread()
-            await response.aclose()
+            try:
+                body = await response.aread()
+            except httpx.HTTPError as exc:
+                body = str(exc).encode()
+            finally:
+                await response.aclose()
             raise refusal(response.status_code, body, f"the inference server of model {self.name}")
         return response
 
-    def _begin(self, job: Job, generation: _Generation, response: httpx.Response) -> None:
-        task = asyncio.create_task(self._follow(job, generation, response))
+    def _begin(self, job: Job, work: Work, response: httpx.Response) -> None:
+        if not work.stream:
+            job.set_status(Status.RUNNING)  # its answer comes whole: it runs from being sent
+        task = asyncio.create_task(self._follow(job, work, response))
         self.running[job.id] = task
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        # Whatever ends the task, even a cancel before its first step: the slot, the books, the request.
+        task.add_done_callback(lambda done: self._ended(job, response, done))
+        if job.cancel_requested.is_set():  # cancelled while it was being sent
+            task.cancel()
 
-    async def _follow(self, job: Job, generation: _Generation, response: httpx.Response) -> None:
-        """Read the stream into the job's events; whatever ends it, the request is closed and the slot freed."""
+    def _ended(self, job: Job, response: httpx.Response, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self.running.pop(job.id, None)
+        self.jobs.pop(job.id, None)
+        self.slots.release()
+        if not job.done:
+            job.fail(Code.CANCELLED, "the job was cancelled") if job.cancel_requested.is_set() else job.fail(
+                Code.BACKEND_UNAVAILABLE, f"the inference server of model {self.name} stopped answering"
+            )
+        if not response.is_closed:
+            self._spawn(response.aclose())
+
+    async def _follow(self, job: Job, work: Work, response: httpx.Response) -> None:
+        """Read the answer into the job's events; whatever ends it, the request is closed and the slot freed."""
         started = time.monotonic()
+        server = f"the inference server of model {self.name}"
         try:
             async with asyncio.timeout(self.job_timeout or None):
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = msgspec.json.decode(data, type=_Chunk)
-                    if chunk.error is not None:
-                        status = chunk.error.code if isinstance(chunk.error.code, int) else 400
-                        refused = refusal(status, msgspec.json.encode({"error": {"message": chunk.error.message}}), f"the inference server of model {self.name}")
-                        job.fail(refused.code, refused.message)
-                        return
-                    generation.take(chunk, job)
-            job.succeed(generation.result())
+                if work.stream:
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        chunk = msgspec.json.decode(data, type=Chunk)
+                        if chunk.error is not None:
+                            status = chunk.error.code if isinstance(chunk.error.code, int) else 400
+                            raise refusal(status, msgspec.json.encode({"error": {"message": chunk.error.message}}), server)
+                        work.take(chunk, job)
+                    result = work.result()
+                else:
+                    result = await work.answer(msgspec.json.decode(await response.aread()))
+            job.succeed(result)
         except asyncio.CancelledError:
             if job.cancel_requested.is_set():
                 job.fail(Code.CANCELLED, "the job was cancelled")
             else:
                 job.fail(Code.BACKEND_UNAVAILABLE, "the inference server's request was stopped")
+        except ApiError as exc:
+            job.fail(exc.code, exc.message)
         except TimeoutError:
             job.fail(Code.TIMEOUT, f"the job ran past --job-timeout ({self.job_timeout:g} s)")
         except (httpx.HTTPError, msgspec.DecodeError) as exc:
-            job.fail(Code.BACKEND_UNAVAILABLE, f"the inference server of model {self.name} broke off the stream: {exc}")
+            job.fail(Code.BACKEND_UNAVAILABLE, f"{server} broke off its answer: {exc}")
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            job.fail(Code.REMOTE_ERROR, f"{server} answered something that could not be read: {exc!r}")
         finally:
-            await response.aclose()
-            self.running.pop(job.id, None)
-            self.jobs.pop(job.id, None)
-            self.slots.release()
             log.debug("job %s on %s took %.3f s", job.id, self.name, time.monotonic() - started, extra={"job_id": job.id})
 
     def _spawn(self, coro: Any) -> None:

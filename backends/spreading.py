@@ -44,6 +44,7 @@ from gateway.tools.batching import Chunked
 log = logging.getLogger("streamgate.spreading")
 
 _NULL = b"null"
+_HELD = msgspec.Raw(b'"held by the job it is a part of"')
 
 
 def cut(entries: Sequence[str], parts: int, weight: Callable[[str], float]) -> list[list[int]]:
@@ -113,7 +114,9 @@ class Part(Job):
 
     def succeed(self, result: Any) -> None:
         if not self.done:
-            super().succeed(result)
+            # Ended without its result in its own log: nobody reads a part's events, and a big result
+            # would be held (and copied) once more until the job ends.
+            super().succeed(_HELD)
             self.spread.succeeded(self, result)
 
     def fail(self, code: Code, message: str) -> None:
@@ -128,7 +131,7 @@ class Spread:
     def __init__(self, job: Job, work: Chunked, runs: list[list[int]], cancel: Callable[[Job], None]) -> None:
         self.job, self.work, self.runs = job, work, runs
         self._cancel = cancel
-        self.results: list[bytes | None] = [None] * len(runs)
+        self.results: list[Any] = [None] * len(runs)
         self.progress: list[tuple[int, int | None, str | None] | None] = [None] * len(runs)
         self.positions: dict[int, int | None] = {}
         self.armed = False  # until every part is submitted: what they say is kept, not yet told
@@ -157,7 +160,7 @@ class Spread:
         self._tell()
 
     def succeeded(self, part: Part, result: Any) -> None:
-        self.results[part.index] = bytes(result)
+        self.results[part.index] = result  # the JSON as the engine sent it (msgspec.Raw): not copied
         self._tell()
 
     def failed(self, code: Code, message: str) -> None:

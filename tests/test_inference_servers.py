@@ -79,8 +79,8 @@ def test_a_vllm_model_serves_beside_a_local_one_and_says_what_it_cannot_run(vllm
     models = {m["name"]: m for m in httpx.get(f"{vllm_gateway.url}/models", timeout=10).json()["models"]}
     smol, tiny = models["smol"], models["tiny"]
     assert smol["default"] and smol["ready"] and smol["device"] == "vllm server" and smol["context_length"] == 2048
-    assert smol["tools"] == ["generate"]
-    assert "inference server" in smol["unsupported"]["logit_lens"]
+    assert smol["tools"] == ["generate", "loglikelihood", "predict"]
+    assert "inference server" in smol["unsupported"]["logit_lens"] and "logprobs" in smol["unsupported"]
     assert "logit_lens" in tiny["tools"]
     refused = httpx.post(f"{vllm_gateway.url}/logit_lens/run", json={"prompt": "a", "model": "smol"}, timeout=30)
     assert refused.status_code == 422 and refused.json()["error"]["code"] == "unsupported_by_model"
@@ -117,11 +117,68 @@ def test_greedy_completions_are_the_servers_own_token_for_token(
     assert by_ids["completions"] == [direct(vllm_gateway, "/completions", {"prompt": ids, "max_tokens": 4})["choices"][0]["text"]]
 
 
+# vLLM's float32 CPU kernels against transformers' on the same weights, measured on these prompts:
+# at most 3e-5 per token's log-probability and 8e-5 per sum of up to 12 tokens (2026-11-26).
+PER_TOKEN_TOLERANCE = 1e-4
+PER_SUM_TOLERANCE = 5e-4
+PAIRS = [
+    ("The capital of France is", " Paris"),
+    ("Hello", " world, how are you today?"),
+    ("1 2 3 4", " 5 6 7"),
+    ("Once upon a time", " there was a princess who lived in a castle."),
+]
+
+
+@pytest.fixture(scope="module")
+def plain(vllm_gateway: ServeProcess) -> Any:
+    """The same weights in plain transformers (the bundled model, converted once and cached)."""
+    import torch
+    import transformers as tf
+
+    from backends import model as models
+
+    (spec,) = models.specs([])
+    folder = models.converted_folder(spec)
+    return tf.AutoTokenizer.from_pretrained(folder), tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def test_scores_from_vllm_are_transformers_own_within_the_stated_tolerance(vllm_gateway: ServeProcess, plain: Any) -> None:
+    import math
+
+    import torch
+
+    tokenizer, model = plain
+    got = run_stream(vllm_gateway.url, "loglikelihood", {"prompts": [p for p, _ in PAIRS], "continuations": [c for _, c in PAIRS]})
+    assert got.terminal["event"] == "data", got.events[-2:]
+    result = got.terminal["data"]
+    for (prompt, continuation), ll, greedy in zip(PAIRS, result["ll"], result["is_greedy"]):
+        context, cont = tokenizer(prompt)["input_ids"], tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logprobs = model(torch.tensor([context + cont])).logits[0].double().log_softmax(-1)
+        rows = [logprobs[len(context) - 1 + k] for k in range(len(cont))]
+        assert abs(ll - math.fsum(row[t].item() for row, t in zip(rows, cont))) <= PER_SUM_TOLERANCE, prompt
+        assert greedy == all(int(row.argmax()) == t for row, t in zip(rows, cont)), prompt
+
+    prompt = "The capital of France is"
+    predicted = run_stream(vllm_gateway.url, "predict", {"prompt": prompt, "top_k": 5}).terminal["data"]["predictions"]
+    with torch.no_grad():
+        probs = model(torch.tensor([tokenizer(prompt)["input_ids"]])).logits[0, -1].double().softmax(-1)
+    top = probs.topk(5)
+    assert [p["id"] for p in predicted] == top.indices.tolist()
+    assert [p["text"] for p in predicted] == [tokenizer.decode([i]) for i in top.indices.tolist()]
+    for p, expected in zip(predicted, top.values.tolist()):
+        assert abs(math.log(p["prob"]) - math.log(expected)) <= PER_TOKEN_TOLERANCE, p
+
+
 def test_the_servers_refusals_are_the_protocols(vllm_gateway: ServeProcess) -> None:
     url = vllm_gateway.url
     before = httpx.get(f"{url}/jobs", timeout=10).json()["jobs"]
     too_long = httpx.post(f"{url}/generate/run", json={"prompts": ["hello " * 3000], "model": "smol"}, timeout=60)
     assert too_long.status_code == 413 and too_long.json()["error"]["code"] == "too_long", too_long.text
+    mismatched = httpx.post(f"{url}/loglikelihood/run", json={"prompts": ["a"], "continuations": [" b", " c"], "model": "smol"}, timeout=60)
+    assert mismatched.status_code == 422 and mismatched.json()["error"]["field"] == "continuations", mismatched.text
+    too_many = httpx.post(f"{url}/predict/run", json={"prompt": "a", "top_k": 500, "model": "smol"}, timeout=60)
+    assert too_many.status_code == 422 and too_many.json()["error"]["code"] == "invalid_params", too_many.text  # vLLM's --max-logprobs
     assert "X-Job-Id" not in too_long.headers and httpx.get(f"{url}/jobs", timeout=10).json()["jobs"] == before
     # One vLLM makes once its stream has begun (it checks token ids there): the job's error, with the same code.
     unknown_id = run_stream(url, "generate", {"token_ids": [[10**7]], "model": "smol"})

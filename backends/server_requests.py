@@ -1,0 +1,238 @@
+"""A tool's job as requests to an OpenAI-compatible server, and its result from the server's answers.
+
+One class per tool an inference server can answer (backends/inference.py drives them):
+
+- `generate`: `/completions` (prompts, token ids) or `/chat/completions` (messages),
+  streamed; a partial per chunk, the result assembled from them;
+- `loglikelihood`: each prompt and continuation tokenized by the server as a local
+  model tokenizes them (`/tokenize`, with and without special tokens), then one
+  `/completions` of the joined ids with `prompt_logprobs`: each continuation token's
+  log-probability given what precedes it, and whether it was the most likely one
+  (its rank 1);
+- `predict`: one `/completions` of one token with `logprobs` = top_k, the tokens as ids
+  (`return_tokens_as_token_ids`), each id's text from `/detokenize`.
+
+The last two use vLLM's extensions of the API (`/tokenize`, `/detokenize`,
+`prompt_logprobs`, `return_tokens_as_token_ids`): a server found without them at
+start (`probe`) does not offer those tools. Numbers are the server's own, as it
+computed them (float32 on CPU: tests/test_inference_servers.py measures how far
+they are from transformers' on the same weights); a sum is taken in float64 and
+given as float32, as the local tools give theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+import msgspec
+import numpy as np
+
+from gateway.errors import ApiError
+from gateway.jobs import Job
+from gateway.protocol import Code, Status
+from gateway.tools.generate import GeneratePartial, GenerateResult, Usage
+from gateway.tools.loglikelihood import LoglikelihoodResult
+from gateway.tools.predict import PredictResult, TokenProb
+
+Post = Callable[[str, dict[str, Any]], Awaitable[Any]]  # a JSON request to the server; raises the protocol's refusal
+
+
+class Chunk(msgspec.Struct):
+    """What one streamed chunk of `/completions` or `/chat/completions` carries that a job reads."""
+
+    class _Delta(msgspec.Struct):
+        content: str | None = None
+
+    class _Choice(msgspec.Struct):
+        index: int = 0
+        text: str | None = None  # /completions
+        delta: Chunk._Delta | None = None  # /chat/completions
+        finish_reason: str | None = None
+        token_ids: list[int] | None = None  # vLLM's, with `return_token_ids`
+
+    class _Usage(msgspec.Struct):
+        prompt_tokens: int = 0
+        completion_tokens: int = 0
+
+    class _Error(msgspec.Struct):
+        message: str = ""
+        code: int | str | None = None
+
+    choices: list[_Choice] = msgspec.field(default_factory=list)
+    usage: _Usage | None = None
+    # A refusal the server makes once its stream has begun (vLLM checks token ids there).
+    error: _Error | None = None
+
+
+def refusal(status: int, body: bytes, server: str) -> ApiError:
+    """The protocol's error for a server's non-2xx answer to a request."""
+    message = ""
+    with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
+        decoded = msgspec.json.decode(body)
+        error = decoded.get("error", decoded) if isinstance(decoded, dict) else {}
+        message = str(error.get("message", "")) if isinstance(error, dict) else str(error)
+    message = message or body[:500].decode(errors="replace") or f"HTTP {status}"
+    if status in (400, 413, 422):
+        lowered = message.lower()
+        if "context length" in lowered or "maximum model length" in lowered or "too long" in lowered:
+            return ApiError(Code.TOO_LONG, f"{server}: {message}")
+        return ApiError(Code.INVALID_PARAMS, f"{server}: {message}")
+    if status == 429:
+        return ApiError(Code.OVERLOADED, f"{server} is overloaded: {message}", retry_after=1)
+    return ApiError(Code.BACKEND_UNAVAILABLE, f"{server} answered {status}: {message}", retry_after=5)
+
+
+class Work:
+    """One job's requests. `prepare` (checks, tokenizing) runs before the main request is sent;
+    a streamed one feeds `take` and ends with `result`, another ends with `answer` of its body."""
+
+    stream: ClassVar[bool] = False
+    extended: ClassVar[bool] = False  # needs vLLM's extensions of the API
+    path = "/completions"
+
+    def __init__(self, params: Any, model: str, post: Post, *, token_ids: bool = False, context: int | None = None) -> None:
+        self.params, self.model, self.post = params, model, post
+        self.token_ids, self.context = token_ids, context
+        self.body: dict[str, Any] = {}
+
+    async def prepare(self) -> None:
+        pass
+
+    def take(self, chunk: Chunk, job: Job) -> None:
+        raise NotImplementedError
+
+    def result(self) -> Any:
+        raise NotImplementedError
+
+    async def answer(self, data: Any) -> Any:
+        raise NotImplementedError
+
+
+class Generation(Work):
+    """`generate`: streamed, a partial per chunk."""
+
+    stream = True
+
+    async def prepare(self) -> None:
+        params = self.params
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for key in ("top_k", "seed", "stop"):
+            if getattr(params, key) is not None:
+                body[key] = getattr(params, key)
+        if self.token_ids:
+            body["return_token_ids"] = True  # each chunk's token ids, as a local model's partials carry
+        if params.messages is not None:
+            self.path = "/chat/completions"
+            body["messages"] = [msgspec.structs.asdict(m) for m in params.messages]
+            rows = 1
+        else:
+            body["prompt"] = params.token_ids if params.token_ids is not None else params.prompts
+            rows = len(body["prompt"])
+        self.body = body
+        self.texts = [""] * rows
+        self.finish = ["length"] * rows
+        self.usage = Usage(0, 0, 0)
+        self.started = False
+
+    def take(self, chunk: Chunk, job: Job) -> None:
+        for choice in chunk.choices:
+            i = choice.index
+            if not 0 <= i < len(self.texts):
+                continue
+            text = choice.text if choice.text is not None else (choice.delta.content if choice.delta else None) or ""
+            if choice.finish_reason is not None:
+                self.finish[i] = "length" if choice.finish_reason == "length" else "stop"
+            if not text and not choice.token_ids:
+                continue
+            if not self.started:
+                self.started = True
+                job.set_status(Status.RUNNING)
+            self.texts[i] += text
+            job.partial(GeneratePartial(i, text, choice.token_ids or []))
+        if chunk.usage is not None:
+            prompt, completion = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+            self.usage = Usage(prompt, completion, prompt + completion)
+
+    def result(self) -> GenerateResult:
+        return GenerateResult(self.texts, self.usage, self.finish)
+
+
+async def _tokenize(post: Post, model: str, text: str, special: bool) -> list[int]:
+    answer = await post("/tokenize", {"model": model, "prompt": text, "add_special_tokens": special})
+    return [int(t) for t in answer["tokens"]]
+
+
+class Scoring(Work):
+    """`loglikelihood`: the continuation's tokens scored by the server's `prompt_logprobs`."""
+
+    extended = True
+
+    async def prepare(self) -> None:
+        params = self.params
+        if len(params.continuations) != len(params.prompts):
+            raise ApiError(
+                Code.INVALID_PARAMS,
+                f"must have one entry per prompt ({len(params.prompts)}), got {len(params.continuations)}",
+                field="continuations",
+            )
+        texts = [(p, True) for p in params.prompts] + [(c, False) for c in params.continuations]
+        ids = await asyncio.gather(*(_tokenize(self.post, self.model, text, special) for text, special in texts))
+        n = len(params.prompts)
+        self.pairs = list(zip(ids[:n], ids[n:]))
+        for i, (context, continuation) in enumerate(self.pairs):
+            if not context:
+                raise ApiError(Code.INVALID_PARAMS, "must not be empty on a model served by an inference server", field=f"prompts[{i}]")
+            if not continuation:
+                raise ApiError(Code.INVALID_PARAMS, "must not be empty", field=f"continuations[{i}]")
+            if self.context is not None and len(context) + len(continuation) > self.context:
+                raise ApiError(
+                    Code.TOO_LONG,
+                    f"prompt + continuation are {len(context) + len(continuation)} tokens; the model takes {self.context}",
+                    field=f"prompts[{i}]",
+                )
+        self.body = {
+            "model": self.model, "prompt": [c + k for c, k in self.pairs], "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1,
+        }
+
+    async def answer(self, data: Any) -> LoglikelihoodResult:
+        choices = sorted(data["choices"], key=lambda c: c["index"])
+        ll, greedy = [], []
+        for (context, continuation), choice in zip(self.pairs, choices):
+            positions = choice["prompt_logprobs"][len(context):]
+            scored = [entry[str(token)] for entry, token in zip(positions, continuation)]
+            ll.append(float(np.float32(math.fsum(s["logprob"] for s in scored))))
+            greedy.append(all(s["rank"] == 1 for s in scored))
+        return LoglikelihoodResult(ll=ll, is_greedy=greedy)
+
+
+class Prediction(Work):
+    """`predict`: the top_k next tokens, by one token's `logprobs`."""
+
+    extended = True
+
+    async def prepare(self) -> None:
+        self.body = {
+            "model": self.model, "prompt": self.params.prompt, "max_tokens": 1, "temperature": 0,
+            "logprobs": self.params.top_k, "return_tokens_as_token_ids": True,
+        }
+
+    async def answer(self, data: Any) -> PredictResult:
+        (top,) = data["choices"][0]["logprobs"]["top_logprobs"][:1]
+        ranked = sorted(((int(key.removeprefix("token_id:")), lp) for key, lp in top.items()), key=lambda kv: -kv[1])
+        ranked = ranked[: self.params.top_k]
+        texts = await asyncio.gather(*(self.post("/detokenize", {"model": self.model, "tokens": [i]}) for i, _ in ranked))
+        return PredictResult([TokenProb(id=i, text=t["prompt"], prob=float(np.float32(math.exp(lp)))) for (i, lp), t in zip(ranked, texts)])
+
+
+WORKS: dict[str, type[Work]] = {"generate": Generation, "loglikelihood": Scoring, "predict": Prediction}
