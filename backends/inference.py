@@ -275,7 +275,13 @@ class ServerLink:
         if tool.name not in self.served:
             raise ApiError(Code.UNSUPPORTED_BY_MODEL, f"{tool.name} cannot run on the inference server of model {self.name}")
         work = WORKS[tool.name](job.params, self.upstream or self.name, self.post, token_ids=self.token_ids, context=self.context_length)
-        await work.prepare()
+        try:
+            await work.prepare()
+        except (KeyError, IndexError, TypeError, ValueError) as exc:  # an answer of the server's that is not what vLLM's is
+            raise ApiError(
+                Code.BACKEND_UNAVAILABLE, f"the inference server of model {self.name} answered something that could not be read: {exc!r}",
+                retry_after=5,
+            ) from None
         if self.healthy and not len(self.queue) and not self.slots.locked():
             await self.slots.acquire()
             try:

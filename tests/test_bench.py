@@ -13,6 +13,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+import pytest
+
 from tests.processes import ROOT, clean_env
 
 TIMEOUT = 150  # each script takes well under a minute on a 2-core machine; this is for a loaded one
@@ -68,10 +70,10 @@ def parse(output: str) -> Printed:
     return printed
 
 
-def run_bench(name: str) -> Printed:
+def run_bench(name: str, timeout: float = TIMEOUT) -> Printed:
     proc = subprocess.run(
         [sys.executable, f"bench/{name}.py", "--quick"],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT,
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout,
     )
     assert proc.returncode == 0, f"bench/{name}.py --quick exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     printed = parse(proc.stdout)
@@ -270,3 +272,21 @@ def test_safety():
     for column in ("answer ms", "peak RSS over idle MB", "healthz p50 ms", "healthz p99 ms", "bystander max ms", "allowed ms"):
         assert all(value is not None for value in table.numbers(column)), (column, table.rows)
     assert len(printed.targets) == 6
+
+
+@pytest.mark.vllm
+def test_engines():
+    printed = run_bench("engines", timeout=900)  # vLLM's first start compiles for about 100 s
+    (table,) = printed.tables
+    assert [(row["clients"], row["way"]) for row in table.rows] == [
+        (clients, way) for clients in ("1", "4") for way in ("bare vLLM", "streamgate over vLLM", "streamgate local")
+    ]
+    for column in ("tokens/s", "first token p50 ms", "p99 ms"):
+        assert all(value is not None and value > 0 for value in table.numbers(column)), (column, table.rows)
+    # Over vLLM, the gateway's completions are vLLM's own (the script exits 1 otherwise).
+    assert [row["same text as bare"] for row in table.rows[1::3]] == ["1/1", "4/4"]
+    assert [what.split(":")[0] for what, _ in printed.targets] == [
+        f"streamgate over vLLM {target} at {clients} clients"
+        for clients in (1, 4)
+        for target in (">= 0.95x bare vLLM's tokens/s", "first token p50 within +10 ms of bare vLLM's")
+    ]
