@@ -286,7 +286,7 @@ def test_engines():
     # Over vLLM, the gateway's completions are vLLM's own (the script exits 1 otherwise).
     assert [row["same text as bare"] for row in table.rows[1::3]] == ["1/1", "4/4"]
     assert [what.split(":")[0] for what, _ in printed.targets] == [
-        f"streamgate over vLLM {target} at {clients} clients"
+        f"streamgate over vLLM{target} at {clients} clients"
         for clients in (1, 4)
-        for target in (">= 0.95x bare vLLM's tokens/s", "first token p50 within +10 ms of bare vLLM's")
+        for target in (" >= 0.95x bare vLLM's tokens/s", "'s first token p50 within +10 ms of bare vLLM's")
     ]
