@@ -386,8 +386,6 @@ def engine_settings(settings: Settings, spec: models.ModelSpec, first: bool, tok
 class EngineBackend(RemoteBackend):
     """Every model in an engine process of its own, driven as executors are."""
 
-    link_class = EngineLink
-
     def __init__(self, settings: Settings) -> None:
         """Checks what a gateway with threads checks before it starts (raises ValueError, ModelError):
         the models' names and kinds, and that the tool modules import and define tools."""
@@ -444,7 +442,6 @@ class EngineBackend(RemoteBackend):
             per_owner=settings.max_queued_per_owner, job_timeout=settings.job_timeout, deadline=settings.executor_deadline,
             on_tools=self._learn_tools,
         )
-        link.tool_of = self.tool
         if spec.server != "vllm":
             return link, None
         source = inference.MODEL_PLACEHOLDER if spec.gguf is not None else spec.source

@@ -20,7 +20,8 @@ Deliberately the gateway's job model over the server's API, not a proxy of it:
   its other validation errors 422 `invalid_params`; answered before the stream when the
   job is sent at once, as the job's error when it waited; an unreachable or dead server
   ends its running jobs with `backend_unavailable` (retryable);
-- only the tools the server can answer are offered (`generate`); the others are refused
+- only the tools the server can answer are offered (`generate`; `loglikelihood` and `predict`
+  where it has vLLM's extensions, backends/server_requests.py); the others are refused
   before queueing with 422 `unsupported_by_model`, saying why.
 """
 
@@ -116,7 +117,6 @@ class ServerLink:
         self.refused = False
         self.waiting: list[Job] = []  # (an engine's: jobs kept over a restart; these stay in `queue`)
         self.ready_since_start = False
-        self.tool_of: Any = None
         self._on_tools = on_tools
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ready = asyncio.Event()
