@@ -20,9 +20,10 @@ Deliberately the gateway's job model over the server's API, not a proxy of it:
   its other validation errors 422 `invalid_params`; answered before the stream when the
   job is sent at once, as the job's error when it waited; an unreachable or dead server
   ends its running jobs with `backend_unavailable` (retryable);
-- only the tools the server can answer are offered (`generate`; `loglikelihood` and `predict`
-  where it has vLLM's extensions, backends/server_requests.py); the others are refused
-  before queueing with 422 `unsupported_by_model`, saying why.
+- only the tools the server can answer are offered: `generate`, and `loglikelihood`,
+  `logprobs` and `predict` where it has vLLM's extensions (backends/server_requests.py),
+  each shown on the server once it is up (backends/server_probes.py); the others are
+  refused before queueing with 422 `unsupported_by_model`, saying why.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from backends import server_probes
 from backends.queue import JobQueue
 from gateway.errors import ApiError
 from gateway.jobs import Job
@@ -51,6 +53,7 @@ log = logging.getLogger("streamgate.inference")
 
 ROOT_PATHS = ("/tokenize", "/detokenize")  # vLLM's, beside /v1 rather than under it
 POLL_S = 0.5
+PROBE_S = 120.0  # to show what a server that has just come up can answer
 CONNECT_S = 10.0  # to open a request; a request's own time is bounded by --job-timeout
 
 
@@ -92,8 +95,9 @@ class ServerLink:
         self.url = url.rstrip("/")
         self.kind = kind  # "vllm" or "openai"
         self.upstream: str | None = None  # the server's own name of the model, from GET /models
-        self.token_ids = False  # whether its chunks carry their token ids (probed once it is up)
-        self.extended = False  # whether it has vLLM's /tokenize, /detokenize and prompt_logprobs (probed)
+        # What it was shown to give once it was up (backends/server_probes.py), and why not the rest.
+        self.have: set[str] = set()
+        self.missing: dict[str, str] = {"stream": "not contacted yet"}
         self.root = self.url.removesuffix("/v1")
         self.context_length: int | None = None
         self.http = httpx.AsyncClient(
@@ -145,8 +149,8 @@ class ServerLink:
 
     @property
     def served(self) -> list[str]:
-        """The tools this server's answers make: `generate` on any, the others where it has vLLM's extensions."""
-        return [name for name, work in WORKS.items() if not work.extended or self.extended]
+        """The tools this server's answers make: those whose needs it has shown."""
+        return [name for name, work in WORKS.items() if work.needs <= self.have]
 
     @property
     def models(self) -> list[ModelInfo]:
@@ -159,9 +163,9 @@ class ServerLink:
             for t in self.all_tools
             if t.name not in WORKS
         } | {
-            name: f"{name} needs prompt log-probabilities and the tokenizer from the inference server of the model "
-            f"{self.name} ({self.url}), which are vLLM's extensions of the OpenAI API; this server has not got them"
-            for name in WORKS
+            name: f"{name} needs from the inference server of the model {self.name} ({self.url}) what it was not shown to give: "
+            + "; ".join(self.missing.get(need, need) for need in sorted(work.needs - self.have))
+            for name, work in WORKS.items()
             if name not in served
         }
         return [
@@ -224,37 +228,20 @@ class ServerLink:
                 was = self.healthy
                 self.upstream, self.context_length = chosen.id, chosen.max_model_len
                 if not was:
-                    self.token_ids, self.extended = await self._probe()
+                    async with asyncio.timeout(PROBE_S):
+                        self.have, self.missing = await server_probes.prove(self)
+                    if self.missing:
+                        log.info("the inference server of model %s: %s", self.name, "; ".join(self.missing.values()))
                 self.healthy, self.problem = True, ""
                 self.ready_since_start = True
                 self._ready.set()
                 if not was:
                     self._on_tools()
-            except (httpx.HTTPError, ValueError, msgspec.DecodeError) as exc:
+            except (httpx.HTTPError, ValueError, msgspec.DecodeError, TimeoutError) as exc:
                 self._went_away(f"{self.url}: {exc or type(exc).__name__}")
                 if not self.supervised and len(self.queue) and time.monotonic() - self.down_since > self.deadline:
                     self._fail_queued(f"the inference server of model {self.name} has been unreachable for over {self.deadline:g} s")
             await asyncio.sleep(POLL_S)
-
-    async def _probe(self) -> tuple[bool, bool]:
-        """What the server gives beyond the OpenAI API, asked once it is up: each chunk's token ids
-        (vLLM's `return_token_ids`), and prompt log-probabilities with its tokenizer's endpoints."""
-        body = {
-            "model": self.upstream, "prompt": "a b", "max_tokens": 1, "temperature": 0, "return_token_ids": True,
-            "prompt_logprobs": 1, "logprobs": 1, "return_tokens_as_token_ids": True,
-        }
-        try:
-            answer = await self.http.post("/completions", json=body, timeout=60.0)
-            choice = answer.json()["choices"][0] if answer.status_code == 200 else {}
-            token_ids = isinstance(choice.get("token_ids"), list)
-            logprobs = isinstance(choice.get("prompt_logprobs"), list) and str(
-                next(iter((choice.get("logprobs") or {}).get("top_logprobs", [{}])[0]), "")
-            ).startswith("token_id:")
-            tokenized = await self.http.post(f"{self.root}/tokenize", json={"model": self.upstream, "prompt": "a"}, timeout=30.0)
-            detokenized = await self.http.post(f"{self.root}/detokenize", json={"model": self.upstream, "tokens": [0]}, timeout=30.0)
-            return token_ids, logprobs and tokenized.status_code == 200 and detokenized.status_code == 200
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError, StopIteration):
-            return False, False
 
     async def post(self, path: str, body: dict[str, Any]) -> Any:
         """A JSON request to the server and its decoded answer; raises the protocol's refusal."""
@@ -274,7 +261,9 @@ class ServerLink:
         else queue it here."""
         if tool.name not in self.served:
             raise ApiError(Code.UNSUPPORTED_BY_MODEL, f"{tool.name} cannot run on the inference server of model {self.name}")
-        work = WORKS[tool.name](job.params, self.upstream or self.name, self.post, token_ids=self.token_ids, context=self.context_length)
+        work = WORKS[tool.name](
+            job.params, self.upstream or self.name, self.post, token_ids="token_ids" in self.have, context=self.context_length
+        )
         try:
             await work.prepare()
         except (KeyError, IndexError, TypeError, ValueError) as exc:  # an answer of the server's that is not what vLLM's is

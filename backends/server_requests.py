@@ -9,15 +9,21 @@ One class per tool an inference server can answer (backends/inference.py drives 
   `/completions` of the joined ids with `prompt_logprobs`: each continuation token's
   log-probability given what precedes it, and whether it was the most likely one
   (its rank 1);
+- `logprobs`: the texts tokenized so (or the ids given), one `/completions` with
+  `prompt_logprobs` = top (each token's number, and the alternatives at its position)
+  and, for `next_token`, one generated greedy token's `logprobs`;
 - `predict`: one `/completions` of one token with `logprobs` = top_k, the tokens as ids
   (`return_tokens_as_token_ids`), each id's text from `/detokenize`.
 
-The last two use vLLM's extensions of the API (`/tokenize`, `/detokenize`,
-`prompt_logprobs`, `return_tokens_as_token_ids`): a server found without them at
-start (`probe`) does not offer those tools. Numbers are the server's own, as it
-computed them (float32 on CPU: tests/test_inference_servers.py measures how far
-they are from transformers' on the same weights); a sum is taken in float64 and
-given as float32, as the local tools give theirs.
+All but `generate` use vLLM's extensions of the API (`/tokenize`, `/detokenize`,
+`prompt_logprobs`, `return_tokens_as_token_ids`); each class `needs` the capabilities
+backends/server_probes.py shows on the server at start, and is offered only where they
+are. Numbers are the server's own, as it computed them (float32 on CPU:
+tests/test_inference_servers.py measures how far they are from transformers' on the
+same weights); a sum is taken in float64 and given as float32, as the local tools give
+theirs. A token's text is the server's decoding of it alone: `/detokenize`, or the
+`decoded_token` it gives with prompt log-probabilities (for a SentencePiece tokenizer vLLM
+keeps a leading space there that decoding the token alone drops).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from gateway.jobs import Job
 from gateway.protocol import Code, Status
 from gateway.tools.generate import GeneratePartial, GenerateResult, Usage
 from gateway.tools.loglikelihood import LoglikelihoodResult
+from gateway.tools.logprobs import LogprobsResult, Scored, TokenLogprob
 from gateway.tools.predict import PredictResult, TokenProb
 
 Post = Callable[[str, dict[str, Any]], Awaitable[Any]]  # a JSON request to the server; raises the protocol's refusal
@@ -91,7 +98,7 @@ class Work:
     a streamed one feeds `take` and ends with `result`, another ends with `answer` of its body."""
 
     stream: ClassVar[bool] = False
-    extended: ClassVar[bool] = False  # needs vLLM's extensions of the API
+    needs: ClassVar[frozenset[str]] = frozenset()  # capabilities the server must have shown (backends/server_probes.py)
     path = "/completions"
 
     def __init__(self, params: Any, model: str, post: Post, *, token_ids: bool = False, context: int | None = None) -> None:
@@ -116,6 +123,7 @@ class Generation(Work):
     """`generate`: streamed, a partial per chunk."""
 
     stream = True
+    needs = frozenset({"stream"})
 
     async def prepare(self) -> None:
         params = self.params
@@ -168,15 +176,55 @@ class Generation(Work):
         return GenerateResult(self.texts, self.usage, self.finish)
 
 
-async def _tokenize(post: Post, model: str, text: str, special: bool) -> list[int]:
-    answer = await post("/tokenize", {"model": model, "prompt": text, "add_special_tokens": special})
-    return [int(t) for t in answer["tokens"]]
+# Concurrent /tokenize and /detokenize requests of one job: its texts are capped (--max-prompts,
+# top ≤ 20), and this keeps one job from flooding the server's API process.
+TOKENIZER_REQUESTS = 8
 
 
-class Scoring(Work):
+async def _bounded(calls: list[Awaitable[Any]]) -> list[Any]:
+    gate = asyncio.Semaphore(TOKENIZER_REQUESTS)
+
+    async def one(call: Awaitable[Any]) -> Any:
+        async with gate:
+            return await call
+
+    return await asyncio.gather(*(one(c) for c in calls))
+
+
+async def _tokenize(post: Post, model: str, texts: list[tuple[str, bool]]) -> list[list[int]]:
+    """Each text's token ids, with the special tokens a prompt gets or without."""
+    answers = await _bounded([post("/tokenize", {"model": model, "prompt": text, "add_special_tokens": special}) for text, special in texts])
+    return [[int(t) for t in answer["tokens"]] for answer in answers]
+
+
+async def _texts(post: Post, model: str, ids: list[int]) -> dict[int, str]:
+    """Each distinct token's text, decoded alone."""
+    distinct = list(dict.fromkeys(ids))
+    answers = await _bounded([post("/detokenize", {"model": model, "tokens": [i]}) for i in distinct])
+    return {i: str(answer["prompt"]) for i, answer in zip(distinct, answers)}
+
+
+def _room(context: int | None, length: int, field: str, what: str) -> None:
+    # The server takes a prompt only with room for the one token it generates after it.
+    if context is not None and length + 1 > context:
+        raise ApiError(
+            Code.TOO_LONG, f"{what} {length} tokens; the model's inference server takes at most {context - 1} (with one to generate)",
+            field=field,
+        )
+
+
+def _generated(choice: dict[str, Any]) -> tuple[int, float, list[tuple[int, float]]]:
+    """A one-token completion's token, its log-probability and its top alternatives (ids, most likely first)."""
+    logprobs = choice["logprobs"]
+    token = int(str(logprobs["tokens"][0]).removeprefix("token_id:"))
+    top = sorted(((int(key.removeprefix("token_id:")), float(lp)) for key, lp in logprobs["top_logprobs"][0].items()), key=lambda kv: -kv[1])
+    return token, float(logprobs["token_logprobs"][0]), top
+
+
+class Likelihood(Work):
     """`loglikelihood`: the continuation's tokens scored by the server's `prompt_logprobs`."""
 
-    extended = True
+    needs = frozenset({"tokenizer", "prompt_logprobs"})
 
     async def prepare(self) -> None:
         params = self.params
@@ -186,8 +234,7 @@ class Scoring(Work):
                 f"must have one entry per prompt ({len(params.prompts)}), got {len(params.continuations)}",
                 field="continuations",
             )
-        texts = [(p, True) for p in params.prompts] + [(c, False) for c in params.continuations]
-        ids = await asyncio.gather(*(_tokenize(self.post, self.model, text, special) for text, special in texts))
+        ids = await _tokenize(self.post, self.model, [(p, True) for p in params.prompts] + [(c, False) for c in params.continuations])
         n = len(params.prompts)
         self.pairs = list(zip(ids[:n], ids[n:]))
         for i, (context, continuation) in enumerate(self.pairs):
@@ -195,12 +242,7 @@ class Scoring(Work):
                 raise ApiError(Code.INVALID_PARAMS, "must not be empty on a model served by an inference server", field=f"prompts[{i}]")
             if not continuation:
                 raise ApiError(Code.INVALID_PARAMS, "must not be empty", field=f"continuations[{i}]")
-            if self.context is not None and len(context) + len(continuation) > self.context:
-                raise ApiError(
-                    Code.TOO_LONG,
-                    f"prompt + continuation are {len(context) + len(continuation)} tokens; the model takes {self.context}",
-                    field=f"prompts[{i}]",
-                )
+            _room(self.context, len(context) + len(continuation), f"prompts[{i}]", "prompt + continuation are")
         self.body = {
             "model": self.model, "prompt": [c + k for c, k in self.pairs], "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1,
         }
@@ -216,10 +258,64 @@ class Scoring(Work):
         return LoglikelihoodResult(ll=ll, is_greedy=greedy)
 
 
+class PromptScoring(Work):
+    """`logprobs`: each token's number and the alternatives at its position from `prompt_logprobs`,
+    the next greedy token from the same request's one generated token."""
+
+    needs = frozenset({"tokenizer", "prompt_logprobs", "logprobs_ids"})
+
+    async def prepare(self) -> None:
+        params = self.params
+        if (params.prompts is None) == (params.token_ids is None):
+            raise ApiError(Code.INVALID_PARAMS, "give prompts (text) or token_ids, one of the two", field="prompts")
+        field = "prompts" if params.prompts is not None else "token_ids"
+        self.rows = params.token_ids if params.token_ids is not None else await _tokenize(self.post, self.model, [(p, True) for p in params.prompts])
+        for i, ids in enumerate(self.rows):
+            if not ids:
+                raise ApiError(Code.INVALID_PARAMS, "has no tokens to score", field=f"{field}[{i}]")
+            _room(self.context, len(ids), f"{field}[{i}]", "the text is")
+        self.body = {
+            "model": self.model, "prompt": self.rows, "max_tokens": 1, "temperature": 0, "prompt_logprobs": params.top,
+            "return_tokens_as_token_ids": True,
+        }
+        if params.next_token:
+            self.body["logprobs"] = params.top
+
+    async def answer(self, data: Any) -> LogprobsResult:
+        top = self.params.top
+        choices = sorted(data["choices"], key=lambda c: c["index"])
+        texts: dict[int, str] = {}
+        for choice in choices:
+            for entry in choice["prompt_logprobs"][1:]:
+                texts.update((int(k), v["decoded_token"]) for k, v in entry.items() if isinstance(v.get("decoded_token"), str))
+        generated = [_generated(choice) for choice in choices] if self.params.next_token else []
+        wanted = [ids[0] for ids in self.rows] + [i for token, _, alts in generated for i in (token, *(a for a, _ in alts[:top]))]
+        texts |= await _texts(self.post, self.model, [i for i in wanted if i not in texts])
+        sequences = []
+        for n, (ids, choice) in enumerate(zip(self.rows, choices)):
+            entries = choice["prompt_logprobs"]
+            scored = Scored(
+                token_ids=list(ids), tokens=[texts[t] for t in ids],
+                logprobs=[None, *(float(entries[t][str(ids[t])]["logprob"]) for t in range(1, len(ids)))],
+            )
+            if top:
+                scored.top = [
+                    [TokenLogprob(int(k), texts[int(k)], float(v["logprob"])) for k, v in sorted(entry.items(), key=lambda kv: kv[1]["rank"]) if v["rank"] <= top][:top]
+                    for entry in entries[1:]
+                ]
+            if generated:
+                token, logprob, alts = generated[n]
+                scored.next_token = TokenLogprob(token, texts[token], logprob)
+                if top:
+                    scored.next_top = [TokenLogprob(i, texts[i], lp) for i, lp in alts[:top]]
+            sequences.append(scored)
+        return LogprobsResult(sequences)
+
+
 class Prediction(Work):
     """`predict`: the top_k next tokens, by one token's `logprobs`."""
 
-    extended = True
+    needs = frozenset({"tokenizer", "logprobs_ids"})
 
     async def prepare(self) -> None:
         self.body = {
@@ -228,11 +324,9 @@ class Prediction(Work):
         }
 
     async def answer(self, data: Any) -> PredictResult:
-        (top,) = data["choices"][0]["logprobs"]["top_logprobs"][:1]
-        ranked = sorted(((int(key.removeprefix("token_id:")), lp) for key, lp in top.items()), key=lambda kv: -kv[1])
-        ranked = ranked[: self.params.top_k]
-        texts = await asyncio.gather(*(self.post("/detokenize", {"model": self.model, "tokens": [i]}) for i, _ in ranked))
-        return PredictResult([TokenProb(id=i, text=t["prompt"], prob=float(np.float32(math.exp(lp)))) for (i, lp), t in zip(ranked, texts)])
+        ranked = _generated(data["choices"][0])[2][: self.params.top_k]
+        texts = await _texts(self.post, self.model, [i for i, _ in ranked])
+        return PredictResult([TokenProb(id=i, text=texts[i], prob=float(np.float32(math.exp(lp)))) for i, lp in ranked])
 
 
-WORKS: dict[str, type[Work]] = {"generate": Generation, "loglikelihood": Scoring, "predict": Prediction}
+WORKS: dict[str, type[Work]] = {"generate": Generation, "loglikelihood": Likelihood, "logprobs": PromptScoring, "predict": Prediction}

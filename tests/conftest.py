@@ -23,7 +23,7 @@ from gateway.app import create_app
 from gateway.config import Settings
 from gateway.slowclients import uvicorn_options
 from gateway.tools import Tool, builtin_tools, collect, load_module
-from tests.processes import ServeProcess, start_executor
+from tests.processes import ServeProcess, clean_env, free_port, start_executor, start_serve
 
 # The thread count every gateway and executor this suite starts gives torch (`--torch-threads`'s
 # default): the same here, so that what a test computes by hand and what a server returns are
@@ -425,3 +425,29 @@ def floats_not_float32_shortest(value: Any) -> list[float]:
         return [] if value != value or float(str(np.float32(value))) == value else [value]
     items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
     return [bad for item in items for bad in floats_not_float32_shortest(item)]
+
+
+# A first start compiles the model's graphs (about 100 s on 2 cores; cached in ~/.cache/vllm for the next).
+VLLM_START_S = 900
+
+
+@pytest.fixture(scope="session")
+def vllm_gateway(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """One vLLM server for every test that needs one: the bundled model, started by a gateway that serves
+    a tiny model in an engine process beside it."""
+    port = free_port()
+    args = [
+        "--model", "smol=vllm:", "--model", f"tiny={tiny_model_path}", "--dtype", "float32",
+        "--vllm-args", "--max-model-len 2048", "--port", str(port), "--device", "cpu", "--torch-threads", "1",
+        "--log-level", "warning",
+    ]
+    log = tmp_path_factory.mktemp("vllm") / "gateway.log"
+    gateway = start_serve(args, clean_env(VLLM_CPU_KVCACHE_SPACE="2"), port, log, timeout=VLLM_START_S)
+    yield gateway
+    gateway.stop()
+
+
+def server_url(gateway: ServeProcess) -> str:
+    """The URL of the vLLM server a gateway started."""
+    (engine,) = [e for e in httpx.get(f"{gateway.url}/readyz", timeout=10).json()["engines"] if e["device"] == "vllm server"]
+    return engine["url"]

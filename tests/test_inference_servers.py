@@ -16,36 +16,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import run_stream, wait_until
+from tests.conftest import VLLM_START_S, run_stream, server_url, wait_until
 from tests.processes import ServeProcess, clean_env, free_port, start_serve
 from tests.test_engines import follow
 
 pytestmark = pytest.mark.vllm
 
-# A first start compiles the model's graphs (about 100 s on 2 cores; cached in ~/.cache/vllm for the next).
-VLLM_START_S = 900
 PROMPTS = ["Hello, my name is", "The capital of France is"]
-
-
-@pytest.fixture(scope="session")
-def vllm_gateway(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    """One vLLM server for every test that needs one: the bundled model, started by a gateway that serves
-    a tiny model in an engine process beside it."""
-    port = free_port()
-    args = [
-        "--model", "smol=vllm:", "--model", f"tiny={tiny_model_path}", "--dtype", "float32",
-        "--vllm-args", "--max-model-len 2048", "--port", str(port), "--device", "cpu", "--torch-threads", "1",
-        "--log-level", "warning",
-    ]
-    log = tmp_path_factory.mktemp("vllm") / "gateway.log"
-    gateway = start_serve(args, clean_env(VLLM_CPU_KVCACHE_SPACE="2"), port, log, timeout=VLLM_START_S)
-    yield gateway
-    gateway.stop()
-
-
-def server_url(gateway: ServeProcess) -> str:
-    (engine,) = [e for e in httpx.get(f"{gateway.url}/readyz", timeout=10).json()["engines"] if e["device"] == "vllm server"]
-    return engine["url"]
 
 
 @pytest.fixture(scope="module")
