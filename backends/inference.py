@@ -54,6 +54,9 @@ log = logging.getLogger("streamgate.inference")
 ROOT_PATHS = ("/tokenize", "/detokenize")  # vLLM's, beside /v1 rather than under it
 POLL_S = 0.5
 PROBE_S = 120.0  # to show what a server that has just come up can answer
+# A server busy with long prompts answers its health poll late; it is gone once it has not answered
+# for this long (or, for one the gateway started, once its process ends: `lost`).
+STALL_S = 30.0
 CONNECT_S = 10.0  # to open a request; a request's own time is bounded by --job-timeout
 
 
@@ -116,6 +119,7 @@ class ServerLink:
         self.supervised = kind == "vllm"  # its process is the gateway's: `lost` says when it ends
         self.deadline = deadline  # how long jobs queued for a server not the gateway's wait while it is down
         self.down_since = time.monotonic()
+        self.answered = time.monotonic()  # when its health poll was last answered
         self.healthy = False
         self.problem = "not contacted yet"
         self.refused = False
@@ -216,7 +220,14 @@ class ServerLink:
     async def _poll_loop(self) -> None:
         while True:
             try:
-                answer = await self.http.get("/models", timeout=5.0)
+                try:
+                    answer = await self.http.get("/models", timeout=10.0)
+                except httpx.TimeoutException:
+                    if self.healthy and time.monotonic() - self.answered < STALL_S:
+                        await asyncio.sleep(POLL_S)
+                        continue
+                    raise
+                self.answered = time.monotonic()
                 self.refused = answer.status_code in (401, 403)
                 if answer.status_code != 200:
                     raise ValueError(f"GET /models answered {answer.status_code}")
@@ -237,8 +248,8 @@ class ServerLink:
                 self._ready.set()
                 if not was:
                     self._on_tools()
-            except (httpx.HTTPError, ValueError, msgspec.DecodeError, TimeoutError) as exc:
-                self._went_away(f"{self.url}: {exc or type(exc).__name__}")
+            except (httpx.HTTPError, ValueError, msgspec.DecodeError, TimeoutError, ApiError) as exc:
+                self._went_away(f"{self.url}: {str(exc) or type(exc).__name__}")
                 if not self.supervised and len(self.queue) and time.monotonic() - self.down_since > self.deadline:
                     self._fail_queued(f"the inference server of model {self.name} has been unreachable for over {self.deadline:g} s")
             await asyncio.sleep(POLL_S)

@@ -168,7 +168,7 @@ def resolve(model: str | None) -> ModelSpec:
         if not url.startswith(("http://", "https://")):
             raise ModelError(f"--model {model}: expected openai+http://HOST:PORT/v1 or openai+https://…")
         return ModelSpec(url, url, server="openai")
-    if not model:
+    if not model or (model == DEFAULT_MODEL and not Path(model).exists()):  # by its name too: to name it beside others
         return ModelSpec(DEFAULT_MODEL, DEFAULT_MODEL, default_gguf())
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and path.is_file():

@@ -26,7 +26,9 @@ from typing import Any, Protocol
 import httpx
 import msgspec
 
+from backends.server_requests import refusal
 from gateway.errors import ApiError
+from gateway.protocol import Code
 
 PROMPT = "The capital of France is"
 # One server scoring the same token twice, in batches of another shape: float32 rounding.
@@ -64,7 +66,7 @@ async def _streamed(server: Server) -> tuple[str, list[int] | None]:
     text, ids, every = "", [], True
     async with server.http.stream("POST", "/completions", json=body, timeout=60.0) as answer:
         if answer.status_code != 200:
-            raise ValueError(f"POST /completions answered {answer.status_code}")
+            raise refusal(answer.status_code, await answer.aread(), "POST /completions")
         async for line in answer.aiter_lines():
             data = line.removeprefix("data:").strip()
             if not line.startswith("data:") or data == "[DONE]":
@@ -78,15 +80,22 @@ async def _streamed(server: Server) -> tuple[str, list[int] | None]:
 
 
 async def prove(server: Server) -> tuple[set[str], dict[str, str]]:
-    """The capabilities shown, and why each of the others is missing."""
+    """The capabilities shown, and why each of the others is missing. Raises what says that the
+    server did not answer (a transport error, its 5xx or 429 as the protocol's error)."""
     have: set[str] = set()
     missing: dict[str, str] = {}
 
     async def check(name: str, step: Any) -> Any:
         try:
             reason, value = await step()
-        except (ApiError, httpx.HTTPError, msgspec.DecodeError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-            reason, value = f"asking for it failed: {getattr(exc, 'message', None) or exc!r}", None
+        except httpx.TransportError:
+            raise  # not an answer: the server is not up after all, and is probed again when it is
+        except ApiError as exc:
+            if exc.code in (Code.BACKEND_UNAVAILABLE, Code.OVERLOADED):
+                raise
+            reason, value = f"asking for it failed: {exc.message}", None
+        except (httpx.HTTPError, msgspec.DecodeError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            reason, value = f"asking for it failed: {exc!r}", None
         if reason is None:
             have.add(name)
         else:

@@ -28,14 +28,14 @@ from tests.tiny_models import build_tiny_model
 class Follower(threading.Thread):
     """One job's stream, read on a thread, its events kept as they arrive."""
 
-    def __init__(self, url: str, tool: str, params: dict[str, Any]) -> None:
+    def __init__(self, url: str, tool: str, params: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         super().__init__(daemon=True)
-        self.url, self.tool, self.params = url, tool, params
+        self.url, self.tool, self.params, self.headers = url, tool, params, headers
         self.events: list[dict[str, Any]] = []
         self.status: int | None = None
 
     def run(self) -> None:
-        with httpx.stream("POST", f"{self.url}/{self.tool}/run", json=self.params, timeout=120) as response:
+        with httpx.stream("POST", f"{self.url}/{self.tool}/run", json=self.params, headers=self.headers, timeout=120) as response:
             self.status = response.status_code
             pending = b""
             for chunk in response.iter_bytes():
@@ -57,8 +57,8 @@ class Follower(threading.Thread):
         return terminal
 
 
-def follow(url: str, tool: str, params: dict[str, Any]) -> Follower:
-    follower = Follower(url, tool, params)
+def follow(url: str, tool: str, params: dict[str, Any], headers: dict[str, str] | None = None) -> Follower:
+    follower = Follower(url, tool, params, headers)
     follower.start()
     return follower
 
@@ -531,6 +531,9 @@ def test_a_model_on_an_inference_server_is_told_apart_by_its_source(tiny_model_p
     assert here.server is None
     (default,) = models.specs(["smol=vllm:"])
     assert default.server == "vllm" and default.gguf is not None and default.name == "smol"
+    # The bundled model by its name, to serve it here beside a baseline on a server.
+    candidate, baseline = models.specs([f"candidate={models.DEFAULT_MODEL}", f"baseline=vllm:{models.DEFAULT_MODEL}"])
+    assert candidate.gguf == baseline.gguf == default.gguf and (candidate.server, baseline.server) == (None, "vllm")
     with pytest.raises(models.ModelError, match="name the model it serves here"):
         models.specs(["openai+http://127.0.0.1:9/v1"])
     with pytest.raises(models.ModelError, match="expected openai"):

@@ -6,19 +6,32 @@ hold as for a model here; the numbers are the server's own answer, token for tok
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
 
 from tests.conftest import VLLM_START_S, run_stream, server_url, wait_until
-from tests.processes import ServeProcess, clean_env, free_port, start_serve
+from tests.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
+from tests.redis_server import RedisServer, redis_server  # noqa: F401
 from tests.test_engines import follow
+from tests.test_redis_replicas import events_of, read_some, snapshot
 
 pytestmark = pytest.mark.vllm
 
@@ -56,8 +69,8 @@ def test_a_vllm_model_serves_beside_a_local_one_and_says_what_it_cannot_run(vllm
     models = {m["name"]: m for m in httpx.get(f"{vllm_gateway.url}/models", timeout=10).json()["models"]}
     smol, tiny = models["smol"], models["tiny"]
     assert smol["default"] and smol["ready"] and smol["device"] == "vllm server" and smol["context_length"] == 2048
-    assert smol["tools"] == ["generate", "loglikelihood", "predict"]
-    assert "inference server" in smol["unsupported"]["logit_lens"] and "logprobs" in smol["unsupported"]
+    assert smol["tools"] == ["generate", "loglikelihood", "logprobs", "predict"]
+    assert "inference server" in smol["unsupported"]["logit_lens"] and "embed" in smol["unsupported"]
     assert "logit_lens" in tiny["tools"]
     refused = httpx.post(f"{vllm_gateway.url}/logit_lens/run", json={"prompt": "a", "model": "smol"}, timeout=30)
     assert refused.status_code == 422 and refused.json()["error"]["code"] == "unsupported_by_model"
@@ -136,6 +149,34 @@ def test_scores_from_vllm_are_transformers_own_within_the_stated_tolerance(vllm_
         assert abs(ll - math.fsum(row[t].item() for row, t in zip(rows, cont))) <= PER_SUM_TOLERANCE, prompt
         assert greedy == all(int(row.argmax()) == t for row, t in zip(rows, cont)), prompt
 
+    scored_texts = ["The capital of France is Paris.", "Once upon a time there was"]
+    got = run_stream(vllm_gateway.url, "logprobs", {"prompts": scored_texts, "top": 3, "next_token": True})
+    assert got.terminal["event"] == "data", got.events[-2:]
+    for text, sequence in zip(scored_texts, got.terminal["data"]["sequences"]):
+        ids = tokenizer(text)["input_ids"]
+        assert sequence["token_ids"] == ids and sequence["tokens"] == [tokenizer.decode([i]) for i in ids]
+        with torch.no_grad():
+            logprobs = model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+        assert sequence["logprobs"][0] is None
+        for t in range(1, len(ids)):
+            assert abs(sequence["logprobs"][t] - logprobs[t - 1, ids[t]].item()) <= PER_TOKEN_TOLERANCE, (text, t)
+        for row, alternatives in zip([*logprobs[: len(ids) - 1], logprobs[-1]], [*sequence["top"], sequence["next_top"]]):
+            best = row.topk(3)
+            assert [a["id"] for a in alternatives] == best.indices.tolist()
+            assert [a["text"] for a in alternatives] == [tokenizer.decode([i]) for i in best.indices.tolist()]
+            assert max(abs(a["logprob"] - v) for a, v in zip(alternatives, best.values.tolist())) <= PER_TOKEN_TOLERANCE
+        assert sequence["next_token"]["id"] == int(logprobs[-1].argmax())
+    # Token ids are scored as given, and OpenAI's echo with logprobs (what evaluation harnesses send) is the same numbers.
+    ids = tokenizer(scored_texts[0])["input_ids"]
+    by_ids = run_stream(vllm_gateway.url, "logprobs", {"token_ids": [ids]}).terminal["data"]["sequences"][0]
+    # (Another batch on the server: equal to float32 rounding.)
+    same = pytest.approx(got.terminal["data"]["sequences"][0]["logprobs"][1:], abs=PER_TOKEN_TOLERANCE)
+    assert by_ids["logprobs"][0] is None and by_ids["logprobs"][1:] == same and "top" not in by_ids
+    echoed = httpx.post(
+        f"{vllm_gateway.url}/v1/completions", json={"model": "smol", "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0}, timeout=60,
+    ).json()["choices"][0]["logprobs"]
+    assert echoed["token_logprobs"][0] is None and echoed["token_logprobs"][1:] == same
+
     prompt = "The capital of France is"
     predicted = run_stream(vllm_gateway.url, "predict", {"prompt": prompt, "top_k": 5}).terminal["data"]["predictions"]
     with torch.no_grad():
@@ -145,6 +186,82 @@ def test_scores_from_vllm_are_transformers_own_within_the_stated_tolerance(vllm_
     assert [p["text"] for p in predicted] == [tokenizer.decode([i]) for i in top.indices.tolist()]
     for p, expected in zip(predicted, top.values.tolist()):
         assert abs(math.log(p["prob"]) - math.log(expected)) <= PER_TOKEN_TOLERANCE, p
+
+
+# What only vLLM knows of a completion request; an OpenAI-compatible server without its extensions ignores them.
+VLLM_ONLY = ("return_token_ids", "prompt_logprobs", "return_tokens_as_token_ids")
+
+
+@pytest.fixture
+def plain_server(vllm_gateway: ServeProcess) -> Iterator[str]:
+    """An OpenAI-compatible server without vLLM's extensions: the vLLM server behind a front that drops
+    the fields only vLLM knows from each request (its /tokenize still there). Its /v1 URL."""
+    upstream = httpx.AsyncClient(base_url=server_url(vllm_gateway).removesuffix("/v1"), timeout=None)
+
+    async def forward(request: Request) -> StreamingResponse:
+        body = await request.body()
+        if body:
+            body = json.dumps({k: v for k, v in json.loads(body).items() if k not in VLLM_ONLY}).encode()
+        sent = upstream.build_request(request.method, request.url.path, content=body or None, headers={"content-type": "application/json"})
+        answer = await upstream.send(sent, stream=True)
+        return StreamingResponse(
+            answer.aiter_raw(), answer.status_code, media_type=answer.headers.get("content-type"), background=BackgroundTask(answer.aclose),
+        )
+
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])]), port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, timeout=30, what="the front to start")
+    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_a_server_without_vllms_extensions_runs_generate_alone_and_says_why_not_the_others(
+    vllm_gateway: ServeProcess, plain_server: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    gateway = start_serve(["--model", f"smol=openai+{plain_server}", "--port", str(port)], clean_env(), port, tmp_path / "gateway.log")
+    try:
+        (smol,) = httpx.get(f"{gateway.url}/models", timeout=10).json()["models"]
+        assert smol["tools"] == ["generate"]
+        # Each refused tool names the check on the server that it needs and that failed.
+        unsupported = smol["unsupported"]
+        assert "log-probabilities keyed by token id: the tokens are given as ' Paris', not by id" in unsupported["predict"]
+        assert "prompt log-probabilities: not checked" in unsupported["loglikelihood"]
+        assert "each streamed chunk's token ids" not in unsupported["loglikelihood"]
+        refused = httpx.post(f"{gateway.url}/logprobs/run", json={"prompts": ["a b"]}, timeout=30)
+        assert refused.status_code == 422 and refused.json()["error"]["code"] == "unsupported_by_model"
+        # generate: the server's own text, its partials without token ids (the server gives none).
+        done = run_stream(gateway.url, "generate", {"prompts": PROMPTS, "max_tokens": 6})
+        own = sorted(direct(vllm_gateway, "/completions", {"prompt": PROMPTS, "max_tokens": 6})["choices"], key=lambda c: c["index"])
+        assert done.terminal["data"]["completions"] == [c["text"] for c in own]
+        assert done.of("partial") and all(e["data"]["token_ids"] == [] for e in done.of("partial"))
+    finally:
+        gateway.stop()
+
+
+def lm_eval(base_url: str, tokenizer: Path) -> dict[str, Any]:
+    """lm-evaluation-harness's `local-completions` on the test task, as tests/test_lm_eval.py runs it."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "lm_eval_run.py"), base_url, "smol", str(tokenizer)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
+@pytest.mark.lm_eval
+def test_lm_eval_through_the_gateway_scores_as_on_the_vllm_server_itself(vllm_gateway: ServeProcess, plain: Any) -> None:
+    """The model-comparison recipe: one harness run through the gateway's /v1, one on the server's own."""
+    tokenizer = Path(plain[0].name_or_path)
+    through, own = lm_eval(vllm_gateway.url, tokenizer), lm_eval(server_url(vllm_gateway).removesuffix("/v1"), tokenizer)
+    assert len(through["scored"]) == len(own["scored"]) == 80  # 20 questions, 4 choices each
+    for ours, theirs in zip(through["scored"], own["scored"]):
+        assert (ours["context"], ours["continuation"]) == (theirs["context"], theirs["continuation"])
+        assert ours["ll"] == pytest.approx(theirs["ll"], abs=PER_SUM_TOLERANCE), ours
+        assert ours["is_greedy"] == theirs["is_greedy"], ours
+    assert through["acc"] == own["acc"]
 
 
 def test_the_servers_refusals_are_the_protocols(vllm_gateway: ServeProcess) -> None:
@@ -193,6 +310,123 @@ def test_jobs_past_the_servers_share_wait_in_the_gateway_with_their_position(fro
     assert first.ended()["data"]["error"]["code"] == "cancelled"
     assert second.ended()["event"] == "data"
     assert second.statuses()[-1] == "running"
+
+
+def test_a_job_on_a_vllm_model_is_one_job_per_key_outlives_its_client_and_resumes_where_it_was_left(vllm_gateway: ServeProcess) -> None:
+    url, key = vllm_gateway.url, uuid.uuid4().hex
+    params = {"prompts": ["Once upon a time"], "max_tokens": 40, "model": "smol"}
+    headers, first = read_some(url, "/generate/run", 4, method="POST", json=params, headers={"Idempotency-Key": key})
+    job_id = headers["x-job-id"]
+    # The client left; the job goes on, detached, and the same key finds it rather than starting another.
+    again, _ = read_some(url, "/generate/run", 1, method="POST", json=params, headers={"Idempotency-Key": key})
+    assert again["x-job-id"] == job_id
+    status, _, rest = events_of(url, job_id, first[-1]["id"])
+    assert status == 200 and [e["event"] for e in rest].count("data") == 1 and rest[-1]["event"] == "data"
+    assert [int(e["id"].split(":")[1]) for e in rest] == list(range(int(first[-1]["id"].split(":")[1]) + 1, int(rest[-1]["id"].split(":")[1]) + 1))
+    text = "".join(e["data"]["text"] for e in first + rest if e["event"] == "partial")
+    assert text == rest[-1]["data"]["completions"][0] == direct(vllm_gateway, "/completions", {"prompt": params["prompts"], "max_tokens": 40})["choices"][0]["text"]
+    record = snapshot(url, job_id).json()
+    assert (record["status"], record["tool"], record["model"]) == ("SUCCEEDED", "generate", "smol"), record
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert re.search(r'^streamgate_jobs_total\{code="",model="smol",outcome="succeeded",tool="generate"\} [1-9]', metrics, re.M)
+
+
+def test_a_batch_file_runs_on_a_vllm_model_each_line_its_own_job(vllm_gateway: ServeProcess, tmp_path: Path) -> None:
+    rows = [{"id": "name", "prompts": [PROMPTS[0]]}, {"id": "long", "prompts": ["hello " * 3000]}, {"id": "capital", "prompts": [PROMPTS[1]]}]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out.jsonl"
+    run = subprocess.run(
+        [str(STREAMGATE), "run", "generate", "model=smol", "max_tokens=6", "--input", str(source), "--output", str(out), "--url", vllm_gateway.url],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 1, run.stderr  # one line failed
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["id"] for line in lines] == ["name", "long", "capital"]
+    assert lines[1]["error"]["code"] == "too_long" and lines[1]["error"]["status"] == 413
+    own = sorted(direct(vllm_gateway, "/completions", {"prompt": PROMPTS, "max_tokens": 6})["choices"], key=lambda c: c["index"])
+    assert [lines[0]["result"]["completions"][0], lines[2]["result"]["completions"][0]] == [c["text"] for c in own]
+
+
+@pytest.fixture(scope="module")
+def replicas(vllm_gateway: ServeProcess, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServeProcess]]:
+    """Two gateways in front of the same vLLM server, sharing their jobs through one Redis."""
+    started = []
+    for n in range(2):
+        port = free_port()
+        args = ["--model", f"smol=openai+{server_url(vllm_gateway)}", "--store", redis_server.url, "--port", str(port), "--log-level", "warning"]
+        started.append(start_serve(args, clean_env(), port, tmp_path_factory.mktemp(f"replica{n}") / "gateway.log"))
+    yield started
+    for gateway in started:
+        gateway.stop()
+
+
+def test_replicas_sharing_redis_read_and_cancel_each_others_vllm_jobs(vllm_gateway: ServeProcess, replicas: list[ServeProcess]) -> None:
+    a, b = replicas
+    job = follow(a.url, "generate", {"prompts": ["Once upon a time"], "max_tokens": 500})
+    wait_until(lambda: sum(e["event"] == "partial" for e in job.events) >= 2, timeout=120, what="the first tokens")
+    job_id = job.events[0]["id"].split(":")[0]
+    assert snapshot(b.url, job_id).json()["status"] == "RUNNING"
+    assert httpx.delete(f"{b.url}/jobs/{job_id}", timeout=10).json()["cancelled"] is True
+    assert job.ended()["data"]["error"]["code"] == "cancelled"
+    wait_until(lambda: server_metric(vllm_gateway, "vllm:num_requests_running") == 0, timeout=120, what="the server to stop")
+    # A job run on one replica is read whole, event for event, on the other.
+    done = run_stream(a.url, "generate", {"prompts": PROMPTS, "max_tokens": 6})
+    job_id = done.events[0]["id"].split(":")[0]
+    status, _, replayed = events_of(b.url, job_id)
+    assert status == 200 and [(e["id"], e["event"], e["data"]) for e in replayed] == [(e["id"], e["event"], e["data"]) for e in done.events]
+
+
+ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef00"
+
+
+@pytest.fixture(scope="module")
+def tenants(vllm_gateway: ServeProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """A gateway with two tenants in front of the server, one job at a time there, two waiting per tenant."""
+    port = free_port()
+    args = [
+        "--model", f"smol=openai+{server_url(vllm_gateway)}", "--max-decoding-jobs", "1", "--max-queued-per-owner", "2",
+        "--port", str(port), "--log-level", "warning",
+    ]
+    env = clean_env(STREAMGATE_TOKENS=f"alice={ALICE} bob={BOB}")
+    gateway = start_serve(args, env, port, tmp_path_factory.mktemp("tenants") / "gateway.log", headers={"Authorization": f"Bearer {ALICE}"})
+    yield gateway
+    gateway.stop()
+
+
+def test_tenants_take_turns_for_the_servers_share_and_one_past_its_quota_is_refused(tenants: ServeProcess) -> None:
+    url = tenants.url
+    alice, bob = {"Authorization": f"Bearer {ALICE}"}, {"Authorization": f"Bearer {BOB}"}
+
+    def position(job: Any) -> int | None:
+        queued = [e["data"].get("position") for e in job.events if e["event"] == "status" and e["data"]["status"] == "QUEUED"]
+        return queued[-1] if queued else None
+
+    long = follow(url, "generate", {"prompts": ["Once upon a time"], "max_tokens": 500}, alice)
+    wait_until(lambda: "running" in long.statuses(), timeout=120, what="alice's first job to run")
+    short = {"prompts": PROMPTS, "max_tokens": 4}
+    second = follow(url, "generate", short, alice)
+    wait_until(lambda: position(second) == 1, timeout=60, what="alice's second job to wait")
+    third = follow(url, "generate", short, alice)
+    wait_until(lambda: position(third) == 2, timeout=60, what="alice's third job to wait")
+    over = httpx.post(f"{url}/generate/run", json=short, headers=alice, timeout=30)
+    assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limited", over.text
+    # Bob's one job waits behind alice's next one only, not behind both.
+    theirs = follow(url, "generate", short, bob)
+    wait_until(lambda: position(theirs) == 2, timeout=60, what="bob's job to wait")
+    wait_until(lambda: position(third) == 3, timeout=60, what="alice's third job to be told it moved back")
+    httpx.delete(f"{url}/jobs/{long.events[0]['id'].split(':')[0]}", headers=alice, timeout=10).raise_for_status()
+    started = {}
+    for name, job, headers in (("second", second, alice), ("bob", theirs, bob), ("third", third, alice)):
+        assert job.ended()["event"] == "data"
+        started[name] = snapshot_of(url, job.events[0]["id"].split(":")[0], headers)["started"]
+    assert started["second"] < started["bob"] < started["third"]
+
+
+def snapshot_of(url: str, job_id: str, headers: dict[str, str]) -> dict[str, Any]:
+    answer = httpx.get(f"{url}/jobs/{job_id}", headers=headers, timeout=10)
+    answer.raise_for_status()
+    return answer.json()
 
 
 def test_a_killed_vllm_server_ends_its_running_jobs_once_and_is_started_again(vllm_gateway: ServeProcess) -> None:

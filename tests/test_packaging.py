@@ -32,6 +32,7 @@ COMPOSE = ROOT / "compose.yaml"
 SPEC = ROOT / "tests" / "data" / "compose-spec.json"
 PROFILES = ["cpu", "gpu"]  # a gateway and an executor
 RAY_PROFILE = "ray"  # a Ray head and a gateway on it
+VLLM_PROFILE = "vllm"  # vLLM's server and a gateway fronting it
 KUBERAY = ROOT / "deploy" / "kuberay-rayservice.yaml"
 
 
@@ -305,7 +306,7 @@ def test_the_ray_profile_is_a_head_and_a_gateway_that_joins_it():
 def test_every_profile_is_checked_and_publishes_each_port_once():
     document, _ = load_compose(COMPOSE.read_text())
     named = {p for service in document["services"].values() for p in service.get("profiles", [])}
-    assert named == {*PROFILES, RAY_PROFILE}
+    assert named == {*PROFILES, RAY_PROFILE, VLLM_PROFILE}
     for profile in named:
         published = [
             port.rsplit(":", 1)[0] for service in active_services(document, profile).values()
@@ -318,8 +319,31 @@ def test_dockerfile_has_a_target_per_service():
     targets = dockerfile_targets((ROOT / "Dockerfile").read_text())
     assert {"gateway", "executor"} <= targets
     compose = yaml.safe_load(COMPOSE.read_text())
-    for service in compose["services"].values():
+    for name, service in compose["services"].items():
+        if name == "vllm":  # vLLM's own image
+            assert re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+", service["image"])
+            continue
         assert service["build"]["target"] in targets
+
+
+def test_the_vllm_profile_is_vllms_server_and_a_gateway_serving_a_model_beside_it():
+    from backends import model as models
+
+    document, _ = load_compose(COMPOSE.read_text())
+    services = active_services(document, VLLM_PROFILE)
+    assert set(services) == {"vllm", "gateway-vllm"}
+    server, gateway = services["vllm"], services["gateway-vllm"]
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in server["command"])
+    assert flags["served-model-name"] == "baseline" and flags["model"] == "/models/baseline"
+    # The gateway's models as it resolves them: the bundled one here, the baseline on the server.
+    given = [arg.removeprefix("--model=") for arg in gateway["command"] if arg.startswith("--model=")]
+    candidate, baseline = models.specs(given)
+    assert candidate.gguf is not None and candidate.server is None
+    assert (baseline.server, baseline.source) == ("openai", "http://vllm:8000/v1")
+    for service in (server, gateway):
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert "gpu" in device["capabilities"]
+    assert float(flags["gpu-memory-utilization"]) < 1  # the gateway's model shares the GPU
 
 
 # --- deploy/kuberay-rayservice.yaml -------------------------------------------------------

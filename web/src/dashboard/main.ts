@@ -24,7 +24,11 @@ interface Ready {
   reason?: string
 }
 
-/** The model line at the top: the picked model where there is a choice, else what `/readyz` says of the one served; null: unreachable. */
+/**
+ * The model line at the top: the picked model where there is a choice, else what `/readyz` says of
+ * the one served, or what `GET /models` says of it where `/readyz` names none (a model on an
+ * inference server); null: unreachable.
+ */
 function drawModelLine(body: Ready | null, picked: ModelInfo | undefined): void {
   const line = $<HTMLElement>('#model')
   if (!body) {
@@ -125,7 +129,7 @@ async function main(): Promise<void> {
   const asked = readHash(location.hash)
   /** The last `/readyz` answer: null when the gateway could not be reached, undefined before the first. */
   let ready: Ready | null | undefined
-  const drawLine = () => ready !== undefined && drawModelLine(ready, models.picked)
+  const drawLine = () => ready !== undefined && drawModelLine(ready, models.picked ?? (ready?.model === undefined ? models.models[0] : undefined))
   const models = new ModelPicker(base, $<HTMLElement>('#model-picker'), $<HTMLSelectElement>('#model-select'), saved, asked.model, () => {
     drawLine()
     void list()
