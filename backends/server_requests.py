@@ -135,6 +135,8 @@ class Generation(Work):
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if params.n > 1:
+            body["n"] = params.n  # choice i * n + j: prompt i's j-th, as the gateway orders them
         for key in ("top_k", "seed", "stop"):
             if getattr(params, key) is not None:
                 body[key] = getattr(params, key)
@@ -143,10 +145,10 @@ class Generation(Work):
         if params.messages is not None:
             self.path = "/chat/completions"
             body["messages"] = [msgspec.structs.asdict(m) for m in params.messages]
-            rows = 1
+            rows = params.n
         else:
             body["prompt"] = params.token_ids if params.token_ids is not None else params.prompts
-            rows = len(body["prompt"])
+            rows = len(body["prompt"]) * params.n
         self.body = body
         self.texts = [""] * rows
         self.finish = ["length"] * rows

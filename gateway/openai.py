@@ -114,8 +114,6 @@ def _refuse(field: str, message: str) -> ApiError:
 
 def _refuse_common(request: _Common) -> None:
     """The fields both routes take but cannot honour, unless left at their neutral values."""
-    if request.n != 1:
-        raise _refuse("n", "only n=1 is supported: one completion per prompt (send the request again for more)")
     if request.presence_penalty or request.frequency_penalty:
         field = "presence_penalty" if request.presence_penalty else "frequency_penalty"
         raise _refuse(field, "penalties are not supported; leave it 0")
@@ -137,6 +135,7 @@ def _sampling(request: _Common, max_tokens: int) -> dict[str, Any]:
         "stop": _stops(request.stop),
         "seed": request.seed,
         "model": request.model,
+        "n": request.n,
     }
     if request.top_p is not None:
         params["top_p"] = request.top_p
@@ -186,6 +185,7 @@ class _Plan:
     params: dict[str, Any]
     chat: bool
     echo: list[str] | None = None  # the prompts, put before each completion (echo without logprobs)
+    n: int = 1  # completions per prompt: choice i * n + j is prompt i's j-th
     include_usage: bool = False
     stream: bool = False
 
@@ -213,6 +213,8 @@ def _completion_plan(request: CompletionRequest) -> _Plan:
             raise _refuse("stop", "a stop string has nothing to stop when the prompt is scored")
         if request.top_p not in (None, 1):
             raise _refuse("top_p", "nothing is sampled when the prompt is scored; leave it out")
+        if request.n != 1:
+            raise _refuse("n", "a prompt is scored once: leave n at 1 with echo and logprobs")
         params = {**given, "top": request.logprobs, "next_token": max_tokens == 1, "model": request.model}
         return _Plan("logprobs", params, chat=False, include_usage=request.include_usage, stream=request.stream)
     if request.logprobs is not None:
@@ -224,7 +226,7 @@ def _completion_plan(request: CompletionRequest) -> _Plan:
         raise _refuse("echo", "echo without logprobs needs text prompts, not token ids")
     return _Plan(
         "generate", {**given, **_sampling(request, max_tokens)}, chat=False, echo=echo,
-        include_usage=request.include_usage, stream=request.stream,
+        include_usage=request.include_usage, stream=request.stream, n=request.n,
     )
 
 
@@ -255,7 +257,7 @@ def _chat_plan(request: ChatRequest, max_tokens_limit: int) -> _Plan:
     max_tokens = request.max_completion_tokens or request.max_tokens or min(CHAT_MAX_TOKENS, max_tokens_limit)
     return _Plan(
         "generate", {"messages": messages, **_sampling(request, max_tokens)}, chat=True,
-        include_usage=request.include_usage, stream=request.stream,
+        include_usage=request.include_usage, stream=request.stream, n=request.n,
     )
 
 
@@ -351,19 +353,17 @@ def _scored_choices(result: dict[str, Any], prompts: list[str] | None) -> list[d
 def _answer(plan: _Plan, job: Job, model: str, result: dict[str, Any]) -> dict[str, Any]:
     created = int(job.created)
     if plan.chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": result["completions"][0]},
-            "logprobs": None,
-            "finish_reason": result["finish_reasons"][0],
-        }
+        replies = [
+            {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+            for i, (text, reason) in enumerate(zip(result["completions"], result["finish_reasons"]))
+        ]
         return {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": created, "model": model,
-                "choices": [choice], "usage": result["usage"]}
+                "choices": replies, "usage": result["usage"]}
     if plan.tool == "logprobs":
         choices = _scored_choices(result, plan.params.get("prompts"))
     else:
         choices = [
-            {"index": i, "text": (plan.echo[i] if plan.echo else "") + text, "logprobs": None, "finish_reason": reason}
+            {"index": i, "text": (plan.echo[i // plan.n] if plan.echo else "") + text, "logprobs": None, "finish_reason": reason}
             for i, (text, reason) in enumerate(zip(result["completions"], result["finish_reasons"]))
         ]
     return {"id": f"cmpl-{job.id}", "object": "text_completion", "created": created, "model": model,
@@ -396,17 +396,18 @@ async def _events(job: Job) -> AsyncIterator[tuple[EventType, bytes]]:
 async def _stream(plan: _Plan, job: Job, model: str) -> AsyncIterator[dict[str, Any]]:
     """The job's events as OpenAI's chunks, `data: [DONE]` last; an error as a chunk of its own."""
     if plan.chat:
-        yield {"data": _chunk(plan, job, model, [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]).decode()}
+        for i in range(plan.n):
+            yield {"data": _chunk(plan, job, model, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]).decode()}
     elif plan.echo:
-        for i, text in enumerate(plan.echo):
-            yield {"data": _chunk(plan, job, model, [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]).decode()}
+        for i in range(len(plan.echo) * plan.n):
+            yield {"data": _chunk(plan, job, model, [{"index": i, "text": plan.echo[i // plan.n], "logprobs": None, "finish_reason": None}]).decode()}
     async for kind, data in _events(job):
         if kind is EventType.PARTIAL:
             partial = msgspec.json.decode(data)
             if not partial.get("text"):
                 continue
             if plan.chat:
-                choice = {"index": 0, "delta": {"content": partial["text"]}, "logprobs": None, "finish_reason": None}
+                choice = {"index": partial["index"], "delta": {"content": partial["text"]}, "logprobs": None, "finish_reason": None}
             else:
                 choice = {"index": partial["index"], "text": partial["text"], "logprobs": None, "finish_reason": None}
             yield {"data": _chunk(plan, job, model, [choice]).decode()}
@@ -414,11 +415,10 @@ async def _stream(plan: _Plan, job: Job, model: str) -> AsyncIterator[dict[str, 
             result = msgspec.json.decode(data)
             if plan.tool == "logprobs":
                 finals = _scored_choices(result, plan.params.get("prompts"))
-            elif plan.chat:
-                finals = [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": result["finish_reasons"][0]}]
             else:
+                blank: dict[str, Any] = {"delta": {}} if plan.chat else {"text": ""}
                 finals = [
-                    {"index": i, "text": "", "logprobs": None, "finish_reason": reason}
+                    {"index": i, **blank, "logprobs": None, "finish_reason": reason}
                     for i, reason in enumerate(result["finish_reasons"])
                 ]
             yield {"data": _chunk(plan, job, model, finals).decode()}

@@ -107,6 +107,19 @@ def test_greedy_completions_are_the_servers_own_token_for_token(
     assert by_ids["completions"] == [direct(vllm_gateway, "/completions", {"prompt": ids, "max_tokens": 4})["choices"][0]["text"]]
 
 
+def test_n_sampled_completions_of_each_prompt_are_the_servers_own(vllm_gateway: ServeProcess) -> None:
+    sampling = {"n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 3}
+    done = run_stream(vllm_gateway.url, "generate", {"prompts": PROMPTS, "model": "smol", **sampling})
+    own = sorted(direct(vllm_gateway, "/completions", {"prompt": PROMPTS, **sampling})["choices"], key=lambda c: c["index"])
+    assert done.terminal["data"]["completions"] == [c["text"] for c in own] and len(own) == 4
+    for i, choice in enumerate(own):
+        assert "".join(e["data"]["text"] for e in done.of("partial") if e["data"]["index"] == i) == choice["text"]
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = run_stream(vllm_gateway.url, "generate", {"messages": messages, "model": "smol", **sampling}).terminal["data"]
+    replies = sorted(direct(vllm_gateway, "/chat/completions", {"messages": messages, **sampling})["choices"], key=lambda c: c["index"])
+    assert chat["completions"] == [c["message"]["content"] for c in replies]
+
+
 # vLLM's float32 CPU kernels against transformers' on the same weights, measured on these prompts:
 # at most 3e-5 per token's log-probability and 8e-5 per sum of up to 12 tokens (2026-11-26).
 PER_TOKEN_TOLERANCE = 1e-4

@@ -71,6 +71,28 @@ def test_sampling_fields_are_honoured(server, client) -> None:
     assert stopped.text == greedy[: greedy.index(stop)] and stopped.finish_reason == "stop"
 
 
+def test_n_choices_per_prompt_are_generates_n(server, client) -> None:
+    args: dict[str, Any] = {"model": "base", "max_tokens": 6, "temperature": 1.5, "seed": 9}
+    answer = client.completions.create(prompt=["Hello", "The quick"], n=2, **args)
+    expected = result(server.url, "generate", {"prompts": ["Hello", "The quick"], "n": 2, **args})
+    assert [(c.index, c.text) for c in answer.choices] == list(enumerate(expected["completions"]))
+    streamed = client.completions.create(prompt=["Hello", "The quick"], n=2, stream=True, **args)
+    texts = ["", "", "", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == expected["completions"]
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = client.chat.completions.create(messages=messages, n=3, **args)
+    expected = result(server.url, "generate", {"messages": messages, "n": 3, **args})
+    assert [(c.index, c.message.content) for c in chat.choices] == list(enumerate(expected["completions"]))
+    replies = ["", "", ""]
+    for chunk in client.chat.completions.create(messages=messages, n=3, stream=True, **args):
+        for choice in chunk.choices:
+            replies[choice.index] += choice.delta.content or ""
+    assert replies == expected["completions"]
+
+
 def test_token_id_prompts_are_completed_as_given(server, client, refs) -> None:
     ids = refs["base"].encode("Hello")
     answer = client.completions.create(model="base", prompt=ids, max_tokens=5, temperature=0)
@@ -164,7 +186,8 @@ def test_one_greedy_token_after_an_echoed_prompt_is_generates_first(server, clie
     ("args", "status", "param"),
     [
         ({"model": "gpt-9"}, 404, "model"),
-        ({"n": 2}, 400, "n"),
+        ({"n": 17}, 400, "n"),
+        ({"n": 2, "echo": True, "logprobs": 1, "max_tokens": 0}, 400, "n"),
         ({"logprobs": 2}, 400, "logprobs"),
         ({"presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"logit_bias": {"5": 1.0}}, 400, "logit_bias"),

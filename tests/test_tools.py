@@ -505,6 +505,22 @@ def test_sampling_with_a_tiny_top_p_is_greedy(server, ref):
     assert out["completions"] == [ref.decode(ref.greedy(p, n)) for p in prompts]
 
 
+def test_n_completions_of_each_prompt_are_rows_of_their_own(server, ref):
+    prompts, n = ["Hello there", "a"], 8
+    # Greedy (top_k 1): every completion of a prompt is that prompt's greedy one.
+    out, partials = generate(server.url, {"prompts": prompts, "n": 3, "max_tokens": n, "temperature": 1.7, "top_k": 1, "seed": 4})
+    assert out["completions"] == [ref.decode(ref.greedy(p, n)) for p in prompts for _ in range(3)]
+    assert len(out["finish_reasons"]) == 6 and out["usage"]["completion_tokens"] == 6 * n
+    assert sorted(partials) == list(range(6)) and all(streamed_text(partials, i) == c for i, c in enumerate(out["completions"]))
+    # Sampled: exactly the batch of each prompt given n times, and not all alike.
+    sampled = {"max_tokens": n, "temperature": 1.7, "seed": 5}
+    twice = result(server.url, "generate", {"prompts": prompts, "n": 2, **sampled})
+    assert twice == result(server.url, "generate", {"prompts": [p for p in prompts for _ in range(2)], **sampled})
+    assert len(set(twice["completions"])) > 2
+    refused = httpx.post(f"{server.url}/generate/run", json={"prompts": ["a"], "n": 17})
+    assert refused.status_code == 422 and refused.json()["error"]["field"] == "n"
+
+
 def test_sampling_without_limits_is_not_greedy(server, ref):
     # The control for the two tests above: at this temperature the tiny model's
     # samples leave the greedy path for at least one of these seeds.

@@ -38,6 +38,8 @@ log = logging.getLogger("streamgate.generate")
 
 # Turns in one conversation: far more than fit any context, so the limit only keeps rendering short.
 MAX_MESSAGES = 1024
+# Completions of one prompt: each is a row of the batch, priced as a prompt is (`cost`).
+MAX_N = 16
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -64,7 +66,15 @@ class GenerateParams(msgspec.Struct, forbid_unknown_fields=True):
         list[Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1)]],
         msgspec.Meta(min_length=1, description="Prompts as token ids, completed as they are (nothing added), instead of prompts."),
     ] | None = None
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, description="Most tokens to generate per prompt.")] = 16
+    n: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1, le=MAX_N,
+            description="Completions of each prompt (or of the conversation), each its own row: prompt i's j-th is "
+            "completions[i * n + j]. Sampled ones differ; greedy ones are the same.",
+        ),
+    ] = 1
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, description="Most tokens to generate per completion.")] = 16
     temperature: Annotated[
         float, msgspec.Meta(ge=0, le=2, description="0 picks the most likely token (greedy).")
     ] = 0.0
@@ -97,12 +107,14 @@ class GeneratePartial(msgspec.Struct):
 
 
 def inputs(model: Model, params: GenerateParams) -> list[list[int]]:
-    """The token ids to complete: one row per prompt, or the conversation rendered for its reply."""
+    """The token ids to complete: `n` rows per prompt, or of the conversation rendered for its reply."""
     if params.messages is not None:
-        return [model.encode_chat([msgspec.structs.asdict(m) for m in params.messages])]
-    if params.token_ids is not None:
-        return params.token_ids
-    return [model.encode(prompt) for prompt in params.prompts or []]
+        given = [model.encode_chat([msgspec.structs.asdict(m) for m in params.messages])]
+    elif params.token_ids is not None:
+        given = params.token_ids
+    else:
+        given = [model.encode(prompt) for prompt in params.prompts or []]
+    return [ids for ids in given for _ in range(params.n)]
 
 
 def check(model: Model, params: GenerateParams) -> None:

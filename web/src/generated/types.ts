@@ -280,7 +280,11 @@ export interface GenerateParams {
   messages?: ChatMessage[] | null
   token_ids?: number[][] | null
   /**
-   * Most tokens to generate per prompt.
+   * Completions of each prompt (or of the conversation), each its own row: prompt i's j-th is completions[i * n + j]. Sampled ones differ; greedy ones are the same.
+   */
+  n?: number
+  /**
+   * Most tokens to generate per completion.
    */
   max_tokens?: number
   /**
@@ -806,7 +810,11 @@ export interface SteerParams {
   messages?: ChatMessage[] | null
   token_ids?: number[][] | null
   /**
-   * Most tokens to generate per prompt.
+   * Completions of each prompt (or of the conversation), each its own row: prompt i's j-th is completions[i * n + j]. Sampled ones differ; greedy ones are the same.
+   */
+  n?: number
+  /**
+   * Most tokens to generate per completion.
    */
   max_tokens?: number
   /**
