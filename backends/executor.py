@@ -1,7 +1,7 @@
 """The executor service: runs jobs on this machine's devices for remote gateways.
 
 It is a local backend behind a different front: the same tools, queue and
-workers (`backends/execution.py`), with results encoded as msgpack instead of
+workers (`backends/workers.py`), with results encoded as msgpack instead of
 JSON. What it adds is the session, which fixes what goes wrong in designs that
 open a socket per job or lose track of jobs when a socket drops:
 

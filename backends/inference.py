@@ -57,6 +57,9 @@ PROBE_S = 120.0  # to show what a server that has just come up can answer
 # A server busy with long prompts answers its health poll late; it is gone once it has not answered
 # for this long (or, for one the gateway started, once its process ends: `lost`).
 STALL_S = 30.0
+# JSON requests (tokenizing, detokenizing, probes) open at once to one server, whatever the jobs: the
+# jobs' prompts are capped, their number is not, and the server's API process is one.
+JSON_REQUESTS = 16
 CONNECT_S = 10.0  # to open a request; a request's own time is bounded by --job-timeout
 
 
@@ -112,6 +115,7 @@ class ServerLink:
         self.all_tools = tools
         self.queue = JobQueue(queue_size, per_owner=per_owner)
         self.slots = asyncio.Semaphore(max_jobs)
+        self.requests = asyncio.Semaphore(JSON_REQUESTS)
         self.job_timeout = job_timeout
         self.jobs: dict[str, Job] = {}  # queued here or running there
         self.running: dict[str, asyncio.Task[None]] = {}
@@ -258,7 +262,8 @@ class ServerLink:
         """A JSON request to the server and its decoded answer; raises the protocol's refusal."""
         url = (self.root if path in ROOT_PATHS else self.url) + path
         try:
-            answer = await self.http.post(url, json=body)
+            async with self.requests:
+                answer = await self.http.post(url, json=body)
         except httpx.HTTPError as exc:
             raise ApiError(Code.BACKEND_UNAVAILABLE, f"the inference server of model {self.name} could not be reached: {exc}", retry_after=5) from None
         if answer.status_code != 200:

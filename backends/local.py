@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from backends import memory
-from backends import model as models
-from backends.base import Backend
-from backends.execution import Worker, set_torch_threads
+from backends import loading as models
+from gateway.backend import Backend
+from backends.workers import Worker, set_torch_threads
 from backends.queue import JobQueue
 from backends.served import ServedModel
-from gateway import sae as sae_files
+from gateway.models import sae as sae_files
 from gateway.config import Settings
 from gateway.cost import DEFAULT_RESULT_BYTES, Budget, Cost, default_job_memory
 from gateway.encoding import to_json
@@ -77,7 +77,7 @@ class LocalBackend(Backend):
         set_torch_threads(torch_threads)
         memory.bound_heap()
         self._tools = dict(tools)
-        # SAE files are checked here as far as they can be without the model (gateway/sae.py).
+        # SAE files are checked here as far as they can be without the model (gateway/models/sae.py).
         self.sae_specs = sae_files.read_specs(sae or [])
         if self.sae_specs:
             from gateway.tools import collect

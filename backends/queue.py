@@ -1,6 +1,6 @@
 """The job queue of a served model: bounded, and fair between tenants.
 
-Jobs wait here for a worker (backends/execution.py). The rule this module
+Jobs wait here for a worker (backends/workers.py). The rule this module
 owns is the order they are served in: tenants (`Job.tenant`: a token's name,
 or without tokens a client's address; gateway/tenants.py) take turns, in
 proportion to their jobs' `weight`, and each tenant's own jobs keep the order
@@ -25,7 +25,7 @@ queue's size, rounded up; 429 `rate_limited`), so that one client cannot fill
 the queue for everyone.
 
 The queue does not know what runs: a worker busy with one tenant's long batch
-lets the head of the line through between its steps (backends/execution.py).
+lets the head of the line through between its steps (backends/workers.py).
 """
 
 from __future__ import annotations

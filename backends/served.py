@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from backends import model as models
-from backends.execution import Worker
+from backends import loading as models
+from backends.workers import Worker
 from backends.queue import JobQueue
-from gateway import sae as sae_files
+from gateway.models import sae as sae_files
 from gateway.jobs import Job
 from gateway.models import capabilities
 from gateway.models.base import Capability

@@ -45,7 +45,9 @@ from gateway.tools.loglikelihood import LoglikelihoodResult
 from gateway.tools.logprobs import LogprobsResult, Scored, TokenLogprob
 from gateway.tools.predict import PredictResult, TokenProb
 
-Post = Callable[[str, dict[str, Any]], Awaitable[Any]]  # a JSON request to the server; raises the protocol's refusal
+# A JSON request to the server; raises the protocol's refusal. The link bounds how many are open at
+# once (backends/inference.py), so a job's many /tokenize or /detokenize requests wait their turn there.
+Post = Callable[[str, dict[str, Any]], Awaitable[Any]]
 
 
 class Chunk(msgspec.Struct):
@@ -178,31 +180,16 @@ class Generation(Work):
         return GenerateResult(self.texts, self.usage, self.finish)
 
 
-# Concurrent /tokenize and /detokenize requests of one job: its texts are capped (--max-prompts,
-# top ≤ 20), and this keeps one job from flooding the server's API process.
-TOKENIZER_REQUESTS = 8
-
-
-async def _bounded(calls: list[Awaitable[Any]]) -> list[Any]:
-    gate = asyncio.Semaphore(TOKENIZER_REQUESTS)
-
-    async def one(call: Awaitable[Any]) -> Any:
-        async with gate:
-            return await call
-
-    return await asyncio.gather(*(one(c) for c in calls))
-
-
 async def _tokenize(post: Post, model: str, texts: list[tuple[str, bool]]) -> list[list[int]]:
     """Each text's token ids, with the special tokens a prompt gets or without."""
-    answers = await _bounded([post("/tokenize", {"model": model, "prompt": text, "add_special_tokens": special}) for text, special in texts])
+    answers = await asyncio.gather(*(post("/tokenize", {"model": model, "prompt": text, "add_special_tokens": special}) for text, special in texts))
     return [[int(t) for t in answer["tokens"]] for answer in answers]
 
 
 async def _texts(post: Post, model: str, ids: list[int]) -> dict[int, str]:
     """Each distinct token's text, decoded alone."""
     distinct = list(dict.fromkeys(ids))
-    answers = await _bounded([post("/detokenize", {"model": model, "tokens": [i]}) for i in distinct])
+    answers = await asyncio.gather(*(post("/detokenize", {"model": model, "tokens": [i]}) for i in distinct))
     return {i: str(answer["prompt"]) for i, answer in zip(distinct, answers)}
 
 

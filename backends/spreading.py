@@ -1,7 +1,7 @@
 """One job cut over several engine processes: its inputs in parts, a part per engine, one result.
 
 On threads, a job's chunks are spread over every device of the process
-(`Tool.spread`, backends/execution.py). Engines are processes, so the cut is
+(`Tool.spread`, backends/workers.py). Engines are processes, so the cut is
 made where a job is still params: a tool whose work is `Chunked` names the list
 its inputs are in (`Chunked.items`), and each idle engine of the model gets an
 ordinary job over a part of that list. Each engine plans, prices, batches and

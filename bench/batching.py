@@ -108,7 +108,7 @@ def default_model_folder() -> str | None:
     """The converted default model a gateway loads with no --model, if it was converted already."""
     import platformdirs
 
-    from backends.model import cache_root, converted_path, resolve
+    from backends.loading import cache_root, converted_path, resolve
 
     # The gateways run without STREAMGATE_* variables, so in the platform's cache folder.
     path = converted_path(resolve(None), cache_root(platformdirs.user_cache_dir("streamgate")))

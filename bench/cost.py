@@ -157,7 +157,7 @@ def save(shape: str, folder: Path, tokenizer_from: Path | None = None) -> None:
 
 def build(shape: str, folder: Path, device: str, dtype: str | None) -> Model:
     """A random Llama of `shape` with the byte tokenizer, saved and loaded as the gateway loads a model."""
-    from backends import model as models
+    from backends import loading as models
     from backends.memory import bound_heap
 
     bound_heap()
@@ -179,7 +179,7 @@ def main() -> int:
     if args.save is not None:
         save(args.shape, args.save, args.tokenizer_from)
         return 0
-    from backends.execution import set_torch_threads
+    from backends.workers import set_torch_threads
 
     set_torch_threads(None)
     with tempfile.TemporaryDirectory() as folder:

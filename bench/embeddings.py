@@ -13,7 +13,7 @@ started together and measured in turn, round by round: one device
 model copy in each of two engine processes; the job is cut in two parts, one
 per engine, backends/spreading.py), two workers on threads (`--engine thread
 --devices cpu,cpu`: two copies on two threads of the gateway's process; one
-job's chunks shared by both, `Tool.spread` in backends/execution.py), and one
+job's chunks shared by both, `Tool.spread` in backends/workers.py), and one
 device with twice the torch threads (the same cores as the two copies). Each
 gateway gets `--torch-threads` threads per copy (OMP_NUM_THREADS, default 1,
 so that two copies on a 2-core machine do not oversubscribe it). One `embed`
@@ -130,7 +130,7 @@ class ChunkTimer:
     def __init__(self, path: Path, texts: list[str], threads: int, device: str = "cpu") -> None:
         import torch
 
-        from backends import model as models
+        from backends import loading as models
         from gateway.tools import embed
 
         torch.set_num_threads(threads)

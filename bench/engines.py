@@ -154,7 +154,7 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
     per_client = args.per_client or (1 if quick else 2)
     rounds = args.rounds or (1 if quick else 2)
 
-    from backends.model import default_gguf
+    from backends.loading import default_gguf
 
     source = args.model or str(default_gguf())  # (`--model PATH`: another causal LM, both ways)
     common.step("starting a gateway with the model on its own engine and on a vLLM server")

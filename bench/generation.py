@@ -10,7 +10,7 @@ A lone job. A greedy `generate` job of N tokens (`--tokens`, default 32) on one
 prompt, sent as `token_ids` so that both sides start from the same ids,
 against a plain decoding loop on them: `model(input_ids, use_cache=True)`
 (with `logits_to_keep=1` where the model takes it, as `model.generate()` runs
-a prompt), then `model(next_token, past_key_values=..., use_cache=True)` and an
+a prompt), then `model(next_token, cache=..., use_cache=True)` and an
 argmax per step, each token read back as a Python int (what any streaming
 server does), ending at EOS as `generate` does. The plain loop's per-token
 time is its decoding steps' time over their count. The gateway's is read two
@@ -120,7 +120,7 @@ def model_source(model: str | None) -> str:
     """Where the gateway's checkpoint is: the folder given, or the default model's converted copy."""
     if model:
         return model
-    from backends.model import cache_root, converted_path, resolve
+    from backends.loading import cache_root, converted_path, resolve
 
     return str(converted_path(resolve(None), cache_root()))
 
@@ -162,13 +162,13 @@ class Plain:
             self.sync()
             start = time.perf_counter()
             out = self.model(input_ids=input_ids, use_cache=True, **self.keep_last)
-            past = out.past_key_values
+            past = out.cache
             token = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
             tokens = [token.item()]
             first = time.perf_counter()
             while len(tokens) < n and tokens[-1] not in self.eos:
-                out = self.model(input_ids=token, past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                out = self.model(input_ids=token, cache=past, use_cache=True)
+                past = out.cache
                 token = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
                 tokens.append(token.item())
             end = time.perf_counter()

@@ -96,7 +96,7 @@ class Prices:
     """Jobs priced as the gateway prices them (gateway/cost.py), on the same model loaded in this process."""
 
     def __init__(self, model: str | None, dtype: str | None) -> None:
-        from backends import model as models
+        from backends import loading as models
         from gateway.tools import builtin_tools
 
         self.model = models.load(models.resolve(model), "cpu", dtype)

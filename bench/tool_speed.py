@@ -472,7 +472,7 @@ def plain_sae_steer(p: Plain, params: dict) -> dict:
                 break
             if len(tokens) == params["max_tokens"]:
                 break
-            out = p.model(input_ids=torch.tensor([[token]], device=p.device), past_key_values=out.past_key_values, use_cache=True)
+            out = p.model(input_ids=torch.tensor([[token]], device=p.device), cache=out.cache, use_cache=True)
     text = p.tok.decode(tokens[:-1] if finish == "stop" else tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     n = len(ids)
     return {"completions": [text], "usage": {"prompt_tokens": n, "completion_tokens": len(tokens), "total_tokens": n + len(tokens)},
@@ -672,7 +672,7 @@ def causal_path(bench: common.Bench) -> str:
     chosen = bench.model(default_tiny=False)
     if chosen is not None:
         return chosen
-    from backends import model as models
+    from backends import loading as models
 
     spec = models.resolve(None)
     cached = models.converted_path(spec, models.cache_root())

@@ -33,7 +33,7 @@ from gateway.tools.base import Tool
 if TYPE_CHECKING:
     from starlette.datastructures import QueryParams
 
-    from backends.base import Backend
+    from gateway.backend import Backend
     from gateway.auth import Limits, Principal
     from gateway.drain import Drain
     from gateway.metrics import Metrics

@@ -27,7 +27,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from backends import memory
-from backends.base import Backend
+from gateway.backend import Backend
 from gateway import params as params_mod
 from gateway import tenants
 from gateway.admission import Admission, Applicant, Attached

@@ -170,7 +170,7 @@ class _HealthChecks(logging.Filter):
 
 def _local_backend(settings: Settings, **kwargs: Any) -> Any:
     from backends.local import from_settings
-    from backends.model import ModelError
+    from backends.loading import ModelError
 
     try:
         return from_settings(settings, **kwargs)
@@ -223,6 +223,11 @@ def serve(**options: Any) -> None:
 
     dry_run = options.pop("dry_run")
     settings = _settings(options)
+    here, servers = settings, []
+    if dry_run and settings.backend == "local":
+        from gateway.dryrun import on_servers
+
+        here, servers = on_servers(settings)  # models on inference servers: checked, not started
     if settings.backend == "ray":
         from backends.ray_serve import INSTALL_HINT, RayBackend, ray_available
 
@@ -246,12 +251,18 @@ def serve(**options: Any) -> None:
         )
     elif settings.engine == "process" and not dry_run:
         from backends.engines import EngineBackend
-        from backends.model import ModelError
+        from backends.loading import ModelError
 
         try:
             backend = EngineBackend(settings)
         except (ValueError, ModelError) as exc:
             raise click.ClickException(str(exc)) from None
+    elif dry_run and servers:
+        # Only models on servers: nothing to load here (no --model would mean the bundled default);
+        # the engines' backend, never started, for the app's checks.
+        from backends.engines import EngineBackend
+
+        backend = _local_backend(here) if here.model else EngineBackend(settings)
     else:
         backend = _local_backend(settings)
     from gateway.auth import AuthConfigError
@@ -263,7 +274,7 @@ def serve(**options: Any) -> None:
     if dry_run:
         from gateway.dryrun import report
 
-        report(backend, settings)
+        report(backend, settings, servers, load=not servers or bool(here.model))
         return
     if not app.state.auth.enabled and not _is_loopback(settings.host):
         logging.getLogger("streamgate").warning(
@@ -625,9 +636,9 @@ def run(
         raise click.UsageError("give KEY=VALUE pairs or --json, not both")
     params, query = _params_given(params_json, pairs)
     if input_path is not None or output_path is not None:
-        from gateway.batch import Batch
+        from gateway.fileruns import FileRun
 
-        batch = Batch(tool, params, query, model, url, token, quiet, concurrency)
+        batch = FileRun(tool, params, query, model, url, token, quiet, concurrency)
         sys.exit(batch.run(input_path, output_path, input_format, field))
     for name, value in (("--input-format", input_format), ("--field", field), ("--concurrency", concurrency)):
         if value is not None:

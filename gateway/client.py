@@ -86,7 +86,7 @@ class StreamEndedError(ClientError):
 
 
 @dataclass(frozen=True)
-class Event:
+class StreamEvent:
     """One event of a job's stream: its type, id and decoded JSON data."""
 
     type: str
@@ -160,7 +160,7 @@ class Client:
         params: Mapping[str, Any] | None = None,
         *,
         query: list[tuple[str, str]] | None = None,
-    ) -> Iterator[Event]:
+    ) -> Iterator[StreamEvent]:
         """Start a job and yield its events, each once, until its terminal event.
 
         POSTs `params` (with an `Idempotency-Key`, so a POST sent again after a
@@ -270,7 +270,7 @@ class Client:
                 return value
         raise StreamEndedError(f"the stream of job {state.job_id} ended without a result")
 
-    def _events(self, state: _Resume) -> Iterator[Event]:
+    def _events(self, state: _Resume) -> Iterator[StreamEvent]:
         while True:
             method, url, kwargs = state.request()
             try:
@@ -342,7 +342,7 @@ class AsyncClient:
         params: Mapping[str, Any] | None = None,
         *,
         query: list[tuple[str, str]] | None = None,
-    ) -> AsyncGenerator[Event, None]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         """Start a job and yield its events, each once, until its terminal event; as `Client.stream`."""
         self.job_id = None
         return self._events(_Resume(tool, params, query, self.resume_tries, self._started))
@@ -456,7 +456,7 @@ class AsyncClient:
                     return value
         raise StreamEndedError(f"the stream of job {state.job_id} ended without a result")
 
-    async def _events(self, state: _Resume) -> AsyncGenerator[Event, None]:
+    async def _events(self, state: _Resume) -> AsyncGenerator[StreamEvent, None]:
         while True:
             method, url, kwargs = state.request()
             try:
@@ -528,7 +528,7 @@ class _Resume:
                 self.started(job_id)
         return True
 
-    def event(self, sse: ServerSentEvent) -> Event | None:
+    def event(self, sse: ServerSentEvent) -> StreamEvent | None:
         if not sse.data:
             return None  # a block without data (the `retry:` hint) is no event
         event = _event(sse)
@@ -622,7 +622,7 @@ async def _numbered(items: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[
             index += 1
 
 
-def _settle(event: Event, handlers: Mapping[str, Handler | None]) -> tuple[bool, Any]:
+def _settle(event: StreamEvent, handlers: Mapping[str, Handler | None]) -> tuple[bool, Any]:
     """What one event means to a run: `(True, result)` for `data`, JobError raised for `error`,
     else `(False, what its handler returned)`."""
     if event.type == "data":
@@ -688,12 +688,12 @@ def _readiness(response: httpx.Response) -> Any:
     return body
 
 
-def _event(sse: ServerSentEvent) -> Event:
+def _event(sse: ServerSentEvent) -> StreamEvent:
     try:
         data = json.loads(sse.data) if sse.data else None
     except json.JSONDecodeError:
         data = sse.data
-    return Event(sse.event, sse.id, data)
+    return StreamEvent(sse.event, sse.id, data)
 
 
 def _raise_for_status(response: httpx.Response) -> None:

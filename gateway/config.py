@@ -10,7 +10,7 @@ from gateway.cost import DEFAULT_RESULT_BYTES
 class Settings(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
-    # [NAME=]SOURCE each; the first is the default model; none: the bundled one (backends/model.py).
+    # [NAME=]SOURCE each; the first is the default model; none: the bundled one (backends/loading.py).
     model: list[str] = msgspec.field(default_factory=list)
     # [NAME=]module:function each, returning a custom model (gateway/models/custom.py).
     model_loader: list[str] = msgspec.field(default_factory=list)
@@ -19,11 +19,11 @@ class Settings(msgspec.Struct, kw_only=True):
     device: str | None = None
     devices: list[str] = msgspec.field(default_factory=list)
     dtype: str | None = None
-    # torch's intra-op threads (backends/execution.py: torch_threads); None: OMP_NUM_THREADS, else cores - 1.
+    # torch's intra-op threads (backends/workers.py: torch_threads); None: OMP_NUM_THREADS, else cores - 1.
     torch_threads: int | None = None
     cache_dir: str | None = None
     tools: list[str] = msgspec.field(default_factory=list)
-    sae: list[str] = msgspec.field(default_factory=list)  # SAE files (gateway/sae.py)
+    sae: list[str] = msgspec.field(default_factory=list)  # SAE files (gateway/models/sae.py)
     queue_size: int = 64
     # Jobs one tenant (token, or client address) may have waiting; None: half of queue_size (backends/queue.py).
     max_queued_per_owner: int | None = None
@@ -79,7 +79,7 @@ class Settings(msgspec.Struct, kw_only=True):
     jobs_per_minute_per_token: int | None = None
     ticket_ttl: float = 60.0
     cors_origins: list[str] = msgspec.field(default_factory=list)
-    # Stopping and limits on one job's run (gateway/drain.py, backends/execution.py).
+    # Stopping and limits on one job's run (gateway/drain.py, backends/workers.py).
     drain_timeout: float = 30.0
     job_timeout: float = 600.0
     write_timeout: float = 30.0

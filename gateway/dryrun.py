@@ -3,7 +3,9 @@
 A local backend loads the model exactly as a start does (`start()`, then
 `wait_ready()`), so a bad path, device or dtype fails here, before a deploy.
 A remote gateway's model lives on its executors: its dry run checks the
-configuration only and contacts nothing.
+configuration only and contacts nothing. So do models on inference servers
+(`vllm:`, `openai+`): a dry run loads the models served here, checks that a
+`vllm:` model's source and vLLM's interpreter are there, and starts no server.
 """
 
 from __future__ import annotations
@@ -13,12 +15,37 @@ from typing import Any
 
 import click
 
+import msgspec
+
 from gateway.config import Settings
 from gateway.configfile import redact_url
 
 
-def report(backend: Any, settings: Settings) -> None:
-    """Print what `backend` loaded (or, for the remote and Ray backends, what was checked); exit 1 if loading fails."""
+def on_servers(settings: Settings) -> tuple[Settings, list[str]]:
+    """The settings with only the models served here, and a line for each model on an inference server."""
+    from backends.inference import vllm_python
+    from backends.loading import ModelError, _named, resolve
+
+    kept, lines = [], []
+    try:
+        for entry in settings.model:
+            name, source = _named(entry, "--model")
+            spec = resolve(source)
+            if spec.server is None:
+                kept.append(entry)
+            elif spec.server == "vllm":
+                python = vllm_python(settings.vllm_python)
+                lines.append(f"model: {name or spec.name} on a vLLM server the gateway starts: {spec.gguf or spec.source}, with {python} (not started)")
+            else:
+                lines.append(f"model: {name} on the inference server at {redact_url(spec.source)} (not contacted)")
+    except (ModelError, ValueError) as exc:
+        raise click.ClickException(f"dry run: {exc}") from None
+    return msgspec.structs.replace(settings, model=kept), lines
+
+
+def report(backend: Any, settings: Settings, servers: list[str] = (), load: bool = True) -> None:  # type: ignore[assignment]
+    """Print what `backend` loaded (or, for the remote and Ray backends, what was checked), and `servers`,
+    the models on inference servers; exit 1 if loading fails. Without `load` only the servers are told."""
     if settings.backend == "remote":
         executors = ", ".join(redact_url(url) for url in settings.executors)
         click.echo(f"backend: remote, executors: {executors}")
@@ -32,6 +59,11 @@ def report(backend: Any, settings: Settings) -> None:
         )
         click.echo(f"backend: ray, address: {settings.ray_address or 'a local Ray instance'}, {sizing}")
         click.echo("dry run: configuration checked, Ray Serve importable; Ray was not contacted")
+        return
+    for line in servers:
+        click.echo(line)
+    if not load:  # every model is on a server
+        click.echo("dry run: checked; not serving")
         return
     info, served = _load(backend)
     for model in served:
@@ -62,7 +94,7 @@ def _load(backend: Any) -> tuple[dict[str, Any], list[Any]]:
         finally:
             await backend.stop()
 
-    from backends.model import ModelError
+    from backends.loading import ModelError
 
     try:
         return asyncio.run(load())

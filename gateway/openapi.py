@@ -29,7 +29,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from backends.base import Backend
+from gateway.backend import Backend
 from gateway import params as params_mod
 from gateway.errors import STATUS_OF
 from gateway.store import MAX_PAGE, STATES

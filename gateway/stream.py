@@ -52,7 +52,7 @@ from sse_starlette.sse import AppStatus, SendTimeoutError
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from backends.base import Backend
+from gateway.backend import Backend
 from gateway import sendbuffer
 from gateway.errors import ApiError
 from gateway.jobs import Job

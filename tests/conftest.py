@@ -15,7 +15,7 @@ import httpx
 import pytest
 import uvicorn
 
-from backends.execution import set_torch_threads
+from backends.workers import set_torch_threads
 from backends.memory import bound_heap
 from backends.local import LocalBackend
 from backends.remote import RemoteBackend

@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from backends import model as models
+from backends import loading as models
 from gateway.tools import Cancelled, Context, Model, tool
 from gateway.tools.batching import one_pass, run_alone
 from gateway.tools.embed import EmbedParams, embed

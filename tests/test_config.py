@@ -276,6 +276,24 @@ def test_dry_run_loads_the_model_and_tools_and_exits_0(tiny_model_path):
     assert "not serving" in out
 
 
+def test_dry_run_loads_the_models_here_and_names_those_on_inference_servers_without_starting_them(tiny_model_path, tmp_path):
+    fake_python = tmp_path / "python"  # never run: a dry run starts no server
+    result = invoke("serve", "--model", f"here={tiny_model_path}", "--model", f"base=vllm:{tiny_model_path}",
+                    "--model", "far=openai+https://user:secret@gpu-box/v1", "--vllm-python", str(fake_python),
+                    "--device", "cpu", "--dry-run")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert f"model: base on a vLLM server the gateway starts: {tiny_model_path}, with {fake_python} (not started)" in out
+    assert "model: far on the inference server at https://user:REDACTED@gpu-box/v1 (not contacted)" in out
+    assert "model: here (causal_lm)" in out and "loaded; not serving" in out
+    # Only servers: nothing is loaded here (not the bundled default either).
+    only = invoke("serve", "--model", "far=openai+http://127.0.0.1:9/v1", "--dry-run")
+    assert only.exit_code == 0 and only.stdout.splitlines()[-1] == "dry run: checked; not serving", only.output
+    assert "loaded" not in only.stdout
+    missing = invoke("serve", "--model", "base=vllm:./no/such/model", "--dry-run")
+    assert missing.exit_code == 1 and "not a model folder" in missing.output
+
+
 def test_executor_dry_run_loads_the_model(tiny_model_path, tmp_path):
     config = write(tmp_path, f'model = "{tiny_model_path}"\ndevice = "cpu"\ndtype = "bfloat16"\n')
     result = invoke("executor", "--config", config, "--dry-run")

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import torch
 
-from backends import model as models
+from backends import loading as models
 from gateway.cost import Budget, Cost
 from gateway.errors import ApiError
 from gateway.tools import Model, builtin_tools
@@ -83,7 +83,7 @@ def test_logits_read_a_few_positions_at_a_time_give_what_one_readout_gives(
 ) -> None:
     """Full-vocabulary logits at every position are never held at once: read 3 positions at a time
     (not the thousands one readout chunk takes here), every number is what one readout gives."""
-    import gateway.tools.anatomy as anatomy_mod
+    import gateway.models.anatomy as anatomy_mod
 
     raw = {
         "logprobs": {"prompts": ["The cat sat", "a" * 40, "xy"], "top": 4, "next_token": True},
@@ -178,17 +178,17 @@ def test_openai_routes_are_priced_too(priced: Server) -> None:
 def test_a_long_prefill_in_pieces_gives_what_one_pass_gives(wide: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompts of 700 and 400 tokens (left-padded together) and one alone, prefilled 64 columns at a
     time: the next-token logits, and those after one decoding step, as one pass gives them."""
-    import gateway.tools.generate as generate_mod
+    import gateway.models.decoders as decoders
 
     prompts = [[5 + i % 200 for i in range(700)], [7 + i % 150 for i in range(400)]]
     for rows in ([prompts[0]], prompts):
         with torch.inference_mode():
-            whole = generate_mod.KVCache(wide)
+            whole = decoders.KVCache(wide)
             first = whole.prefill(rows)
             after = whole.decode(first.argmax(-1))
-            monkeypatch.setattr(generate_mod, "PREFILL_TOKENS", 64 * len(rows))
-            assert generate_mod.prefill_columns(len(rows), 700) == 64
-            pieces = generate_mod.KVCache(wide)
+            monkeypatch.setattr(decoders, "PREFILL_TOKENS", 64 * len(rows))
+            assert decoders.prefill_columns(len(rows), 700) == 64
+            pieces = decoders.KVCache(wide)
             first_pieces = pieces.prefill(rows)
             after_pieces = pieces.decode(first_pieces.argmax(-1))
             monkeypatch.undo()

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from backends import model as models
+from backends import loading as models
 from tests.conftest import make_server, run_stream
 
 pytestmark = pytest.mark.default_model

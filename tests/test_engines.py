@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from backends import model as models
+from backends import loading as models
 from backends.engines import engine_devices, engine_settings
 from gateway.config import Settings
 from tests.conftest import make_server, parse_sse, run_stream, wait_until

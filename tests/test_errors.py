@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-import backends.model
-from backends.model import ModelError
+import backends.loading
+from backends.loading import ModelError
 from tests.conftest import (
     make_remote_server,
     make_server,
@@ -479,7 +479,7 @@ def test_full_queue_is_429_with_retry_after(serve_any, kind):
 def test_not_ready_while_the_model_loads(tiny_model_path, monkeypatch):
     # Local only: the load is held back by patching it in this process (remote: the next test).
     release, loading = threading.Event(), threading.Event()
-    real_load = backends.model.load
+    real_load = backends.loading.load
 
     def slow_load(*args: Any, **kwargs: Any) -> Any:
         loading.set()
@@ -487,7 +487,7 @@ def test_not_ready_while_the_model_loads(tiny_model_path, monkeypatch):
             raise RuntimeError("the test never released the load")
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(backends.model, "load", slow_load)
+    monkeypatch.setattr(backends.loading, "load", slow_load)
     s = make_server(tiny_model_path, ready=False)
     try:
         assert loading.wait(timeout=TIMEOUT)

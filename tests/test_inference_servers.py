@@ -138,7 +138,7 @@ def plain(vllm_gateway: ServeProcess) -> Any:
     import torch
     import transformers as tf
 
-    from backends import model as models
+    from backends import loading as models
 
     (spec,) = models.specs([])
     folder = models.converted_folder(spec)

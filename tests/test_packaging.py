@@ -291,7 +291,7 @@ def test_the_ray_profile_is_a_head_and_a_gateway_that_joins_it():
     assert set(services) == {"ray-head", "gateway-ray"}
     head, gateway = services["ray-head"], services["gateway-ray"]
     assert head["build"]["target"] == gateway["build"]["target"] == "ray"
-    assert "pip install '.[ray]'" in (ROOT / "Dockerfile").read_text()
+    assert "pip install -c constraints.txt '.[ray]'" in (ROOT / "Dockerfile").read_text()
     assert gateway["depends_on"] == {"ray-head": {"condition": "service_healthy"}}
     env = environment(gateway)
     assert (env["STREAMGATE_BACKEND"], env["STREAMGATE_RAY_ADDRESS"]) == ("ray", "auto")
@@ -315,6 +315,29 @@ def test_every_profile_is_checked_and_publishes_each_port_once():
         assert len(published) == len(set(published)), f"--profile {profile} publishes a port twice: {published}"
 
 
+def test_the_constraints_pin_every_dependency_within_its_range():
+    """constraints.txt (what the Makefile installs) holds one version of each requirement in
+    pyproject.toml, runtime and extras, that the requirement itself allows; torch is pyproject's."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned: dict[str, str] = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version and canonicalize_name(name) not in pinned, line
+            pinned[canonicalize_name(name)] = version
+    wanted = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    for requirement in map(Requirement, wanted):
+        name = canonicalize_name(requirement.name)
+        if name in ("streamgate", "torch"):
+            continue
+        assert name in pinned, f"{requirement} is not in constraints.txt: make lock"
+        assert requirement.specifier.contains(pinned[name], prereleases=True), f"constraints.txt has {name}=={pinned[name]}, outside {requirement}"
+    assert "torch" not in pinned and any(r.startswith("torch==") for r in project["dependencies"])
+
+
 def test_dockerfile_has_a_target_per_service():
     targets = dockerfile_targets((ROOT / "Dockerfile").read_text())
     assert {"gateway", "executor"} <= targets
@@ -327,7 +350,7 @@ def test_dockerfile_has_a_target_per_service():
 
 
 def test_the_vllm_profile_is_vllms_server_and_a_gateway_serving_a_model_beside_it():
-    from backends import model as models
+    from backends import loading as models
 
     document, _ = load_compose(COMPOSE.read_text())
     services = active_services(document, VLLM_PROFILE)

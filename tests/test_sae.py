@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from backends import model as models
+from backends import loading as models
 from backends.local import LocalBackend
-from gateway import sae as sae_files
+from gateway.models import sae as sae_files
 from gateway.errors import ParamError
 from gateway.tools import builtin_tools, collect
 from gateway.tools.generate import GenerateParams, generate

@@ -188,7 +188,7 @@ class ModelTools(ls.LitAPI):
         input_ids, mask, positions = self._left_padded(rows)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1)
-        cache, positions = out.past_key_values, positions[:, -1:] + 1
+        cache, positions = out.cache, positions[:, -1:] + 1
         tokens: list[list[int]] = [[] for _ in rows]
         finished = [False] * len(rows)
         next_ids = out.logits[:, -1].float().argmax(dim=-1)
@@ -202,8 +202,8 @@ class ModelTools(ls.LitAPI):
             # Rows that ended still run (a static batch), their tokens unused.
             mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
             out = self.model(input_ids=next_ids[:, None], attention_mask=mask, position_ids=positions,
-                             past_key_values=cache, use_cache=True)
-            cache, positions = out.past_key_values, positions + 1
+                             cache=cache, use_cache=True)
+            cache, positions = out.cache, positions + 1
             next_ids = out.logits[:, -1].float().argmax(dim=-1)
         results, start = [], 0
         for request in requests:

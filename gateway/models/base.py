@@ -2,7 +2,7 @@
 
 A `Model` is a loaded model and its tokenizer on one device. Tools never ask
 what family or class it is: they call `encode`, `logits`, `hidden_states`
-and the layer stack (`gateway/tools/anatomy.py`), and they state which
+and the layer stack (`gateway/models/anatomy.py`), and they state which
 `Capability` they need. Each kind of model (one module each beside this one)
 loads a checkpoint and says which capabilities it has, each one proven on the
 loaded weights by a probe (`gateway/models/probes.py`) rather than assumed
@@ -122,7 +122,7 @@ class Model:
     capabilities: frozenset[Capability] = field(default_factory=frozenset)
     # Why each capability the model lacks is missing, in words for a refusal.
     missing: dict[Capability, str] = field(default_factory=dict)
-    # The sparse autoencoders served with it (`--sae`), by name: gateway/sae.py.
+    # The sparse autoencoders served with it (`--sae`), by name: gateway/models/sae.py.
     saes: dict[str, Any] = field(default_factory=dict, repr=False)
     # What tools work out once per model and reuse (e.g. where its layers are).
     memo: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -275,3 +275,16 @@ class Model:
             if handle is not None:
                 handle.remove()
         return tuple(out.hidden_states)
+
+
+def right_padded(model: Model, rows: list[list[int]]) -> tuple[Any, Any]:
+    """Token id rows padded on the right into one batch: (input_ids, attention_mask) on the model's device."""
+    import torch  # importing the model API needs no torch
+
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.full((len(rows), width), model.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for i, ids in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = 1
+    return input_ids.to(model.device), mask.to(model.device)

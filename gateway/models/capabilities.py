@@ -10,19 +10,25 @@ what is missing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from gateway.models.base import Capability
+from collections.abc import Set
+from typing import Protocol
 
 from gateway.errors import ApiError
+from gateway.models.base import Capability, Model
 from gateway.protocol import Code
 
-if TYPE_CHECKING:
-    from gateway.models.base import Model
-    from gateway.tools.base import Tool
+
+class Needing(Protocol):
+    """What is asked of a tool here (gateway/tools/base.py's `Tool`): models know no tools."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def needs(self) -> Set[Capability]: ...
 
 
-def unsupported(tool: Tool, model: Model) -> str | None:
+def unsupported(tool: Needing, model: Model) -> str | None:
     """Why `model` cannot run `tool`, in one sentence; None when it can."""
     lacking = [cap for cap in tool.needs if cap not in model.capabilities]
     if not lacking:

@@ -18,7 +18,7 @@ from gateway.models.base import Capability, Kind, Model
 def load(name: str, source: str, device: str, dtype: torch.dtype, trust_remote_code: bool = False) -> Model:
     from transformers import AutoModelForCausalLM
 
-    from gateway.tools.anatomy import find
+    from gateway.models.anatomy import find
 
     model = huggingface.load(name, source, Kind.CAUSAL_LM, AutoModelForCausalLM, device, dtype, trust_remote_code)
     probes.prove(
@@ -38,7 +38,7 @@ def load(name: str, source: str, device: str, dtype: torch.dtype, trust_remote_c
 def cache_as_generate_uses_it(model: Model, ids: list[int]) -> str | None:
     """None if `generate`'s KV cache (left padding, position ids, rows leaving) gives each row's
     full-pass logits; else why not (then `generate` recomputes the context instead)."""
-    from gateway.tools.generate import KVCache
+    from gateway.models.decoders import KVCache
 
     long, short = ids, ids[: max(2, len(ids) // 2)]
     extra = long[1]

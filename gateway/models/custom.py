@@ -190,6 +190,6 @@ def _stepped(model: Model, ids: list[int]) -> torch.Tensor:
 
 
 def _anatomy(obj: Any) -> Any:
-    from gateway.tools.anatomy import Anatomy
+    from gateway.models.anatomy import Anatomy
 
     return Anatomy(layers=list(obj.layers), readout=obj.readout, path=f"{type(obj).__name__}.readout")

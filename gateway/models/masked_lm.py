@@ -21,7 +21,7 @@ ENCODER_ONLY = "every position of a masked LM sees the whole sequence, so it mak
 def load(name: str, source: str, device: str, dtype: torch.dtype, trust_remote_code: bool = False) -> Model:
     from transformers import AutoModelForMaskedLM
 
-    from gateway.tools.anatomy import find
+    from gateway.models.anatomy import find
 
     model = huggingface.load(name, source, Kind.MASKED_LM, AutoModelForMaskedLM, device, dtype, trust_remote_code)
     probes.prove(

@@ -109,7 +109,7 @@ def bidirectional(model: Model) -> bool:
 
 def layers(model: Model, ids: list[int], find: Callable[[], Any]) -> str | None:
     """Find the blocks and readout (`find()`), check them, and keep them on the model; else why not."""
-    from gateway.tools.anatomy import ModelShapeError
+    from gateway.models.anatomy import ModelShapeError
 
     try:
         body = find()

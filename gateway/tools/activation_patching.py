@@ -27,7 +27,7 @@ import torch
 
 from gateway.cost import JSON_FLOAT, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
-from gateway.tools.anatomy import anatomy, readout_rows, resolve_layers, resolve_positions, single_token
+from gateway.models.anatomy import anatomy, readout_rows, resolve_layers, resolve_positions, single_token
 from gateway.tools.base import Capability, Context, Model, tool
 from gateway.tools.logit_lens import MAX_POSITIONS, Layers, rank
 from gateway.tools.numbers import floats

@@ -34,7 +34,7 @@ from typing import Annotated, Any, Protocol
 
 import msgspec
 
-from gateway.models.base import Capability, Model
+from gateway.models.base import Capability, Model, right_padded  # noqa: F401  (the tools' name for it)
 from gateway.protocol import ToolInfo
 
 __all__ = ["Cancelled", "Capability", "Context", "Model", "Tool", "right_padded", "tool"]
@@ -211,16 +211,3 @@ def tool(
         )
 
     return make(fn) if fn is not None else make
-
-
-def right_padded(model: Model, rows: list[list[int]]) -> tuple[Any, Any]:
-    """Token id rows padded on the right into one batch: (input_ids, attention_mask) on the model's device."""
-    import torch  # the tool API itself does not need torch
-
-    width = max(len(ids) for ids in rows)
-    input_ids = torch.full((len(rows), width), model.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for i, ids in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        mask[i, : len(ids)] = 1
-    return input_ids.to(model.device), mask.to(model.device)

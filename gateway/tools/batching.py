@@ -17,7 +17,7 @@ A one-pass tool whose work falls into independent chunks (`embed`'s texts,
 chunks, sorted by length so that padding is small, the work of one chunk, and
 the assembly of the results in the caller's order. On one device the chunks
 run in turn, one a step (`ChunkSteps`: another tool's job may run between two); with several (`--devices`), the worker spreads one job's chunks
-over every device at once (`Tool.spread`, backends/execution.py). Either way
+over every device at once (`Tool.spread`, backends/workers.py). Either way
 each chunk is the same padded pass, so the results are the same.
 """
 
@@ -165,7 +165,7 @@ class Chunked:
     def many(self, model: Model, jobs: list[Any], ctxs: list[Context]) -> list[Any]:
         """Every chunk in turn on this device, in one call (a job run alone, or again after a failure)."""
         chunks = self.plan(model, jobs)
-        progress = Progress(chunks, ctxs, self.unit)
+        progress = ChunkProgress(chunks, ctxs, self.unit)
         outputs: dict[tuple[int, int], Any] = {}
         for chunk in chunks:
             raise_if_all_cancelled(ctxs)
@@ -192,7 +192,7 @@ class ChunkSteps:
         self.members: list[tuple[Any, Context]] = []
         self._chunks: collections.deque[Chunk] | None = None
         self._outputs: dict[tuple[int, int], Any] = {}
-        self._progress: Progress | None = None
+        self._progress: ChunkProgress | None = None
 
     def __len__(self) -> int:
         return len(self.members)
@@ -208,7 +208,7 @@ class ChunkSteps:
         try:
             if self._chunks is None:
                 chunks = self.work.plan(self.model, jobs)
-                self._chunks, self._progress = collections.deque(chunks), Progress(chunks, ctxs, self.work.unit)
+                self._chunks, self._progress = collections.deque(chunks), ChunkProgress(chunks, ctxs, self.work.unit)
             if self._chunks:
                 chunk = self._chunks.popleft()
                 self._outputs.update(zip(chunk.items, self.work.run(self.model, jobs, chunk)))
@@ -235,7 +235,7 @@ class ChunkSteps:
             return exc
 
 
-class Progress:
+class ChunkProgress:
     """Each job's items done, reported as chunks finish (in any order)."""
 
     def __init__(self, chunks: list[Chunk], ctxs: Sequence[Context], unit: str) -> None:

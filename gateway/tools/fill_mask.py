@@ -16,7 +16,7 @@ import msgspec
 
 from gateway.cost import JSON_ENTRY, JSON_TOKEN, PY_ENTRY, Cost, Shape
 from gateway.errors import ParamError
-from gateway.tools.anatomy import logits_at
+from gateway.models.anatomy import logits_at
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import one_pass
 from gateway.tools.numbers import floats

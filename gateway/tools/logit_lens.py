@@ -30,7 +30,7 @@ import torch
 
 from gateway.cost import JSON_ENTRY, JSON_FLOAT, JSON_FRAME, JSON_TOKEN, PY_ENTRY, PY_FLOAT, Cost, Shape
 from gateway.errors import ParamError
-from gateway.tools.anatomy import anatomy, readout_rows, resolve_layers, resolve_positions, single_token
+from gateway.models.anatomy import anatomy, readout_rows, resolve_layers, resolve_positions, single_token
 from gateway.tools.base import Capability, Context, Model, tool
 from gateway.tools.numbers import floats
 from gateway.tools.predict import TokenProb

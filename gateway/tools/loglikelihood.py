@@ -14,7 +14,7 @@ import torch
 
 from gateway.errors import ParamError
 from gateway.cost import JSON_FLOAT, Cost, Shape
-from gateway.tools.anatomy import readout_chunks, readout_rows
+from gateway.models.anatomy import readout_chunks, readout_rows
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import one_pass
 from gateway.tools.numbers import floats

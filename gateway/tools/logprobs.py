@@ -18,7 +18,7 @@ import torch
 
 from gateway.cost import JSON_ENTRY, JSON_FLOAT, JSON_TOKEN, PY_ENTRY, PY_FLOAT, Cost, Shape
 from gateway.errors import ParamError
-from gateway.tools.anatomy import readout_chunks, readout_rows
+from gateway.models.anatomy import readout_chunks, readout_rows
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import one_pass
 from gateway.tools.numbers import floats

@@ -21,7 +21,7 @@ import torch
 
 from gateway.cost import JSON_FLOAT, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
-from gateway.tools.anatomy import logits_at
+from gateway.models.anatomy import logits_at
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import Chunk, Chunked, chunk_peak, sorted_chunks
 from gateway.tools.numbers import floats

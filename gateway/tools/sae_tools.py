@@ -1,6 +1,6 @@
 """The SAE tools: list a served SAE's features, annotate a prompt with them, steer generation.
 
-They exist only when `--sae` gives at least one SAE (gateway/sae.py); each
+They exist only when `--sae` gives at least one SAE (gateway/models/sae.py); each
 finds it on `model.saes`, by the `sae` param's name, or the only one when
 the param is left out. Feature ids are checked in `check`, before the job is
 queued: an id past the SAE's features is a 422 naming the field, never a
@@ -27,8 +27,9 @@ import torch
 
 from gateway.cost import JSON_ENTRY, JSON_FLOAT, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
-from gateway.sae import SAE
-from gateway.tools.anatomy import anatomy
+from gateway.models.anatomy import anatomy
+from gateway.models.decoders import ModelState, Recompute
+from gateway.models.sae import SAE
 from gateway.tools.base import Capability, Context, Model, Tool, right_padded, tool
 from gateway.tools.batching import one_pass, run_alone
 from gateway.tools.numbers import floats
@@ -37,8 +38,6 @@ from gateway.tools.generate import (
     GeneratePartial,
     GenerateResult,
     Generation,
-    ModelState,
-    Recompute,
     _Member,
 )
 from gateway.tools.generate import check as generate_check

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from starlette.testclient import TestClient
 
-from backends.base import Backend
+from gateway.backend import Backend
 from gateway import protocol
 from gateway.app import create_app
 from gateway.params import schema

@@ -3,7 +3,7 @@
  * downloaded) against a real gateway on the tiny model. Screenshots go to test-artifacts/.
  */
 import assert from 'node:assert/strict'
-import {mkdtempSync, rmSync} from 'node:fs'
+import {mkdtempSync, rmSync, writeFileSync} from 'node:fs'
 import {tmpdir} from 'node:os'
 import {join} from 'node:path'
 import {after, before, describe, test} from 'node:test'
@@ -14,7 +14,7 @@ import {EXAMPLES, type ToolInfo} from '../src/index.ts'
 import {ARTIFACTS, launch} from './support/browser.ts'
 import {contrastRatio, luminance} from './support/contrast.ts'
 import {DRAWN} from './support/drawn.ts'
-import {startGateway, type Gateway} from './support/gateway.ts'
+import {startGateway, WEB, type Gateway} from './support/gateway.ts'
 import {startProxy} from './support/proxy.ts'
 
 
@@ -68,7 +68,10 @@ describe('the dashboard', () => {
   before(async () => {
     // --retry-ms 100: a browser that reconnected after the end of a job would do it at once.
     // --max-batch-size 1: a job waits its turn rather than joining generate's running batch.
-    gateway = await startGateway(['--retry-ms', '100', '--max-batch-size', '1', '--log-level', 'info'])
+    // held_tools: a job that holds the worker until the test lets it go (the queue test).
+    gateway = await startGateway(['--retry-ms', '100', '--max-batch-size', '1', '--log-level', 'info', '--tools', 'held_tools'], undefined, {
+      PYTHONPATH: join(WEB, 'test', 'support'),
+    })
     profile = mkdtempSync(join(tmpdir(), 'streamgate-chromium-'))
     context = await launch(profile)
   })
@@ -212,7 +215,8 @@ describe('the dashboard', () => {
     // One model served: no model picker, and no form has a field for the `model` every tool takes.
     assert.ok(await page.locator('#model-picker').isHidden())
     assert.equal(await page.locator('#form [data-field=model]').count(), 0)
-    for (const tool of runnable) {
+    const shown = runnable.filter((t) => t !== 'held') // the queue test's tool, which waits for its gate
+    for (const tool of shown) {
       const selector = DRAWN[tool as keyof typeof DRAWN]
       await pick(page, tool)
       const job = await run(page)
@@ -220,7 +224,7 @@ describe('the dashboard', () => {
       assert.equal(await job.getAttribute('data-tool'), tool)
       assert.ok((await job.locator(selector).count()) > 0, `${tool}: nothing matches ${selector}`)
     }
-    assert.equal(await page.locator('article.job[data-state=done]').count(), runnable.length)
+    assert.equal(await page.locator('article.job[data-state=done]').count(), shown.length)
     // … and the runs name no model: the gateway's only one runs them.
     assert.equal(await page.locator('article.job .job-model').count(), 0)
     assert.equal(await page.locator('article.job[data-tool=predict] .result .bar-row').count(), EXAMPLES.predict.top_k)
@@ -231,16 +235,26 @@ describe('the dashboard', () => {
 
   test('several jobs at once: each streams on its own, queued behind the others', async () => {
     const page = await open()
+    // A held job takes the model's one worker (a batch of one) until its gate file exists; two
+    // generate jobs sent meanwhile wait behind it, #1 and #2, for as long as the gate stays shut.
+    const gate = join(profile, 'gate')
+    await pick(page, 'held')
+    await page.fill('[data-field=gate] input', gate)
+    const holder = await run(page)
+    await holder.locator('.timeline li[data-status=RUNNING]').waitFor()
     await pick(page, 'generate')
-    // Three long jobs sent back to back, one batch of one at a time: the first runs, the next two
-    // wait behind it, #1 and #2, for as long as it takes a job to generate 220 tokens, not a click.
-    await page.fill('[data-field=max_tokens] input', '220')
-    for (let i = 0; i < 3; i++) await page.click('#run button[type=submit]')
-    await page.waitForFunction(() => document.querySelectorAll('article.job').length === 3)
-    const jobs = page.locator('article.job')
+    await page.fill('[data-field=max_tokens] input', '24')
+    for (let i = 0; i < 2; i++) await run(page)
+    const jobs = page.locator('article.job') // newest first
+    await jobs.nth(0).locator('.timeline li[data-status=QUEUED]', {hasText: '#2'}).waitFor()
+    assert.match(await jobs.nth(1).locator('.timeline li[data-status=QUEUED]').innerText(), /#1/)
+    writeFileSync(gate, '')
     for (let i = 0; i < 3; i++) await finished(jobs.nth(i))
-    const queued = await page.locator('.timeline li[data-status=QUEUED]').allInnerTexts()
-    assert.ok(queued.some((text) => /#2/.test(text)), `no job was second in the queue: ${queued.join(' | ')}`)
+    // Each generate job streamed its own tokens into its own card.
+    for (let i = 0; i < 2; i++) {
+      const result = JSON.parse((await jobs.nth(i).locator('.raw pre').textContent()) ?? '{}') as {completions: string[]}
+      assert.equal(await jobs.nth(i).locator('.tokens .completion-text').textContent(), result.completions[0])
+    }
     await shot(page, 'several-jobs')
     await page.close()
   })

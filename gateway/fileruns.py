@@ -24,7 +24,7 @@ from gateway.client import Client
 MAX_SHOWN_FAILURES = 10  # failures told on stderr one by one; the rest only counted (all are in OUT)
 
 
-class Batch:
+class FileRun:
     """`run TOOL --input FILE --output OUT`: a job per record, `concurrency` at a time, each outcome a line of OUT.
 
     Before any job: the tool and its params schema (GET /tools), the records

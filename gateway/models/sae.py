@@ -8,7 +8,7 @@ stem (`.json` or `.toml`):
     {"layer": 6, "activation": "topk", "k": 32, "name": "res6", "labels": {"12": "dogs"}}
 
 `layer` is the decoder block whose output (the residual stream, as
-`gateway/tools/anatomy.py` numbers the blocks) the SAE reads; `activation` is
+`gateway/models/anatomy.py` numbers the blocks) the SAE reads; `activation` is
 `topk` (with `k`), `relu` or `jumprelu`; `labels` is a list (by feature id)
 or a `{id: label}` table; `apply_b_dec_to_input` subtracts `b_dec` before
 encoding, as some trainers do.
@@ -205,7 +205,7 @@ def load(spec: SAESpec, model: Any) -> SAE:
     import torch
     from safetensors.torch import load_file
 
-    from gateway.tools.anatomy import ModelShapeError, anatomy
+    from gateway.models.anatomy import ModelShapeError, anatomy
 
     def fail(problem: str) -> SAEError:
         return SAEError(f"--sae {spec.path}: {problem}")

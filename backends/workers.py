@@ -62,7 +62,7 @@ from gateway.encoding import to_json
 from gateway.jobs import Job, JobContext
 from gateway.protocol import Code
 from gateway.tools.base import Cancelled, Context, Model, Tool
-from gateway.tools.batching import Batch, Chunk, Chunked, Progress
+from gateway.tools.batching import Batch, Chunk, Chunked, ChunkProgress
 
 log = logging.getLogger("streamgate.worker")
 
@@ -125,12 +125,12 @@ def step(
     return [(ctx, outcome if isinstance(outcome, BaseException) else msgspec.Raw(encode(outcome))) for ctx, outcome in ended]
 
 
-def _plan(work: Chunked, model: Model, params: list[Any], ctxs: list[JobContext]) -> tuple[list[Chunk], Progress]:
+def _plan(work: Chunked, model: Model, params: list[Any], ctxs: list[JobContext]) -> tuple[list[Chunk], ChunkProgress]:
     for ctx in ctxs:
         ctx.begin()
     with torch.inference_mode():
         chunks = work.plan(model, params)
-    return chunks, Progress(chunks, ctxs, work.unit)
+    return chunks, ChunkProgress(chunks, ctxs, work.unit)
 
 
 def _run_chunk(work: Chunked, model: Model, params: list[Any], chunk: Chunk) -> list[Any]:
