@@ -59,7 +59,7 @@ TITLE = "embeddings: sequences/s of one embed job, one device vs two engines or 
 AMINO_ACIDS = "LAGVSERTIDPKQNFYMHWC"
 # ESM-2 8M's shape (esm2_t6_8M_UR50D).
 HIDDEN, LAYERS, HEADS, INTERMEDIATE, MAX_RESIDUES = 320, 6, 20, 1280, 1024
-TOLERANCE = 1e-4  # float32 rounding: what the README promises batched and spread results agree to
+TOLERANCE = 1e-4  # float32 rounding: what docs/cli.md promises batched and spread results agree to
 WARM_UP = 32  # sequences in each gateway's first, untimed job: two chunks, one for each worker
 
 

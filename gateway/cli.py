@@ -73,7 +73,7 @@ def _model_options(command: Any) -> Any:
     """The options of a process that loads the model and runs tools: `serve` and `executor`."""
     options = [
         _option("--model", multiple=True, type=_CommaListed(), help="[NAME=]SOURCE: a local folder, .gguf file or Hugging Face id, served as NAME (default: the folder's or file's name); vllm:PATH, a vLLM server the gateway starts on PATH; openai+http(s)://HOST/v1, an OpenAI-compatible server already running (NAME= required). Repeatable: several models side by side, the first the default; a run picks one with its `model` param. Default: the bundled SmolLM2-135M-Instruct."),
-        _option("--model-loader", multiple=True, type=_CommaListed(), help="[NAME=]module:function that loads a custom model (see the README's Models section); the --model of that NAME (without NAME: the first) is passed to it. Repeatable."),
+        _option("--model-loader", multiple=True, type=_CommaListed(), help="[NAME=]module:function that loads a custom model (see docs/models.md); the --model of that NAME (without NAME: the first) is passed to it. Repeatable."),
         _option("--model-devices", multiple=True, help="NAME=DEVICE[,DEVICE]: the devices of one model, instead of --device/--devices (repeatable)."),
         _option("--trust-remote-code", is_flag=True, default=False, help="Run the modelling code a checkpoint ships with it (transformers' trust_remote_code). Only for checkpoints you trust."),
         _option("--device", default=None, help="cuda, cuda:1, mps or cpu. Default: the best available."),

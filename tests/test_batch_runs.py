@@ -77,7 +77,7 @@ def assert_same_embedding(batched: dict[str, Any], alone: dict[str, Any]) -> Non
     """A result from a batch equals the one the record gets alone: every field, the vectors to float32 rounding.
 
     The gateway batches the jobs that wait together into one padded forward pass, which can round a
-    float32 differently in the last bits (README: "to float32 rounding"); test_batch_results_are_exact
+    float32 differently in the last bits (docs/cli.md: "to float32 rounding"); test_batch_results_are_exact
     checks the same path, unbatched, for exact equality.
     """
     assert {k: v for k, v in batched.items() if k != "embeddings"} == {k: v for k, v in alone.items() if k != "embeddings"}

@@ -99,7 +99,7 @@ def test_an_encoder_decoder_fails_dry_run_and_start_with_one_sentence(paths: dic
 
 def test_a_bert_config_never_loads_as_a_causal_lm(tmp_path: Path) -> None:
     # A checkpoint saved from BertLMHeadModel whose config says is_decoder false is an encoder.
-    from backends.model import detect_kind
+    from backends.loading import detect_kind
 
     path = build("bert_mlm", tmp_path / "bert")
     config = tf.AutoConfig.from_pretrained(path)
@@ -450,14 +450,14 @@ def test_one_big_job_spreads_over_every_device_with_the_one_device_result(paths:
         two.stop()
 
 
-def test_the_readmes_loader_example_loads_and_passes_its_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_models_pages_loader_example_loads_and_passes_its_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import re
     import sys
 
-    from backends import model as models
+    from backends import loading as models
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    (code,) = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "# mypkg/models.py" in block]
+    page = (Path(__file__).parent.parent / "docs" / "models.md").read_text()
+    (code,) = [block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "# mypkg/models.py" in block]
     package = tmp_path / "readme_loader"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -483,7 +483,7 @@ def test_embed_refuses_cls_on_a_causal_model_and_a_text_of_special_tokens_only(s
 
 
 def test_a_task_head_checkpoint_serves_its_encoder_and_a_causal_base_model_no_cls(tmp_path: Path) -> None:
-    from backends import model as models
+    from backends import loading as models
 
     path = build("bert_mlm", tmp_path / "bert-cls")
     tok = tf.AutoTokenizer.from_pretrained(path)
@@ -570,7 +570,7 @@ def test_decoding_is_the_tokenizers_own_for_every_id(paths: dict[str, Path], kin
     be what the wrapper gives, special tokens and cut multi-byte characters included."""
     from transformers import AutoTokenizer
 
-    from backends import model as models
+    from backends import loading as models
 
     model = models.load(models.resolve(str(paths[kind])), "cpu")
     tokenizer = AutoTokenizer.from_pretrained(paths[kind])

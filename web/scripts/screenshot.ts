@@ -1,5 +1,5 @@
 /**
- * A screenshot of the dashboard for the README, against a running gateway (the default model
+ * A screenshot of the dashboard for the docs, against a running gateway (the default model
  * makes the best picture): `npm run screenshot -- [URL] [PNG]`, by default
  * http://127.0.0.1:8000 and ../docs/dashboard.png. Uses Debian's Chromium, like the tests.
  */

@@ -284,10 +284,11 @@ describe('the dashboard', () => {
 
   test('cancel: the job is deleted and ends with its cancelled event', async () => {
     const page = await open()
-    await pick(page, 'generate')
-    await page.fill('[data-field=max_tokens] input', '200')
+    // A held job whose gate never opens: it runs until cancelled, however fast the machine.
+    await pick(page, 'held')
+    await page.fill('[data-field=gate] input', join(profile, 'never'))
     const job = await run(page)
-    await job.locator('.token').first().waitFor()
+    await job.locator('.timeline li[data-status=RUNNING]').waitFor()
     await job.locator('button', {hasText: 'Cancel'}).click()
     await finished(job, 'cancelled')
     assert.equal(await job.locator('.error .code').innerText(), 'cancelled')
