@@ -111,7 +111,7 @@ def test_tools_tool_describes_its_params(gateway):
     assert list(params) == list(props)
     # Name and default (or "required"), the type with its limits, the description.
     assert params["max_tokens"] == [
-        "max_tokens = 16", f"integer (1 ≤ x ≤ {props['max_tokens']['maximum']})", "Most tokens to generate per prompt."
+        "max_tokens = 16", f"integer (1 ≤ x ≤ {props['max_tokens']['maximum']})", "Most tokens to generate per completion."
     ]
     assert params["top_p"] == ["top_p = 1.0", "number (0 < x ≤ 1)", "Nucleus sampling mass."]
     # An Optional's description sits in its non-null alternative; lengths of the list and of its items.
