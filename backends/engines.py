@@ -59,7 +59,7 @@ from gateway.config import Settings
 from gateway import params as params_mod
 from gateway.errors import ApiError
 from gateway.jobs import Job
-from gateway.logs import request_id
+from gateway.plumbing.logs import request_id
 from gateway.protocol import Code, Forget, ModelInfo, Refusal, RemoteFrame, RemoteKind, Status, Submit, encode
 from gateway.tools.base import Tool
 from gateway.tools.batching import Chunked

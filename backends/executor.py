@@ -47,14 +47,14 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from backends.local import LocalBackend
 from gateway import params as params_mod
-from gateway.admission import Admission, Applicant
+from gateway.server.admission import Admission, Applicant
 from gateway.config import Settings
-from gateway.drain import Drain, on_sigterm
+from gateway.plumbing.drain import Drain, on_sigterm
 from gateway.encoding import HASH_INLINE, HASHING
 from gateway.errors import ApiError, api_error_handler, http_error_handler
 from gateway.jobs import Job
-from gateway.logs import RequestIds, accept_request_id, request_id
-from gateway.metrics import Metrics
+from gateway.plumbing.logs import RequestIds, accept_request_id, request_id
+from gateway.plumbing.metrics import Metrics
 from gateway.protocol import (
     Code,
     Event,

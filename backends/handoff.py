@@ -31,7 +31,7 @@ from typing import Any
 
 log = logging.getLogger("streamgate.worker")
 
-# Every device thread that has not ended yet, for the process's exit (gateway/drain.py).
+# Every device thread that has not ended yet, for the process's exit (gateway/plumbing/drain.py).
 _alive: set[threading.Thread] = set()
 
 

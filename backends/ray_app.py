@@ -37,7 +37,8 @@ def settings(args: dict[str, Any]) -> Settings:
     """The settings `args` give; ValueError naming the key at fault."""
     import click
 
-    from gateway import cli, configfile
+    from gateway.cli import commands as cli
+    from gateway.cli import configfile
 
     try:
         probe = click.Context(cli.serve, info_name="streamgate serve")

@@ -47,7 +47,7 @@ from backends.base import Relaying
 from backends.frames import failure, relay
 from backends.remote import as_json
 from gateway import params as params_mod
-from gateway.admission import Admission, Applicant
+from gateway.server.admission import Admission, Applicant
 from gateway.config import Settings
 from gateway.errors import ApiError
 from gateway.jobs import Job
@@ -56,7 +56,7 @@ from gateway.protocol import Code, ErrorInfo, EventType, ModelInfo, RemoteFrame,
 log = logging.getLogger("streamgate.ray")
 
 # Ray's C++ core otherwise catches SIGTERM in the gateway's process and aborts it 3 s later,
-# whatever the drain (gateway/drain.py) is doing. Ray reads this when first imported, and this
+# whatever the drain (gateway/plumbing/drain.py) is doing. Ray reads this when first imported, and this
 # module imports Ray only inside functions, after it.
 os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 

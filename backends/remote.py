@@ -60,7 +60,7 @@ from backends.frames import failure, relay
 from gateway.encoding import HASH_INLINE, HASHING, from_msgpack, to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
-from gateway.logs import forward_request_id
+from gateway.plumbing.logs import forward_request_id
 from gateway.params import INLINE_BYTES, off_loop
 from gateway.protocol import (
     Code,

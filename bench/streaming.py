@@ -13,7 +13,7 @@ time), jobs/s with several concurrent clients, and events/s on one long stream
 (thousands of partials). Clients are raw asyncio connections in this process,
 one per job, so the client costs little next to the servers.
 
-Both servers run the same stack, the gateway's (gateway/slowclients.py): uvicorn
+Both servers run the same stack, the gateway's (gateway/plumbing/slowclients.py): uvicorn
 with httptools and uvloop.
 
 Targets: time to first event p50 < 5 ms; gateway jobs/s >= 0.8x the bare
@@ -68,7 +68,7 @@ def bare_app(frames_file: Path):
 
 
 def serve_bare(port: int, frames_file: Path) -> None:
-    from gateway.slowclients import event_loop
+    from gateway.plumbing.slowclients import event_loop
 
     uvicorn.run(bare_app(frames_file), host="127.0.0.1", port=port, log_level="warning", http="httptools", loop=event_loop())
 
@@ -95,7 +95,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     bare = bench.start([sys.executable, __file__, "--bare-server", str(bare_port), str(frames_file)], bare_port, "bare")
     bench.ready(gateway, bare)
     report.fact("machine", common.machine(common.readyz(gateway).get("device", "?")))
-    from gateway.slowclients import event_loop
+    from gateway.plumbing.slowclients import event_loop
 
     report.fact("server stack", f"uvicorn {importlib.metadata.version('uvicorn')}, httptools, {event_loop()} loop (both endpoints)")
 

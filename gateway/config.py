@@ -38,22 +38,22 @@ class Settings(msgspec.Struct, kw_only=True):
     # What one job may cost (gateway/cost.py): None, a quarter of the machine's memory (half a GPU's).
     max_job_memory: int | None = None
     max_result_bytes: int = DEFAULT_RESULT_BYTES
-    max_header_bytes: int = 64 * 1024  # a request line and headers, together (gateway/slowclients.py)
-    send_buffer: int = 512 * 1024  # each connection's SO_SNDBUF (gateway/sendbuffer.py)
-    # Slow clients: seconds for a request's headers (gateway/slowclients.py), then its body (gateway/params.py).
+    max_header_bytes: int = 64 * 1024  # a request line and headers, together (gateway/plumbing/slowclients.py)
+    send_buffer: int = 512 * 1024  # each connection's SO_SNDBUF (gateway/plumbing/sendbuffer.py)
+    # Slow clients: seconds for a request's headers (gateway/plumbing/slowclients.py), then its body (gateway/params.py).
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     ping_interval: float = 15.0
-    max_streams: int = 10_000  # event streams held at once; past it 503 overloaded (gateway/stream.py)
+    max_streams: int = 10_000  # event streams held at once; past it 503 overloaded (gateway/server/stream.py)
     max_streams_per_owner: int | None = None  # of those, by one tenant; None: no limit of its own
     retry_ms: int = 3000
     debug: bool = False
     log_level: str = "info"
-    log_format: str = "text"  # or json: one object a line (gateway/logs.py)
+    log_format: str = "text"  # or json: one object a line (gateway/plumbing/logs.py)
     detach_grace: float = 30.0
     retention: float = 600.0
-    store: str = "memory"  # or redis://host:port/db: jobs shared by every replica (gateway/redis_store.py)
-    store_outage_grace: float = 30.0  # seconds a Redis outage is ridden out (gateway/redis_store.py)
+    store: str = "memory"  # or redis://host:port/db: jobs shared by every replica (gateway/server/redis_store.py)
+    store_outage_grace: float = 30.0  # seconds a Redis outage is ridden out (gateway/server/redis_store.py)
     backend: str = "local"
     # --backend local: the models in this process's threads, or each in an engine process (backends/engines.py).
     engine: str = "process"
@@ -72,14 +72,14 @@ class Settings(msgspec.Struct, kw_only=True):
     ray_gpus_per_replica: float | None = None  # None: 1 when the cluster has GPUs, else 0
     ray_cpus_per_replica: float = 1.0
     executor_token: str | None = None
-    # Client access (gateway/auth.py): no tokens, no auth.
+    # Client access (gateway/server/auth.py): no tokens, no auth.
     tokens_file: str | None = None
     tokens: list[str] = msgspec.field(default_factory=list)
     max_concurrent_per_token: int | None = None
     jobs_per_minute_per_token: int | None = None
     ticket_ttl: float = 60.0
     cors_origins: list[str] = msgspec.field(default_factory=list)
-    # Stopping and limits on one job's run (gateway/drain.py, backends/workers.py).
+    # Stopping and limits on one job's run (gateway/plumbing/drain.py, backends/workers.py).
     drain_timeout: float = 30.0
     job_timeout: float = 600.0
     write_timeout: float = 30.0

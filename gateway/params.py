@@ -148,7 +148,7 @@ def decode_body(tool: Tool, body: bytes, what: str = "the body") -> Any:
         raise ApiError(Code.BAD_REQUEST, f"{what} is not valid JSON: {exc}") from None
 
 
-# Query keys the gateway reads itself (gateway/auth.py): never a tool's params.
+# Query keys the gateway reads itself (gateway/server/auth.py): never a tool's params.
 GATEWAY_QUERY_KEYS = frozenset({"ticket"})
 
 

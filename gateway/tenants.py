@@ -10,14 +10,14 @@ is only a name: nothing here authenticates, and a client that can change its
 address can become another tenant, as it could open another connection.
 
 Past a per-owner limit the answer is 429 `rate_limited` with `Retry-After`,
-the shape of the per-token limits (gateway/auth.py).
+the shape of the per-token limits (gateway/server/auth.py).
 """
 
 from __future__ import annotations
 
 from starlette.requests import HTTPConnection
 
-from gateway.auth import Principal
+from gateway.server.auth import Principal
 from gateway.errors import ApiError
 from gateway.protocol import Code
 

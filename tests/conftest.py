@@ -19,9 +19,9 @@ from backends.workers import set_torch_threads
 from backends.memory import bound_heap
 from backends.local import LocalBackend
 from backends.remote import RemoteBackend
-from gateway.app import create_app
+from gateway.server.app import create_app
 from gateway.config import Settings
-from gateway.slowclients import uvicorn_options
+from gateway.plumbing.slowclients import uvicorn_options
 from gateway.tools import Tool, builtin_tools, collect, load_module
 from tests.processes import ServeProcess, clean_env, free_port, start_executor, start_serve
 

@@ -20,8 +20,8 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.cli import describe_tool
-from gateway.cli import serve as serve_command
+from gateway.cli.commands import describe_tool
+from gateway.cli.commands import serve as serve_command
 from gateway.tools import builtin_tools
 from tests.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
 

@@ -27,7 +27,7 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.cli import _printable
+from gateway.cli.commands import _printable
 from tests.conftest import Server, build_tiny_model, track_jobs
 from tests.processes import ROOT, STREAMGATE, clean_env, free_port
 

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from gateway import cli
-from gateway.configfile import redact, redact_url
+from gateway.cli import commands as cli
+from gateway.cli.configfile import redact, redact_url
 from tests.processes import ROOT, STREAMGATE, clean_env, free_port
 
 
@@ -35,7 +35,7 @@ def no_servers_and_a_clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         if name.startswith("STREAMGATE_"):
             monkeypatch.delenv(name)
     # Logging set up in-process would hold CliRunner's captured stderr after the test.
-    monkeypatch.setattr("gateway.logs.configure_logging", lambda *args, **kwargs: None)
+    monkeypatch.setattr("gateway.plumbing.logs.configure_logging", lambda *args, **kwargs: None)
 
 
 def invoke(*args: str, env: dict[str, str] | None = None) -> Result:

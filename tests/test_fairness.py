@@ -23,7 +23,7 @@ import msgspec
 import pytest
 
 from backends.queue import JobQueue
-from gateway.auth import AuthConfigError, load_principals
+from gateway.server.auth import AuthConfigError, load_principals
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.protocol import Code

@@ -34,7 +34,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from backends.base import remote_tool
-from gateway import openapi
+from gateway.server import openapi
 from gateway.params import describe
 from gateway.protocol import ErrorBody
 from gateway.tools import Context, Model, builtin_tools, collect, tool

@@ -20,7 +20,7 @@ import torch
 import transformers as tf
 from click.testing import CliRunner
 
-from gateway import cli
+from gateway.cli import commands as cli
 from gateway.tools import builtin_tools
 from tests import custom_model
 from tests.conftest import Server, build_tiny_model, floats_not_float32_shortest, make_server, run_stream

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.logs import UVICORN_LOGGERS, RequestContext, configure_logging, redact
+from gateway.plumbing.logs import UVICORN_LOGGERS, RequestContext, configure_logging, redact
 from gateway.tools import Context, Model, load_module, tool
 from tests.conftest import Server, make_remote_server, open_stream, run_stream, track_jobs, wait_until
 from tests.processes import free_port

@@ -139,7 +139,7 @@ def test_ownership_holds_on_every_replica(replicas: Any, tokens_file: Path) -> N
 
 
 def test_admin_is_true_or_false(tmp_path: Path) -> None:
-    from gateway.auth import AuthConfigError, load_principals
+    from gateway.server.auth import AuthConfigError, load_principals
 
     path = tmp_path / "tokens.toml"
     path.write_text(f'[tokens.ops]\ntoken = "{CAROL}"\nadmin = "yes"\n')

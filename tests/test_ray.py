@@ -21,7 +21,7 @@ import ray  # the ray extra is part of `make test`'s install: these tests never 
 from ray import serve
 
 from backends.ray_serve import APP_NAME, NAMESPACE, RayBackend
-from gateway.app import create_app
+from gateway.server.app import create_app
 from gateway.config import Settings
 from tests.conftest import USER_TOOLS, Server, build_tiny_model, make_server, run_stream, wait_until
 from tests.processes import ROOT, clean_env, free_port, start_serve
@@ -255,7 +255,7 @@ def test_a_ray_gateway_drains_on_sigterm(ray_gateway: Server, tiny_model_path: P
 
 
 def test_without_ray_the_backend_says_what_to_install(tmp_path: Path) -> None:
-    blocked = "import sys; sys.modules['ray'] = None; from gateway.cli import main; main()"
+    blocked = "import sys; sys.modules['ray'] = None; from gateway.cli.commands import main; main()"
     result = subprocess.run(
         [sys.executable, "-c", blocked, "serve", "--backend", "ray", "--dry-run"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -264,12 +264,12 @@ def test_without_ray_the_backend_says_what_to_install(tmp_path: Path) -> None:
     assert "pip install 'streamgate[ray]'" in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
     checked = subprocess.run(
-        [sys.executable, "-c", "from gateway.cli import main; main()", "serve", "--backend", "ray", "--ray-replicas", "2", "--dry-run"],
+        [sys.executable, "-c", "from gateway.cli.commands import main; main()", "serve", "--backend", "ray", "--ray-replicas", "2", "--dry-run"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert checked.returncode == 0 and "backend: ray" in checked.stdout and "2 replicas" in checked.stdout
     client = subprocess.run(
-        [sys.executable, "-c", "from gateway.cli import main; main()", "serve", "--backend", "ray",
+        [sys.executable, "-c", "from gateway.cli.commands import main; main()", "serve", "--backend", "ray",
          "--ray-address", "ray://head:10001", "--dry-run"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )

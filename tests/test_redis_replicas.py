@@ -20,7 +20,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from gateway.cli import main as cli_main
+from gateway.cli.commands import main as cli_main
 from gateway.tools import load_module
 from tests.conftest import Server, make_server, parse_sse, run_stream, track_jobs, wait_until
 from tests.processes import free_port

@@ -22,7 +22,7 @@ import pytest
 from backends import remote
 from backends.executor import RESULT_CHUNK, ResultResponse
 from backends.remote import Link, _Retry
-from gateway.logs import request_id
+from gateway.plumbing.logs import request_id
 
 BODY = os.urandom(5 * remote.HASH_STEP + 12345)  # several hashing drains, and a ragged end
 TOKEN = "download-token"

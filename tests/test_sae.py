@@ -405,7 +405,7 @@ def test_non_finite_strengths_fail_validation() -> None:
 def test_dry_run_reports_saes_and_refuses_a_bad_one(tiny_model_path: Path, sae_path: Path, tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from gateway.cli import main
+    from gateway.cli.commands import main
 
     serve = ["serve", "--model", str(tiny_model_path), "--device", "cpu", "--dry-run"]
     result = CliRunner().invoke(main, [*serve, "--sae", str(sae_path)])

@@ -2,7 +2,7 @@
 `request_timeout` and are cut, a client that stops reading is detached, each counted
 in `/metrics`; none of them holds a job slot, and the server serves others meanwhile.
 
-A real gateway on loopback (uvicorn, the protocol of gateway/slowclients.py, as
+A real gateway on loopback (uvicorn, the protocol of gateway/plumbing/slowclients.py, as
 `streamgate serve` builds it), driven through raw sockets.
 """
 
@@ -22,8 +22,8 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from gateway import cli
-from gateway.slowclients import SlowClientProtocol
+from gateway.cli import commands as cli
+from gateway.plumbing.slowclients import SlowClientProtocol
 from tests.conftest import Server, make_server, run_stream, track_jobs, wait_until
 from tests.test_deadlines import flood
 from tests.test_observability import scrape, value
@@ -197,7 +197,7 @@ def test_the_commands_build_their_servers_with_the_deadlines(
 
     started: dict[str, Any] = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: started.update(app=app, **kwargs))
-    monkeypatch.setattr("gateway.logs.configure_logging", lambda *args, **kwargs: None)
+    monkeypatch.setattr("gateway.plumbing.logs.configure_logging", lambda *args, **kwargs: None)
     where = ["--backend", "remote", "--executor", "http://127.0.0.1:9"] if command == "serve" else ["--model", str(tiny_model_path)]
     result = CliRunner().invoke(
         cli.main,

@@ -1,8 +1,8 @@
 """Readers that never read: a big result written to a client that stopped reading is cut by
 the write timeout, its terminal event included, and what a connection holds unsent is bounded
-(gateway/sendbuffer.py), for event streams, snapshots and the OpenAI routes alike.
+(gateway/plumbing/sendbuffer.py), for event streams, snapshots and the OpenAI routes alike.
 
-A real gateway on loopback (uvicorn, the protocol of gateway/slowclients.py, as
+A real gateway on loopback (uvicorn, the protocol of gateway/plumbing/slowclients.py, as
 `streamgate serve` builds it), followed through raw sockets whose receive buffer is
 set small before connecting, so that the window they offer stays small.
 """
@@ -27,8 +27,8 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.sendbuffer import PIECE
-from gateway.stream import WATCH_PERIOD_S
+from gateway.plumbing.sendbuffer import PIECE
+from gateway.server.stream import WATCH_PERIOD_S
 from gateway.tools import Context, Model, tool
 from tests.conftest import Server, make_server, parse_sse, run_stream, wait_until
 from tests.test_observability import scrape, value

@@ -20,8 +20,8 @@ import redis.asyncio as aioredis
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.protocol import Code, Event, Status, encode
-from gateway.redis_store import RedisJobView, RedisStore
-from gateway.store import JobStore, MemoryStore
+from gateway.server.redis_store import RedisJobView, RedisStore
+from gateway.server.store import JobStore, MemoryStore
 from tests.processes import free_port
 from tests.redis_server import redis_server, start_redis  # noqa: F401
 

@@ -21,7 +21,7 @@ from starlette.testclient import TestClient
 
 from gateway.backend import Backend
 from gateway import protocol
-from gateway.app import create_app
+from gateway.server.app import create_app
 from gateway.params import schema
 from gateway.tools import builtin_tools, collect
 from gateway.tools.sae_tools import sae_tools

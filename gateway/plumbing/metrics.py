@@ -14,7 +14,7 @@ Shaped this way for three reasons:
   small: a job's end (`Job.on_end`, added to by `track`: outcome, queue wait and run
   time, all observed then so that a job counts once in each, with the same
   labels), a client's stream (`stream_opened`/`stream_closed`, `sent`), and a
-  client cut for being too slow (`client_timeout`: gateway/slowclients.py for
+  client cut for being too slow (`client_timeout`: gateway/plumbing/slowclients.py for
   headers and unread bodies, `read_body` for bodies, the stream for writes).
 """
 

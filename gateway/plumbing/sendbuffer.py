@@ -20,7 +20,7 @@ the write timeout, the last of them included.
   the body counts as sent (a response that it ends ends) once the transport
   has drained below its low-water mark, not once it took the bytes.
 - The kernel's send buffer is fixed at `--send-buffer` (`limit_send_buffer`,
-  on every connection, by gateway/slowclients.py) rather than auto-tuned.
+  on every connection, by gateway/plumbing/slowclients.py) rather than auto-tuned.
 - A connection cut for its write timeout is dropped (`cut`, `drop`), with
   what it has not sent: closed as usual, its transport would hold the unsent
   bytes, and the socket, until the client read them, which it never does.
@@ -46,7 +46,7 @@ log = logging.getLogger("streamgate.sendbuffer")
 # enough that one piece over the high-water mark is little per connection.
 PIECE = 256 * 1024
 
-# The ASGI scope extension gateway/slowclients.py puts in every request: `drop`s its connection.
+# The ASGI scope extension gateway/plumbing/slowclients.py puts in every request: `drop`s its connection.
 DROP = "streamgate.drop"
 
 

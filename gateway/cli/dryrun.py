@@ -18,7 +18,7 @@ import click
 import msgspec
 
 from gateway.config import Settings
-from gateway.configfile import redact_url
+from gateway.cli.configfile import redact_url
 
 
 def on_servers(settings: Settings) -> tuple[Settings, list[str]]:

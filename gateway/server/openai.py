@@ -38,9 +38,9 @@ from gateway.errors import ApiError, from_validation_error
 from gateway.jobs import Job
 from gateway.params import check_json, off_loop
 from gateway.protocol import Code, EventType
-from gateway.metrics import Metrics
-from gateway.sendbuffer import WholeResponse
-from gateway.stream import CountedResponse, Streams
+from gateway.plumbing.metrics import Metrics
+from gateway.plumbing.sendbuffer import WholeResponse
+from gateway.server.stream import CountedResponse, Streams
 
 _STARTED = time.time()  # the `created` of every model in /v1/models
 

@@ -34,10 +34,10 @@ if TYPE_CHECKING:
     from starlette.datastructures import QueryParams
 
     from gateway.backend import Backend
-    from gateway.auth import Limits, Principal
-    from gateway.drain import Drain
-    from gateway.metrics import Metrics
-    from gateway.store import JobStore
+    from gateway.server.auth import Limits, Principal
+    from gateway.plumbing.drain import Drain
+    from gateway.plumbing.metrics import Metrics
+    from gateway.server.store import JobStore
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Admission:
     limits: Mapping[str, int]
     drain: Drain | None = None
     store: JobStore | None = None
-    quota: Limits | None = None  # per-token concurrency and rate (gateway/auth.py)
+    quota: Limits | None = None  # per-token concurrency and rate (gateway/server/auth.py)
     metrics: Metrics | None = None
 
     def refuse_if_draining(self) -> None:

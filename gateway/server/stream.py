@@ -12,13 +12,13 @@ headers and framing, with deliberate differences, each measured
   the gateway's part in it, and each idle stream carried its tasks' memory.
   Here a stream has one helper task, the disconnect listener (only `receive()`
   tells that a quiet client left); sse-starlette still answers the OpenAI
-  routes' streams (gateway/openai.py), which want its ping clock.
+  routes' streams (gateway/server/openai.py), which want its ping clock.
 - One watcher for every stream (`Streams.watch`), not timers and tasks per
   stream: each write is stamped with its start, and the watcher cuts a write
   blocked past `send_timeout`, dropping what the connection has not sent; on
   shutdown it ends every open stream's job. A chunk over a piece (a big
   result) is written a piece at a time, each stamped, and counts as written
-  once drained (gateway/sendbuffer.py): a stream ends, and frees its slot,
+  once drained (gateway/plumbing/sendbuffer.py): a stream ends, and frees its slot,
   when its client has the terminal event, not when the server buffered it.
 - Keep-alive comments come from this generator, not from a ping task: a
   `: ping` is written only after `ping_interval` seconds in which nothing else
@@ -53,13 +53,13 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.backend import Backend
-from gateway import sendbuffer
+from gateway.plumbing import sendbuffer
 from gateway.errors import ApiError
 from gateway.jobs import Job
-from gateway.logs import bind_job
-from gateway.metrics import Metrics
+from gateway.plumbing.logs import bind_job
+from gateway.plumbing.metrics import Metrics
 from gateway.protocol import PING, Code, retry_line
-from gateway.store import JobHandle, JobStore, StoppedFollowing, StoreUnavailable
+from gateway.server.store import JobHandle, JobStore, StoppedFollowing, StoreUnavailable
 from gateway.tenants import over_share
 
 log = logging.getLogger("streamgate.stream")
@@ -199,7 +199,7 @@ class CountedResponse(EventSourceResponse):
     """An event stream that calls `on_end` however it ends (finished, client gone, cancelled before
     its body began), and `on_write_timeout` when a client stopped reading for `send_timeout`,
     whose connection is then cut. An event over a piece is sent in pieces, each within
-    `send_timeout` (gateway/sendbuffer.py)."""
+    `send_timeout` (gateway/plumbing/sendbuffer.py)."""
 
     def __init__(
         self, *args: object, on_end: Callable[[], None], on_write_timeout: Callable[[], None], **kwargs: object
@@ -336,7 +336,7 @@ class JobStreamResponse(Response):
 
     async def _send_pieces(self, send: Send, chunk: bytes, last: bool) -> None:
         """A big chunk, a piece at a time, each stamped on its own: a reader that stopped blocks a
-        piece, for the watcher to cut; a last one ends the body once it has drained (gateway/sendbuffer.py)."""
+        piece, for the watcher to cut; a last one ends the body once it has drained (gateway/plumbing/sendbuffer.py)."""
         loop = asyncio.get_running_loop()
         for message in sendbuffer.pieces(chunk, more_body=not last):
             self._sending_since = loop.time()

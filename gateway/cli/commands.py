@@ -20,9 +20,9 @@ from typing import Any
 
 import click
 
-from gateway import configfile
+from gateway.cli import configfile
 from gateway.config import Settings
-from gateway.schema_text import Fields
+from gateway.server.schema_text import Fields
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 _D = Settings()  # the defaults, shown in --help
@@ -150,7 +150,7 @@ def _settings(options: dict[str, Any]) -> Settings:
     settings = Settings(**options)
     if print_as:
         configfile.print_settings(settings, print_as)  # exits
-    from gateway.logs import configure_logging
+    from gateway.plumbing.logs import configure_logging
 
     # uvicorn's loggers too: uvicorn.run gets log_config=None so that it keeps them this way.
     configure_logging(settings.log_level, settings.log_format)
@@ -219,13 +219,13 @@ def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @_option("--cors-origins", default=None, callback=_split_list, help="Origins allowed to call from a browser, comma-separated (none by default).")
 def serve(**options: Any) -> None:
     """Start the gateway, with the model in this process or on executors."""
-    from gateway.app import create_app
+    from gateway.server.app import create_app
 
     dry_run = options.pop("dry_run")
     settings = _settings(options)
     here, servers = settings, []
     if dry_run and settings.backend == "local":
-        from gateway.dryrun import on_servers
+        from gateway.cli.dryrun import on_servers
 
         here, servers = on_servers(settings)  # models on inference servers: checked, not started
     if settings.backend == "ray":
@@ -265,14 +265,14 @@ def serve(**options: Any) -> None:
         backend = _local_backend(here) if here.model else EngineBackend(settings)
     else:
         backend = _local_backend(settings)
-    from gateway.auth import AuthConfigError
+    from gateway.server.auth import AuthConfigError
 
     try:
         app = create_app(backend, settings)
     except AuthConfigError as exc:
         raise click.ClickException(str(exc)) from None
     if dry_run:
-        from gateway.dryrun import report
+        from gateway.cli.dryrun import report
 
         report(backend, settings, servers, load=not servers or bool(here.model))
         return
@@ -282,7 +282,7 @@ def serve(**options: Any) -> None:
             "  Give client tokens with --tokens-file or STREAMGATE_TOKENS.\n%s",
             "!" * 78, settings.host, "!" * 78,
         )
-    from gateway.stream import FD_MARGIN, raise_fd_limit
+    from gateway.server.stream import FD_MARGIN, raise_fd_limit
 
     if (have := raise_fd_limit(settings.max_streams + FD_MARGIN)) < settings.max_streams + FD_MARGIN:
         logging.getLogger("streamgate").warning(
@@ -312,7 +312,7 @@ def executor(**options: Any) -> None:
         )
     service = _executor_service(settings)
     if dry_run:
-        from gateway.dryrun import report
+        from gateway.cli.dryrun import report
 
         report(service.backend, settings)
         return
@@ -324,7 +324,7 @@ def engine() -> None:
     """An engine process of a gateway with --engine process (backends/engines.py): its settings on stdin."""
     from backends.engines import child_settings, engine_name
     from backends.executor import create_executor_app
-    from gateway.logs import configure_logging
+    from gateway.plumbing.logs import configure_logging
 
     settings, socket = child_settings()
     configure_logging(settings.log_level, settings.log_format, engine=engine_name(settings))
@@ -367,12 +367,12 @@ WS = "websockets-sansio"
 
 
 def _run_server(app: Any, settings: Settings, client_timeout: Callable[[str], None], **extra: Any) -> None:
-    """Serve `app` until uvicorn stops (SIGTERM drains first), then leave as gateway/drain.py says."""
+    """Serve `app` until uvicorn stops (SIGTERM drains first), then leave as gateway/plumbing/drain.py says."""
     import uvicorn
 
     from backends import handoff
-    from gateway.drain import exit_cleanly
-    from gateway.slowclients import uvicorn_options
+    from gateway.plumbing.drain import exit_cleanly
+    from gateway.plumbing.slowclients import uvicorn_options
 
     before = handoff.alive()
     try:
@@ -421,7 +421,7 @@ def _client_options(command: Any = None, *, model: bool = True) -> Any:
 
 
 def _client(url: str, token: str | None) -> Any:
-    from gateway.client import Client
+    from gateway.cli.client import Client
 
     return Client(url, headers={"Authorization": f"Bearer {token}"} if token else None)
 
@@ -430,7 +430,7 @@ def _fetch(url: str, token: str | None, call: Any) -> Any:
     """`call(client)` on a client of the gateway; a refusal exits 2, a gateway out of reach 3."""
     import httpx
 
-    from gateway.client import HttpError
+    from gateway.cli.client import HttpError
 
     try:
         with _client(url, token) as client:
@@ -630,13 +630,13 @@ def run(
     """
     import httpx
 
-    from gateway.client import HttpError, JobError, StreamEndedError
+    from gateway.cli.client import HttpError, JobError, StreamEndedError
 
     if params_json is not None and pairs:
         raise click.UsageError("give KEY=VALUE pairs or --json, not both")
     params, query = _params_given(params_json, pairs)
     if input_path is not None or output_path is not None:
-        from gateway.fileruns import FileRun
+        from gateway.cli.fileruns import FileRun
 
         batch = FileRun(tool, params, query, model, url, token, quiet, concurrency)
         sys.exit(batch.run(input_path, output_path, input_format, field))
@@ -666,7 +666,7 @@ def run(
     shown.finish()
     click.echo(json.dumps(result, ensure_ascii=False, indent=2))
     if not quiet:
-        from gateway.render import view
+        from gateway.cli.render import view
 
         rendered = view(tool, result)
         if rendered:
@@ -675,7 +675,7 @@ def run(
 
 def _report(exc: Exception, url: str) -> int:
     """Say on stderr why a job gave no result; return the exit code that goes with it."""
-    from gateway.client import HttpError, JobError
+    from gateway.cli.client import HttpError, JobError
 
     if isinstance(exc, HttpError):
         click.echo(f"error: {exc}" + (f" (field: {exc.field})" if exc.field else ""), err=True)
@@ -691,7 +691,7 @@ def _cancel(client: Any) -> None:
     """Cancel the client's job on Ctrl-C, rather than leave it running through the server's detach grace."""
     import httpx
 
-    from gateway.client import ClientError
+    from gateway.cli.client import ClientError
 
     click.echo("cancelled", err=True)
     if client.job_id is not None:
@@ -764,7 +764,7 @@ def _chat_turn(
     """
     import httpx
 
-    from gateway.client import HttpError, JobError, StreamEndedError
+    from gateway.cli.client import HttpError, JobError, StreamEndedError
 
     out = sys.stdout
     shown = _printable if out.isatty() else str

@@ -29,9 +29,9 @@ What it deliberately leaves alone:
   it is not answered.
 - A body the app is reading: the app answers the 408 itself, as any other error
   (`read_body` in gateway/params.py, the same `--body-timeout`).
-- A slow reader: the stream's `send_timeout` (`--write-timeout`, gateway/stream.py).
+- A slow reader: the stream's `send_timeout` (`--write-timeout`, gateway/server/stream.py).
   The protocol only bounds what a connection may hold unsent, and offers a way
-  to drop it (gateway/sendbuffer.py): each connection's kernel send buffer is
+  to drop it (gateway/plumbing/sendbuffer.py): each connection's kernel send buffer is
   fixed at `--send-buffer`, and each request's scope carries a way to drop the
   connection (the `streamgate.drop` extension), for the write timeout's cut.
 
@@ -59,7 +59,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from gateway.config import Settings
 from gateway.errors import ApiError
 from gateway.protocol import Code, ErrorBody, encode
-from gateway.sendbuffer import DROP, drop, limit_send_buffer
+from gateway.plumbing.sendbuffer import DROP, drop, limit_send_buffer
 
 log = logging.getLogger("streamgate.slowclients")
 

@@ -112,7 +112,7 @@ except ImportError:  # pragma: no cover
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType, JobSnapshot, TerminalEvent, encode, now
-from gateway.store import Binding, JobHandle, JobStore, StoppedFollowing, StoreUnavailable
+from gateway.server.store import Binding, JobHandle, JobStore, StoppedFollowing, StoreUnavailable
 
 log = logging.getLogger("streamgate.redis")
 

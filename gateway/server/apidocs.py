@@ -19,7 +19,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
-from gateway.schema_text import Fields
+from gateway.server.schema_text import Fields
 
 STYLE = """
 :root { color-scheme: light dark; --line: #8884; --muted: #777; }
@@ -38,7 +38,7 @@ nav ul { columns: 14rem; padding-left: 1.1rem; }
 
 
 def page(doc: Mapping[str, Any], base_url: str = "http://localhost:8000") -> str:
-    """The whole page for an OpenAPI document from `gateway.openapi.document`; its commands call `base_url`."""
+    """The whole page for an OpenAPI document from `gateway.server.openapi.document`; its commands call `base_url`."""
     schemas = doc.get("components", {}).get("schemas", {})
     fields = Fields({"$defs": schemas}, width=10_000)
     tools = {path: item for path, item in doc["paths"].items() if "tools" in item.get("post", {}).get("tags", ())}

@@ -91,7 +91,7 @@ def on_sigterm(drain: Drain, in_flight: Callable[[], int], stop: Callable[[], Aw
         finally:
             # Streams of jobs that run elsewhere (another replica's, through a shared store) end
             # now, without a terminal event, for their clients to reconnect to another replica:
-            # `Streams.watch` (gateway/stream.py) and sse-starlette's own responses watch
+            # `Streams.watch` (gateway/server/stream.py) and sse-starlette's own responses watch
             # this flag, which uvicorn's SIGTERM handler would have set, had this one not replaced it.
             AppStatus.should_exit = True
             server = getattr(previous, "__self__", None)

@@ -1,4 +1,4 @@
-"""The HTTP service: routes, thin around the admission every job passes (gateway/admission.py).
+"""The HTTP service: routes, thin around the admission every job passes (gateway/server/admission.py).
 
 `POST /{tool}/run` (and the `GET` form for `EventSource`) answers either an
 ordinary HTTP error with the protocol's JSON body, or `200` and the job's event
@@ -30,24 +30,24 @@ from backends import memory
 from gateway.backend import Backend
 from gateway import params as params_mod
 from gateway import tenants
-from gateway.admission import Admission, Applicant, Attached
-from gateway.auth import Auth, Principal, load_principals
+from gateway.server.admission import Admission, Applicant, Attached
+from gateway.server.auth import Auth, Principal, load_principals
 from gateway.config import Settings
-from gateway.drain import Drain, on_sigterm
+from gateway.plumbing.drain import Drain, on_sigterm
 from gateway.errors import ApiError, api_error_handler, http_error_handler
 from gateway.jobs import Job
-from gateway.logs import RequestIds, request_id_headers
-from gateway.metrics import Metrics
+from gateway.plumbing.logs import RequestIds, request_id_headers
+from gateway.plumbing.metrics import Metrics
 from gateway.protocol import Code, encode, parse_event_id
-from gateway.sendbuffer import WholeResponse
-from gateway.store import JobHandle, JobStore, MemoryStore, jobs_query
+from gateway.plumbing.sendbuffer import WholeResponse
+from gateway.server.store import JobHandle, JobStore, MemoryStore, jobs_query
 from gateway.tools.base import Tool
-from gateway.stream import Slot, Streams, job_response
+from gateway.server.stream import Slot, Streams, job_response
 
 log = logging.getLogger("streamgate.app")
 
 # The dashboard, built from web/ and shipped as package data.
-STATIC = Path(__file__).parent / "static"
+STATIC = Path(__file__).parent.parent / "static"
 
 
 class _Assets(StaticFiles):
@@ -98,7 +98,7 @@ def open_store(settings: Settings, cancel: Any) -> JobStore:
     """The job store `settings.store` names: `memory`, or a Redis URL shared by every replica."""
     if settings.store == "memory":
         return MemoryStore(cancel, detach_grace=settings.detach_grace, retention=settings.retention)
-    from gateway.redis_store import RedisStore
+    from gateway.server.redis_store import RedisStore
 
     return RedisStore(
         settings.store,
@@ -294,10 +294,10 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             await store.stop()
             await backend.stop()
 
-    from gateway.apidocs import endpoint as api_docs
-    from gateway.openapi import endpoint as openapi_json
+    from gateway.server.apidocs import endpoint as api_docs
+    from gateway.server.openapi import endpoint as openapi_json
 
-    from gateway import openai
+    from gateway.server import openai
 
     compatible = openai.Surface(
         backend=backend,

@@ -32,7 +32,7 @@ from starlette.responses import Response
 from gateway.backend import Backend
 from gateway import params as params_mod
 from gateway.errors import STATUS_OF
-from gateway.store import MAX_PAGE, STATES
+from gateway.server.store import MAX_PAGE, STATES
 from gateway.protocol import ErrorBody, ErrorFrame, JobList, JobSnapshot, LogFrame, ModelList, StatusFrame, ToolInfo, encode
 
 OPENAPI_VERSION = "3.1.1"
