@@ -50,7 +50,8 @@ from typing import Any, ClassVar
 import msgspec
 import websockets
 
-from backends import inference, memory
+from backends import inference
+from gateway.plumbing import memory
 from backends import loading as models
 from backends.base import Relaying
 from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
@@ -389,7 +390,7 @@ class EngineBackend(RemoteBackend):
     def __init__(self, settings: Settings) -> None:
         """Checks what a gateway with threads checks before it starts (raises ValueError, ModelError):
         the models' names and kinds, and that the tool modules import and define tools."""
-        memory.bound_heap()  # results pass through this process: big ones given back when freed (backends/memory.py)
+        memory.bound_heap()  # results pass through this process: big ones given back when freed (gateway/plumbing/memory.py)
         specs = models.specs(settings.model, settings.model_loader, settings.model_devices)
         for spec in specs:
             if spec.server is None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from backends import memory
+from gateway.plumbing import memory
 from backends import loading as models
 from gateway.backend import Backend
 from backends.workers import Worker, set_torch_threads

@@ -4,7 +4,7 @@ The local backend runs jobs through this module, and so does the executor
 service: there is no second copy of the worker or the tool call. The queue,
 and the fair order between tenants it serves jobs in, is backends/queue.py.
 
-A worker owns one device and one long-lived thread (backends/handoff.py). Its
+A worker owns one device and one long-lived thread (gateway/plumbing/handoff.py). Its
 coroutine takes the next job from the shared queue and hands the tool's work to
 that thread, so model work never touches the event loop; the thread sends the
 tool's frames and each step's outcome back in bursts. Workers on several devices share one queue: an idle
@@ -53,9 +53,9 @@ from typing import Any
 import msgspec
 import torch
 
-from backends import memory
-from backends.handoff import DeviceThread, Handoff
-from backends.memory import free_device_memory
+from gateway.plumbing import memory
+from gateway.plumbing.handoff import DeviceThread, Handoff
+from gateway.plumbing.memory import free_device_memory
 from backends.queue import JobQueue
 from backends.stopping import big, stoppable
 from gateway.encoding import to_json
@@ -280,7 +280,7 @@ class Worker:
                 # memory for as long as the store keeps the job, not until another job comes.
                 job = None  # type: ignore[assignment]
                 if not self.queue and self._thread is not None:
-                    # Idle: what big work freed goes back (backends/memory.py), on the device's thread.
+                    # Idle: what big work freed goes back (gateway/plumbing/memory.py), on the device's thread.
                     self._thread.soon(memory.give_back, self.model.device)
 
     async def _run(self, job: Job, idle: bool, lets_through: bool = True) -> None:

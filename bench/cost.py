@@ -4,7 +4,7 @@ For every case, the tool's estimate of its peak memory and result bytes, and
 what a run of it measured: on a CUDA device `torch.cuda.max_memory_allocated`
 over the run (the weights before it subtracted); on the CPU the process's peak
 RSS (`VmHWM`, reset through /proc/self/clear_refs after `malloc_trim`) with
-the gateway's heap bound (backends/memory.py). The model is random, built from
+the gateway's heap bound (gateway/plumbing/memory.py). The model is random, built from
 a config: `--shape wide` is a 2-layer Llama of hidden 256 with an 8k context
 (what tests/test_cost.py measures); `--shape smollm2` has SmolLM2-135M's
 shape (30 layers, hidden 576, 9 heads, 3 key-value heads, vocabulary 49,152).
@@ -158,7 +158,7 @@ def save(shape: str, folder: Path, tokenizer_from: Path | None = None) -> None:
 def build(shape: str, folder: Path, device: str, dtype: str | None) -> Model:
     """A random Llama of `shape` with the byte tokenizer, saved and loaded as the gateway loads a model."""
     from backends import loading as models
-    from backends.memory import bound_heap
+    from gateway.plumbing.memory import bound_heap
 
     bound_heap()
     save(shape, folder)

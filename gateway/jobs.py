@@ -8,7 +8,7 @@ after it is dropped.
 
 Run functions execute on worker threads; they reach their job through a
 `JobContext`, which hops onto the loop through its worker's `Handoff`
-(backends/handoff.py): the frames keep the order the tool emitted them in, and
+(gateway/plumbing/handoff.py): the frames keep the order the tool emitted them in, and
 the terminal event (set once the step's outcome has come back the same way)
 always lands after them.
 """

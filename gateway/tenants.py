@@ -15,9 +15,10 @@ the shape of the per-token limits (gateway/server/auth.py).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from starlette.requests import HTTPConnection
 
-from gateway.server.auth import Principal
 from gateway.errors import ApiError
 from gateway.protocol import Code
 
@@ -26,7 +27,14 @@ ADDRESS = "addr:"
 SESSION = "session:"
 
 
-def tenant(principal: Principal | None, request: HTTPConnection) -> str:
+class Named(Protocol):
+    """A principal as tenancy sees it (gateway/server/auth.py's `Principal`): only its name."""
+
+    @property
+    def name(self) -> str: ...
+
+
+def tenant(principal: Named | None, request: HTTPConnection) -> str:
     """The tenant of a request made as `principal` (None: a gateway without tokens)."""
     if principal is not None:
         return principal.name

@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 
 from backends.workers import set_torch_threads
-from backends.memory import bound_heap
+from gateway.plumbing.memory import bound_heap
 from backends.local import LocalBackend
 from backends.remote import RemoteBackend
 from gateway.server.app import create_app
@@ -29,7 +29,7 @@ from tests.processes import ServeProcess, clean_env, free_port, start_executor, 
 # default): the same here, so that what a test computes by hand and what a server returns are
 # summed in the same order, bit for bit.
 set_torch_threads(None)
-# And the heap's bound every server sets (backends/memory.py): peaks measured here are a server's.
+# And the heap's bound every server sets (gateway/plumbing/memory.py): peaks measured here are a server's.
 bound_heap()
 
 from tests.tiny_models import (  # noqa: F401  (the tests' names for them)

@@ -3,7 +3,7 @@
     cli        gateway/cli/        the `streamgate` command, the Python client, file runs, config files
     server     gateway/server/     routes, admission, streams, job stores, auth, the OpenAI routes
     backends   backends/           (beside the server: neither imports the other)
-    plumbing   gateway/plumbing/   draining, logs, metrics, slow clients, send buffers
+    plumbing   gateway/plumbing/   draining, logs, metrics, memory, device threads, slow clients, send buffers
     core       gateway/            protocol, jobs, errors, encoding, params, cost, config, tenants,
                                    the Backend interface, tools/ and models/
 
@@ -33,12 +33,6 @@ FOLDERS = {"plumbing": "plumbing", "server": "server", "cli": "cli", "__main__":
 
 # The upward imports still there, (importer, imported): what is left of the floors to build.
 NOT_YET = {
-    # The app bounds the heap and gives memory back (backends/memory.py): the CLI's to do.
-    ("gateway.server.app", "backends.memory"),
-    # Tenancy names a token's principal, which auth (server) defines.
-    ("gateway.tenants", "gateway.server.auth"),
-    # Draining waits for the engines' step handoff.
-    ("gateway.plumbing.drain", "backends.handoff"),
     # The executor service and the Ray replica admit jobs through the server's admission path.
     ("backends.executor", "gateway.server.admission"),
     ("backends.ray_serve", "gateway.server.admission"),

@@ -370,7 +370,7 @@ def _run_server(app: Any, settings: Settings, client_timeout: Callable[[str], No
     """Serve `app` until uvicorn stops (SIGTERM drains first), then leave as gateway/plumbing/drain.py says."""
     import uvicorn
 
-    from backends import handoff
+    from gateway.plumbing import handoff
     from gateway.plumbing.drain import exit_cleanly
     from gateway.plumbing.slowclients import uvicorn_options
 

@@ -33,7 +33,7 @@ from types import FrameType
 import uvicorn
 from sse_starlette.sse import AppStatus
 
-from backends import handoff
+from gateway.plumbing import handoff
 from gateway.errors import ApiError
 from gateway.protocol import Code
 

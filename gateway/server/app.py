@@ -26,7 +26,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from backends import memory
+from gateway.plumbing import memory
 from gateway.backend import Backend
 from gateway import params as params_mod
 from gateway import tenants
