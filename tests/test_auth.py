@@ -117,7 +117,7 @@ def test_get_streams_take_a_short_lived_ticket(gateway: Any) -> None:
     assert refused.status_code == 401
     assert "only for GET" in error_of(refused)["message"]
     # Tampered, expired, or of a token the gateway no longer has: refused.
-    auth: Auth = gateway.server.app.state.auth
+    auth: Auth = gateway.app.state.auth
     name, expiry, signature = ticket.split(".")
     expired, _ = auth.issue_ticket(auth.principals["alice"], now=time.time() - 61)
     forged = Auth([Principal("alice", "another-token-0123456789")]).issue_ticket(Principal("alice", "another-token-0123456789"))[0]
