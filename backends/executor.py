@@ -47,7 +47,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from backends.local import LocalBackend
 from gateway import params as params_mod
-from gateway.server.admission import Admission, Applicant
+from gateway.admission import Admission, Applicant
 from gateway.config import Settings
 from gateway.plumbing.drain import Drain, on_sigterm
 from gateway.encoding import HASH_INLINE, HASHING

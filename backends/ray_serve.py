@@ -47,7 +47,7 @@ from backends.base import Relaying
 from backends.frames import failure, relay
 from backends.remote import as_json
 from gateway import params as params_mod
-from gateway.server.admission import Admission, Applicant
+from gateway.admission import Admission, Applicant
 from gateway.config import Settings
 from gateway.errors import ApiError
 from gateway.jobs import Job

@@ -1,1 +1,1 @@
-"""The HTTP server: routes, admission, streams, job stores, auth, the OpenAI routes and the API documents."""
+"""The HTTP server: routes, streams, job stores, auth, the OpenAI routes and the API documents."""

@@ -1,4 +1,4 @@
-"""The HTTP service: routes, thin around the admission every job passes (gateway/server/admission.py).
+"""The HTTP service: routes, thin around the admission every job passes (gateway/admission.py).
 
 `POST /{tool}/run` (and the `GET` form for `EventSource`) answers either an
 ordinary HTTP error with the protocol's JSON body, or `200` and the job's event
@@ -30,7 +30,7 @@ from gateway.plumbing import memory
 from gateway.backend import Backend
 from gateway import params as params_mod
 from gateway import tenants
-from gateway.server.admission import Admission, Applicant, Attached
+from gateway.admission import Admission, Applicant, Attached
 from gateway.server.auth import Auth, Principal, load_principals
 from gateway.config import Settings
 from gateway.plumbing.drain import Drain, on_sigterm

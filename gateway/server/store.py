@@ -18,8 +18,9 @@ import abc
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
+from gateway.admission import Binding
 from gateway.errors import ParamError
 from gateway.jobs import Job
 from gateway.protocol import Event, JobList, JobSnapshot
@@ -38,13 +39,6 @@ class StoreUnavailable(RuntimeError):
 
 class StoppedFollowing(StoreUnavailable):
     """This process is shutting down: jobs that run elsewhere are no longer followed from here."""
-
-
-class Binding(NamedTuple):
-    """What an idempotency key is bound to: the job it started, and a digest of the request that started it."""
-
-    job_id: str
-    request: str
 
 
 class JobHandle(Protocol):

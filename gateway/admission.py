@@ -20,9 +20,9 @@ leaves it out; the order of the rest does not change.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from gateway import params as params_mod
 from gateway.errors import ApiError
@@ -34,10 +34,56 @@ if TYPE_CHECKING:
     from starlette.datastructures import QueryParams
 
     from gateway.backend import Backend
-    from gateway.server.auth import Limits, Principal
-    from gateway.plumbing.drain import Drain
-    from gateway.plumbing.metrics import Metrics
-    from gateway.server.store import JobStore
+
+
+# What admission asks of the parts a surface has. The server's auth, job store, drain and metrics
+# (and an executor's or a replica's subset) are these; admission names no surface's classes.
+
+
+class Principal(Protocol):
+    """A client's token as admission sees it (gateway/server/auth.py's `Principal`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def weight(self) -> float: ...
+
+
+class Quota(Protocol):
+    """Per-token concurrency and rate (gateway/server/auth.py's `Limits`): `admit` raises 429, or
+    returns what gives the place back."""
+
+    def admit(self, principal: Any) -> Callable[[], None]: ...
+
+
+class Binding(NamedTuple):
+    """What an idempotency key is bound to: the job it started, and a digest of the request that started it."""
+
+    job_id: str
+    request: str
+
+
+class KeyStore(Protocol):
+    """The job store's part in admission (gateway/server/store.py): keys bound, jobs kept."""
+
+    async def reserve(self, key: str, job_id: str, request: str) -> Binding | None: ...
+
+    async def release(self, key: str, job_id: str) -> None: ...
+
+    async def add(self, job: Job) -> None: ...
+
+
+class Refusing(Protocol):
+    """A shutdown in progress (gateway/plumbing/drain.py): `refuse` raises 503 `shutting_down`."""
+
+    def refuse(self) -> None: ...
+
+
+class Tracking(Protocol):
+    """Metrics that count a job from its admission to its end (gateway/plumbing/metrics.py)."""
+
+    def track(self, job: Job) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -70,10 +116,10 @@ class Admission:
 
     backend: Backend
     limits: Mapping[str, int]
-    drain: Drain | None = None
-    store: JobStore | None = None
-    quota: Limits | None = None  # per-token concurrency and rate (gateway/server/auth.py)
-    metrics: Metrics | None = None
+    drain: Refusing | None = None
+    store: KeyStore | None = None
+    quota: Quota | None = None
+    metrics: Tracking | None = None
 
     def refuse_if_draining(self) -> None:
         if self.drain is not None:
