@@ -3,21 +3,31 @@ the tools and models learned from what those services publish."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import msgspec
+
 from gateway.backend import Backend
-from gateway.protocol import ModelInfo, ToolInfo
+from gateway.params import Relayed
+from gateway.protocol import ModelInfo, ToolInfo, encode
 from gateway.tools.base import Tool
 
 
 class Relaying(Backend):
     """A backend whose tools and models run in other services (executors, Ray Serve replicas)
-    and are learned from what those services publish (`GET /tools`, `GET /models`)."""
+    and are learned from what those services publish (`GET /tools`, `GET /models`).
 
-    def __init__(self) -> None:
+    A tool whose code is loaded here too (`local`: the engines' tool modules, which the gateway
+    imports to start them) decodes its params with its own Structs; any other relays them as they
+    came (gateway/params.py's `Relayed`), for the service that runs it to decode and refuse.
+    """
+
+    def __init__(self, local: Iterable[Tool] = ()) -> None:
         self._tools: dict[str, Tool] = {}
         self._models: list[ModelInfo] = []
+        self._local = {t.name: t for t in local}
 
     @property
     def tools(self) -> Mapping[str, Tool]:
@@ -38,16 +48,20 @@ class Relaying(Backend):
 
     def learn(self, infos: Iterable[ToolInfo], models: list[ModelInfo]) -> None:
         """Take the tools and models published, the first of each name winning; a tool whose
-        schemas did not change keeps its object (and the Struct its params decode into)."""
+        schemas did not change keeps its object."""
         learned: dict[str, Tool] = {}
         for info in infos:
             if info.name not in learned:
                 known = self._tools.get(info.name)
-                learned[info.name] = known if known is not None and known.info == info else remote_tool(info)
+                learned[info.name] = known if known is not None and known.info == info else self._learned(info)
         if learned.keys() != self._tools.keys() or any(learned[n] is not self._tools.get(n) for n in learned):
             self._tools = learned
         if models != self._models:
             self._models = models
+
+    def _learned(self, info: ToolInfo) -> Tool:
+        here = self._local.get(info.name)
+        return dataclasses.replace(here, info=info) if here is not None else remote_tool(info)
 
 
 def _relayed_only(model: Any, params: Any, ctx: Any) -> Any:
@@ -55,14 +69,16 @@ def _relayed_only(model: Any, params: Any, ctx: Any) -> Any:
 
 
 def remote_tool(info: ToolInfo) -> Tool:
-    """A tool known from another service's `GET /tools`: validation from its schema, no code."""
-    from backends.schema_structs import struct_from_schema
+    """A tool known from another service's `GET /tools`: its schemas, no code; its params relayed."""
+    return Tool(name=info.name, description=info.description, params=Relayed, result=object, run=_relayed_only, info=info)
 
-    return Tool(
-        name=info.name,
-        description=info.description,
-        params=struct_from_schema(info.params_schema, f"{info.name}_params"),
-        result=object,
-        run=_relayed_only,
-        info=info,
-    )
+
+NULL = msgspec.Raw(b"null")
+
+
+def sent(params: Any) -> dict[str, Any]:
+    """A job's params as the wire carries them to the service that runs it (`SubmitRequest`'s
+    `params`, `query` and `model`): relayed ones as their client sent them, others as JSON."""
+    if isinstance(params, Relayed):
+        return {"params": params.body or NULL, "query": params.query, "model": params.model}
+    return {"params": msgspec.Raw(encode(params))}

@@ -53,7 +53,7 @@ import websockets
 from backends import inference
 from gateway.plumbing import memory
 from backends import loading as models
-from backends.base import Relaying
+from backends.base import Relaying, sent
 from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
 from backends.spreading import Spread, cut
 from gateway.config import Settings
@@ -114,7 +114,7 @@ class EngineLink(Link):
         if socket is None:
             raise Unreachable("the engine's socket is not open")
         answer = self.answers[job.id] = asyncio.get_running_loop().create_future()
-        op = Submit(tool.name, msgspec.Raw(encode(job.params)), job.id, job.tenant, job.weight, request_id.get())
+        op = Submit(tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, request_id=request_id.get(), **sent(job.params))
         try:
             await socket.send(encode(op).decode())
             await answer
@@ -406,7 +406,7 @@ class EngineBackend(RemoteBackend):
         self.model_order = [spec.name for spec in specs]
         self.folder = Path(tempfile.mkdtemp(prefix="streamgate-engines-"))  # 0700: only this user reaches the sockets
         token = secrets.token_urlsafe(24)
-        Relaying.__init__(self)
+        Relaying.__init__(self, local)  # the tools' code is here: requests are decoded as with threads
         infos = params_mod.describe(local, settings.limits())
         self.links: list[Any] = []  # in the models' order: the first one's default model is the gateway's
         self.engines: list[Engine] = []

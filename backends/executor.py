@@ -282,7 +282,7 @@ class Executor:
             raise ApiError(Code.BAD_REQUEST, f"a job is {{tool, params, job_id}}: {exc}") from None
         return self._accepted(await self.take(session_id, submitted))
 
-    async def take(self, session_id: str, submitted: SubmitRequest | Submit) -> Job:
+    async def take(self, session_id: str, submitted: SubmitRequest) -> Job:
         """Admit a job a gateway submits (by `POST /jobs` or on its socket), or find it if it was submitted already."""
         existing = self.entries.get(submitted.job_id)
         if existing is not None:
@@ -290,7 +290,7 @@ class Executor:
                 raise ApiError(Code.BAD_REQUEST, f"job {submitted.job_id} belongs to another session")
             return existing.job  # a retried submit: the same job
         tool = self.backend.tool(submitted.tool)
-        params = await self.admission.decode(tool, bytes(submitted.params), "params")
+        params = await params_mod.decode_relayed(tool, bytes(submitted.params), submitted.query, submitted.model, "params")
         # The gateway's tenant, as its own queue would count it; a gateway that sends none is one tenant.
         tenant = submitted.tenant if submitted.tenant is not None else SESSION + session_id
         job = await self.admission.admit(tool, params, Applicant(tenant, submitted.weight), job_id=submitted.job_id)

@@ -43,7 +43,7 @@ from typing import Any
 
 import msgspec
 
-from backends.base import Relaying
+from backends.base import Relaying, sent
 from backends.frames import failure, relay
 from backends.remote import as_json
 from gateway import params as params_mod
@@ -176,12 +176,15 @@ class Replica:
         return {"replica": self.name, "queued": queued, "jobs": self.backend.in_flight, "batch_sizes": sizes}
 
     async def run(
-        self, tool_name: str, params: bytes, job_id: str, tenant: str = "", weight: float = 1.0
+        self, tool_name: str, params: msgspec.Raw, job_id: str, tenant: str = "", weight: float = 1.0,
+        query: list[tuple[str, str]] | None = None, model: str | None = None,
     ) -> AsyncIterator[bytes]:
-        """Run one job, queued as the gateway's `tenant` with its `weight`; its Dispatch, frames and result."""
+        """Run one job, queued as the gateway's `tenant` with its `weight`; its Dispatch, frames and result.
+        The params come as the gateway's client sent them (`SubmitRequest` says how), decoded here."""
         try:
             tool = self.backend.tool(tool_name)
-            job = await self.admission.admit(tool, await self.admission.decode(tool, params), Applicant(tenant, weight), job_id=job_id)
+            decoded = await params_mod.decode_relayed(tool, bytes(params), query, model, "the body")
+            job = await self.admission.admit(tool, decoded, Applicant(tenant, weight), job_id=job_id)
         except ApiError as exc:
             yield encode(Dispatch(error=exc.info(), status=exc.status, retry_after=exc.retry_after))
             return
@@ -355,7 +358,9 @@ class RayBackend(Relaying):
 
     async def submit(self, job: Job) -> None:
         tool = self.tool(job.tool)
-        call = self._handle.options(stream=True).run.remote(tool.name, encode(job.params), job.id, job.tenant, job.weight)
+        call = self._handle.options(stream=True).run.remote(
+            tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, **sent(job.params)
+        )
         try:
             dispatch = msgspec.json.decode(await call.__anext__(), type=Dispatch)
         except Exception as exc:  # noqa: BLE001 - the replica died, or Ray could not place the call

@@ -153,16 +153,16 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     link = Link(executor.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     path = f"/jobs/{job_id}/result"
     try:
-        data = bytes(await link._download(job_id))
+        data = bytes(await link.downloads.fetch(job_id))
         ceiling_buffer = bytearray(len(data) + (1 << 16))  # allocated (and its pages touched) once, before the clock
         times: dict[str, list[float]] = {name: [] for name in ("link", "via httpx", "plain", "raw", "ceiling")}
 
         async def via_httpx() -> None:
-            link._direct = False  # the path a proxy between gateway and executor would take
+            link.downloads.direct = False  # the path a proxy between gateway and executor would take
             try:
-                await link._download(job_id)
+                await link.downloads.fetch(job_id)
             finally:
-                link._direct = True
+                link.downloads.direct = True
 
         async def plain() -> None:
             async with link.http.stream("GET", path) as response:
@@ -174,7 +174,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
         async def ceiling() -> None:
             assert await asyncio.to_thread(raw_ceiling, common.port_of(executor), path, ceiling_buffer) == len(data)
 
-        ways = {"link": lambda: link._download(job_id), "via httpx": via_httpx, "plain": plain, "raw": raw,
+        ways = {"link": lambda: link.downloads.fetch(job_id), "via httpx": via_httpx, "plain": plain, "raw": raw,
                 "ceiling": ceiling}
         for _ in range(downloads):  # in turn, so that the machine's moods fall on every way alike
             for name, way in ways.items():
@@ -224,7 +224,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     best = ", ".join(f"{name} {size / min(times[name]):.0f}" for name in labels)
     report.note(f"downloads, best of {downloads}, MB/s: {best}")
     report.note("downloads: the same result fetched from the executor's GET /jobs/{id}/result in turn by "
-                "backends.remote.Link._download (link: what a remote gateway runs, the body read into a buffer of "
+                "backends.download.Downloads.fetch (link: what a remote gateway runs, the body read into a buffer of "
                 "its Content-Length, its SHA-256 computed on a thread as it arrives, both checked), by the same code "
                 "reading through the Link's httpx client (via httpx: the path when a proxy is set), by that httpx "
                 "client reading the stream and nothing more (plain), by this script's raw asyncio client (raw), and "

@@ -4,7 +4,9 @@ Both request forms go through the same Struct: a POST body is decoded straight
 into it; the GET form used by `EventSource` maps flat query keys onto fields
 (repeat a key for a list) and lets msgspec coerce the strings. Server limits
 named in a tool's `caps` are applied to validation and schema alike, so what
-`GET /tools` advertises is exactly what is enforced.
+`GET /tools` advertises is exactly what is enforced. A tool that runs in another
+service has no Struct here: its params travel as the request gave them
+(`Relayed`), and `decode_relayed` decodes them there as this module would here.
 """
 
 from __future__ import annotations
@@ -132,20 +134,28 @@ async def off_loop(fn: Callable[..., Any], body: bytes, *args: Any) -> Any:
 def decode_body(tool: Tool, body: bytes, what: str = "the body") -> Any:
     """Decode a JSON object of params (`what` names it in error messages)."""
     check_json(body, what)
+    if tool.params is Relayed:
+        return _relayed(json_object(body, what), body=msgspec.Raw(body))
     try:
         return msgspec.json.decode(body, type=tool.params)
-    except msgspec.ValidationError as exc:
-        # msgspec stops at the first error, which may come before the JSON breaks:
-        # a body that is not JSON at all is a 400 whatever it would have failed first.
-        try:
-            msgspec.json.decode(body)
-        except msgspec.DecodeError as bad:
-            raise ApiError(Code.BAD_REQUEST, f"{what} is not valid JSON: {bad}") from None
-        if " - at `$" not in str(exc) and str(exc).startswith("Expected `object`"):
-            raise ApiError(Code.BAD_REQUEST, f"{what} must be a JSON object of params") from None
+    except msgspec.DecodeError as exc:  # a ValidationError too
+        # msgspec stops at the first error, which may come before the JSON breaks: a body that
+        # is not a JSON object is a 400 whatever it would have failed first.
+        json_object(body, what)
+        if not isinstance(exc, msgspec.ValidationError):
+            raise ApiError(Code.BAD_REQUEST, f"{what} is not valid JSON: {exc}") from None
         raise _with_suggestion(tool, from_validation_error(exc)) from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(Code.BAD_REQUEST, f"{what} is not valid JSON: {exc}") from None
+
+
+def json_object(body: bytes, what: str) -> dict[str, Any]:
+    """`body` as a JSON object, or 400: the one judge of that, for the tools here and those relayed."""
+    try:
+        decoded = msgspec.json.decode(body)
+    except msgspec.DecodeError as bad:
+        raise ApiError(Code.BAD_REQUEST, f"{what} is not valid JSON: {bad}") from None
+    if not isinstance(decoded, dict):
+        raise ApiError(Code.BAD_REQUEST, f"{what} must be a JSON object of params")
+    return decoded
 
 
 # Query keys the gateway reads itself (gateway/server/auth.py): never a tool's params.
@@ -154,6 +164,8 @@ GATEWAY_QUERY_KEYS = frozenset({"ticket"})
 
 def decode_query(tool: Tool, query: QueryParams) -> Any:
     """Params from a query string: `params=<JSON>`, or one key per field."""
+    if tool.params is Relayed:
+        return _relayed_query([(k, v) for k, v in query.multi_items() if k not in GATEWAY_QUERY_KEYS])
     keys = [key for key in query.keys() if key not in GATEWAY_QUERY_KEYS]
     if "params" in query and "params" not in _fields(tool):
         # `model` may go beside params=<JSON>: the same JSON then runs on whichever model the URL names.
@@ -217,6 +229,74 @@ def _struct_in(t: Any) -> Any:
     return None
 
 
+# -- params of a tool that runs in another service -------------------------------------------
+
+
+class Relayed(msgspec.Struct, frozen=True):
+    """The params of a tool another service runs (an executor, a Ray replica), as the request gave
+    them: that service decodes them with the tool's own Structs, so it refuses what a gateway
+    running the tool would refuse, with the same answer. The gateway reads the model they name."""
+
+    body: msgspec.Raw | None  # a POST's JSON object, as sent
+    query: list[tuple[str, str]] | None  # or the GET form's pairs, as sent (less GATEWAY_QUERY_KEYS)
+    model: str | None  # the model they name, once resolved (None: none, or not a name, refused there)
+    request: str  # the rest, for `digest`: their JSON with its keys sorted, hashed
+
+
+def _relayed(fields: dict[str, Any], body: msgspec.Raw | None = None, query: list[tuple[str, str]] | None = None) -> Relayed:
+    model = fields.get(MODEL_FIELD)
+    named = model if isinstance(model, str) and model else None
+    if named is not None or model is None:  # keyed once resolved: the default named or not is one request
+        fields = {k: v for k, v in fields.items() if k != MODEL_FIELD}
+    request = hashlib.sha256(msgspec.json.encode(fields, order="sorted")).hexdigest()
+    return Relayed(body, query, named, request)
+
+
+def _relayed_query(pairs: list[tuple[str, str]]) -> Relayed:
+    """The GET form relayed: its pairs as they came; the model from `model=` or `params=<JSON>`."""
+    given: dict[str, list[str]] = {}
+    for key, value in pairs:
+        given.setdefault(key, []).append(value)
+    fields: dict[str, Any] = {k: v[0] if len(v) == 1 else v for k, v in given.items()}
+    if isinstance(text := fields.pop("params", None), str):
+        try:
+            check_json(text.encode())
+            inner = msgspec.json.decode(text)
+        except (ApiError, msgspec.DecodeError):
+            inner = None  # refused where the tool runs, as a gateway running it refuses it
+        if not isinstance(inner, dict):
+            fields["params"] = text
+        else:
+            within, beside = inner.get(MODEL_FIELD), fields.get(MODEL_FIELD)
+            fields = {**inner, **fields}  # as a body with those params would be
+            if None not in (within, beside) and within != beside:
+                fields[MODEL_FIELD] = [within, beside]  # two models, refused there: not a name here
+    return _relayed(fields, query=pairs)
+
+
+def from_fields(tool: Tool, fields: dict[str, Any]) -> Any:
+    """`tool`'s params from fields another surface built (the OpenAI routes); 422 naming a field that fails."""
+    if tool.params is Relayed:
+        return _relayed(fields, body=msgspec.Raw(msgspec.json.encode(fields)))
+    try:
+        return msgspec.convert(fields, tool.params)
+    except msgspec.ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+async def decode_relayed(tool: Tool, body: bytes, query: list[tuple[str, str]] | None, model: str | None, what: str) -> Any:
+    """Params a gateway relayed (the wire's `params`, `query` and `model`), decoded where the tool
+    runs as that gateway would have decoded them: the GET form's pairs as its query, the body as
+    its body (`what`), and on the model that gateway resolved when they name none."""
+    if query is not None:
+        params = decode_query(tool, QueryParams(query))
+    else:
+        params = await off_loop(functools.partial(decode_body, what=what), body, tool)
+    if model is not None and getattr(params, MODEL_FIELD, None) is None:
+        params = msgspec.structs.replace(params, **{MODEL_FIELD: model})
+    return params
+
+
 def on_model(params: Any, resolve: Callable[[str | None], str | None]) -> Any:
     """`params` with its `model` resolved to a served model's name (`resolve` answers 404 for
     an unknown one), so that what the job records, routes by and is keyed on never depends
@@ -232,16 +312,21 @@ def digest(tool_name: str, params: Any) -> str:
 
     Decoded, so key order, spacing and defaults left out or written out do not
     make two requests differ; the GET form and the POST body of the same params agree.
+    Params relayed to the service that runs the tool are compared as JSON (`Relayed`): key
+    order, spacing and the model's name do not matter there; a default, or the flat GET form, does.
     """
-    return hashlib.sha256(tool_name.encode() + b"\0" + msgspec.json.encode(params)).hexdigest()[:32]
+    if isinstance(params, Relayed):
+        data = f"{params.request}\0{params.model}".encode()
+    else:
+        data = msgspec.json.encode(params)
+    return hashlib.sha256(tool_name.encode() + b"\0" + data).hexdigest()[:32]
 
 
 def apply_caps(tool: Tool, params: Any, limits: Mapping[str, int]) -> None:
     """Enforce the server limits bound by `tool.caps`.
 
-    The messages are msgspec's own for the same bound, so a request gets the same
-    answer whether the cap is checked here or by a Struct rebuilt from the schema
-    that advertises it (a remote gateway's).
+    The messages are msgspec's own for the same bound, as the schema that
+    advertises it would have msgspec word them.
     """
     for name, limit_name in tool.caps.items():
         value = getattr(params, name, None)

@@ -306,14 +306,27 @@ class Forget(msgspec.Struct, tag_field="op", tag="forget"):
     job_id: str
 
 
-class Submit(msgspec.Struct, tag_field="op", tag="submit"):
-    """Gateway → executor: as `POST /jobs`, on the socket; answered by an `accepted` or `refused` frame."""
+class SubmitRequest(msgspec.Struct):
+    """`POST /jobs` on an executor: the job, and the gateway's tenant and weight for it, so that the
+    executor's queue takes turns between the gateway's clients (without them, the session is one tenant).
+
+    The params are the gateway's client's, as sent (gateway/params.py's `Relayed`): a JSON object, or
+    `null` and the GET form's `query` pairs; `model` is the one the gateway resolved, for params that
+    name none. The executor decodes them as that gateway would have: its refusals are the gateway's.
+    """
 
     tool: str
     params: msgspec.Raw
     job_id: str
     tenant: str | None = None
     weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    query: list[tuple[str, str]] | None = None
+    model: str | None = None
+
+
+class Submit(SubmitRequest, tag_field="op", tag="submit"):
+    """Gateway → executor: as `POST /jobs`, on the socket; answered by an `accepted` or `refused` frame."""
+
     request_id: str | None = None  # the client request's X-Request-Id, for the executor's log lines
 
 
@@ -326,17 +339,6 @@ class Refusal(msgspec.Struct, omit_defaults=True):
 
 
 SessionOp = Resume | Cancel | Forget | Submit
-
-
-class SubmitRequest(msgspec.Struct):
-    """`POST /jobs` on an executor: the job, and the gateway's tenant and weight for it, so that the
-    executor's queue takes turns between the gateway's clients (without them, the session is one tenant)."""
-
-    tool: str
-    params: msgspec.Raw
-    job_id: str
-    tenant: str | None = None
-    weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
 
 
 class SubmitResponse(msgspec.Struct):

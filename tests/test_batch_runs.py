@@ -13,7 +13,9 @@ import gzip
 import json
 import random
 import re
+import signal
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,6 +31,7 @@ from gateway.cli.records import Record, RecordError, detect_format, read_fasta, 
 from gateway.tools import load_module
 from tests import model_kinds
 from tests.conftest import Server, make_server, track_jobs, wait_until
+from tests.test_observability import scrape, value
 from tests.processes import ROOT, STREAMGATE, clean_env, free_port
 
 CLI_TIMEOUT = 300
@@ -507,6 +510,37 @@ def test_run_many_waits_out_a_full_queue(serve):
         outcomes = list(client.run_many("echo", params, concurrency=4))
     assert [o.error for o in outcomes] == [None] * 4
     assert [o.result["text"] for o in outcomes] == ["0", "1", "2", "3"]
+
+
+def test_an_interrupted_client_closes_its_stream_before_the_interrupt_goes_on(serve):
+    """Ctrl-C while `Client` waits on its loop's thread: what the call opened there is closed
+    first, and the client still answers (the CLI then cancels the job)."""
+    server = serve(tools=ECHO_TOOLS, detach_grace=30)
+    with Client(server.url) as client:
+        events = client.stream("echo", {"text": "s", "repeat": 100, "delay": 0.1})
+        assert next(events).type == "status"  # lazily: the job has ten seconds to go
+        threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            for _ in events:
+                pass
+        wait_until(lambda: value(scrape(server.url), "streamgate_active_streams") == 0, 10, "the stream to close")
+        assert client.cancel()["cancelled"] is True
+
+
+def test_a_client_sends_every_call_through_the_sync_transport_it_is_given(serve):
+    server = serve(tools=ECHO_TOOLS)
+    seen: list[tuple[str, str]] = []
+
+    class Recording(httpx.HTTPTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            seen.append((request.method, request.url.path))
+            return super().handle_request(request)
+
+    with Client(server.url, transport=Recording()) as client:
+        assert client.ready()["ready"] is True
+        assert client.run("echo", {"text": "t"})["text"] == "t"
+        assert [o.result["text"] for o in client.run_many("echo", [{"text": "a"}, {"text": "b"}], concurrency=2)] == ["a", "b"]
+    assert sorted(seen) == [("GET", "/readyz")] + [("POST", "/echo/run")] * 3
 
 
 # -- AsyncClient ---------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import tomllib
@@ -173,6 +174,25 @@ def test_a_value_of_the_wrong_type_is_an_error_naming_the_key(tmp_path, text, ke
     assert result.exit_code == 2, result.output
     assert f"{config}: {key}: " in result.output
     assert detail in result.output
+
+
+def test_a_size_in_a_file_may_have_units_as_on_the_command_line(tmp_path):
+    settings, _ = effective("--config", write(tmp_path, 'max-job-memory = "2GiB"\nsend-buffer = 65536\n'))
+    assert (settings["max_job_memory"], settings["send_buffer"]) == (2 << 30, 65536)
+    assert settings == effective("--max-job-memory", "2GiB", "--send-buffer", "64KiB")[0]
+
+
+def test_the_ray_apps_args_are_read_as_a_config_file_and_its_variables_win(monkeypatch):
+    from backends.ray_app import settings
+
+    monkeypatch.setenv("STREAMGATE_MAX_BATCH_SIZE", "4")
+    monkeypatch.setenv("STREAMGATE_TOOLS", "a.tools b.tools")
+    built = settings({"max-batch-size": 8, "ray_replicas": 2, "devices": "cuda:0,cuda:1", "tools": "c.tools"})
+    assert (built.max_batch_size, built.ray_replicas, built.devices) == (4, 2, ["cuda:0", "cuda:1"])
+    assert built.tools == ["a.tools", "b.tools"]
+    monkeypatch.setenv("STREAMGATE_QUEUE_SIZE", "0")
+    with pytest.raises(ValueError, match=re.escape("STREAMGATE_QUEUE_SIZE: 0 is not in the range x>=1")):
+        settings({})
 
 
 def test_a_file_that_is_not_toml_or_not_there_is_an_error(tmp_path):

@@ -633,6 +633,25 @@ def test_server_still_serves_after_every_bad_request(srv):
 # -- the same refusals, whichever backend ----------------------------------------------------
 
 
+# The model a request names, read by a remote gateway to route it, and a tool of the test modules:
+# refused where the tool runs, as a local gateway refuses them.
+MODELS_AND_USER_TOOLS: list[tuple[str, Any]] = [
+    ("/predict/run", {"prompt": "a", "model": ""}),
+    ("/predict/run", {"prompt": "a", "model": 5}),
+    ("/predict/run", {"prompt": "a", "model": "nope"}),
+    ("/predict/run", {"prompt": 5, "model": None}),
+    ("/predict/run", [("prompt", "a"), ("model", "")]),
+    ("/predict/run", [("prompt", "a"), ("model", "nope")]),
+    ("/predict/run", [("prompt", "a"), ("model", "x"), ("model", "y")]),
+    ("/predict/run", [("params", json.dumps({"prompt": "a", "model": "x"})), ("model", "y")]),
+    ("/predict/run", [("params", json.dumps({"prompt": "a", "top_k": 0})), ("ticket", "t")]),
+    ("/echo/run", {"text": "a", "repeat": "3"}),
+    ("/echo/run", {"txt": "a"}),
+    ("/echo/run", [("text", "a"), ("repaet", "2")]),
+    ("/echo/run", [("text", "a"), ("repeat", "x")]),
+]
+
+
 def test_local_and_remote_refuse_alike(serve_any):
     """Every bad request above gets the very same status, body and Retry-After from both kinds."""
     local, remote = serve_any("local", **LIMITS), serve_any("remote", **LIMITS)
@@ -656,6 +675,8 @@ def test_local_and_remote_refuse_alike(serve_any):
         requests.append(("POST", f"/{tool_name}/run", {"json": body}))
     for query, _ in INVALID_QUERIES:
         requests.append(("GET", "/generate/run", {"params": query}))
+    requests += [("POST", path, {"json": body}) for path, body in MODELS_AND_USER_TOOLS if isinstance(body, dict)]
+    requests += [("GET", path, {"params": query}) for path, query in MODELS_AND_USER_TOOLS if isinstance(query, list)]
     for method, path, kwargs in requests:
         a = httpx.request(method, local.url + path, timeout=TIMEOUT, **kwargs)
         b = httpx.request(method, remote.url + path, timeout=TIMEOUT, **kwargs)

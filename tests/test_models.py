@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -234,3 +235,21 @@ def test_a_remote_gateway_lists_and_routes_by_model(remote, refs) -> None:
     assert refused.status_code == 422 and refused.json()["error"]["code"] == "unsupported_by_model"
     unknown = httpx.post(gateway.url + "/generate/run", json={"prompts": ["a"], "model": "nope"})
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_model"
+
+
+def test_a_remote_gateway_keys_a_request_by_its_params_as_json(remote) -> None:
+    """Its tools' Structs are on the executors: a request is keyed by its params as JSON, its model
+    resolved, so key order, spacing, the default named or not and `params=<JSON>` are one request."""
+    gateway, _, _ = remote
+    key = {"Idempotency-Key": uuid.uuid4().hex}
+    job_id = run_stream(gateway.url, "predict", {"prompt": "a", "top_k": 2}, headers=key).headers["x-job-id"]
+    params = '{ "top_k": 2,  "prompt": "a" }'
+    again = [
+        run_stream(gateway.url, "predict", content=params.replace("}", ', "model": "base"}').encode(), headers=key),
+        run_stream(gateway.url, "predict", method="GET", query=[("params", params)], headers=key),
+        run_stream(gateway.url, "predict", method="GET", query=[("params", params), ("model", "base")], headers=key),
+    ]
+    assert [s.headers["x-job-id"] for s in again] == [job_id] * 3
+    for other in ({"prompt": "a", "top_k": 3}, {"prompt": "a", "top_k": 2, "model": "other"}):
+        refused = httpx.post(gateway.url + "/predict/run", json=other, headers=key)
+        assert refused.status_code == 422 and refused.json()["error"]["code"] == "idempotency_key_reused"

@@ -7,7 +7,9 @@ and `echo` + `logprobs` against the loglikelihood tool and a forward pass by han
 
 from __future__ import annotations
 
+import json
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import build_tiny_model, make_server, wait_until
+from tests.conftest import build_tiny_model, make_remote_server, make_server, wait_until
+from tests.processes import start_executor
 from tests.test_observability import scrape, value
 from tests.test_tools import Reference, result
 
@@ -139,6 +142,46 @@ def test_a_streamed_chat_adds_up_to_the_whole(client) -> None:
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_a_stream_is_openais_wire_form_and_holds_a_stream_slot(paths) -> None:
+    """`data: {chunk}` frames in CRLF, `: ping - <time>` comments while the job is quiet, `data: [DONE]`
+    last, no event names or ids; the stream holds one of --max-streams, as a job's stream does."""
+    server = make_server([f"base={paths['base']}"], max_streams=1, ping_interval=0.1)
+    gate = threading.Event()
+
+    def wait(*_: Any) -> None:
+        gate.wait(30)
+
+    hook = server.backend.served["base"].model.module.register_forward_pre_hook(wait)
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True}
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http, http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200 and response.headers["x-job-id"]
+            assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
+            assert response.headers["cache-control"] == "no-cache" and response.headers["x-accel-buffering"] == "no"
+            chunks, raw = response.iter_raw(), b""
+            while b": ping - " not in raw:  # the model waits at the gate: the stream is quiet
+                raw += next(chunks)
+            refused = http.post("/v1/completions", json=body)
+            assert refused.status_code == 503 and refused.headers["retry-after"]
+            assert refused.json()["error"]["code"] == "overloaded" and refused.json()["error"]["type"] == "server_error"
+            assert http.post("/generate/run", json={"prompts": ["Hi"]}).json()["error"]["code"] == "overloaded"
+            gate.set()
+            raw += b"".join(chunks)
+        wait_until(lambda: value(scrape(server.url), "streamgate_active_streams") == 0, 10, "the stream's slot to be freed")
+    finally:
+        gate.set()
+        hook.remove()
+        server.stop()
+    assert raw.endswith(b"\r\n\r\n") and b"\n" not in raw.replace(b"\r\n", b"")
+    frames = raw.split(b"\r\n\r\n")[:-1]
+    assert all(f.startswith((b"data: ", b": ping - ")) and b"\r\n" not in f for f in frames), frames
+    data = [f.removeprefix(b"data: ") for f in frames if f.startswith(b"data: ")]
+    assert data[-1] == b"[DONE]"
+    chunks_ = [json.loads(d) for d in data[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks_)
+    assert [c["choices"][0]["finish_reason"] for c in chunks_][-1] == "length"
+
+
 PAIRS = [("The capital of", " France"), ("Hello", " there"), ("a", "b")]
 
 
@@ -212,6 +255,25 @@ def test_what_cannot_be_honoured_is_refused_in_openais_shape(server, client, arg
     if status == 404:
         assert error.body["code"] == "model_not_found" and "base, other" in error.body["message"]
     assert httpx.get(server.url + "/healthz").status_code == 200
+
+
+def test_a_remote_gateway_answers_and_refuses_as_a_local_one(server, paths, tmp_path) -> None:
+    """Its tools run on an executor, which decodes the params the routes build: the same answers, the same refusals."""
+    executor = start_executor([f"{name}={path}" for name, path in paths.items()], tmp_path / "executor.log", extra=["--max-tokens", "64"])
+    gateway = make_remote_server([executor.url], max_tokens=64)
+    try:
+        for args in ({}, {"model": "other"}, {"max_tokens": 0}, {"temperature": 3}, {"prompt": [[100000]]},
+                     {"prompt": "x" * 300}, {"model": "nope"}):
+            body = {"model": "base", "prompt": "Hello", "max_tokens": 4, "temperature": 0, **args}
+            local, remote = (httpx.post(url + "/v1/completions", json=body, timeout=60) for url in (server.url, gateway.url))
+            assert remote.status_code == local.status_code, (args, remote.text)
+            if local.status_code == 200:
+                assert [c["text"] for c in remote.json()["choices"]] == [c["text"] for c in local.json()["choices"]]
+            else:
+                assert remote.json() == local.json(), args
+    finally:
+        gateway.stop()
+        executor.stop()
 
 
 def test_a_prompt_too_long_is_context_length_exceeded(client) -> None:

@@ -6,6 +6,7 @@ seconds); a gateway with the local backend beside it for the streams to equal.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -112,11 +113,24 @@ def test_the_stream_equals_the_local_backends(ray_gateway: Server, local_gateway
     assert result(on_ray.raw) == result(local.raw)
 
 
-def test_a_refusal_is_answered_before_any_stream(ray_gateway: Server) -> None:
+def test_a_refusal_is_answered_before_any_stream(ray_gateway: Server, local_gateway: Server) -> None:
     too_long = run_stream(ray_gateway.url, "generate", {"prompts": ["x " * 5000], "max_tokens": 4})
     assert too_long.status == 413 and too_long.body["error"]["code"] == "too_long"
     unknown = run_stream(ray_gateway.url, "predict", {"promt": "x"})
     assert unknown.status == 422 and unknown.body["error"]["field"] == "promt"
+    # The replica decodes the params as sent, the GET form's pairs too: a local gateway's refusals.
+    for method, path, kwargs in [
+        ("POST", "/predict/run", {"content": b"[1]"}),
+        ("POST", "/predict/run", {"json": {"prompt": "a", "top_k": 0}}),
+        ("POST", "/echo/run", {"json": {"txt": "a"}}),
+        ("GET", "/predict/run", {"params": [("prompt", "a"), ("top_k", "x")]}),
+        ("GET", "/predict/run", {"params": [("params", json.dumps({"prompt": "a", "top_k": 0}))]}),
+        ("GET", "/echo/run", {"params": [("text", "a"), ("repaet", "2")]}),
+    ]:
+        local = httpx.request(method, local_gateway.url + path, timeout=60, **kwargs)
+        on_ray = httpx.request(method, ray_gateway.url + path, timeout=60, **kwargs)
+        assert 400 <= local.status_code < 500, local.text
+        assert (on_ray.status_code, on_ray.json()) == (local.status_code, local.json()), (method, path, kwargs)
 
 
 def test_jobs_spread_over_both_replicas(ray_gateway: Server) -> None:

@@ -19,12 +19,13 @@ from typing import Any
 import httpx
 import pytest
 
-from backends import remote
+from backends import download
 from backends.executor import RESULT_CHUNK, ResultResponse
-from backends.remote import Link, _Retry
+from backends.download import Retry
+from backends.remote import Link
 from gateway.plumbing.logs import request_id
 
-BODY = os.urandom(5 * remote.HASH_STEP + 12345)  # several hashing drains, and a ragged end
+BODY = os.urandom(5 * download.HASH_STEP + 12345)  # several hashing drains, and a ragged end
 TOKEN = "download-token"
 
 
@@ -125,7 +126,7 @@ async def stand_in() -> AsyncIterator[StandIn]:
 @pytest.fixture(params=["direct", "httpx"])
 async def link(request: pytest.FixtureRequest, stand_in: StandIn) -> AsyncIterator[Link]:
     made = Link(stand_in.url, token=TOKEN, deadline=30, poll_interval=1, on_tools=lambda: None)
-    made._direct = request.param == "direct"
+    made.downloads.direct = request.param == "direct"
     try:
         yield made
     finally:
@@ -134,23 +135,23 @@ async def link(request: pytest.FixtureRequest, stand_in: StandIn) -> AsyncIterat
 
 async def test_an_intact_result_arrives_whole_and_the_connection_is_kept(link: Link, stand_in: StandIn) -> None:
     for _ in range(3):
-        assert bytes(await link._download("j1")) == BODY
+        assert bytes(await link.downloads.fetch("j1")) == BODY
     assert stand_in.connections == 1
     request = stand_in.requests[0].decode("latin-1")
     assert request.startswith("GET /jobs/j1/result HTTP/1.1\r\n")
     assert f"Authorization: Bearer {TOKEN}" in request
 
 
-@pytest.mark.parametrize("size", [0, 1, remote.HASH_INLINE, remote.HASH_STEP, remote.HASH_STEP + 1])
+@pytest.mark.parametrize("size", [0, 1, download.HASH_INLINE, download.HASH_STEP, download.HASH_STEP + 1])
 async def test_results_of_every_size_arrive_whole(link: Link, stand_in: StandIn, size: int) -> None:
     stand_in.body = os.urandom(size)
-    assert bytes(await link._download("j1")) == stand_in.body
+    assert bytes(await link.downloads.fetch("j1")) == stand_in.body
 
 
 async def test_the_request_id_goes_along(link: Link, stand_in: StandIn) -> None:
     token = request_id.set("rid-123")
     try:
-        await link._download("j1")
+        await link.downloads.fetch("j1")
     finally:
         request_id.reset(token)
     assert "x-request-id: rid-123" in stand_in.requests[0].decode("latin-1").lower()
@@ -159,11 +160,11 @@ async def test_the_request_id_goes_along(link: Link, stand_in: StandIn) -> None:
 @pytest.mark.parametrize(
     ("mode", "error", "says"),
     [
-        ("corrupt", _Retry, "corrupt"),
-        ("cut", _Retry, None),
-        ("no_hash", _Retry, "cannot be checked"),
-        ("chunked", _Retry, "cannot be checked"),
-        ("503", _Retry, "HTTP 503"),
+        ("corrupt", Retry, "corrupt"),
+        ("cut", Retry, None),
+        ("no_hash", Retry, "cannot be checked"),
+        ("chunked", Retry, "cannot be checked"),
+        ("503", Retry, "HTTP 503"),
         ("404", ValueError, "no job j1 here"),
         ("404_chunked", ValueError, "HTTP 404"),
     ],
@@ -173,16 +174,16 @@ async def test_a_broken_answer_is_an_error_and_the_next_one_arrives(
 ) -> None:
     stand_in.modes = [mode]
     with pytest.raises(error, match=says):
-        await link._download("j1")
-    assert bytes(await link._download("j1")) == BODY
+        await link.downloads.fetch("j1")
+    assert bytes(await link.downloads.fetch("j1")) == BODY
 
 
 async def test_a_cut_body_says_how_much_came(stand_in: StandIn) -> None:
     link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     stand_in.modes = ["cut"]
     try:
-        with pytest.raises(_Retry, match=rf"truncated: \d+ of {len(BODY)} bytes"):
-            await link._download("j1")
+        with pytest.raises(Retry, match=rf"truncated: \d+ of {len(BODY)} bytes"):
+            await link.downloads.fetch("j1")
     finally:
         await link.stop()
 
@@ -191,37 +192,37 @@ async def test_a_stalled_answer_times_out(link: Link, stand_in: StandIn) -> None
     link.http.timeout = httpx.Timeout(5.0, read=0.3)
     stand_in.modes = ["stall"]
     started = asyncio.get_running_loop().time()
-    with pytest.raises(_Retry):
-        await link._download("j1")
+    with pytest.raises(Retry):
+        await link.downloads.fetch("j1")
     assert asyncio.get_running_loop().time() - started < 3
 
 
 async def test_a_kept_connection_dropped_as_the_request_arrives_is_replaced(stand_in: StandIn) -> None:
     link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     try:
-        await link._download("j1")
+        await link.downloads.fetch("j1")
         stand_in.modes = ["drop"]  # the executor's keep-alive ran out just as the request went
-        assert bytes(await link._download("j1")) == BODY
+        assert bytes(await link.downloads.fetch("j1")) == BODY
         assert stand_in.connections == 2
         stand_in.modes = ["drop", "drop"]  # kept, then fresh: a fresh one that drops is a failure
-        with pytest.raises(_Retry, match="closed before an answer"):
-            await link._download("j1")
+        with pytest.raises(Retry, match="closed before an answer"):
+            await link.downloads.fetch("j1")
     finally:
         await link.stop()
 
 
 async def test_interim_answers_are_passed_over(link: Link, stand_in: StandIn) -> None:
     stand_in.modes = ["interim"]
-    assert bytes(await link._download("j1")) == BODY
+    assert bytes(await link.downloads.fetch("j1")) == BODY
 
 
 async def test_an_answer_that_closes_its_connection_is_not_kept(stand_in: StandIn) -> None:
     link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     try:
         stand_in.modes = ["close"]
-        assert bytes(await link._download("j1")) == BODY
-        assert not link._idle
-        assert bytes(await link._download("j1")) == BODY
+        assert bytes(await link.downloads.fetch("j1")) == BODY
+        assert not link.downloads.idle
+        assert bytes(await link.downloads.fetch("j1")) == BODY
         assert (stand_in.connections, len(stand_in.requests)) == (2, 2)
     finally:
         await link.stop()
@@ -231,12 +232,12 @@ async def test_silence_on_a_kept_connection_is_one_try_not_a_request_per_connect
     link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     link.http.timeout = httpx.Timeout(5.0, read=0.3)
     try:
-        await asyncio.gather(*(link._download("j1") for _ in range(remote.IDLE_CONNECTIONS)))
-        assert len(link._idle) == remote.IDLE_CONNECTIONS
+        await asyncio.gather(*(link.downloads.fetch("j1") for _ in range(download.IDLE_CONNECTIONS)))
+        assert len(link.downloads.idle) == download.IDLE_CONNECTIONS
         sent = len(stand_in.requests)
         stand_in.modes = ["silent"] * 10
-        with pytest.raises(_Retry, match="timed out"):
-            await link._download("j1")
+        with pytest.raises(Retry, match="timed out"):
+            await link.downloads.fetch("j1")
         assert len(stand_in.requests) == sent + 1, "a timeout is a try: the request is not sent again"
     finally:
         await link.stop()
@@ -245,11 +246,11 @@ async def test_silence_on_a_kept_connection_is_one_try_not_a_request_per_connect
 async def test_no_more_than_a_few_connections_are_kept(stand_in: StandIn) -> None:
     link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     try:
-        many = remote.IDLE_CONNECTIONS + 2
-        results = await asyncio.gather(*(link._download("j1") for _ in range(many)))
+        many = download.IDLE_CONNECTIONS + 2
+        results = await asyncio.gather(*(link.downloads.fetch("j1") for _ in range(many)))
         assert all(bytes(r) == BODY for r in results)
         assert stand_in.connections == many
-        assert len(link._idle) == remote.IDLE_CONNECTIONS
+        assert len(link.downloads.idle) == download.IDLE_CONNECTIONS
     finally:
         await link.stop()
 
@@ -272,21 +273,21 @@ def test_downloads_take_a_proxy_where_httpx_would(
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
     monkeypatch.setenv("NO_PROXY", no_proxy)
     link = Link(url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
-    assert link._direct is direct
+    assert link.downloads.direct is direct
 
 
 def test_without_a_proxy_downloads_are_direct(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
-    assert Link("http://example.com:8000", token=None, deadline=30, poll_interval=1, on_tools=lambda: None)._direct
+    assert Link("http://example.com:8000", token=None, deadline=30, poll_interval=1, on_tools=lambda: None).downloads.direct
 
 
 async def test_bytes_past_the_body_retire_the_connection(stand_in: StandIn) -> None:
     link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     try:
         stand_in.modes = ["extra"]
-        assert bytes(await link._download("j1")) == BODY
-        assert bytes(await link._download("j1")) == BODY
+        assert bytes(await link.downloads.fetch("j1")) == BODY
+        assert bytes(await link.downloads.fetch("j1")) == BODY
         assert stand_in.connections == 2
     finally:
         await link.stop()
@@ -296,13 +297,13 @@ async def test_a_download_cancelled_midway_leaves_no_connection_out_of_step(stan
     link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     try:
         stand_in.modes = ["stall"]
-        download = asyncio.ensure_future(link._download("j1"))
+        download = asyncio.ensure_future(link.downloads.fetch("j1"))
         await asyncio.sleep(0.2)
         download.cancel()
         with pytest.raises(asyncio.CancelledError):
             await download
-        assert not link._idle
-        assert bytes(await link._download("j1")) == BODY
+        assert not link.downloads.idle
+        assert bytes(await link.downloads.fetch("j1")) == BODY
     finally:
         await link.stop()
 

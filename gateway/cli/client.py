@@ -23,27 +23,31 @@ async iterators), on `httpx.AsyncClient`:
         result = await client.run("predict", {"prompt": "Hi"})
         async for outcome in client.run_many("predict", params):
             ...
+
+The requests, the resuming and the retrying are written once, in
+`AsyncClient`; `Client` runs an `AsyncClient` on an event loop of its own (on a
+thread of its own), so it blocks as a sync client does, inside a running event
+loop as well as outside one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
 import itertools
 import json
-import queue
 import threading
-import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
-from httpx_sse import ServerSentEvent, aconnect_sse, connect_sse
+from httpx_sse import ServerSentEvent, aconnect_sse
 
 # `run_many` lets jobs finish up to this many times `concurrency` records ahead of the
 # oldest one not yet handed back in order: a slow record holds back only so many results.
@@ -113,9 +117,22 @@ class Outcome:
 
 
 Handler = Callable[[Any], Any]
+T = TypeVar("T")
 
 
 class Client:
+    """`AsyncClient`'s methods as plain calls: the same client, run on an event loop of its own.
+
+    Each call is sent to that loop, on a thread of this client's, and waited
+    for, so a `Client` works the same inside a running event loop (an async
+    test, a notebook) as outside one; `stream` and `run_many` are lazy
+    iterators that fetch each item from there when it is asked for. `run`'s
+    handlers are called on the caller's thread, as its events come. A
+    `transport` is a sync one (`httpx.BaseTransport`), whose blocking calls are
+    made on threads. Interrupted (Ctrl-C), a call stops its work there before
+    the interrupt goes on.
+    """
+
     def __init__(
         self,
         base_url: str = "http://127.0.0.1:8000",
@@ -125,9 +142,22 @@ class Client:
         transport: httpx.BaseTransport | None = None,
         resume_tries: int = 5,
     ) -> None:
-        self._http = httpx.Client(transport=transport, **_http_options(base_url, headers, timeout))
-        self.job_id: str | None = None
-        self.resume_tries = resume_tries
+        threaded = transport if transport is None or isinstance(transport, httpx.AsyncBaseTransport) else _Threaded(transport)
+        self._async = AsyncClient(base_url, headers=headers, timeout=timeout, transport=threaded, resume_tries=resume_tries)
+        self._loop = _Loop()
+
+    @property
+    def job_id(self) -> str | None:
+        """The id of the job this client started last."""
+        return self._async.job_id
+
+    @property
+    def resume_tries(self) -> int:
+        return self._async.resume_tries
+
+    @resume_tries.setter
+    def resume_tries(self, tries: int) -> None:
+        self._async.resume_tries = tries
 
     def __enter__(self) -> Client:
         return self
@@ -136,23 +166,23 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self._http.close()
+        self._loop.close(self._async.aclose())
 
     def tools(self, model: str | None = None) -> list[dict[str, Any]]:
         """`GET /tools`: each tool's schemas, and whether `model` (default: the default model) runs it."""
-        return _json_of(self._http.get("/tools", params=_model_query(model)))
+        return self._loop.call(self._async.tools(model))
 
     def models(self) -> dict[str, Any]:
         """`GET /models`: `{"default", "models": [{name, kind, context_length, device, dtype, tools, …}]}`."""
-        return _json_of(self._http.get("/models"))
+        return self._loop.call(self._async.models())
 
     def ready(self) -> dict[str, Any]:
         """`GET /readyz`, ready (200) or not (503) alike: `{"ready", "model", "kind", "context_length", "max_batch_size"?, …}`."""
-        return _readiness(self._http.get("/readyz"))
+        return self._loop.call(self._async.ready())
 
     def cancel(self, job_id: str | None = None) -> dict[str, Any]:
         """Cancel a job (by default the one this client ran last); `{"job_id", "cancelled", "status"}`."""
-        return _json_of(self._http.delete(_cancel_path(job_id or self.job_id)))
+        return self._loop.call(self._async.cancel(job_id))
 
     def stream(
         self,
@@ -169,8 +199,7 @@ class Client:
         with `GET /jobs/{id}/events` and the last event id seen, up to
         `resume_tries` times with backoff.
         """
-        self.job_id = None
-        return self._events(_Resume(tool, params, query, self.resume_tries, self._started))
+        return self._loop.iterate(self._async.stream(tool, params, query=query))
 
     def run(
         self,
@@ -184,10 +213,11 @@ class Client:
     ) -> Any:
         """Run a job to its end and return its result (the `data` event's payload)."""
         handlers = {"status": on_status, "log": on_log, "partial": on_partial}
-        for event in self.stream(tool, params, query=query):
-            ended, value = _settle(event, handlers)
-            if ended:
-                return value
+        with contextlib.closing(self.stream(tool, params, query=query)) as events:
+            for event in events:
+                ended, value = _settle(event, handlers)
+                if ended:
+                    return value
         raise StreamEndedError(f"the stream of job {self.job_id} ended without a result")
 
     def run_many(
@@ -210,86 +240,8 @@ class Client:
         every job's `model` param. Closing the iterator early (or dropping
         it) starts no more jobs and cancels those still running.
         """
-        return self._run_many(tool, params_iter, model, _Window(concurrency, ordered))
-
-    def _run_many(
-        self, tool: str, params_iter: Iterable[Mapping[str, Any]], model: str | None, window: _Window
-    ) -> Iterator[Outcome]:
-        finished: queue.Queue[Outcome] = queue.Queue()
-        stopping = threading.Event()  # the caller left: start nothing more, cancel what runs
-
-        def work(index: int, params: Mapping[str, Any]) -> None:
-            def started(job_id: str) -> None:
-                window.running[index] = job_id
-                if stopping.is_set():  # the caller left while this job's request was under way
-                    self._quiet_cancel(job_id)
-
-            try:
-                for attempt in itertools.count(1):
-                    try:
-                        result = self._result(_Resume(tool, _on_model(params, model), None, self.resume_tries, started))
-                        break
-                    except HttpError as exc:
-                        delay = _retry_delay(exc, attempt)
-                        if delay is None or stopping.wait(delay):
-                            raise
-                outcome = Outcome(index, params, result)
-            except Exception as exc:  # noqa: BLE001 (any failure is this record's outcome)
-                outcome = Outcome(index, params, None, exc)
-            window.running.pop(index, None)
-            finished.put(outcome)
-
-        items = enumerate(params_iter)
-        with ThreadPoolExecutor(window.concurrency, thread_name_prefix="run_many") as pool:
-            try:
-                while True:
-                    for index, params in window.admit(items):
-                        pool.submit(work, index, params)
-                    if not window.in_flight:
-                        return
-                    yield from window.done(finished.get())
-            finally:
-                stopping.set()
-                for job_id in list(window.running.values()):
-                    self._quiet_cancel(job_id)
-                # Leaving the pool waits for its threads: each ends once its job does.
-
-    def _quiet_cancel(self, job_id: str) -> None:
-        try:
-            self.cancel(job_id)
-        except (httpx.HTTPError, ClientError):
-            pass  # ended meanwhile, or the server is gone: nothing to stop
-
-    def _started(self, job_id: str) -> None:
-        self.job_id = job_id
-
-    def _result(self, state: _Resume) -> Any:
-        for event in self._events(state):
-            ended, value = _settle(event, {})
-            if ended:
-                return value
-        raise StreamEndedError(f"the stream of job {state.job_id} ended without a result")
-
-    def _events(self, state: _Resume) -> Iterator[StreamEvent]:
-        while True:
-            method, url, kwargs = state.request()
-            try:
-                with connect_sse(self._http, method, url, **kwargs) as source:
-                    if source.response.status_code not in (200, 204):
-                        source.response.read()
-                    if not state.opened(source.response):
-                        return
-                    for sse in source.iter_sse():
-                        event = state.event(sse)
-                        if event is not None:
-                            yield event
-                            if state.ended:
-                                return
-            except httpx.TransportError as exc:
-                delay = state.dropped(exc)
-            else:
-                delay = state.dropped(None)
-            time.sleep(delay)
+        params = _read_on_threads(params_iter)
+        return self._loop.iterate(self._async.run_many(tool, params, concurrency=concurrency, model=model, ordered=ordered))
 
 
 class AsyncClient:
@@ -422,7 +374,7 @@ class AsyncClient:
         items = _numbered(params_iter)
         try:
             while True:
-                async for index, params in window.aadmit(items):
+                async for index, params in window.admit(items):
                     task = asyncio.create_task(work(index, params))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
@@ -476,6 +428,121 @@ class AsyncClient:
             else:
                 delay = state.dropped(None)
             await asyncio.sleep(delay)
+
+
+class _Loop:
+    """An event loop on a thread of its own, where a `Client` runs its `AsyncClient`."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        # Threads for what may block (a sync transport's reads, `run_many`'s params): each open
+        # stream holds one between its chunks, so as many as the streams, not a small pool's worth.
+        self._loop.set_default_executor(ThreadPoolExecutor(THREADS, thread_name_prefix="streamgate-client"))
+        self._thread = threading.Thread(target=self._loop.run_forever, name="streamgate-client", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def call(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run `work` there and wait for its result. Interrupted while waiting (Ctrl-C), it is
+        cancelled and waited for first, so that what it opened is closed before the caller goes on."""
+        if self._closed or threading.current_thread() is self._thread:
+            work.close()
+            raise RuntimeError("the client is closed" if self._closed else "a Client called from its own loop would wait on itself")
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        started = asyncio.run_coroutine_threadsafe(_task(work, done), self._loop)
+        try:
+            return done.result()
+        except BaseException:
+            if not done.done():
+                self._loop.call_soon_threadsafe(started.result().cancel)
+                concurrent.futures.wait([done])
+            raise
+
+    def iterate(self, items: AsyncGenerator[T, None]) -> Iterator[T]:
+        """`items`, each fetched there when asked for; closing (or dropping) the iterator closes `items`."""
+        try:
+            while True:
+                try:
+                    yield self.call(anext(items))  # type: ignore[arg-type]
+                except StopAsyncIteration:
+                    return
+        finally:
+            if threading.current_thread() is self._thread:  # dropped there: waiting would wait on itself
+                self._loop.create_task(items.aclose())
+            elif not self._closed:  # else the loop closed it as it closed
+                self.call(items.aclose())
+
+    def close(self, last: Coroutine[Any, Any, None]) -> None:
+        """Run `last`, then end the loop and its thread."""
+        if self._closed:
+            return last.close()
+        try:
+            self.call(last)
+            self.call(self._loop.shutdown_asyncgens())
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+
+THREADS = 256
+
+
+async def _task(work: Coroutine[Any, Any, T], done: concurrent.futures.Future[T]) -> asyncio.Task[T]:
+    """`work` started as a task of this loop, its outcome copied to `done` as it ends."""
+
+    def copy(task: asyncio.Task[T]) -> None:
+        if task.cancelled():
+            done.cancel()
+        if not done.set_running_or_notify_cancel():
+            return  # cancelled: its waiters are told
+        if task.exception() is not None:
+            done.set_exception(task.exception())
+        else:
+            done.set_result(task.result())
+
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(copy)
+    return task
+
+
+async def _read_on_threads(items: Iterable[T]) -> AsyncIterator[T]:
+    """`items`, each read on a thread when asked for: a caller's iterable may block (a file, a
+    generator that waits for something) without holding up the loop its jobs run on."""
+    it = iter(items)
+    while (item := await asyncio.to_thread(next, it, _END)) is not _END:
+        yield item
+
+
+_END: Any = object()
+
+
+class _Threaded(httpx.AsyncBaseTransport):
+    """A sync transport given to `Client`, driven from its loop: each blocking call on a thread."""
+
+    def __init__(self, transport: httpx.BaseTransport) -> None:
+        self._transport = transport
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await asyncio.to_thread(self._transport.handle_request, request)
+        response.stream = _ThreadedStream(response.stream)  # type: ignore[arg-type]
+        return response
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self._transport.close)
+
+
+class _ThreadedStream(httpx.AsyncByteStream):
+    def __init__(self, stream: Any) -> None:
+        self._stream, self._chunks = stream, iter(stream)
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while (chunk := await asyncio.to_thread(next, self._chunks, None)) is not None:
+            yield chunk
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self._stream.close)
 
 
 # -- what both clients share -----------------------------------------------------------------
@@ -567,23 +634,8 @@ class _Window:
     def _may_start(self, index: int) -> bool:
         return not self.ordered or index < self.next + self.reach
 
-    def admit(self, items: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+    async def admit(self, items: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[tuple[int, Any]]:
         """The records to start now, read from `items` as far as there is room."""
-        while self._room() and not self.exhausted:
-            if self.waiting is None:
-                try:
-                    self.waiting = next(items)
-                except StopIteration:
-                    self.exhausted = True
-                    return
-            if not self._may_start(self.waiting[0]):
-                return
-            item, self.waiting = self.waiting, None
-            self.in_flight += 1
-            yield item
-
-    async def aadmit(self, items: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[tuple[int, Any]]:
-        """`admit` from an async iterator."""
         while self._room() and not self.exhausted:
             if self.waiting is None:
                 try:

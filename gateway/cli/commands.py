@@ -20,12 +20,12 @@ from typing import Any
 
 import click
 
+from gateway import config
 from gateway.cli import configfile
 from gateway.config import Settings
 from gateway.server.schema_text import Fields
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-_D = Settings()  # the defaults, shown in --help
 
 
 class _CommaListed(click.ParamType):
@@ -38,24 +38,30 @@ class _CommaListed(click.ParamType):
         return value.strip() if isinstance(value, str) else value
 
 
+class _Listed(click.ParamType):
+    """One value listing several at commas (cuda:0,cuda:1); a config file's array as it is."""
+
+    name = "text"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, list):
+            return value
+        items = config.split(str(value))
+        if not items:
+            self.fail("expected values separated by commas", param, ctx)
+        return items
+
+
 class _Bytes(click.ParamType):
     """A size in bytes: 1048576, 512MiB, 8GiB, 4G (1024-based)."""
 
     name = "bytes"
-    _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        if isinstance(value, int):
-            return value
-        text = str(value).strip().lower().removesuffix("b").removesuffix("i")
-        number, unit = (text[:-1], text[-1]) if text[-1:] in "kmgt" else (text, "")
         try:
-            size = int(float(number) * self._UNITS[unit])
-        except ValueError:
-            self.fail(f"{value!r} is not a size: give bytes, or a number with KiB, MiB, GiB", param, ctx)
-        if size < 1:
-            self.fail(f"{value!r}: a size must be at least 1 byte", param, ctx)
-        return size
+            return value if isinstance(value, int) else config.parse_size(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 def _option(name: str, *decls: str, **kwargs: Any) -> Any:
@@ -69,60 +75,55 @@ def main() -> None:
     """streamgate: long-running model tools behind one streaming endpoint each."""
 
 
-def _model_options(command: Any) -> Any:
-    """The options of a process that loads the model and runs tools: `serve` and `executor`."""
-    options = [
-        _option("--model", multiple=True, type=_CommaListed(), help="[NAME=]SOURCE: a local folder, .gguf file or Hugging Face id, served as NAME (default: the folder's or file's name); vllm:PATH, a vLLM server the gateway starts on PATH; openai+http(s)://HOST/v1, an OpenAI-compatible server already running (NAME= required). Repeatable: several models side by side, the first the default; a run picks one with its `model` param. Default: the bundled SmolLM2-135M-Instruct."),
-        _option("--model-loader", multiple=True, type=_CommaListed(), help="[NAME=]module:function that loads a custom model (see docs/models.md); the --model of that NAME (without NAME: the first) is passed to it. Repeatable."),
-        _option("--model-devices", multiple=True, help="NAME=DEVICE[,DEVICE]: the devices of one model, instead of --device/--devices (repeatable)."),
-        _option("--trust-remote-code", is_flag=True, default=False, help="Run the modelling code a checkpoint ships with it (transformers' trust_remote_code). Only for checkpoints you trust."),
-        _option("--device", default=None, help="cuda, cuda:1, mps or cpu. Default: the best available."),
-        _option("--devices", default=None, callback=_split_devices, help="Several devices, one worker and model copy each: cuda:0,cuda:1. Default: every GPU, else --device."),
-        _option("--dtype", default=None, help="float32, float16 or bfloat16. Default: bfloat16 on CUDA, else float32."),
-        _option("--torch-threads", default=None, type=click.IntRange(min=1), help="torch's intra-op threads (inter-op: 1). Default: OMP_NUM_THREADS if set, else one less than the cores this process may use (at least 1), so that the event loop keeps a core and a busy machine does not collapse throughput."),
-        _option("--cache-dir", default=None, help="Where converted models are kept. Default: the user cache folder."),
-        _option("--tools", multiple=True, help="Import a module of user tools (repeatable)."),
-        _option("--sae", multiple=True, type=click.Path(dir_okay=False), help="A sparse autoencoder: a .safetensors file with a .json or .toml sidecar (repeatable; adds the sae_* tools)."),
-        _option("--drain-timeout", default=_D.drain_timeout, type=click.FloatRange(min=0), help="On SIGTERM: seconds jobs in flight may finish before they end with shutting_down."),
-        _option("--job-timeout", default=_D.job_timeout, type=click.FloatRange(min=0), help="Seconds a job may run before it ends with error timeout and its work is stopped (0: no limit)."),
-        _option("--queue-size", default=_D.queue_size, type=click.IntRange(min=1), help="Jobs that may wait; more get 429 queue_full."),
-        _option("--max-queued-per-owner", default=None, type=click.IntRange(min=1), help="Jobs one owner (a token; without tokens, a client address) may have waiting; more get 429 rate_limited. Default: half of --queue-size, rounded up."),
-        _option("--max-batch-size", default=_D.max_batch_size, type=click.IntRange(min=1), help="Most jobs of one tool run together (1: no batching)."),
-        _option("--max-decoding-jobs", default=_D.max_decoding_jobs, type=click.IntRange(min=1), help="Most generate jobs decoding together in one continuous batch; new ones join it up to this count and as long as the priced memory of all of them fits --max-job-memory (--max-batch-size 1 turns batching off for them too)."),
-        _option("--batch-wait-ms", default=_D.batch_wait_ms, type=click.FloatRange(min=0), help="How long a lone job may wait for others to batch with (not one client's next job on an idle worker)."),
-        _option("--max-prompts", default=_D.max_prompts, type=click.IntRange(min=1), help="Most prompts in one job."),
-        _option("--max-tokens", default=_D.max_tokens, type=click.IntRange(min=1), help="Most tokens one generate job may ask for."),
-        _option("--max-sequences", default=_D.max_sequences, type=click.IntRange(min=1), help="Most texts or sequences in one embed or pseudo_loglikelihood job."),
-        _option("--max-body-bytes", default=_D.max_body_bytes, type=click.IntRange(min=1)),
-        _option("--max-job-memory", default=None, type=_Bytes(), help="Most memory one job may hold at its peak beyond the weights (activations, attention, states and logits kept, its result), as its tool prices it before queueing; more get 413 too_large naming the field to shrink. Batches are cut to fit it too. Default: half the smallest GPU's memory, else a quarter of this machine's."),
-        _option("--max-result-bytes", default=_D.max_result_bytes, type=_Bytes(), help="Most bytes of one job's result (JSON), as priced before queueing; more get 413 too_large."),
-        _option("--max-header-bytes", default=_D.max_header_bytes, type=click.IntRange(min=1024), help="Most bytes of a request's line and headers together; more get 431 headers_too_large and the connection is closed."),
-        _option("--send-buffer", default=_D.send_buffer, type=_Bytes(), help="Bytes the kernel may hold unsent for each connection (SO_SNDBUF; Linux doubles it for its bookkeeping): with a piece of a big event and 64 KiB more, what a client that stops reading keeps until --write-timeout cuts it. It also bounds a stream's bytes per round trip: 512 KiB carries about 5 MB/s at a 100 ms round trip; raise it for big results to distant clients."),
-        _option("--header-timeout", default=_D.header_timeout, type=click.FloatRange(min=1), help="Seconds a request's line and headers may take to arrive (from connecting, or from the first byte of the next request on a kept-alive connection) before 408 request_timeout and the connection is closed. Real clients send them in one round trip; 10 s allows very slow links yet stops a client that trickles them to hold a connection."),
-        _option("--body-timeout", default=_D.body_timeout, type=click.FloatRange(min=1), help="Seconds a request body may take to arrive in full after its headers before 408 request_timeout; no job is created. 30 s carries the default 1 MiB body at 35 KB/s."),
-        _option("--log-level", default=_D.log_level, type=click.Choice(["debug", "info", "warning", "error"])),
-        _option("--log-format", default=_D.log_format, type=click.Choice(["text", "json"]), help="Log lines as text, or as one JSON object each (with request_id, job_id)."),
-        _option("--debug", is_flag=True, default=False, help="Put tracebacks in tool_error messages."),
-        _option("--executor-token", default=None, help="The bearer token shared by gateways and executors."),
+def _settings_options(command: str) -> Any:
+    """`command`'s options (`serve` or `executor`): one for each of its settings, as gateway/config.py
+    declares them, then the actions that are no setting."""
+    options = [_setting_option(setting, command) for setting in config.settings_of(command)] + [
         # Eager, so the file's values are click's default map before any other option is read.
         _option("--config", type=click.Path(exists=True, dir_okay=False), is_eager=True, expose_value=False, callback=configfile.load, help="A TOML file of settings (port = 9000, max-batch-size = 8). Flags and STREAMGATE_* variables win over it."),
         _option("--print-config", is_flag=False, flag_value="toml", default=None, type=click.Choice(["toml", "json"]), help="Print the effective settings and where each came from (secrets redacted), then exit."),
         _option("--dry-run", is_flag=True, default=False, help="Load the model and tools as a start would, report them, and exit."),
     ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+
+    def decorate(function: Any) -> Any:
+        for option in reversed(options):
+            function = option(function)
+        return function
+
+    return decorate
 
 
-def _split_devices(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str]:
-    devices = _split_list(ctx, param, value)
-    if value is not None and not devices:
-        raise click.BadParameter("expected devices separated by commas: cuda:0,cuda:1")
-    return devices
+def _setting_option(setting: config.Setting, command: str) -> Any:
+    """The flag of one setting: its type, range, choices and help from the Struct's field."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        problem = None if value is None else setting.problem(value)
+        if problem is not None:
+            raise click.BadParameter(problem)
+        return value
+
+    kwargs: dict[str, Any] = {"help": setting.help, "callback": check}
+    if setting.kind is bool:
+        kwargs.update(is_flag=True, default=setting.default)
+    elif setting.listed and "split" not in setting.extra:
+        kwargs.update(multiple=True, type=_CommaListed() if "env_split" in setting.extra else _type(setting))
+    else:
+        kwargs.update(default=None if setting.listed else setting.default_for(command), type=_type(setting))
+    return _option(f"--{setting.flag}", setting.name, **kwargs)
 
 
-def _split_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str]:
-    return [item.strip() for item in (value or "").split(",") if item.strip()]
+def _type(setting: config.Setting) -> Any:
+    if setting.choices is not None:
+        return click.Choice(setting.choices)
+    if "split" in setting.extra:
+        return _Listed()
+    if setting.extra.get("unit") == "bytes":
+        return _Bytes()
+    if "path" in setting.extra:
+        return click.Path(exists=setting.extra["path"].startswith("existing"), dir_okay=False)
+    if setting.kind in (int, float) and (setting.ge, setting.le) != (None, None):
+        return (click.IntRange if setting.kind is int else click.FloatRange)(min=setting.ge, max=setting.le)
+    return setting.kind
 
 
 def _is_loopback(host: str) -> bool:
@@ -137,17 +138,15 @@ def _is_loopback(host: str) -> bool:
 
 
 def _settings(options: dict[str, Any]) -> Settings:
-    for key in ("tools", "sae", "model", "model_loader", "model_devices"):
-        options[key] = list(options.get(key, ()))
-    for key in ("executors", "tokens", "model_api_key"):
-        if key in options:
-            options[key] = list(options[key])
     # Like `python -m` and uvicorn: `--tools mypkg.tools` finds ./mypkg; a console
     # script's sys.path starts at its own bin folder, not the working directory.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     print_as = options.pop("print_config", None)
-    settings = Settings(**options)
+    try:  # click's None is "not given": the Struct's default
+        settings = config.build({name: value for name, value in options.items() if value is not None})
+    except config.SettingsError as exc:
+        raise click.UsageError(str(exc)) from None
     if print_as:
         configfile.print_settings(settings, print_as)  # exits
     from gateway.plumbing.logs import configure_logging
@@ -178,45 +177,8 @@ def _local_backend(settings: Settings, **kwargs: Any) -> Any:
         raise click.ClickException(str(exc)) from None
 
 
-def _check_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    if value != "memory" and not value.startswith(("redis://", "rediss://", "unix://")):
-        raise click.BadParameter("expected memory, or a Redis URL: redis://host:port/db (rediss://, unix://)")
-    return value
-
-
 @main.command()
-@_option("--host", default=_D.host, help="Interface to listen on.")
-@_option("--port", default=_D.port, type=int)
-@_model_options
-@_option("--backend", default=_D.backend, type=click.Choice(["local", "remote", "ray"]), help="Run tools in this process, on executors, or on the replicas of a Ray Serve application.")
-@_option("--engine", default=_D.engine, type=click.Choice(["thread", "process"]), help="For --backend local: each model in an engine process of its own that the gateway restarts if it dies (a crash, an out-of-memory kill, a failed device) while the gateway and the other models go on; or all of them on threads of this process.")
-@_option("--engine-memory-limit", default=None, type=_Bytes(), help="For --engine process: the most address space each engine may take (RLIMIT_AS); a job that would pass it fails alone instead of exhausting the host. Leave room for the weights, torch's own reservations and the allocator's arenas.")
-@_option("--vllm-python", default=None, help="For --model NAME=vllm:PATH: the Python of vLLM's environment. Default: the project's .vllm (make vllm).")
-@_option("--vllm-args", default=_D.vllm_args, help="For --model NAME=vllm:PATH: more flags for each vLLM server, as one string (\"--max-model-len 2048 --gpu-memory-utilization 0.8\").")
-@_option("--model-api-key", multiple=True, help="NAME=ENV_VAR: the environment variable holding the API key of the openai+ model NAME (repeatable). Default: OPENAI_API_KEY.")
-@_option("--ray-address", default=None, help="For --backend ray: the Ray cluster, from one of its nodes (auto, or HEAD:6379); default: start or join a local one.")
-@_option("--ray-replicas", default=None, type=click.IntRange(min=1), help="For --backend ray: how many model replicas (default 1).")
-@_option("--ray-min-replicas", default=None, type=click.IntRange(min=1), help="For --backend ray: scale on ongoing requests, from this many replicas…")
-@_option("--ray-max-replicas", default=None, type=click.IntRange(min=1), help="…to this many.")
-@_option("--ray-gpus-per-replica", default=None, type=click.FloatRange(min=0), help="For --backend ray: GPUs each replica takes (default 1 when the cluster has GPUs, else 0).")
-@_option("--ray-cpus-per-replica", default=_D.ray_cpus_per_replica, type=click.FloatRange(min=0), help="For --backend ray: CPUs each replica takes.")
-@_option("--executor", "executors", multiple=True, help="An executor's URL, for --backend remote (repeatable).")
-@_option("--executor-deadline", default=_D.executor_deadline, type=click.FloatRange(min=0), help="Seconds an executor may be unreachable before its jobs end with backend_unavailable.")
-@_option("--detach-grace", default=_D.detach_grace, type=click.FloatRange(min=0), help="Seconds a job runs on with no client attached before it is cancelled (0: cancel on disconnect).")
-@_option("--retention", default=_D.retention, type=click.FloatRange(min=0), help="Seconds a finished job and its events stay readable.")
-@_option("--store", default=_D.store, callback=_check_store, help="Where jobs are kept: memory (this process), or redis://host:port/db, shared by every replica.")
-@_option("--store-outage-grace", default=_D.store_outage_grace, type=click.FloatRange(min=1), help="Seconds a Redis store may be unreachable while jobs run on and their events wait for it; also how long a silent replica counts as alive.")
-@_option("--ping-interval", default=_D.ping_interval, type=click.FloatRange(min=0), help="Seconds of quiet before a ': ping' comment (0: none).")
-@_option("--max-streams", default=_D.max_streams, type=click.IntRange(min=1), help="Event streams held at once; past it new streams get 503 overloaded with Retry-After (each takes a file descriptor and ~45 KB).")
-@_option("--max-streams-per-owner", default=None, type=click.IntRange(min=1), help="Event streams one owner (a token; without tokens, a client address) may hold; more get 429 rate_limited. Default: no limit but --max-streams.")
-@_option("--retry-ms", default=_D.retry_ms, type=click.IntRange(min=0), help="The reconnect delay sent to EventSource clients.")
-@_option("--tokens-file", default=None, type=click.Path(exists=True, dir_okay=False), help="A TOML file of client tokens ([tokens.<name>] token, tools, max_concurrent, jobs_per_minute, weight, admin). With tokens, runs need a bearer token.")
-@_option("--tokens", multiple=True, help="Client tokens as name=token (repeatable; prefer the env var: a command line is visible to other users).")
-@_option("--max-concurrent-per-token", default=None, type=click.IntRange(min=1), help="Jobs one token may run at once (429 rate_limited past it).")
-@_option("--jobs-per-minute-per-token", default=None, type=click.IntRange(min=1), help="Jobs one token may start per minute (429 rate_limited past it).")
-@_option("--ticket-ttl", default=_D.ticket_ttl, type=click.FloatRange(min=1, max=60), help="Seconds a ticket from POST /auth/ticket is valid.")
-@_option("--write-timeout", default=_D.write_timeout, type=click.FloatRange(min=1), help="Seconds a stream's write may block (a half-open connection) before the client is detached.")
-@_option("--cors-origins", default=None, callback=_split_list, help="Origins allowed to call from a browser, comma-separated (none by default).")
+@_settings_options("serve")
 def serve(**options: Any) -> None:
     """Start the gateway, with the model in this process or on executors."""
     from gateway.server.app import create_app
@@ -233,19 +195,10 @@ def serve(**options: Any) -> None:
 
         if not ray_available():
             raise click.ClickException(INSTALL_HINT)
-        if (settings.ray_address or "").startswith("ray://"):
-            raise click.UsageError(
-                "--ray-address ray://… (Ray Client) cannot stream from Serve: run the gateway on a node of the "
-                "cluster (ray start --address HEAD:6379) and give --ray-address auto"
-            )
-        if settings.ray_replicas is not None and (settings.ray_min_replicas, settings.ray_max_replicas) != (None, None):
-            raise click.UsageError("give --ray-replicas, or --ray-min-replicas/--ray-max-replicas, not both")
         backend: Any = RayBackend(settings)
     elif settings.backend == "remote":
         from backends.remote import RemoteBackend
 
-        if not settings.executors:
-            raise click.UsageError("--backend remote needs at least one --executor URL")
         backend = RemoteBackend(
             settings.executors, token=settings.executor_token, deadline=settings.executor_deadline
         )
@@ -294,11 +247,7 @@ def serve(**options: Any) -> None:
 
 
 @main.command()
-@_option("--host", default=_D.host, help="Interface to listen on.")
-@_option("--port", default=9000, type=int)
-@_model_options
-@_option("--result-ttl", default=_D.result_ttl, type=click.FloatRange(min=0), help="Seconds a finished job's result is kept if nobody fetches it.")
-@_option("--session-grace", default=_D.session_grace, type=click.FloatRange(min=0), help="Seconds a gateway's jobs run on without its socket before they are cancelled.")
+@_settings_options("executor")
 def executor(**options: Any) -> None:
     """Start an executor: runs tools on this machine for remote gateways."""
     from backends.executor import create_executor_app

@@ -1,18 +1,15 @@
 """Settings from a TOML file (`--config`), where each setting came from, and redaction for showing them.
 
 `--config FILE` is an eager option: click processes it before every other
-option, and its callback puts the file's values into `ctx.default_map`. Click
-then fills each option from, in this order, the command line, its
-`STREAMGATE_*` variable, the default map and the option's own default. So flags
-win over the environment, the environment over the file and the file over the
-defaults, with no per-option code here, and `ctx.get_parameter_source` says
-which of the four each value came from (`--print-config` shows it).
-
-The file is checked when it is read, strictly (TOML has real types: `port =
-"9000"` is a mistake, not a string to parse), against the Settings Struct and
-then the option's own range, choices and callback, so that an error names the
-file and the key rather than a flag the user never typed. Paths in the file
-are relative to the working directory, as they are on the command line.
+option, and its callback puts the file's values, decoded and checked by the
+core (gateway/config.py: `decode`), into `ctx.default_map`. Click then fills
+each option from, in this order, the command line, its `STREAMGATE_*`
+variable, the default map and the option's own default. So flags win over the
+environment, the environment over the file and the file over the defaults,
+with no per-option code here, and `ctx.get_parameter_source` says which of the
+four each value came from (`--print-config` shows it). Errors name the file and
+the key rather than a flag the user never typed. Paths in the file are relative
+to the working directory, as they are on the command line.
 
 Redaction (`redact`) hides the values of settings named like a secret (token,
 secret, password), except numbers and paths to files that hold secrets, and the
@@ -21,18 +18,16 @@ credentials in URLs (`redis://user:pass@host` -> `redis://user:REDACTED@host`).
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import re
-import tomllib
-import typing
 from typing import Any
 
 import click
 import msgspec
 from click.core import ParameterSource
 
+from gateway import config
 from gateway.config import Settings
 
 REDACTED = "REDACTED"
@@ -46,7 +41,7 @@ SOURCES = {
     ParameterSource.PROMPT: "prompt",
 }
 
-_FIELDS = {f.name: f.type for f in msgspec.structs.fields(Settings)}
+_FIELDS = set(Settings.__struct_fields__)
 
 
 def load(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -55,77 +50,18 @@ def load(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
         return
     try:
         with open(value, "rb") as f:
-            data = tomllib.load(f)
+            data = msgspec.toml.decode(f.read(), type=dict[str, Any])
     except OSError as exc:
         raise click.BadParameter(f"cannot read {value}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except msgspec.DecodeError as exc:
         raise click.BadParameter(f"{value} is not valid TOML: {exc}") from None
-    ctx.default_map = {**(ctx.default_map or {}), **_defaults(ctx, data, value)}
+    assert ctx.command.name is not None
+    try:
+        found = config.decode(data, ctx.command.name, value)
+    except config.SettingsError as exc:
+        raise click.BadParameter(str(exc)) from None
+    ctx.default_map = {**(ctx.default_map or {}), **found}
     ctx.meta[_FILE] = value
-
-
-def _settable(command: click.Command) -> dict[str, click.Option]:
-    """The options a file may set, under each accepted key: the setting's name and its flag's."""
-    keys: dict[str, click.Option] = {}
-    for param in command.params:
-        # --config, --print-config and --dry-run are actions, not settings.
-        if isinstance(param, click.Option) and param.name in _FIELDS:
-            keys[param.name] = param
-            for opt in param.opts:
-                if opt.startswith("--"):
-                    keys[opt[2:].replace("-", "_")] = param
-    return keys
-
-
-def _defaults(ctx: click.Context, data: dict[str, Any], where: str) -> dict[str, Any]:
-    settable = _settable(ctx.command)
-    found: dict[str, Any] = {}
-    for key, value in data.items():
-        option = settable.get(key.replace("-", "_"))
-        if option is None:
-            raise click.BadParameter(_unknown(ctx, key, where, settable))
-        assert option.name is not None
-        if option.name in found:
-            raise click.BadParameter(f"{where}: {key!r} sets {option.name}, which is already set in that file")
-        found[option.name] = _check(ctx, option, key, value, where)
-    return found
-
-
-def _unknown(ctx: click.Context, key: str, where: str, settable: dict[str, click.Option]) -> str:
-    name = key.replace("-", "_")
-    if name in _FIELDS:
-        return f"{where}: {key!r} is not a setting of `{ctx.command_path}`"
-    close = difflib.get_close_matches(name, list(settable), n=1)
-    return f"{where}: unknown setting {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-
-
-def _check(ctx: click.Context, option: click.Option, key: str, value: Any, where: str) -> Any:
-    """The value to put in the default map, checked as strictly as the command line would be."""
-    assert option.name is not None
-    kind = _FIELDS[option.name]
-    if option.multiple and not isinstance(value, list):
-        value = [value]  # one entry needs no array
-    elif not option.multiple and typing.get_origin(kind) is list:
-        # Flags such as --devices take one comma-separated string; a file may give an array.
-        if isinstance(value, list):
-            _convert(value, kind, key, where)
-            value = ",".join(value) or None  # [] is the default: none given
-        kind = str | None
-    _convert(value, kind, key, where)
-    try:
-        option.process_value(ctx, value)
-    except click.BadParameter as exc:
-        detail = "invalid value" if is_secret(option.name) else exc.message
-        raise click.BadParameter(f"{where}: {key}: {detail}") from None
-    return value
-
-
-def _convert(value: Any, kind: Any, key: str, where: str) -> None:
-    try:
-        msgspec.convert(value, kind, strict=True)
-    except msgspec.ValidationError as exc:
-        # msgspec says `null` for None; TOML has no null, the setting is just optional.
-        raise click.BadParameter(f"{where}: {key}: {str(exc).replace(' | null', '')}") from None
 
 
 # -- where each setting came from, redacted -----------------------------------------

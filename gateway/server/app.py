@@ -288,7 +288,8 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         on_sigterm(drain, lambda: backend.in_flight, backend.stop)
         watcher = asyncio.create_task(streams.watch(), name="streams' watcher")
         try:
-            yield
+            async with agents.running():
+                yield
         finally:
             watcher.cancel()
             await store.stop()
@@ -314,6 +315,24 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         write_timeout=settings.write_timeout,
         max_tokens=settings.max_tokens,
     )
+    from gateway.server import mcp
+
+    agents = mcp.McpServer(
+        mcp.Surface(
+            backend=backend,
+            admission=admission,
+            auth=auth,
+            store=store,
+            streams=streams,
+            metrics=metrics,
+            limits=limits,
+            max_body_bytes=settings.max_body_bytes,
+            body_timeout=settings.body_timeout,
+            write_timeout=settings.write_timeout,
+            retention=settings.retention,
+            origins=settings.cors_origins,
+        )
+    )
     openapi_document = openapi_json(backend, limits, secured=auth.enabled)
     app = Starlette(
         routes=[
@@ -331,6 +350,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             Route("/jobs/{job_id}/events", job_events, methods=["GET"]),
             Route("/auth/ticket", ticket, methods=["POST"]),
             *openai.routes(compatible),
+            Route("/mcp", agents, methods=["POST"]),
             Route("/", dashboard, methods=["GET"]),
             Mount("/assets", _Assets(directory=STATIC / "assets", check_dir=False), name="assets"),
         ],
@@ -348,6 +368,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     app.state.settings = settings
     app.state.store = store
     app.state.metrics = metrics
+    app.state.mcp = agents
     # Added last, so it wraps the other middleware (CORS included): every answer carries X-Request-Id.
     app.add_middleware(RequestIds)
     return app

@@ -25,22 +25,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from datetime import datetime, timezone
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
+from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.errors import ApiError, from_validation_error
 from gateway.jobs import Job
-from gateway.params import check_json, off_loop
+from gateway.params import check_json, from_fields, off_loop
 from gateway.protocol import Code, EventType
 from gateway.plumbing.metrics import Metrics
 from gateway.plumbing.sendbuffer import WholeResponse
-from gateway.server.stream import CountedResponse, Streams
+from gateway.server.stream import EventStream, Streams, follow
 
 _STARTED = time.time()  # the `created` of every model in /v1/models
 
@@ -266,11 +268,7 @@ _FIELDS = {"prompts": "prompt", "token_ids": "prompt", "top": "logprobs", "next_
 
 
 def _params(surface: Surface, plan: _Plan) -> Any:
-    tool = surface.backend.tool(plan.tool)
-    try:
-        return msgspec.convert({k: v for k, v in plan.params.items() if v is not None}, tool.params)
-    except msgspec.ValidationError as exc:
-        raise from_validation_error(exc) from None
+    return from_fields(surface.backend.tool(plan.tool), {k: v for k, v in plan.params.items() if v is not None})
 
 
 def _openai_field(field: str | None) -> str | None:
@@ -383,26 +381,31 @@ def _chunk(plan: _Plan, job: Job, model: str, choices: list[dict[str, Any]], usa
     return msgspec.json.encode(chunk)
 
 
-async def _events(job: Job) -> AsyncIterator[tuple[EventType, bytes]]:
-    seen = 0
-    while True:
-        for event in await job.wait_events(seen):
-            seen = event.seq
+def _sse(data: str) -> bytes:
+    return ServerSentEvent(data).encode()
+
+
+async def _events(job: Job, ping_interval: float = 0) -> AsyncIterator[tuple[EventType | None, bytes]]:
+    """The job's events; `(None, b"")` where a ping is due."""
+    async for batch, _ in follow(job, 0, ping_interval):
+        if not batch:
+            yield None, b""
+        for event in batch:
             yield event.type, event.data
-        if job.terminal is not None and seen >= job.terminal.seq:
-            return
 
 
-async def _stream(plan: _Plan, job: Job, model: str) -> AsyncIterator[dict[str, Any]]:
-    """The job's events as OpenAI's chunks, `data: [DONE]` last; an error as a chunk of its own."""
+async def _stream(plan: _Plan, job: Job, model: str, ping_interval: float) -> AsyncIterator[tuple[bytes, bool]]:
+    """The job's events as OpenAI's chunks, `data: [DONE]` last; an error as a chunk of its own, the last."""
     if plan.chat:
         for i in range(plan.n):
-            yield {"data": _chunk(plan, job, model, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]).decode()}
+            yield _sse(_chunk(plan, job, model, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]).decode()), False
     elif plan.echo:
         for i in range(len(plan.echo) * plan.n):
-            yield {"data": _chunk(plan, job, model, [{"index": i, "text": plan.echo[i // plan.n], "logprobs": None, "finish_reason": None}]).decode()}
-    async for kind, data in _events(job):
-        if kind is EventType.PARTIAL:
+            yield _sse(_chunk(plan, job, model, [{"index": i, "text": plan.echo[i // plan.n], "logprobs": None, "finish_reason": None}]).decode()), False
+    async for kind, data in _events(job, ping_interval):
+        if kind is None:
+            yield ServerSentEvent(comment=f"ping - {datetime.now(timezone.utc)}").encode(), False
+        elif kind is EventType.PARTIAL:
             partial = msgspec.json.decode(data)
             if not partial.get("text"):
                 continue
@@ -410,7 +413,7 @@ async def _stream(plan: _Plan, job: Job, model: str) -> AsyncIterator[dict[str, 
                 choice = {"index": partial["index"], "delta": {"content": partial["text"]}, "logprobs": None, "finish_reason": None}
             else:
                 choice = {"index": partial["index"], "text": partial["text"], "logprobs": None, "finish_reason": None}
-            yield {"data": _chunk(plan, job, model, [choice]).decode()}
+            yield _sse(_chunk(plan, job, model, [choice]).decode()), False
         elif kind is EventType.DATA:
             result = msgspec.json.decode(data)
             if plan.tool == "logprobs":
@@ -421,13 +424,13 @@ async def _stream(plan: _Plan, job: Job, model: str) -> AsyncIterator[dict[str, 
                     {"index": i, **blank, "logprobs": None, "finish_reason": reason}
                     for i, reason in enumerate(result["finish_reasons"])
                 ]
-            yield {"data": _chunk(plan, job, model, finals).decode()}
+            yield _sse(_chunk(plan, job, model, finals).decode()), False
             if plan.include_usage:
-                yield {"data": _chunk(plan, job, model, [], _usage(result)).decode()}
-            yield {"data": "[DONE]"}
+                yield _sse(_chunk(plan, job, model, [], _usage(result)).decode()), False
+            yield _sse("[DONE]"), True
         elif kind is EventType.ERROR:
             _, body = _failure(data)
-            yield {"data": msgspec.json.encode(body).decode()}
+            yield _sse(msgspec.json.encode(body).decode()), True
 
 
 async def _result(job: Job, request: Request) -> bytes | None:
@@ -475,29 +478,25 @@ def routes(surface: Surface) -> list[Route]:
             with surface.streams.slot(surface.tenant(principal, request)) as slot:
                 plan = plan_of(await decode(request, kind))
                 job = await surface.launch(request, plan.tool, _params(surface, plan))
-                if plan.stream:
-                    release = slot.keep()
-                else:
+                if not plan.stream:
                     return await _whole(request, plan, job)
+
+                async def ended() -> None:
+                    if not job.done:  # the client closed the stream: nobody will read the rest
+                        with contextlib.suppress(Exception):
+                            await surface.cancel(job)
+
+                return EventStream(
+                    _stream(plan, job, job.model or "", surface.ping_interval),  # 0: no pings
+                    slot=slot,
+                    job_id=job.id,
+                    metrics=surface.metrics,
+                    headers={"X-Job-Id": job.id, "Cache-Control": "no-cache"},
+                    send_timeout=surface.write_timeout,
+                    on_end=lambda: asyncio.ensure_future(ended()),
+                )
         except ApiError as exc:
             return error_response(exc)
-
-        async def ended() -> None:
-            release()
-            surface.metrics.stream_closed()
-            if not job.done:  # the client closed the stream: nobody will read the rest
-                with contextlib.suppress(Exception):
-                    await surface.cancel(job)
-
-        surface.metrics.stream_opened()
-        return CountedResponse(
-            _stream(plan, job, job.model or ""),
-            on_end=lambda: asyncio.ensure_future(ended()),
-            on_write_timeout=lambda: surface.metrics.client_timeout("write"),
-            ping=surface.ping_interval,  # 0: none
-            headers={"X-Job-Id": job.id, "Cache-Control": "no-cache"},
-            send_timeout=surface.write_timeout,
-        )
 
     async def _whole(request: Request, plan: _Plan, job: Job) -> Response:
         headers = {"X-Job-Id": job.id}

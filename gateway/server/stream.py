@@ -1,33 +1,37 @@
-"""A job's events as a Server-Sent Events response.
+"""Every event stream the gateway sends: a job's (`POST`/`GET /{tool}/run`, `/jobs/{id}/events`)
+and the OpenAI routes' (gateway/server/openai.py), through one writer, `EventStream`.
 
-sse-starlette's `EventSourceResponse` showed how; a job's stream keeps its
-headers and framing, with deliberate differences, each measured
-(bench/streaming.py, bench/idle_streams.py; figures in bench/RESULTS.md):
+sse-starlette's `EventSourceResponse` showed how; the streams keep its headers
+and framing, with deliberate differences, each measured (bench/streaming.py,
+bench/idle_streams.py; figures in bench/RESULTS.md):
 
-- The response is sent from the request's own task, by `JobStreamResponse`,
-  a plain Starlette response. sse-starlette runs every response in an anyio
-  task group of three or four tasks (the stream, a ping clock, a shutdown
-  listener, a disconnect listener) and wraps every send in a cancel scope;
-  for a job of a dozen small events that machinery cost more than the rest of
-  the gateway's part in it, and each idle stream carried its tasks' memory.
-  Here a stream has one helper task, the disconnect listener (only `receive()`
-  tells that a quiet client left); sse-starlette still answers the OpenAI
-  routes' streams (gateway/server/openai.py), which want its ping clock.
+- The response is sent from the request's own task, by `EventStream`, a plain
+  Starlette response. sse-starlette runs every response in an anyio task group
+  of three or four tasks (the stream, a ping clock, a shutdown listener, a
+  disconnect listener) and wraps every send in a cancel scope; for a job of a
+  dozen small events that machinery cost more than the rest of the gateway's
+  part in it, and each idle stream carried its tasks' memory. Here a stream has
+  one helper task, the disconnect listener (only `receive()` tells that a quiet
+  client left).
 - One watcher for every stream (`Streams.watch`), not timers and tasks per
   stream: each write is stamped with its start, and the watcher cuts a write
   blocked past `send_timeout`, dropping what the connection has not sent; on
-  shutdown it ends every open stream's job. A chunk over a piece (a big
-  result) is written a piece at a time, each stamped, and counts as written
-  once drained (gateway/plumbing/sendbuffer.py): a stream ends, and frees its slot,
-  when its client has the terminal event, not when the server buffered it.
-- Keep-alive comments come from this generator, not from a ping task: a
-  `: ping` is written only after `ping_interval` seconds in which nothing else
-  was, instead of on a fixed clock alongside the data.
-- Events are encoded once, when they happen (`Event.sse()`), and written as
-  bytes; everything that arrived together goes out as one chunk, the first
-  one with the `retry:` line.
+  shutdown it ends every open stream (a job's stream with its job's
+  `shutting_down`; an OpenAI one at once, which cancels its job). A chunk over
+  a piece (a big result) is written a piece at a time, each stamped, and
+  counts as written once drained (gateway/plumbing/sendbuffer.py): a stream
+  ends, and frees its slot, when its client has the last event, not when the
+  server buffered it.
+- Keep-alive comments come from the content, not from a ping task: `follow`
+  gives the moment for one after `ping_interval` seconds in which nothing else
+  was written, instead of a fixed clock alongside the data.
+- The content hands the writer bytes, its own framing: a job's events are
+  encoded once, when they happen (`Event.sse()`), everything that arrived
+  together goes out as one chunk, the first one with the `retry:` line; the
+  OpenAI routes' chunks are sse-starlette's `ServerSentEvent`s as before
+  (`data:` lines, CRLF, a `: ping - <time>` comment), with no event names or ids.
 
-The generator follows the job's log from `after` until the terminal event and
+A job's stream follows the job's log from `after` until the terminal event and
 then returns, which ends the response. A client that goes away first detaches
 (see `store.py`): the job runs on, and any client can attach again and read on
 from its last event id. A job followed from a shared store that stays
@@ -47,10 +51,9 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 from typing import Any
 
-from sse_starlette import EventSourceResponse
-from sse_starlette.sse import AppStatus, SendTimeoutError
+from sse_starlette.sse import AppStatus
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from gateway.backend import Backend
 from gateway.plumbing import sendbuffer
@@ -58,7 +61,7 @@ from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.plumbing.logs import bind_job
 from gateway.plumbing.metrics import Metrics
-from gateway.protocol import PING, Code, retry_line
+from gateway.protocol import PING, Code, Event, retry_line
 from gateway.server.store import JobHandle, JobStore, StoppedFollowing, StoreUnavailable
 from gateway.tenants import over_share
 
@@ -162,7 +165,7 @@ class Slot:
         self._owner = owner
         self._held = True
         self._kept = False
-        self.response: JobStreamResponse | None = None
+        self.response: EventStream | None = None
         self.job_id: str | None = None
 
     def __enter__(self) -> Slot:
@@ -177,7 +180,7 @@ class Slot:
         self._kept = True
         return self.release
 
-    def watch(self, response: JobStreamResponse, job_id: str, end: Callable[[], None]) -> None:
+    def watch(self, response: EventStream, job_id: str, end: Callable[[], None]) -> None:
         """Have `Streams.watch` look after `response`: cut it if a write stalls; on shutdown, `end()` its job."""
         self.response, self.job_id = response, job_id
         if self._held:
@@ -195,48 +198,18 @@ class Slot:
             self.response = None
 
 
-class CountedResponse(EventSourceResponse):
-    """An event stream that calls `on_end` however it ends (finished, client gone, cancelled before
-    its body began), and `on_write_timeout` when a client stopped reading for `send_timeout`,
-    whose connection is then cut. An event over a piece is sent in pieces, each within
-    `send_timeout` (gateway/plumbing/sendbuffer.py)."""
+class EventStream(Response):
+    """An event stream, sent from the request's own task (see the module docstring).
 
-    def __init__(
-        self, *args: object, on_end: Callable[[], None], on_write_timeout: Callable[[], None], **kwargs: object
-    ) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._on_end = on_end
-        self._on_write_timeout = on_write_timeout
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        except SendTimeoutError:
-            await sendbuffer.cut(scope, self._on_write_timeout, self.send_timeout)
-        finally:
-            self._on_end()
-
-    async def _send_with_timeout(self, send: Send, message: Message) -> None:
-        # sse-starlette times each of its sends; a big event is made several, each timed on its own,
-        # the last waiting for the rest to drain: the untimed send that ends the body never waits long.
-        body = message.get("body", b"")
-        if len(body) <= sendbuffer.PIECE:
-            await super()._send_with_timeout(send, message)
-            return
-        for piece in sendbuffer.pieces(body, more_body=message.get("more_body", False)):
-            await super()._send_with_timeout(send, piece)
-
-
-class JobStreamResponse(Response):
-    """A job's event stream, sent from the request's own task (see the module docstring).
-
-    Its content is an async iterator of (encoded chunk, whether it is the last)
-    that makes its own pings.
-    The stream ends when the content does; when the client leaves (its one
-    helper task, the disconnect listener, tells); or on `stop()`, from the
-    streams' watcher (a write blocked past `send_timeout`, shutdown). The
-    content is closed however it ends, so its `finally` always runs, and
-    `on_end` is called.
+    Its content is an async iterator of (encoded chunk, whether it is the last),
+    pings included: the framing is the content's, everything else is the
+    writer's. It holds `slot` until it ends, and counts itself among the
+    gauge's open streams while it streams. It ends when the content does; when
+    the client leaves (its one helper task, the disconnect listener, tells); or
+    on `stop()`, from the streams' watcher (a write blocked past
+    `send_timeout`, or shutdown when `on_shutdown` is not given). The content
+    is closed however it ends, so its `finally` always runs, and then `on_end`
+    is called.
     """
 
     media_type = "text/event-stream"
@@ -245,10 +218,13 @@ class JobStreamResponse(Response):
         self,
         content: AsyncIterator[tuple[bytes, bool]],
         *,
+        slot: Slot,
+        job_id: str,
+        metrics: Metrics,
         headers: Mapping[str, str],
         send_timeout: float | None,
-        on_end: Callable[[], None],
-        on_write_timeout: Callable[[], None],
+        on_shutdown: Callable[[], None] | None = None,
+        on_end: Callable[[], None] | None = None,
     ) -> None:
         self.body_iterator = content
         self.status_code = 200
@@ -256,13 +232,15 @@ class JobStreamResponse(Response):
         self.send_timeout = send_timeout
         # sse-starlette's headers: no proxy buffering, a connection kept open.
         self.init_headers({**headers, "Connection": "keep-alive", "X-Accel-Buffering": "no"})
+        self._metrics = metrics
+        self._release = slot.keep()
         self._on_end = on_end
-        self._on_write_timeout = on_write_timeout
         self._task: asyncio.Task[Any] | None = None
         self._streaming = False
         self._stopped = False
         self._write_timed_out = False
         self._sending_since: float | None = None
+        slot.watch(self, job_id, on_shutdown or self.stop)
 
     def stalled(self, now: float) -> bool:
         """Whether a write has been blocked for `send_timeout` seconds by `now` (the loop's clock)."""
@@ -279,26 +257,33 @@ class JobStreamResponse(Response):
             self._task.cancel()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        counted = False
         try:
             if scope["method"] == "HEAD":  # the headers a GET would get, and no stream
                 await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
             self._task = asyncio.current_task()
+            self._metrics.stream_opened()
+            counted = True
             listener = asyncio.get_running_loop().create_task(self._listen(receive))
             try:
                 if await self._stream(send):
                     listener.cancel()
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 elif self._write_timed_out:
-                    await sendbuffer.cut(scope, self._on_write_timeout, self.send_timeout)
+                    await sendbuffer.cut(scope, lambda: self._metrics.client_timeout("write"), self.send_timeout)
             finally:
                 listener.cancel()
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
-            self._on_end()
+            self._release()
+            if counted:
+                self._metrics.stream_closed()
+            if self._on_end is not None:
+                self._on_end()
 
     async def _stream(self, send: Send) -> bool:
         """Send the head and every chunk; True if the body is still to be ended (the content ended
@@ -351,6 +336,21 @@ class JobStreamResponse(Response):
                 return
 
 
+async def follow(job: JobHandle, after: int = 0, ping_interval: float = 0) -> AsyncIterator[tuple[list[Event], bool]]:
+    """`job`'s events after seq `after` to its terminal event, each batch as it arrived and whether it
+    holds the terminal event; an empty batch after `ping_interval` seconds without one (0: never),
+    the moment for a stream's ping."""
+    seen = after
+    while True:
+        batch = await job.wait_events(seen, timeout=ping_interval or None)
+        if batch:
+            seen = batch[-1].seq
+        last = job.terminal is not None and seen >= job.terminal.seq
+        yield batch, last
+        if last:
+            return
+
+
 def job_response(
     job: JobHandle,
     backend: Backend,
@@ -362,7 +362,7 @@ def job_response(
     retry_ms: int = 3000,
     after: int = 0,
     write_timeout: float | None = None,
-) -> JobStreamResponse:
+) -> EventStream:
     bind_job(job.id)
 
     def end_on_shutdown() -> None:
@@ -372,27 +372,20 @@ def job_response(
             backend.cancel(job)
             job.fail(Code.SHUTTING_DOWN, "the server is shutting down")
 
-    async def events():
-        seen = after
+    async def events() -> AsyncIterator[tuple[bytes, bool]]:
         store.attach(job)
-        metrics.stream_opened()
-        head = retry_line(retry_ms)  # goes out with the first events, or alone if there are none yet
-        if not (isinstance(job, Job) and len(job.events) > seen):
-            yield head, False
-            head = b""
         try:
-            while True:
-                batch = await job.wait_events(seen, timeout=ping_interval or None)
+            head = retry_line(retry_ms)  # goes out with the first events, or alone if there are none yet
+            if not (isinstance(job, Job) and len(job.events) > after):
+                yield head, False
+                head = b""
+            async for batch, last in follow(job, after, ping_interval):
                 if not batch:
                     yield PING, False
                     continue
-                seen = batch[-1].seq
                 metrics.sent(batch)
-                last = job.terminal is not None and seen >= job.terminal.seq
                 yield head + b"".join([event.sse() for event in batch]), last
                 head = b""
-                if last:
-                    return
         except StoppedFollowing:
             pass  # another replica runs the job: the client reconnects, to a replica that stays
         except StoreUnavailable as exc:
@@ -401,16 +394,15 @@ def job_response(
             log.warning("job %s: stream ended early: %s", job.id, exc)
         finally:
             store.detach(job)
-            metrics.stream_closed()
 
-    response = JobStreamResponse(
+    return EventStream(
         events(),
+        slot=slot,
+        job_id=job.id,
+        metrics=metrics,
         headers={"Cache-Control": "no-cache", "X-Job-Id": job.id},
         # A write blocked this long means a client that stopped reading (a half-open
         # connection, a stalled proxy): the response ends, and the client is detached.
         send_timeout=write_timeout,
-        on_end=slot.keep(),
-        on_write_timeout=lambda: metrics.client_timeout("write"),
+        on_shutdown=end_on_shutdown,
     )
-    slot.watch(response, job.id, end_on_shutdown)
-    return response

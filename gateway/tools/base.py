@@ -111,7 +111,7 @@ class Tool:
     spread: Any = None
     sequences: tuple[str, ...] = ()
     tagged: tuple[str, ...] | None = None  # of `sequences`, those a `tag` goes before (None: all)
-    # Published schemas, for a tool known only from another service's `GET /tools`.
+    # Published schemas, for a tool learned from another service's `GET /tools`.
     info: ToolInfo | None = None
 
     def __post_init__(self) -> None:
@@ -119,7 +119,7 @@ class Tool:
             raise ValueError(f"tool name {self.name!r}: use letters, digits, '_' and '-' only")
         if not (isinstance(self.params, type) and issubclass(self.params, msgspec.Struct)):
             raise TypeError(f"tool {self.name!r}: params must be a msgspec.Struct type")
-        if self.info is None:  # a learned tool's schema has the fields already
+        if self.info is None:  # a learned tool's params are relayed as sent, or those of its own tool here
             object.__setattr__(self, "params", _with_model(self.name, self.params, tag=bool(self.sequences)))
 
     @property

@@ -1,0 +1,522 @@
+"""`/mcp`: the gateway as an MCP server (Streamable HTTP, stateless), on the official `mcp` SDK.
+
+Another surface over the same jobs, as the OpenAI routes are (gateway/server/openai.py): a
+`tools/call` is an ordinary job, admitted by `Admission` for the caller's bearer token with
+its tenancy, quotas and place in `GET /jobs`; the job's frames become the call's notifications
+and its terminal event the call's result. Nothing here runs a job or keeps one.
+
+- **Tools.** One MCP tool per served tool and model: the default model's under the tool's own
+  name (`generate`), every other model's as `<tool>__<model>` (`generate__small`; characters
+  outside `[A-Za-z0-9_-]` in a model's name become `_`). A tool a model cannot run (`GET
+  /models`' `unsupported`) is left out for that model, and one the token may not use for every
+  model. `inputSchema` is the tool's params schema as `GET /tools` shows it, less `model`,
+  which the tool's name says; `outputSchema` is its result's.
+- **Progress.** With a progress token, each batch of the job's events is at most one
+  `notifications/progress`, whose value only rises: while queued, the places the job moved up
+  in line (its position when first queued, less its position now); once running, the tool's
+  `done` and `total` as the tool reports them. Partial text is the notification's message (else
+  where the job stands); a message with no rise to report takes a value between the last and
+  the next whole step (or the total), and text with no room left rides on the next one
+  (`Rising`). Log frames are `notifications/message` at their level (on 2026-07-28 only when
+  the request's `_meta` asks for logs, at that level and above).
+- **Results.** The `data` event is `structuredContent`, and its JSON the text content; an
+  `error` event, or a refusal before the job started (the 4xx of `POST /{tool}/run`), is a
+  result with `isError`: `<code>: <message>` as its text, the protocol's error object in its
+  `_meta` (`streamgate/error`; not `structuredContent`, which clients check against the result
+  schema even on an error). The job's id is in the result's `_meta` (`streamgate/job_id`). A
+  result over `INLINE_RESULT_BYTES` is not inlined (the SDK would build and encode it on the
+  event loop): the call answers `isError` `too_large` naming the job, whose result `GET
+  /jobs/{id}` has.
+- **Cancelling.** A client that leaves (on 2026-07-28, closing the response stream is how a
+  client cancels) cancels its job at once, as an OpenAI client's does. On the handshake-era
+  wire a `notifications/cancelled` arrives as a request of its own; stateless, nothing ties it
+  to the call, so it cancels the call with that request id made by the same tenant (token, or
+  address without tokens), and none if that tenant has more than one: request ids are only
+  unique per client.
+- **Tasks** (gateway/server/mcp_tasks.py): a 2026-07-28 client that declares the tasks
+  extension gets every call answered as a task, which is the job.
+- **HTTP.** Every request needs the gateway's token (the same 401 as every route), takes a
+  stream slot of its tenant (503 `overloaded`, 429 `rate_limited`), and its body is read with
+  the run's limits (413, 408) before the SDK parses it. A request with an `Origin` header
+  that `--cors-origins` does not list is refused 403 (a page elsewhere, DNS rebinding). Each
+  write that a client leaves blocked for `--write-timeout` cuts its connection, and a big one
+  goes out in pieces (gateway/plumbing/sendbuffer.py).
+
+The SDK's low-level `Server` and its session manager (stateless) serve both wire eras: the
+2026-07-28 per-request envelope (the Python SDK's default) and the 2025 initialize handshake
+(the Inspector's default). `MCPServer` (FastMCP) was not used: it builds tools from Python
+functions and validates arguments with pydantic, where these tools are Structs that
+`Admission` decodes, schemas that `GET /tools` already publishes, and a list that changes
+with the models served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+import anyio
+import msgspec
+import mcp_types as types
+from mcp.server import CacheHint, Server
+from mcp.server.connection import allowed_log_levels
+from mcp.server.context import ServerRequestContext
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp.shared.exceptions import MCPError
+from starlette.requests import Request
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway import params as params_mod
+from gateway import tenants
+from gateway.admission import Admission, Applicant
+from gateway.errors import ApiError, ParamError
+from gateway.jobs import Job
+from gateway.plumbing import sendbuffer
+from gateway.plumbing.logs import bind_job
+from gateway.plumbing.metrics import Metrics
+from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType, LogFrame, Status, StatusFrame
+from gateway.server.auth import Auth, Principal
+from gateway.server.mcp_tasks import Tasks
+from gateway.server.store import JobStore
+from gateway.server.stream import Streams, follow
+from gateway.tools.base import MODEL_FIELD
+
+log = logging.getLogger("streamgate.mcp")
+
+SEPARATOR = "__"  # between a tool's name and its model's, for a model other than the default
+MAX_NAME = 64  # what the model APIs that agents call tools through accept (OpenAI's, Anthropic's)
+PAGE = 100  # tools per `tools/list` page
+ENVELOPE_BYTES = 64 * 1024  # the JSON-RPC around a call's arguments, over the run's body limit
+INLINE_RESULT_BYTES = 8 << 20
+JOB_META = "streamgate/job_id"
+ERROR_META = "streamgate/error"
+CALLER = "streamgate.mcp.caller"  # the scope key the HTTP layer leaves the caller under, for the handlers
+# A progress message's most characters: the newest text of a batch of partials that a slow client let
+# pile up (the result has all of it).
+MESSAGE_CHARS = 16 * 1024
+MCP_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who makes an MCP request: the token (None without tokens) and the tenant it counts against."""
+
+    principal: Principal | None
+    tenant: str
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One MCP tool: a gateway tool on one model (None: the default)."""
+
+    tool: str
+    model: str | None
+    listed: types.Tool
+
+
+@dataclass
+class Surface:
+    """What `/mcp` needs from the gateway: the one admission, the job store, auth, streams, settings."""
+
+    backend: Any
+    admission: Admission
+    auth: Auth
+    store: JobStore
+    streams: Streams
+    metrics: Metrics
+    limits: Mapping[str, int]
+    max_body_bytes: int
+    body_timeout: float
+    write_timeout: float
+    retention: float
+    origins: Sequence[str] = ()
+
+
+class McpServer:
+    """The `/mcp` endpoint (an ASGI app) and the MCP server behind it; `running()` goes in the app's lifespan."""
+
+    def __init__(self, surface: Surface) -> None:
+        self.surface = surface
+        self.tasks = Tasks(
+            surface.store, surface.auth, surface.retention, principal=lambda ctx: _caller(ctx).principal, result=self._result
+        )
+        self._catalog_key: object = None
+        self._entries: dict[str, Entry] = {}
+        # Calls being followed, by (tenant, request id): what a handshake-era `notifications/cancelled` names.
+        self._calls: dict[tuple[str, str], list[Job]] = {}
+        server: Server[Any] = Server(
+            "streamgate",
+            version=_version(),
+            instructions=(
+                "Each tool runs a job on a streamgate gateway. Tools named <tool>__<model> run on that model; "
+                "the others on the gateway's default model."
+            ),
+            # Scoped to the token (a token may not use every tool): never shared between callers.
+            cache_hints={"tools/list": CacheHint(ttl_ms=0, scope="private")},
+            get_tool_input_schema=self._input_schema,
+            on_list_tools=self._list_tools,
+            on_call_tool=self._call_tool,
+        )
+        self.tasks.register(server)
+        # The 2025 wire's `logging/setLevel`, acknowledged: stateless, no level outlives its request,
+        # so a call's logs go out at every level there (2026-07-28 asks per request, in `_meta`).
+        server.add_request_handler("logging/setLevel", types.SetLevelRequestParams, _acknowledge)
+        server.add_notification_handler("notifications/cancelled", types.CancelledNotificationParams, self._cancelled)
+        self.server = server
+        self.manager = StreamableHTTPSessionManager(
+            server, stateless=True, max_request_body_size=surface.max_body_bytes + ENVELOPE_BYTES
+        )
+
+    def running(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self.manager.run()
+
+    # -- HTTP ------------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        surface = self.surface
+        request = Request(scope, receive)
+        try:
+            origin = request.headers.get("origin")
+            if origin is not None and origin not in surface.origins:
+                raise ApiError(Code.FORBIDDEN, f"/mcp does not take requests from pages at {origin!r} (see --cors-origins)")
+            principal = surface.auth.authenticate(request)
+            tenant = tenants.tenant(principal, request)
+            with surface.streams.slot(tenant):
+                body = await params_mod.read_body(
+                    request, surface.max_body_bytes + ENVELOPE_BYTES, surface.body_timeout, surface.metrics.client_timeout
+                )
+                scope[CALLER] = Caller(principal, tenant)
+                await self.manager.handle_request(scope, _replay(body, receive), self._bounded(scope, send))
+        except ApiError as exc:
+            await exc.response()(scope, receive, send)
+
+    def _bounded(self, scope: Scope, send: Send) -> Send:
+        """`send`, each write within the write timeout (a big body a piece at a time), or the connection
+        cut: what is sent after that goes nowhere, and the SDK learns that its client left, as from any
+        client that leaves (an exception would reach it as a server fault, traceback and all)."""
+        timeout = self.surface.write_timeout
+        cut = False
+
+        async def bounded(message: Message) -> None:
+            nonlocal cut
+            body = message.get("body", b"") if message["type"] == "http.response.body" else b""
+            writes = sendbuffer.pieces(body, message.get("more_body", False)) if len(body) > sendbuffer.PIECE else (message,)
+            for write in writes:
+                if cut:
+                    return
+                try:
+                    with anyio.fail_after(timeout):
+                        await send(write)
+                except TimeoutError:
+                    cut = True
+                    await sendbuffer.cut(scope, lambda: self.surface.metrics.client_timeout("write"), timeout)
+
+        return bounded
+
+    # -- tools -----------------------------------------------------------------------------------
+
+    def catalog(self) -> dict[str, Entry]:
+        """The MCP tools by name, described again whenever the tools or the models served change."""
+        backend = self.surface.backend
+        models = tuple(backend.model_names())
+        key = (backend.tools_version, models)
+        if key != self._catalog_key:
+            self._entries = _describe(backend, self.surface.limits, models)
+            self._catalog_key = key
+        return self._entries
+
+    def _input_schema(self, name: str) -> Mapping[str, Any] | None:
+        entry = self.catalog().get(name)
+        return entry.listed.input_schema if entry is not None else None
+
+    async def _list_tools(self, ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams) -> types.ListToolsResult:
+        caller = _caller(ctx)
+        mine = [e.listed for e in self.catalog().values() if _may_use(caller, e.tool)]
+        start = 0
+        if params.cursor is not None:
+            if not (params.cursor.isascii() and params.cursor.isdigit() and len(params.cursor) < 10):
+                raise MCPError(code=types.INVALID_PARAMS, message="not a cursor this server gave")
+            start = int(params.cursor)
+        page = mine[start : start + PAGE]
+        more = start + PAGE < len(mine)
+        return types.ListToolsResult(tools=page, next_cursor=str(start + PAGE) if more else None)
+
+    async def _call_tool(self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams) -> Any:
+        caller = _caller(ctx)
+        entry = self.catalog().get(params.name)
+        if entry is None:
+            raise MCPError(code=types.INVALID_PARAMS, message=f"no tool named {params.name[:128]!r}: tools/list names them")
+        try:
+            job = await self._admit(caller, entry, params.arguments or {})
+        except ApiError as exc:
+            return _error_result(exc.info(), retry_after=exc.retry_after)
+        bind_job(job.id)
+        if self.tasks.wanted(ctx):
+            return self.tasks.create(job)
+        return await self._follow(ctx, caller, job)
+
+    async def _admit(self, caller: Caller, entry: Entry, arguments: dict[str, Any]) -> Job:
+        """The call's job, admitted as a run of the tool with these arguments as its body would be."""
+        surface = self.surface
+        surface.auth.authorize(caller.principal, entry.tool)
+        tool = surface.backend.tool(entry.tool)
+        given = arguments.get(MODEL_FIELD)
+        if given is not None and given != (entry.model or surface.backend.resolve_model(None)):
+            on = entry.model or "the default model"
+            raise ParamError(MODEL_FIELD, f"this tool runs on {on}; the tool's name chooses the model")
+        fields = {**arguments, MODEL_FIELD: entry.model} if entry.model is not None else arguments
+        try:
+            body = msgspec.json.encode(fields)
+        except (msgspec.EncodeError, OverflowError) as exc:
+            raise ApiError(Code.INVALID_PARAMS, f"the arguments cannot be read: {exc}") from None
+        if len(body) > surface.max_body_bytes:
+            raise ApiError(Code.TOO_LARGE, f"the arguments are over the limit of {surface.max_body_bytes} bytes")
+        decoded = await surface.admission.decode(tool, body, what="the arguments")
+        return await surface.admission.admit(tool, decoded, Applicant.of(caller.principal, caller.tenant))
+
+    async def _follow(self, ctx: ServerRequestContext[Any], caller: Caller, job: Job) -> Any:
+        """Follow the job to its end, its frames as notifications; the result, or `isError`."""
+        store = self.surface.store
+        key = (caller.tenant, _request_key(ctx.request_id))
+        self._calls.setdefault(key, []).append(job)
+        store.attach(job)  # as a stream's follower: a viewer of the job that leaves does not cancel it
+        try:
+            rising = Rising()
+            logs = allowed_log_levels(ctx.protocol_version, ctx.meta)
+            async for batch, _ in follow(job):
+                for level, message in _logs(batch):
+                    if level in logs:
+                        await ctx.session.send_notification(
+                            types.LoggingMessageNotification(
+                                params=types.LoggingMessageNotificationParams(level=level, logger="streamgate", data=message)
+                            ),
+                            related_request_id=ctx.request_id,
+                        )
+                step = rising.step(batch)
+                if step is not None:
+                    await ctx.session.report_progress(*step)
+            assert job.terminal is not None
+            return await self._result(job.id, job.terminal.type, job.terminal.data)
+        finally:
+            calls = self._calls.get(key, [])
+            if job in calls:
+                calls.remove(job)
+            if not calls:
+                self._calls.pop(key, None)
+            if not job.done:  # the client left, or cancelled: nobody will read the answer
+                with anyio.CancelScope(shield=True):
+                    await store.cancel(job)
+            store.detach(job)
+
+    async def _result(self, job_id: str, kind: EventType, data: bytes) -> types.CallToolResult:
+        """A terminal event as a `CallToolResult`."""
+        meta = {JOB_META: job_id}
+        if kind is EventType.ERROR:
+            return _error_result(msgspec.json.decode(data, type=ErrorFrame).error, meta=meta)
+        if len(data) > INLINE_RESULT_BYTES:
+            info = ErrorInfo(
+                Code.TOO_LARGE,
+                f"the result is {len(data)} bytes, over the {INLINE_RESULT_BYTES} an MCP call returns inline: "
+                f"read it from GET /jobs/{job_id}",
+                retryable=False,
+            )
+            return _error_result(info, meta=meta)
+        structured = await params_mod.off_loop(msgspec.json.decode, data)
+        return types.CallToolResult(
+            content=[types.TextContent(type="text", text=data.decode())],
+            structured_content=structured if isinstance(structured, dict) else None,
+            is_error=False,
+            meta=meta,
+        )
+
+    async def _cancelled(self, ctx: ServerRequestContext[Any], params: types.CancelledNotificationParams) -> None:
+        if params.request_id is None:
+            return
+        calls = self._calls.get((_caller(ctx).tenant, _request_key(params.request_id)), [])
+        if len(calls) == 1:
+            await self.surface.store.cancel(calls[0])
+        elif calls:
+            log.info("notifications/cancelled for request %r: %d calls of that id, none cancelled", params.request_id, len(calls))
+
+
+class Rising:
+    """A job's frames as MCP progress: at most one (value, total, message) per batch, the value always rising.
+
+    Queued, the value is the places moved up in line; running, the tool's `done` as it reports it. A
+    message with no rise to report takes a value halfway to the next whole step (or the total); with
+    no room left, partial text waits to ride on the next notification (its newest `MESSAGE_CHARS`).
+    """
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+        self.total: float | None = None
+        self.first_position: int | None = None
+        self.held = ""
+
+    def step(self, batch: Sequence[Event]) -> tuple[float, float | None, str | None] | None:
+        value: float | None = None
+        said: list[str] = []
+        texts: list[str] = []
+        for event in batch:
+            if event.type is EventType.STATUS:
+                frame = msgspec.json.decode(event.data, type=StatusFrame)
+                value, status = self._status(frame, value)
+                said.append(status)
+            elif event.type is EventType.PARTIAL:
+                try:
+                    partial = msgspec.json.decode(event.data, type=_TextPartial)
+                except msgspec.ValidationError:  # a tool's own partial, with no text of this shape
+                    continue
+                if partial.text:
+                    texts.append(partial.text if partial.index == 0 else f"[{partial.index}] {partial.text}")
+        text = (self.held + "".join(texts))[-MESSAGE_CHARS:]
+        message = text or "; ".join(said) or None
+        if value is None or (self.last is not None and value <= self.last):
+            if message is None:
+                return None
+            value = self._between()
+            if value is None:  # text waits for the next notification; a status, the next status says better
+                self.held = text
+                return None
+        self.held = ""
+        self.last = value
+        return value, self.total, message
+
+    def _status(self, frame: StatusFrame, value: float | None) -> tuple[float | None, str]:
+        if frame.status is Status.QUEUED and frame.position is not None:
+            if self.first_position is None:
+                self.first_position = frame.position
+            in_line = f"queued: {frame.position} in line" + (f" of {frame.queue_size}" if frame.queue_size else "")
+            return float(max(self.first_position - frame.position, 0)), in_line
+        if frame.status is Status.RUNNING and frame.progress is not None:
+            done, self.total = frame.progress.done, frame.progress.total
+            unit = f" {frame.progress.unit}" if frame.progress.unit else ""
+            return float(done), f"running: {done}" + (f"/{self.total}" if self.total is not None else "") + unit
+        if frame.status is Status.RECEIVED:
+            return value, f"received: job {frame.job_id}"
+        return value, frame.status.value.lower()
+
+    def _between(self) -> float | None:
+        """A value above the last and below the next whole step (and the total); None if there is none."""
+        if self.last is None:
+            return 0.0
+        ceiling = math.floor(self.last) + 1.0
+        if self.total is not None:
+            ceiling = min(ceiling, float(self.total))
+        value = self.last + (ceiling - self.last) / 2
+        return value if self.last < value < ceiling else None
+
+
+class _TextPartial(msgspec.Struct):
+    """What a partial frame may carry as text (generate's `{"index", "text", ...}`); other partials have none."""
+
+    index: int = 0
+    text: str | None = None
+
+
+def _logs(batch: Sequence[Event]) -> list[tuple[str, str]]:
+    found = []
+    for event in batch:
+        if event.type is EventType.LOG:
+            frame = msgspec.json.decode(event.data, type=LogFrame)
+            level = frame.level.lower()
+            level = "warning" if level == "warn" else level if level in MCP_LEVELS else "info"
+            found.append((level, frame.message))
+    return found
+
+
+def _error_result(info: ErrorInfo, *, meta: dict[str, Any] | None = None, retry_after: float | None = None) -> types.CallToolResult:
+    """An error event's, or a refusal's, `ErrorInfo` as a `CallToolResult` with `isError` (see the module docstring)."""
+    error = msgspec.to_builtins(info)
+    if retry_after is not None:
+        error["retry_after"] = max(1, math.ceil(retry_after))
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=f"{info.code.value}: {info.message}")],
+        is_error=True,
+        meta={**(meta or {}), ERROR_META: error},
+    )
+
+
+def _describe(backend: Any, limits: Mapping[str, int], models: tuple[str, ...]) -> dict[str, Entry]:
+    entries: dict[str, Entry] = {}
+    for i, model in enumerate(models or (None,)):
+        infos = params_mod.describe(backend.tools.values(), limits, lambda t, m=model: backend.unsupported(t, m))
+        for info in infos:
+            if info.unsupported is not None:
+                continue
+            on = None if i == 0 else model
+            name = info.name if on is None else _name(info.name, on, entries)
+            inputs = copy.deepcopy(info.params_schema)
+            inputs.get("properties", {}).pop(MODEL_FIELD, None)
+            if MODEL_FIELD in inputs.get("required", ()):
+                inputs["required"] = [r for r in inputs["required"] if r != MODEL_FIELD]
+            outputs = info.result_schema if info.result_schema.get("type") == "object" else None
+            where = f"the model {on!r}" if on is not None else f"the default model{f' ({model!r})' if model else ''}"
+            listed = types.Tool(
+                name=name,
+                title=f"{info.name} on {on}" if on is not None else info.name,
+                description=f"{info.description}\n\nRuns on {where}, as a job of the gateway's `{info.name}` tool.",
+                input_schema=inputs,
+                output_schema=outputs,
+            )
+            entries[name] = Entry(info.name, on, listed)
+    return entries
+
+
+def _name(tool: str, model: str, taken: Mapping[str, Entry]) -> str:
+    """`<tool>__<model>`, in the characters and length agents' model APIs take, unique among `taken`."""
+    name = f"{tool}{SEPARATOR}{re.sub(r'[^A-Za-z0-9_-]', '_', model)}"
+    if len(name) <= MAX_NAME and name not in taken:
+        return name
+    suffix = "_" + hashlib.sha256(model.encode()).hexdigest()[:8]
+    return name[: MAX_NAME - len(suffix)] + suffix
+
+
+def _may_use(caller: Caller, tool: str) -> bool:
+    principal = caller.principal
+    return principal is None or principal.tools is None or tool in principal.tools
+
+
+def _caller(ctx: ServerRequestContext[Any]) -> Caller:
+    request = ctx.request
+    caller = request.scope.get(CALLER) if isinstance(request, Request) else None
+    if not isinstance(caller, Caller):  # only the HTTP layer reaches the handlers, and it always sets one
+        raise MCPError(code=types.INVALID_REQUEST, message="no caller")
+    return caller
+
+
+def _request_key(request_id: Any) -> str:
+    return f"{type(request_id).__name__}:{request_id}"
+
+
+async def _acknowledge(ctx: ServerRequestContext[Any], params: Any) -> types.EmptyResult:
+    return types.EmptyResult()
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` for a request whose body was read already: the body once, then the connection's own messages."""
+    given = False
+
+    async def replayed() -> Message:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+def _version() -> str:
+    try:
+        return metadata.version("streamgate")
+    except metadata.PackageNotFoundError:
+        return "0"
