@@ -51,7 +51,7 @@ import msgspec
 import websockets
 
 from backends import inference
-from gateway.plumbing import memory
+from gateway.plumbing import memory, tracing
 from backends import loading as models
 from backends.base import Relaying, sent
 from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
@@ -114,7 +114,10 @@ class EngineLink(Link):
         if socket is None:
             raise Unreachable("the engine's socket is not open")
         answer = self.answers[job.id] = asyncio.get_running_loop().create_future()
-        op = Submit(tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, request_id=request_id.get(), **sent(job.params))
+        op = Submit(
+            tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, request_id=request_id.get(),
+            traceparent=tracing.traceparent(job.span), **sent(job.params),
+        )
         try:
             await socket.send(encode(op).decode())
             await answer

@@ -22,6 +22,9 @@ download, on the event loop, held back every other session's frames while it
 ran and added its time to every download.
 
 Every call, the socket included, needs the shared bearer token when one is set.
+A gateway that traces sends its job's `traceparent` with the submit: the job's
+spans here, from its admission to its result's encoding, are of that trace
+(gateway/plumbing/tracing.py).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from backends.local import LocalBackend
 from gateway import params as params_mod
 from gateway.admission import Admission, Applicant
 from gateway.config import Settings
+from gateway.plumbing import tracing
 from gateway.plumbing.drain import Drain, on_sigterm
 from gateway.encoding import HASH_INLINE, HASHING
 from gateway.errors import ApiError, api_error_handler, http_error_handler
@@ -293,7 +297,8 @@ class Executor:
         params = await params_mod.decode_relayed(tool, bytes(submitted.params), submitted.query, submitted.model, "params")
         # The gateway's tenant, as its own queue would count it; a gateway that sends none is one tenant.
         tenant = submitted.tenant if submitted.tenant is not None else SESSION + session_id
-        job = await self.admission.admit(tool, params, Applicant(tenant, submitted.weight), job_id=submitted.job_id)
+        with tracing.continued(submitted.traceparent):  # the job's spans here are of the gateway's job's trace
+            job = await self.admission.admit(tool, params, Applicant(tenant, submitted.weight), job_id=submitted.job_id)
         # Held from here on, with no await between: the job cannot have ended yet (the executor keeps no store).
         session = self.session(session_id)
         entry = Entry(job, session)

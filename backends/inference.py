@@ -23,7 +23,10 @@ Deliberately the gateway's job model over the server's API, not a proxy of it:
 - only the tools the server can answer are offered: `generate`, and `loglikelihood`,
   `logprobs` and `predict` where it has vLLM's extensions (backends/server_requests.py),
   each shown on the server once it is up (backends/server_probes.py); the others are
-  refused before queueing with 422 `unsupported_by_model`, saying why.
+  refused before queueing with 422 `unsupported_by_model`, saying why;
+- traced (gateway/plumbing/tracing.py), a job's request is a client span of its trace, its
+  time in the gateway's queue another, and the request's `traceparent` header names it:
+  a server that traces (vLLM with `--otlp-traces-endpoint`) puts its spans under it.
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ from typing import Any
 
 import httpx
 import msgspec
+from opentelemetry.trace import SpanKind
 
 from backends import server_probes
 from backends.queue import JobQueue
 from gateway.errors import ApiError
-from gateway.jobs import Job
+from gateway.jobs import Job, end_span
+from gateway.plumbing import tracing
 from gateway.protocol import Code, ModelInfo, Status, ToolInfo
 from backends.server_requests import WORKS, Chunk, Work, refusal
 from gateway.tools.base import Tool
@@ -290,7 +295,7 @@ class ServerLink:
         if self.healthy and not len(self.queue) and not self.slots.locked():
             await self.slots.acquire()
             try:
-                response = await self._open(work)
+                response = await self._open(work, job)
             except BaseException:
                 self.slots.release()
                 raise
@@ -325,8 +330,9 @@ class ServerLink:
             if job.done or work is None or job.id not in self.jobs:
                 self.slots.release()
                 continue
+            tracing.queued(job)
             try:
-                response = await self._open(work)
+                response = await self._open(work, job)
             except Exception as exc:
                 self.slots.release()
                 if isinstance(exc, ApiError) and exc.code is Code.BACKEND_UNAVAILABLE and not job.cancel_requested.is_set():
@@ -356,13 +362,18 @@ class ServerLink:
         self.healthy, self.problem = False, problem
         self._ready.clear()
 
-    async def _open(self, work: Work) -> httpx.Response:
-        """The request sent and its answer's head read; raises the protocol's refusal."""
-        request = self.http.build_request("POST", work.path, json=work.body)
+    async def _open(self, work: Work, job: Job) -> httpx.Response:
+        """The request sent and its answer's head read (a span of `job`'s trace until the job ends);
+        raises the protocol's refusal."""
+        span = tracing.child(job.span, "inference", SpanKind.CLIENT, **{"http.request.method": "POST", "url.full": self.url + work.path})
+        request = self.http.build_request("POST", work.path, json=work.body, headers=tracing.headers(span))
         try:
             response = await self.http.send(request, stream=True)
         except httpx.HTTPError as exc:
-            raise ApiError(Code.BACKEND_UNAVAILABLE, f"the inference server of model {self.name} could not be reached: {exc}", retry_after=5) from None
+            error = ApiError(Code.BACKEND_UNAVAILABLE, f"the inference server of model {self.name} could not be reached: {exc}", retry_after=5)
+            end_span(span, error.code, error.message)
+            raise error from None
+        span.set_attribute("http.response.status_code", response.status_code)
         if response.status_code != 200:
             try:
                 body = await response.aread()
@@ -370,7 +381,11 @@ class ServerLink:
                 body = str(exc).encode()
             finally:
                 await response.aclose()
-            raise refusal(response.status_code, body, f"the inference server of model {self.name}")
+            error = refusal(response.status_code, body, f"the inference server of model {self.name}")
+            end_span(span, error.code, error.message)
+            raise error
+        if span.is_recording():
+            job.on_end.append(lambda _: span.end())
         return response
 
     def _begin(self, job: Job, work: Work, response: httpx.Response) -> None:

@@ -51,6 +51,7 @@ from gateway.admission import Admission, Applicant
 from gateway.config import Settings
 from gateway.errors import ApiError
 from gateway.jobs import Job
+from gateway.plumbing import tracing
 from gateway.protocol import Code, ErrorInfo, EventType, ModelInfo, RemoteFrame, RemoteKind, Status, ToolInfo, encode, remote_frame
 
 log = logging.getLogger("streamgate.ray")
@@ -135,6 +136,8 @@ class Replica:
         self.settings = msgspec.json.decode(settings, type=Settings)
         self.limits = self.settings.limits()
         self.name = serve.get_replica_context().replica_tag
+        # As the replica's own environment says (a local Ray's workers have the gateway's).
+        tracing.configure("streamgate-replica", **{"streamgate.replica": self.name})
         self.backend = from_settings(self.settings, encode=to_msgpack)
         self.admission = Admission(self.backend, self.limits)
         await self.backend.start()
@@ -177,14 +180,16 @@ class Replica:
 
     async def run(
         self, tool_name: str, params: msgspec.Raw, job_id: str, tenant: str = "", weight: float = 1.0,
-        query: list[tuple[str, str]] | None = None, model: str | None = None,
+        query: list[tuple[str, str]] | None = None, model: str | None = None, traceparent: str | None = None,
     ) -> AsyncIterator[bytes]:
         """Run one job, queued as the gateway's `tenant` with its `weight`; its Dispatch, frames and result.
-        The params come as the gateway's client sent them (`SubmitRequest` says how), decoded here."""
+        The params come as the gateway's client sent them (`SubmitRequest` says how), decoded here; its
+        spans here join the trace of the gateway's job that `traceparent` names."""
         try:
             tool = self.backend.tool(tool_name)
             decoded = await params_mod.decode_relayed(tool, bytes(params), query, model, "the body")
-            job = await self.admission.admit(tool, decoded, Applicant(tenant, weight), job_id=job_id)
+            with tracing.continued(traceparent):
+                job = await self.admission.admit(tool, decoded, Applicant(tenant, weight), job_id=job_id)
         except ApiError as exc:
             yield encode(Dispatch(error=exc.info(), status=exc.status, retry_after=exc.retry_after))
             return
@@ -358,8 +363,10 @@ class RayBackend(Relaying):
 
     async def submit(self, job: Job) -> None:
         tool = self.tool(job.tool)
+        # Only when traced: a replica deployed by an older gateway takes no `traceparent`.
+        traced = {"traceparent": value} if (value := tracing.traceparent(job.span)) else {}
         call = self._handle.options(stream=True).run.remote(
-            tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, **sent(job.params)
+            tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, **sent(job.params), **traced
         )
         try:
             dispatch = msgspec.json.decode(await call.__anext__(), type=Dispatch)

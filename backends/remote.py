@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 import msgspec
 import websockets
+from opentelemetry.trace import StatusCode
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.asyncio.client import unix_connect as ws_unix_connect
@@ -48,6 +49,7 @@ from backends.frames import failure, relay
 from gateway.encoding import HASH_INLINE, from_msgpack, to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
+from gateway.plumbing import tracing
 from gateway.plumbing.logs import forward_request_id
 from gateway.params import INLINE_BYTES, off_loop
 from gateway.protocol import (
@@ -317,7 +319,9 @@ class Link:
 
     async def _submit(self, job: Job, tool: Tool) -> None:
         """`POST /jobs`: returns once the executor took the job; raises `Unreachable`, or its refusal."""
-        body = encode(SubmitRequest(tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, **sent(job.params)))
+        body = encode(SubmitRequest(
+            tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, traceparent=tracing.traceparent(job.span), **sent(job.params)
+        ))
         try:
             response = await self.http.post(
                 "/jobs", content=body, headers={"X-Session-Id": self.session_id, "Content-Type": "application/json"}
@@ -347,17 +351,22 @@ class Link:
         for attempt in range(DOWNLOAD_TRIES):
             if attempt:
                 await asyncio.sleep(0.2 * 2**attempt)
+            span = tracing.child(remote.job.span, "download", **{"streamgate.attempt": attempt})
             try:
                 data = await self.downloads.fetch(job_id)
+                span.set_attribute("streamgate.result.bytes", len(data))
                 # A small one on the loop: a thread hop costs more, and each one the default pool runs concurrently leaves it a thread larger.
                 result = self.as_json(data) if len(data) <= HASH_INLINE else await asyncio.to_thread(self.as_json, data)
             except Retry as exc:
+                span.set_status(StatusCode.ERROR, str(exc))
                 problem = str(exc)
                 log.warning("job %s: result download failed (%s), try %d", job_id, exc, attempt + 1, extra={"job_id": job_id})
                 continue
             except (msgspec.DecodeError, ValueError) as exc:
                 self.finish(remote, Code.REMOTE_ERROR, f"the executor sent a result that is not valid: {exc}")
                 return
+            finally:
+                span.end()
             if self.jobs.pop(job_id, None) is not None:
                 remote.job.succeed(result)
                 self.spawn(self._forget(job_id))

@@ -38,6 +38,7 @@ from typing import Any
 import msgspec
 
 from gateway.jobs import Job
+from gateway.plumbing import tracing
 from gateway.protocol import Code, Status
 from gateway.tools.batching import Chunked
 
@@ -103,6 +104,8 @@ class Part(Job):
         self.spread, self.index = spread, index  # before Job's own first status
         parent = spread.job
         super().__init__(parent.tool, params, f"{parent.id}.{index}", parent.owner, parent.tenant, parent.weight)
+        # Its engine's spans go under it, in the job's trace.
+        self.span = tracing.child(parent.span, "part", **{"streamgate.job.id": self.id, "streamgate.part": index})
 
     def set_status(self, status: Status, **fields: Any) -> None:
         super().set_status(status, **fields)

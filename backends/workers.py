@@ -37,6 +37,12 @@ device.
 
 Results are encoded on the worker thread too, as JSON for a gateway's clients
 or msgpack for an executor's: a large result costs the loop nothing.
+
+A traced job (gateway/plumbing/tracing.py) gets, under its own span: the time it
+queued, its run on the device, a span for each step it took part in (the batch's
+size then, and its own step count), and its result's encoding. They are made on
+the device's thread, and only for the jobs whose trace is recorded: an untraced
+batch's step costs one truth test.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import collections
 import contextlib
 import logging
 import os
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -53,7 +60,7 @@ from typing import Any
 import msgspec
 import torch
 
-from gateway.plumbing import memory
+from gateway.plumbing import memory, tracing
 from gateway.plumbing.handoff import DeviceThread, Handoff
 from gateway.plumbing.memory import free_device_memory
 from backends.queue import JobQueue
@@ -93,10 +100,21 @@ def execute(
     between blocks once it is cancelled (backends/stopping.py)."""
     ctx.raise_if_cancelled()
     ctx.begin()
+    began = time.time_ns()
     # Inference mode is per thread, so it is set here, on the worker's thread.
     with torch.inference_mode(), (stoppable(model, [ctx]) if stop else contextlib.nullcontext()):
         result = tool.run(model, params, ctx)
-    return msgspec.Raw(encode(result))
+    if ctx.span.is_recording():  # alone, its run is one step
+        tracing.step(ctx, began, 1, 0)
+    return encoded(ctx, result, encode)
+
+
+def encoded(ctx: Context, result: Any, encode: Callable[[Any], bytes]) -> msgspec.Raw:
+    """`result` encoded (under its job's `encoding` span, when traced)."""
+    with tracing.encoding(ctx) as span:
+        data = encode(result)
+        span.set_attribute("streamgate.result.bytes", len(data))
+    return msgspec.Raw(data)
 
 
 Outcome = msgspec.Raw | BaseException
@@ -108,10 +126,11 @@ def step(
     encode: Callable[[Any], bytes],
     model: Model | None = None,
     members: Sequence[Context] = (),
+    traced: tracing.Steps | None = None,
 ) -> list[tuple[Context, Outcome]]:
     """Add `joining` to `batch`, run one step, and encode the results of the members that ended.
     With `model` and every member's context, the step's passes stop between blocks once all of
-    them are cancelled (backends/stopping.py)."""
+    them are cancelled (backends/stopping.py); with `traced`, its traced members' step spans."""
     ended: list[tuple[Context, Outcome]] = []
     with torch.inference_mode(), (stoppable(model, members) if model is not None else contextlib.nullcontext()):
         for params, ctx in joining:
@@ -120,9 +139,18 @@ def step(
                 batch.add(params, ctx)
             except Exception as exc:  # this job's input alone is at fault
                 ended.append((ctx, exc))
+            else:
+                if traced is not None:
+                    traced.join(ctx)
         if len(batch):
+            size = len(batch)
+            began = time.time_ns() if traced else 0
             ended.extend(batch.step())
-    return [(ctx, outcome if isinstance(outcome, BaseException) else msgspec.Raw(encode(outcome))) for ctx, outcome in ended]
+            if traced:
+                traced.stepped(began, size)
+    if traced:
+        traced.leave(ctx for ctx, _ in ended)
+    return [(ctx, outcome if isinstance(outcome, BaseException) else encoded(ctx, outcome, encode)) for ctx, outcome in ended]
 
 
 def _plan(work: Chunked, model: Model, params: list[Any], ctxs: list[JobContext]) -> tuple[list[Chunk], ChunkProgress]:
@@ -143,7 +171,7 @@ def _assemble(
 ) -> list[tuple[Context, Outcome]]:
     with torch.inference_mode():
         results = work.assemble(model, params, outputs)
-    return [(ctx, Cancelled() if ctx.cancelled else msgspec.Raw(encode(result))) for ctx, result in zip(ctxs, results)]
+    return [(ctx, Cancelled() if ctx.cancelled else encoded(ctx, result, encode)) for ctx, result in zip(ctxs, results)]
 
 
 def _memory(job: Job) -> int:
@@ -179,6 +207,7 @@ class _Steps:
         self.stopped = False
         self.big = False
         self.changed = asyncio.Event()  # set on the loop when members end
+        self.traced = tracing.Steps()  # its members whose traces are recorded, on the device's thread
 
     def offer(self, added: list[tuple[Any, Context]]) -> None:
         self.inbox.extend(added)
@@ -248,9 +277,12 @@ class Worker:
         return self._thread.call(fn, *args)
 
     def context(self, job: Job) -> JobContext:
-        """The job's `Context`, whose frames travel with this worker's outcomes."""
+        """The job's `Context`, whose frames travel with this worker's outcomes (and, traced, the span of its run here)."""
         assert self._thread is not None, "the worker has not started"
-        return JobContext(job, self._thread.handoff.post)
+        ctx = JobContext(job, self._thread.handoff.post)
+        if job.span.is_recording():
+            tracing.on_device(job, ctx, str(self.model.device))
+        return ctx
 
     async def stop(self) -> None:
         for job in self.running:
@@ -451,7 +483,7 @@ class Worker:
         while True:
             added = run.drain()
             run.live += [ctx for _, ctx in added]
-            ended = step(batch, added, self.encode, *((self.model, run.live) if run.big else ()))
+            ended = step(batch, added, self.encode, *((self.model, run.live) if run.big else ()), traced=run.traced)
             size = len(run.live)
             if ended:
                 gone = {ctx for ctx, _ in ended}
@@ -476,10 +508,12 @@ class Worker:
             chunks, progress = await self.call(_plan, work, self.model, params, ctxs)
             left = collections.deque(chunks)
             outputs: dict[tuple[int, int], Any] = {}
+            traced = {i: 0 for i, ctx in enumerate(ctxs) if ctx.span.is_recording()}  # a traced job's chunks so far
 
             async def device(worker: Worker) -> None:
                 while left and not all(ctx.cancelled for ctx in ctxs) and (worker is self or not worker.busy):
                     chunk = left.popleft()
+                    began = time.time_ns()
                     try:
                         out = await worker.call(_run_chunk, work, worker.model, params, chunk)
                     except BaseException as exc:
@@ -491,6 +525,10 @@ class Worker:
                         raise
                     outputs.update(zip(chunk.items, out))
                     progress.advance(chunk)
+                    # A chunk is a step of each job it holds items of.
+                    for i in {i for i, _ in chunk.items} & traced.keys() if traced else ():
+                        tracing.step(ctxs[i], began, len(chunk.items), traced[i], **{"streamgate.device": str(worker.model.device)})
+                        traced[i] += 1
 
             others = [worker for worker in self.peers if worker is not self]
             failed = [r for r in await asyncio.gather(*(device(w) for w in [self, *others]), return_exceptions=True) if r]

@@ -33,7 +33,7 @@ import httpx
 import msgspec
 
 from gateway.server.stream import raise_fd_limit  # noqa: F401  (the benchmarks' clients need what the gateway does)
-from tests.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port
+from tests.support.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port
 
 # Short prompts the model benchmarks send in turn (batching.py, ray_serve.py, generation.py).
 SHORT_PROMPTS = [

@@ -133,7 +133,7 @@ def save(shape: str, folder: Path, tokenizer_from: Path | None = None) -> None:
     `tokenizer_from` (a model folder: SmolLM2's own, for a model of its shape that reads text as it does)."""
     import transformers as tf
 
-    from tests.tiny_models import byte_tokenizer
+    from tests.support.tiny_models import byte_tokenizer
 
     s = SHAPES[shape]
     if tokenizer_from is not None:

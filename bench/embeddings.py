@@ -2,7 +2,7 @@
 
 The model is a random ESM-2 masked LM shaped like ESM-2 8M (hidden 320, 6
 layers, 20 heads, intermediate 1280, rotary positions, ESM's 33-token
-vocabulary written by hand as in tests/model_kinds.py), built for the run:
+vocabulary written by hand as in tests/support/tiny_models.py), built for the run:
 nothing is downloaded. The sequences are random amino-acid strings (the 20
 standard residues) with lengths drawn uniformly from 50..500 (seeded), N of
 them (`--sequences`, default 256; --quick: 48 of 50..120, three chunks).
@@ -79,7 +79,7 @@ def build_model(path: Path, seed: int) -> Path:
     import torch
     import transformers as tf
 
-    from tests.model_kinds import ESM_VOCAB
+    from tests.support.tiny_models import ESM_VOCAB
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "vocab.txt").write_text("\n".join(ESM_VOCAB) + "\n")

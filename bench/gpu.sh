@@ -58,7 +58,7 @@ fi
 tokenizer=${SMOLLM2_TOKENIZER:-}
 if [ -z "$tokenizer" ] && [ -d .gpu/smollm2-tokenizer ]; then tokenizer=.gpu/smollm2-tokenizer; fi
 "$py" bench/cost.py --shape smollm2 --save "$work/smollm2" ${tokenizer:+--tokenizer-from "$tokenizer"} >/dev/null 2>&1 || exit 1
-"$py" -c "from pathlib import Path; from tests.tiny_models import build_tiny_model; build_tiny_model(Path('$work/tiny'))" || exit 1
+"$py" -c "from pathlib import Path; from tests.support.tiny_models import build_tiny_model; build_tiny_model(Path('$work/tiny'))" || exit 1
 say "models: random SmolLM2-135M shape ($([ -n "$tokenizer" ] && echo "SmolLM2's tokenizer" || echo 'byte tokenizer')); tiny random Llama (2 layers, hidden 32)"
 
 # -- the benchmarks ---------------------------------------------------------------

@@ -16,6 +16,14 @@ one per job, so the client costs little next to the servers.
 Both servers run the same stack, the gateway's (gateway/plumbing/slowclients.py): uvicorn
 with httptools and uvloop.
 
+Tracing (gateway/plumbing/tracing.py) is measured in the same run: the gateway
+above has no OTEL variable (tracing off, the figures the targets are about), and
+a second one, alike but for `OTEL_EXPORTER_OTLP_ENDPOINT`, records every job's
+spans and exports them over OTLP/HTTP to a sink in a process of its own, which
+counts them; its engine process inherits the variable and traces too. The two
+are compared in a table of their own, with the engines' CPU time beside the
+gateways'.
+
 Targets: time to first event p50 < 5 ms; gateway jobs/s >= 0.8x the bare
 endpoint; the gateway's CPU time per job <= 0.6 ms.
 """
@@ -24,9 +32,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+import threading
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import msgspec
 import uvicorn
 from sse_starlette import EventSourceResponse
@@ -73,6 +84,39 @@ def serve_bare(port: int, frames_file: Path) -> None:
     uvicorn.run(bare_app(frames_file), host="127.0.0.1", port=port, log_level="warning", http="httptools", loop=event_loop())
 
 
+def serve_sink(port: int) -> None:
+    """An OTLP/HTTP endpoint that takes spans and counts them: `GET /spans` answers how many so far."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    count = [0]
+    lock = threading.Lock()
+
+    class Sink(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as the exporter's session expects
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            request = ExportTraceServiceRequest()
+            request.ParseFromString(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            with lock:
+                count[0] += sum(len(scope.spans) for spans in request.resource_spans for scope in spans.scope_spans)
+            self._answer(b"", "application/x-protobuf")
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._answer(str(count[0]).encode() if self.path == "/spans" else b"{}", "application/json")
+
+        def _answer(self, body: bytes, media_type: str) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", media_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    ThreadingHTTPServer(("127.0.0.1", port), Sink).serve_forever()
+
+
 async def record(port: int, partials: int) -> list[str]:
     """The gateway's bytes for one noop job, event by event, with the job id replaced by PLACEHOLDER."""
     run = await common.run_job(port, "/noop/run", {"partials": partials})
@@ -90,23 +134,32 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     long_partials, long_reps = (1000, 2) if quick else (5000, 3)
 
     frames_file = bench.dir / "frames.json"
-    gateway = bench.streamgate("serve", model=bench.model(default_tiny=True))
-    bare_port = common.free_port()
+    model = bench.model(default_tiny=True)
+    gateway = bench.streamgate("serve", model=model)
+    bare_port, sink_port = common.free_port(), common.free_port()
     bare = bench.start([sys.executable, __file__, "--bare-server", str(bare_port), str(frames_file)], bare_port, "bare")
-    bench.ready(gateway, bare)
+    sink = bench.start([sys.executable, __file__, "--otlp-sink", str(sink_port)], sink_port, "otlp-sink")
+    traced = bench.streamgate(
+        "serve", model=model, name="traced", env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}", "OTEL_SERVICE_NAME": "bench"}
+    )
+    bench.ready(gateway, traced, bare, sink)
     report.fact("machine", common.machine(common.readyz(gateway).get("device", "?")))
     from gateway.plumbing.slowclients import event_loop
 
-    report.fact("server stack", f"uvicorn {importlib.metadata.version('uvicorn')}, httptools, {event_loop()} loop (both endpoints)")
+    report.fact("server stack", f"uvicorn {importlib.metadata.version('uvicorn')}, httptools, {event_loop()} loop (every endpoint)")
 
-    ports = {"gateway": common.port_of(gateway), "bare": bare_port}
-    pids = {"gateway": gateway.proc.pid, "bare": bare.proc.pid}
+    ports = {"gateway": common.port_of(gateway), "traced": common.port_of(traced), "bare": bare_port}
+    pids = {"gateway": gateway.proc.pid, "traced": traced.proc.pid, "bare": bare.proc.pid}
+    # The gateways' engine processes, where the no-op tool runs (and, traced, its queue, run and step spans are made).
+    engines = {name: [e["pid"] for e in common.readyz(server).get("engines", []) if e.get("pid")] for name, server in (("gateway", gateway), ("traced", traced))}
     frames = {str(k): await record(ports["gateway"], k) for k in (8, long_partials)}
     frames_file.write_bytes(msgspec.json.encode(frames))
+    ran: dict[str, int] = dict.fromkeys(ports, 0)
 
     async def one(name: str, partials: int = 8) -> common.JobRun:
         job = await common.run_job(ports[name], "/noop/run", {"partials": partials})
         assert job.ok, f"{name}: a job failed: status {job.status}, events {job.events[-1:]}"
+        ran[name] += 1
         return job
 
     for name in ports:  # warm-up: imports, first connections, the worker thread
@@ -118,6 +171,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     jobs: dict[str, int] = dict.fromkeys(ports, 0)
     wall: dict[str, float] = dict.fromkeys(ports, 0.0)
     cpu: dict[str, float] = dict.fromkeys(ports, 0.0)
+    engine_cpu: dict[str, float] = dict.fromkeys(ports, 0.0)
     events: dict[str, int] = dict.fromkeys(ports, 0)
     long_events: dict[str, float] = dict.fromkeys(ports, 0.0)
     long_wall: dict[str, float] = dict.fromkeys(ports, 0.0)
@@ -129,8 +183,10 @@ async def run(bench: common.Bench, report: common.Report) -> None:
                 first[name].append(job.first_event * 1000)
                 latency[name].append(job.latency * 1000)
             used = common.cpu_seconds(pids[name])
+            used_there = sum(map(common.cpu_seconds, engines.get(name, [])))
             load = await common.closed_loop(clients, concurrent // rounds, lambda i, name=name: one(name))
             cpu[name] += common.cpu_seconds(pids[name]) - used
+            engine_cpu[name] += sum(map(common.cpu_seconds, engines.get(name, []))) - used_there
             jobs[name] += len(load.ok)
             wall[name] += load.wall
             events[name] += sum(len(r.events) for r in load.ok)
@@ -151,7 +207,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
         }
         for name in ports
     }
-    rows = [[name, clients, jobs[name], *figures[name].values()] for name in ports]
+    rows = [[name, clients, jobs[name], *figures[name].values()] for name in ("gateway", "bare")]
     shares = [f"{g / b:.2f}" for g, b in zip(figures["gateway"].values(), figures["bare"].values())]
     rows.append(["gateway/bare", "-", "-", *shares])
     report.fact("frames per job", f"{len(frames['8']) - 1} events (RECEIVED, QUEUED, RUNNING, 8 partials of 64 "
@@ -159,7 +215,22 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     report.table(["endpoint", "clients", "jobs", *figures["gateway"]], rows)
     report.note(f"first event and job p50: one client, one job at a time ({sequential} jobs each); jobs/s and "
                 f"events/s: {clients} clients in a closed loop, and the CPU time (user + system) the server process used meanwhile; long stream: one job of {long_partials} partials; "
-                f"each measured in turn on both endpoints, {rounds} rounds")
+                f"each measured in turn on every endpoint, {rounds} rounds")
+
+    # Tracing off and on: the gateway above, and the one exporting every job's spans.
+    for name in ("gateway", "traced"):
+        figures[name]["engine CPU ms/job"] = engine_cpu[name] / jobs[name] * 1000
+    common.stop(traced)  # its last spans are exported as it stops
+    spans = int(httpx.get(f"http://127.0.0.1:{sink_port}/spans", timeout=10).text)
+    report.fact("tracing on", f"OTEL_EXPORTER_OTLP_ENDPOINT to a sink process (OTLP/HTTP, protobuf), every job sampled; "
+                f"{spans} spans exported by the gateway and its engine for {ran['traced']} jobs, {spans / max(1, ran['traced']):.1f} a job")
+    columns = ["jobs/s", "server CPU ms/job", "engine CPU ms/job", "first event p50 ms", "job p50 ms", "long stream events/s"]
+    off, on = ([figures[name][c] for c in columns] for name in ("gateway", "traced"))
+    report.table(
+        ["tracing", *columns],
+        [["off", *off], ["on", *on], ["on/off", *(f"{b / a:.2f}" if a else "-" for a, b in zip(off, on))]],
+        title="tracing: the same gateway without OTEL variables, and exporting every job's spans",
+    )
     ttfe = common.percentile(first["gateway"], 50)
     report.target("time to first event p50 < 5 ms", f"{ttfe:.2f} ms", ttfe < 5)
     share = figures["gateway"]["jobs/s"] / figures["bare"]["jobs/s"]
@@ -171,5 +242,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--bare-server"]:
         serve_bare(int(sys.argv[2]), Path(sys.argv[3]))
+    elif sys.argv[1:2] == ["--otlp-sink"]:
+        serve_sink(int(sys.argv[2]))
     else:
         common.main(run, TITLE, __doc__)

@@ -621,7 +621,7 @@ def build_masked(path: Path, quick: bool) -> Path:
     import transformers as tf
 
     from bench import embeddings
-    from tests.model_kinds import ESM_VOCAB
+    from tests.support.tiny_models import ESM_VOCAB
 
     if not quick:
         return embeddings.build_model(path, seed=0)
@@ -660,7 +660,7 @@ def make_sae(folder: Path, d_model: int, n_features: int, layer: int, seed: int 
 
 def has_threads_flag() -> bool:
     """Whether this `streamgate serve` takes `--torch-threads`."""
-    from tests.processes import STREAMGATE
+    from tests.support.processes import STREAMGATE
 
     shown = subprocess.run([str(STREAMGATE), "serve", "--help"], capture_output=True, text=True, timeout=60).stdout
     return "--torch-threads" in shown

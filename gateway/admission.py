@@ -15,18 +15,26 @@ and says who asks (`Applicant`). The steps, in the protocol's order (shared/PROT
 A refusal at any step undoes those before it: a refused request leaves no key bound, no quota
 held and no job. A surface that lacks a part (the executor keeps no store, a replica no quota)
 leaves it out; the order of the rest does not change.
+
+With tracing (gateway/plumbing/tracing.py), the steps are the `admission` span, a refusal its
+error status, and the job's own span starts as it is queued, beside admission under whatever
+span was current (a request's, or another process's job's): the job's trace from there on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
 from gateway import params as params_mod
 from gateway.errors import ApiError
-from gateway.jobs import Job
+from gateway.jobs import Job, end_span
 from gateway.protocol import Code
 from gateway.tools.base import Tool
 
@@ -34,6 +42,8 @@ if TYPE_CHECKING:
     from starlette.datastructures import QueryParams
 
     from gateway.backend import Backend
+
+tracer = trace.get_tracer("streamgate")
 
 
 # What admission asks of the parts a surface has. The server's auth, job store, drain and metrics
@@ -149,6 +159,25 @@ class Admission:
         return await self._admit(tool, params, applicant, None, key)
 
     async def _admit(self, tool: Tool, params: Any, applicant: Applicant, job_id: str | None, key: str | None) -> Job | Attached:
+        parent = otel_context.get_current()
+        span = tracer.start_span("admission", parent, attributes={"streamgate.tool": tool.name})
+        if not span.get_span_context().is_valid:  # no tracing: not even the API's no-op context manager (5 µs)
+            return await self._steps(tool, params, applicant, job_id, key, parent, span)
+        try:
+            with trace.use_span(span, record_exception=False, set_status_on_exception=False):
+                admitted = await self._steps(tool, params, applicant, job_id, key, parent, span)
+        except BaseException as exc:
+            end_span(span, *_refusal(exc))
+            raise
+        if isinstance(admitted, Attached):
+            span.set_attribute("streamgate.attached_to", admitted.job_id)
+        span.end()
+        return admitted
+
+    async def _steps(
+        self, tool: Tool, params: Any, applicant: Applicant, job_id: str | None, key: str | None,
+        parent: otel_context.Context, admission: trace.Span,
+    ) -> Job | Attached:
         self.refuse_if_draining()
         # Its model by name, so that what the job records, routes by and is keyed on never depends on the default.
         params = params_mod.on_model(params, self.backend.resolve_model)
@@ -176,14 +205,37 @@ class Admission:
             if self.quota is not None:
                 release = self.quota.admit(applicant.principal)
             job.cost = await self.backend.admit(tool, params, self.limits)
+            if admission.get_span_context().is_valid:
+                # From here the job is its own trace's: it outlives the request, and another process
+                # continues it from this span (the time it waits queued is measured from its start).
+                job.span = tracer.start_span("job", parent, attributes=_attributes(job))
             await self.backend.submit(job)
-        except BaseException:
+        except BaseException as exc:
             release()
             if scoped is not None and self.store is not None:
                 await self.store.release(scoped, job.id)
+            end_span(job.span, *_refusal(exc))
             raise
         job.on_end.append(lambda _: release())
         job.idempotency_key, job.request_digest = scoped, digest
         if self.store is not None:
             await self.store.add(job)
         return job
+
+
+def _refusal(exc: BaseException) -> tuple[Code, str]:
+    """What ended an admission, as a span's status says it."""
+    if isinstance(exc, ApiError):
+        return exc.code, exc.message
+    if isinstance(exc, asyncio.CancelledError):  # the client went away meanwhile
+        return Code.CANCELLED, "the request was cancelled while it was admitted"
+    return Code.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def _attributes(job: Job) -> dict[str, str]:
+    return {
+        "streamgate.job.id": job.id,
+        "streamgate.tool": job.tool,
+        "streamgate.model": job.model or "",
+        "streamgate.tenant": job.tenant,
+    }

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from opentelemetry import trace
+from opentelemetry.trace import StatusCode
 
 from gateway.protocol import (
     RETRYABLE,
@@ -51,6 +53,10 @@ PROGRESS_INTERVAL_S = 0.1  # RUNNING frames are coalesced to at most ~10/s per j
 
 class Job:
     """One run of one tool, from RECEIVED to its terminal event."""
+
+    # Its trace's span (started by admission, gateway/admission.py; the no-op one without tracing),
+    # ended here with its terminal event, whose outcome is its status.
+    span: trace.Span = trace.INVALID_SPAN
 
     def __init__(
         self,
@@ -186,13 +192,16 @@ class Job:
 
     def succeed(self, result: Any) -> None:
         self._flush_progress()
-        self._append(EventType.DATA, encode(result))
+        if self._append(EventType.DATA, encode(result)) is not None and self.span.is_recording():
+            self.span.set_status(StatusCode.OK)
+            self.span.end()
 
     def fail(self, code: Code, message: str) -> None:
         """End with an `error` event (no-op if the job already ended)."""
         info = ErrorInfo(code=code, message=message, retryable=code in RETRYABLE)
         self._flush_progress()
-        self._append(EventType.ERROR, encode(ErrorFrame(self.id, self.next_seq(), info)))
+        if self._append(EventType.ERROR, encode(ErrorFrame(self.id, self.next_seq(), info))) is not None:
+            end_span(self.span, code, message)
 
     def cancel(self) -> None:
         """Ask the work to stop. A queued job is failed by its queue; a running one by its worker."""
@@ -251,6 +260,14 @@ class Job:
 _TIMED_OUT = object()
 
 
+def end_span(span: trace.Span, code: Code, message: str) -> None:
+    """End a job's span, or its admission's, with the error `code` as its status."""
+    if span.is_recording():
+        span.set_attribute("streamgate.code", code.value)
+        span.set_status(StatusCode.ERROR, f"{code.value}: {message}")
+        span.end()
+
+
 def _expire(waiter: asyncio.Future[Any]) -> None:
     if not waiter.done():
         waiter.set_result(_TIMED_OUT)
@@ -259,6 +276,9 @@ def _expire(waiter: asyncio.Future[Any]) -> None:
 class JobContext:
     """The `Context` a run function gets: thread-safe, forwards onto the job's loop through `post`
     (a worker's `Handoff.post`; by default `call_soon_threadsafe`, a wake-up per frame)."""
+
+    # The span of the job's run on a device (backends/workers.py), its steps' and encoding's parent.
+    span: trace.Span = trace.INVALID_SPAN
 
     def __init__(self, job: Job, post: Callable[..., Any] | None = None) -> None:
         self.job_id = job.id

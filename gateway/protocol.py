@@ -313,6 +313,8 @@ class SubmitRequest(msgspec.Struct):
     The params are the gateway's client's, as sent (gateway/params.py's `Relayed`): a JSON object, or
     `null` and the GET form's `query` pairs; `model` is the one the gateway resolved, for params that
     name none. The executor decodes them as that gateway would have: its refusals are the gateway's.
+    `traceparent` is the W3C trace context of the gateway's job, for the executor's spans of it to
+    join its trace (gateway/plumbing/tracing.py); none from a gateway that does not trace.
     """
 
     tool: str
@@ -322,6 +324,7 @@ class SubmitRequest(msgspec.Struct):
     weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     query: list[tuple[str, str]] | None = None
     model: str | None = None
+    traceparent: str | None = None
 
 
 class Submit(SubmitRequest, tag_field="op", tag="submit"):

@@ -23,7 +23,7 @@ from gateway.server.app import create_app
 from gateway.config import Settings
 from gateway.plumbing.slowclients import uvicorn_options
 from gateway.tools import Tool, builtin_tools, collect, load_module
-from tests.processes import ServeProcess, clean_env, free_port, start_executor, start_serve
+from tests.support.processes import ServeProcess, clean_env, free_port, start_executor, start_serve
 
 # The thread count every gateway and executor this suite starts gives torch (`--torch-threads`'s
 # default): the same here, so that what a test computes by hand and what a server returns are
@@ -32,7 +32,8 @@ set_torch_threads(None)
 # And the heap's bound every server sets (gateway/plumbing/memory.py): peaks measured here are a server's.
 bound_heap()
 
-from tests.tiny_models import (  # noqa: F401  (the tests' names for them)
+from tests.support import tiny_models
+from tests.support.tiny_models import (  # noqa: F401  (the tests' names for them)
     CHAT_TEMPLATE,
     FAMILIES,
     TINY_CONTEXT,
@@ -40,6 +41,21 @@ from tests.tiny_models import (  # noqa: F401  (the tests' names for them)
     build_tiny_model,
     byte_tokenizer,
 )
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """The tiny models of tests/support/tiny_models.py, each (kind, seed, options) built once a
+    session: `tiny("esm_mlm")`, `tiny("gpt2", seed=1, init=0.2)`. Served as they are, never written to."""
+    built: dict[tuple[Any, ...], Path] = {}
+
+    def build(kind: str, seed: int = 0, **options: Any) -> Path:
+        key = (kind, seed, *sorted(options.items()))
+        if key not in built:
+            built[key] = tiny_models.build(kind, tmp_path_factory.mktemp(kind), seed, **options)
+        return built[key]
+
+    return build
 
 
 @pytest.fixture(scope="session")
@@ -188,7 +204,7 @@ def server(tiny_model_path: Path) -> Iterator[Server]:
 # test module overrides to add its own), so the two are interchangeable to a client.
 
 KINDS = ("local", "remote")
-USER_TOOLS = "tests.user_tools"  # every executor loads it (processes.start_executor)
+USER_TOOLS = "tests.support.user_tools"  # every executor loads it (processes.start_executor)
 
 # Settings of the process that holds the model, as `streamgate executor` flags; the
 # rest (max_body_bytes, ping_interval, retry_ms, …) belong to the gateway alone.

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from gateway.cli import commands as cli
 from gateway.server.auth import Auth, AuthConfigError, Principal, load_principals
 from tests.conftest import run_stream, wait_until
-from tests.user_tools import echo
+from tests.support.user_tools import echo
 
 ALICE = "alice-token-0123456789abcdef"
 BOB = "bob-token-0123456789abcdef00"

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +29,13 @@ from gateway.cli import client as client_module
 from gateway.cli.client import AsyncClient, Client, HttpError, JobError, Outcome
 from gateway.cli.records import Record, RecordError, detect_format, read_fasta, read_jsonl, read_records
 from gateway.tools import load_module
-from tests import model_kinds
 from tests.conftest import Server, make_server, track_jobs, wait_until
 from tests.test_observability import scrape, value
-from tests.processes import ROOT, STREAMGATE, clean_env, free_port
+from tests.support.processes import ROOT, STREAMGATE, clean_env, free_port
 
 CLI_TIMEOUT = 300
 ESM_ALPHABET = "LAGVSERTIDPKQNFYMHWC"  # ESM-2's amino acids
-ECHO_TOOLS = load_module("tests.user_tools")  # echo (with a delay per copy) and fail
+ECHO_TOOLS = load_module("tests.support.user_tools")  # echo (with a delay per copy) and fail
 
 
 def cli(*args: str, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
@@ -102,8 +101,8 @@ def jobs_at_once(server: Server) -> tuple[dict[str, Any], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def esm_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return model_kinds.build("esm_mlm", tmp_path_factory.mktemp("esm"))
+def esm_path(tiny: Callable[..., Path]) -> Path:
+    return tiny("esm_mlm")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.processes import ROOT, clean_env
+from tests.support.processes import ROOT, clean_env
 
 TIMEOUT = 150  # each script takes well under a minute on a 2-core machine; this is for a loaded one
 
@@ -88,10 +88,15 @@ def run_bench(name: str, timeout: float = TIMEOUT) -> Printed:
 
 def test_streaming():
     printed = run_bench("streaming")
-    (table,) = printed.tables
+    table, tracing = printed.tables
     assert [row["endpoint"] for row in table.rows] == ["gateway", "bare", "gateway/bare"]
     for column in ("jobs/s", "events/s", "server CPU ms/job", "first event p50 ms", "first event p99 ms", "job p50 ms", "long stream events/s"):
         assert all(value is not None and value > 0 for value in table.numbers(column)), (column, table.rows)
+    assert [row["tracing"] for row in tracing.rows] == ["off", "on", "on/off"]
+    for column in ("jobs/s", "server CPU ms/job", "engine CPU ms/job", "first event p50 ms", "job p50 ms", "long stream events/s"):
+        assert all(value is not None and value > 0 for value in tracing.numbers(column)), (column, tracing.rows)
+    # The traced gateway's spans (and its engine's) reached the sink: several a job.
+    assert float(re.search(r"([\d.]+) a job$", printed.facts["tracing on"]).group(1)) >= 5, printed.facts["tracing on"]
     assert len(printed.targets) == 3
 
 

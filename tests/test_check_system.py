@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import ROOT
+from tests.support.processes import ROOT
 
 SCRIPT = ROOT / "scripts" / "check-system"
 BASH = shutil.which("bash") or "/bin/bash"

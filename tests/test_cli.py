@@ -1,6 +1,6 @@
 """The `streamgate` command as a user runs it: real subprocesses against a real server.
 
-`streamgate serve` runs from the repository root with `--tools tests.user_tools`
+`streamgate serve` runs from the repository root with `--tools tests.support.user_tools`
 and no PYTHONPATH, the way a user serves `--tools mypkg.tools` from their own
 project folder. `run` exits 0 with the result on stdout, 1 on an `error` event,
 2 when the server refuses the request, 3 when it cannot be reached.
@@ -23,7 +23,7 @@ import pytest
 from gateway.cli.commands import describe_tool
 from gateway.cli.commands import serve as serve_command
 from gateway.tools import builtin_tools
-from tests.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
+from tests.support.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
 
 CLI_TIMEOUT = 120
 
@@ -43,7 +43,7 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = CLI_TIME
 def gateway(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     assert STREAMGATE.exists(), f"no console script at {STREAMGATE}: pip install -e ."
     port = free_port()
-    args = ["--model", str(tiny_model_path), "--port", str(port), "--tools", "tests.user_tools",
+    args = ["--model", str(tiny_model_path), "--port", str(port), "--tools", "tests.support.user_tools",
             "--device", "cpu", "--log-level", "warning"]
     server = start_serve(args, clean_env(), port, tmp_path_factory.mktemp("cli") / "serve.log")
     yield server
@@ -366,7 +366,7 @@ def test_serve_is_configured_entirely_by_streamgate_variables(tiny_model_path, t
         STREAMGATE_HOST="127.0.0.1",
         STREAMGATE_PORT=str(port),
         STREAMGATE_MODEL=str(tiny_model_path),
-        STREAMGATE_TOOLS="tests.user_tools",
+        STREAMGATE_TOOLS="tests.support.user_tools",
         STREAMGATE_DEVICE="cpu",
         STREAMGATE_DTYPE="bfloat16",
         STREAMGATE_CACHE_DIR=str(tmp_path / "cache"),

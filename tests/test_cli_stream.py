@@ -29,7 +29,7 @@ import pytest
 
 from gateway.cli.commands import _printable
 from tests.conftest import Server, build_tiny_model, track_jobs
-from tests.processes import ROOT, STREAMGATE, clean_env, free_port
+from tests.support.processes import ROOT, STREAMGATE, clean_env, free_port
 
 TIMEOUT = 120
 BAR_CONTROLS = re.compile(r"[\r\x1b]")  # what a redrawn bar leaves: carriage returns, escape sequences

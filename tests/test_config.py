@@ -21,7 +21,7 @@ from click.testing import CliRunner, Result
 
 from gateway.cli import commands as cli
 from gateway.cli.configfile import redact, redact_url
-from tests.processes import ROOT, STREAMGATE, clean_env, free_port
+from tests.support.processes import ROOT, STREAMGATE, clean_env, free_port
 
 
 @pytest.fixture(autouse=True)
@@ -283,7 +283,7 @@ def test_redaction_rules():
 
 
 def test_dry_run_loads_the_model_and_tools_and_exits_0(tiny_model_path):
-    result = invoke("serve", "--model", str(tiny_model_path), "--device", "cpu", "--tools", "tests.user_tools",
+    result = invoke("serve", "--model", str(tiny_model_path), "--device", "cpu", "--tools", "tests.support.user_tools",
                     "--dry-run")
     assert result.exit_code == 0, result.output
     out = result.stdout
@@ -292,7 +292,7 @@ def test_dry_run_loads_the_model_and_tools_and_exits_0(tiny_model_path):
     assert "dtype: float32" in out
     tools = next(line for line in out.splitlines() if line.startswith("tools: "))
     assert {"generate", "predict", "echo", "fail"} <= set(tools.removeprefix("tools: ").split(", "))
-    assert "tool modules: tests.user_tools" in out
+    assert "tool modules: tests.support.user_tools" in out
     assert "not serving" in out
 
 
@@ -355,7 +355,7 @@ def test_a_remote_dry_run_checks_the_config_without_contacting_executors():
 
 
 def test_dry_run_with_a_config_file_as_a_user_runs_it(tiny_model_path, tmp_path):
-    config = write(tmp_path, f'model = "{tiny_model_path}"\ndevice = "cpu"\ntools = ["tests.user_tools"]\n'
+    config = write(tmp_path, f'model = "{tiny_model_path}"\ndevice = "cpu"\ntools = ["tests.support.user_tools"]\n'
                              f"port = {free_port()}\n")
     proc = subprocess.run([str(STREAMGATE), "serve", "--dry-run"], check=False, cwd=ROOT, capture_output=True, text=True,
                           env=clean_env(STREAMGATE_CONFIG=config), timeout=180)

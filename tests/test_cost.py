@@ -39,7 +39,7 @@ def priced_and_measured(model: Model, tool_name: str, raw: dict[str, Any]) -> tu
 @pytest.fixture(scope="module")
 def wide_esm(tmp_path_factory: pytest.TempPathFactory) -> Model:
     """A masked LM of ESM-2's kind, as wide and long as `wide`."""
-    from tests.model_kinds import _esm
+    from tests.support.tiny_models import _esm
 
     path = _esm(tmp_path_factory.mktemp("wide-esm"), head=True, seed=0, hidden=256, context=4096)
     return models.load(models.resolve(str(path)), "cpu")

@@ -15,8 +15,8 @@ import msgspec
 
 from gateway.tools import Context, Model, tool
 from tests.conftest import make_remote_server, run_stream, track_jobs, wait_until
-from tests.processes import clean_env, free_port, start_executor, start_serve
-from tests.user_tools import echo
+from tests.support.processes import clean_env, free_port, start_executor, start_serve
+from tests.support.user_tools import echo
 
 
 class FloodParams(msgspec.Struct):
@@ -97,7 +97,7 @@ def test_a_client_that_stops_reading_is_detached_after_the_write_timeout(serve: 
 def test_sigterm_drains_then_exits_zero(tiny_model_path: Path, tmp_path: Path) -> None:
     port = free_port()
     server = start_serve(
-        ["--model", str(tiny_model_path), "--device", "cpu", "--port", str(port), "--tools", "tests.user_tools",
+        ["--model", str(tiny_model_path), "--device", "cpu", "--port", str(port), "--tools", "tests.support.user_tools",
          "--drain-timeout", "3", "--log-level", "info"],
         clean_env(),
         port,

@@ -14,8 +14,8 @@ import torch
 from gateway.tools import Context, Model, tool
 from gateway.tools.batching import one_pass
 from tests.conftest import run_stream, wait_until
-from tests.device_tools import device_error
-from tests.processes import clean_env, free_port, start_serve
+from tests.support.device_tools import device_error
+from tests.support.processes import clean_env, free_port, start_serve
 
 
 class Item(msgspec.Struct):
@@ -70,7 +70,7 @@ def test_a_fatal_device_error_ends_every_job_and_exits_non_zero(tiny_model_path:
     server = start_serve(
         # Threads: the model in the gateway's own process, which exits for its supervisor (with
         # engine processes the gateway restarts the engine itself: tests/test_engines.py).
-        ["--model", str(tiny_model_path), "--device", "cpu", "--port", str(port), "--tools", "tests.device_tools", "--engine", "thread"],
+        ["--model", str(tiny_model_path), "--device", "cpu", "--port", str(port), "--tools", "tests.support.device_tools", "--engine", "thread"],
         clean_env(),
         port,
         tmp_path / "serve.log",

@@ -21,8 +21,8 @@ from backends import loading as models
 from backends.engines import engine_devices, engine_settings
 from gateway.config import Settings
 from tests.conftest import make_server, parse_sse, run_stream, wait_until
-from tests.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
-from tests.tiny_models import build_tiny_model
+from tests.support.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
+from tests.support.tiny_models import build_tiny_model
 
 
 class Follower(threading.Thread):
@@ -85,7 +85,7 @@ def start_gateway(tmp: Path, *models: str, extra: tuple[str, ...] = ()) -> Serve
     port = free_port()
     args = [
         *(arg for model in models for arg in ("--model", model)),
-        "--engine", "process", "--tools", "tests.engine_tools", "--port", str(port), "--device", "cpu",
+        "--engine", "process", "--tools", "tests.support.engine_tools", "--port", str(port), "--device", "cpu",
         "--torch-threads", "1", "--log-level", "warning", *extra,
     ]
     return start_serve(args, clean_env(), port, tmp / f"gateway-{port}.log")
@@ -101,7 +101,7 @@ def gateway(tiny_model_path: Path, other_model_path: Path, tmp_path_factory: pyt
     # A batch wait long enough that naps sent together run as one batch.
     s = start_gateway(
         tmp_path_factory.mktemp("engines"), f"a={tiny_model_path}", f"b={other_model_path}",
-        extra=("--batch-wait-ms", "300", "--tools", "tests.device_tools"),
+        extra=("--batch-wait-ms", "300", "--tools", "tests.support.device_tools"),
     )
     yield s
     s.stop()
@@ -109,7 +109,7 @@ def gateway(tiny_model_path: Path, other_model_path: Path, tmp_path_factory: pyt
 
 @pytest.mark.parametrize(
     ("given", "loaders"),
-    [([], []), (["./tests"], []), (["a=./tests", "b=org/some-model"], ["b=tests.custom_model:load"])],
+    [([], []), (["./tests"], []), (["a=./tests", "b=org/some-model"], ["b=tests.support.custom_model:load"])],
     ids=["the bundled default", "a folder", "named, a loader"],
 )
 def test_each_engine_is_given_its_own_model_as_the_gateway_resolved_it(given: list[str], loaders: list[str]) -> None:
@@ -354,9 +354,9 @@ def test_generate_jobs_decode_together_past_a_batch_of_32(tiny_model_path: Path,
 
 @pytest.fixture(scope="module")
 def esm_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests import model_kinds
+    from tests.support import tiny_models
 
-    return model_kinds.build("esm_mlm", tmp_path_factory.mktemp("esm") / "esm")
+    return tiny_models.build("esm_mlm", tmp_path_factory.mktemp("esm") / "esm")
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from tests.conftest import (
     start_any,
     wait_until,
 )
-from tests.processes import free_port, start_executor
+from tests.support.processes import free_port, start_executor
 
 MAX_BODY = 4096
 MAX_PROMPTS = 4

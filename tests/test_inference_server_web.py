@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import ServeProcess
+from tests.support.processes import ServeProcess
 
 pytestmark = pytest.mark.vllm
 

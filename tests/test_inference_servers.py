@@ -28,9 +28,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
+from tests.support import traces
 from tests.conftest import VLLM_START_S, run_stream, server_url, wait_until
-from tests.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
-from tests.redis_server import RedisServer, redis_server  # noqa: F401
+from tests.support.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
+from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
 from tests.test_engines import follow
 from tests.test_redis_replicas import events_of, read_some, snapshot
 
@@ -46,7 +47,8 @@ class Front:
     runs rather than the model's end-of-text."""
 
     def __init__(self, upstream: str, drop: tuple[str, ...] = ()) -> None:
-        self.drop, self.holding, self.released = drop, False, threading.Event()
+        self.drop, self.holding = drop, False
+        self.traceparents: list[str | None] = []  # each completion request's, as it came
         self.client = httpx.AsyncClient(base_url=upstream.removesuffix("/v1"), timeout=None)
         app = Starlette(routes=[Route("/{path:path}", self.forward, methods=["GET", "POST"])])
         self.server = uvicorn.Server(uvicorn.Config(app, port=0, log_level="warning"))
@@ -62,6 +64,8 @@ class Front:
     async def forward(self, request: Request) -> StreamingResponse:
         body = await request.body()
         held = False
+        if request.url.path.endswith("/completions"):
+            self.traceparents.append(request.headers.get("traceparent"))
         if body:
             fields = json.loads(body)
             held, self.holding = self.holding and bool(fields.get("stream")), self.holding and not fields.get("stream")
@@ -296,7 +300,7 @@ def test_a_server_without_vllms_extensions_runs_generate_alone_and_says_why_not_
 def lm_eval(base_url: str, tokenizer: Path) -> dict[str, Any]:
     """lm-evaluation-harness's `local-completions` on the test task, as tests/test_lm_eval.py runs it."""
     run = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "lm_eval_run.py"), base_url, "smol", str(tokenizer)],
+        [sys.executable, str(ROOT / "tests" / "support" / "lm_eval_run.py"), base_url, "smol", str(tokenizer)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -363,6 +367,33 @@ def test_jobs_past_the_servers_share_wait_in_the_gateway_with_their_position(fro
     assert first.ended()["data"]["error"]["code"] == "cancelled"
     assert second.ended()["event"] == "data"
     assert second.statuses()[-1] == "running"
+
+
+def test_a_jobs_request_to_the_server_carries_the_jobs_trace(front: Front, tmp_path: Path) -> None:
+    """A traced gateway (docs/operations.md, "Traces") in front of the server: the job's request to it
+    carries a `traceparent` naming its `inference` span, in the trace the client's own request began."""
+    given_trace = "0af7651916cd43dd8448eb211c80319c"
+    collector = traces.Collector()
+    port = free_port()
+    env = clean_env(**collector.env("gateway"))
+    gateway = start_serve(["--model", f"smol=openai+{front.url}", "--port", str(port)], env, port, tmp_path / "gateway.log")
+    try:
+        front.traceparents.clear()
+        headers = {"traceparent": f"00-{given_trace}-b7ad6b7169203331-01"}
+        done = run_stream(gateway.url, "generate", {"prompts": PROMPTS, "max_tokens": 4}, headers=headers)
+        assert done.terminal["event"] == "data", done.events[-2:]
+        job_id = done.headers["x-job-id"]
+    finally:
+        gateway.stop()  # its spans flushed as it exits
+    try:
+        spans = collector.wait_for(lambda spans: traces.named(spans, "job", **{"streamgate.job.id": job_id}) and traces.named(spans, "inference"))
+    finally:
+        collector.close()
+    (sent,) = front.traceparents
+    job = traces.one(spans, "job", **{"streamgate.job.id": job_id})
+    inference = traces.one(spans, "inference")
+    assert job.trace_id == inference.trace_id == given_trace and inference.parent == job.span_id and inference.kind == "CLIENT"
+    assert sent is not None and sent.startswith(f"00-{given_trace}-{inference.span_id}-")
 
 
 def test_a_job_on_a_vllm_model_is_one_job_per_key_outlives_its_client_and_resumes_where_it_was_left(vllm_gateway: ServeProcess) -> None:

@@ -20,7 +20,7 @@ events against a model of what the script did:
 
 Every test runs against both kinds of gateway (conftest's KINDS): the local
 backend, and the remote backend driving a real executor process that loads the
-same tools (`tests/script_tools.py`). A remote stream says DISPATCHED right
+same tools (`tests/support/script_tools.py`). A remote stream says DISPATCHED right
 after RECEIVED; the checks below see it, then drop it and hold the rest of the
 stream to the very same rules. Where remote differs by design it is said so
 at the check.
@@ -49,7 +49,7 @@ from tests.conftest import (
     wait_until,
     without_dispatched,
 )
-from tests.script_tools import MARKER
+from tests.support.script_tools import MARKER
 
 RETRY = b"retry: 3000\n\n"
 PING = b": ping\n\n"
@@ -63,7 +63,7 @@ EXAMPLES = settings(
 @pytest.fixture(scope="module")
 def tool_modules() -> tuple[str, ...]:
     """The test tools, for servers of either kind."""
-    return ("tests.script_tools",)
+    return ("tests.support.script_tools",)
 
 
 @pytest.fixture(scope="module")

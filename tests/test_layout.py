@@ -79,6 +79,20 @@ def test_the_models_know_no_tools() -> None:
     assert [(a, b) for a, b in imports() if a.startswith("gateway.models") and b.startswith("gateway.tools")] == []
 
 
+def test_the_core_calls_the_opentelemetry_api_and_sets_up_nothing() -> None:
+    """A job's spans are the core's to start (gateway/jobs.py, gateway/admission.py); the SDK, its exporters
+    and their configuration are the plumbing's (gateway/plumbing/tracing.py), installed only when asked for."""
+    used = set()
+    for path in (ROOT / "gateway").rglob("*.py"):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        if floor(module) != "core":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            used |= {(module, name) for name in names if name.startswith("opentelemetry")}
+    assert used and all(name in ("opentelemetry", "opentelemetry.trace", "opentelemetry.context") for _, name in used), sorted(used)
+
+
 def test_each_floor_above_the_core_is_a_folder_of_its_own() -> None:
     flat = sorted(p.stem for p in (ROOT / "gateway").glob("*.py") if p.stem not in ("__init__", "__main__"))
     assert [m for m in flat if floor(f"gateway.{m}") != "core"] == []

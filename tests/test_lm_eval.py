@@ -19,7 +19,7 @@ ROOT = Path(__file__).parent.parent
 @pytest.mark.lm_eval
 def test_lm_eval_scores_a_task_with_the_loglikelihood_tools_numbers(server, tiny_model_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "lm_eval_run.py"), server.url, tiny_model_path.name, str(tiny_model_path)],
+        [sys.executable, str(ROOT / "tests" / "support" / "lm_eval_run.py"), server.url, tiny_model_path.name, str(tiny_model_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]

@@ -16,7 +16,7 @@ import importlib.util
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,8 +36,8 @@ from mcp.shared.exceptions import MCPError
 from gateway.protocol import Event, EventType, Progress, Status, StatusFrame, encode
 from gateway.server.mcp import Rising
 from gateway.tools import Context, Model, tool
-from tests.conftest import build_tiny_model, make_server, wait_until
-from tests.processes import ROOT
+from tests.conftest import make_server, wait_until
+from tests.support.processes import ROOT
 from tests.test_slow_readers import big
 from tests.test_tools import result as run_result
 
@@ -184,8 +184,8 @@ max_concurrent = 1
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> dict[str, Path]:
-    return {"base": tiny_model_path, "other": build_tiny_model(tmp_path_factory.mktemp("other"), seed=1, family="gpt2", init=0.2)}
+def paths(tiny: Callable[..., Path], tiny_model_path: Path) -> dict[str, Path]:
+    return {"base": tiny_model_path, "other": tiny("gpt2", seed=1, init=0.2)}
 
 
 @pytest.fixture(scope="module")

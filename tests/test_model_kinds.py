@@ -1,6 +1,6 @@
 """Every kind of model users bring: each tool equals a plain transformers/torch computation, or is refused.
 
-Tiny random models of each kind (tests/model_kinds.py, tests/custom_model.py)
+Tiny random models of each kind (tests/support/tiny_models.py, tests/support/custom_model.py)
 are served by real gateways on loopback. For each, a tool either returns what
 an independent computation written here returns (to 1e-5), or answers 422
 `unsupported_by_model` before anything is queued, naming the tool, the
@@ -22,9 +22,9 @@ from click.testing import CliRunner
 
 from gateway.cli import commands as cli
 from gateway.tools import builtin_tools
-from tests import custom_model
+from tests.support import custom_model
 from tests.conftest import Server, build_tiny_model, floats_not_float32_shortest, make_server, run_stream
-from tests.model_kinds import BERT_VOCAB, ESM_VOCAB, PROTEINS, build
+from tests.support.tiny_models import BERT_VOCAB, ESM_VOCAB, PROTEINS, build
 
 ATOL = 1e-5
 
@@ -66,8 +66,8 @@ def servers(paths: dict[str, Path]) -> Iterator[dict[str, Server]]:
     try:
         for kind in ("esm_mlm", "esm_encoder", "bert_mlm", "opt350", "hrm", "llama"):
             started[kind] = make_server(paths[kind])
-        started["custom"] = make_server(None, model_loader="tests.custom_model:load")
-        started["custom_plain"] = make_server(None, model_loader="tests.custom_model:load_plain")
+        started["custom"] = make_server(None, model_loader="tests.support.custom_model:load")
+        started["custom_plain"] = make_server(None, model_loader="tests.support.custom_model:load_plain")
         yield started
     finally:
         for server in started.values():

@@ -12,15 +12,15 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests import model_kinds
-from tests.conftest import build_tiny_model, make_remote_server, make_server, run_stream, wait_until
-from tests.processes import start_executor
+from tests.conftest import make_remote_server, make_server, run_stream, wait_until
+from tests.support.processes import start_executor
 from tests.test_observability import scrape, value
 from tests.test_tools import Reference, result
 
@@ -28,11 +28,11 @@ PAIRS = [("Hello", " there"), ("The quick brown", " fox"), ("a", "bc")]
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> dict[str, Path]:
+def paths(tiny: Callable[..., Path], tiny_model_path: Path) -> dict[str, Path]:
     return {
         "base": tiny_model_path,
-        "other": build_tiny_model(tmp_path_factory.mktemp("other"), seed=1, family="gpt2", init=0.2),
-        "esm": model_kinds.build("esm_mlm", tmp_path_factory.mktemp("esm")),
+        "other": tiny("gpt2", seed=1, init=0.2),
+        "esm": tiny("esm_mlm"),
     }
 
 

@@ -22,9 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.plumbing.logs import UVICORN_LOGGERS, RequestContext, configure_logging, redact
 from gateway.tools import Context, Model, load_module, tool
 from tests.conftest import Server, make_remote_server, open_stream, run_stream, track_jobs, wait_until
-from tests.processes import free_port
+from tests.support.processes import free_port
 
-USER_TOOLS = load_module("tests.user_tools")  # echo (slow with `delay`) and fail
+USER_TOOLS = load_module("tests.support.user_tools")  # echo (slow with `delay`) and fail
 SLOW = {"text": "s", "repeat": 400, "delay": 0.05}  # 20 s at most; every test cancels it
 
 

@@ -11,6 +11,7 @@ import json
 import math
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +21,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import build_tiny_model, make_remote_server, make_server, wait_until
-from tests.processes import start_executor
+from tests.conftest import make_remote_server, make_server, wait_until
+from tests.support.processes import start_executor
 from tests.test_observability import scrape, value
 from tests.test_tools import Reference, result
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> dict[str, Path]:
-    return {"base": tiny_model_path, "other": build_tiny_model(tmp_path_factory.mktemp("other"), seed=1, family="gpt2", init=0.2)}
+def paths(tiny: Callable[..., Path], tiny_model_path: Path) -> dict[str, Path]:
+    return {"base": tiny_model_path, "other": tiny("gpt2", seed=1, init=0.2)}
 
 
 @pytest.fixture(scope="module")

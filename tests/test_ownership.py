@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import KINDS, Executors, run_stream, start_any, track_jobs, wait_until
-from tests.redis_server import redis_server  # noqa: F401
+from tests.support.redis_server import redis_server  # noqa: F401
 from tests.test_redis_replicas import read_some, replicas, slow_echo  # noqa: F401
 
 ALICE = "alice-token-0123456789abcdef"

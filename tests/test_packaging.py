@@ -26,13 +26,14 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.processes import ROOT
+from tests.support.processes import ROOT
 
 COMPOSE = ROOT / "compose.yaml"
 SPEC = ROOT / "tests" / "data" / "compose-spec.json"
 PROFILES = ["cpu", "gpu"]  # a gateway and an executor
 RAY_PROFILE = "ray"  # a Ray head and a gateway on it
 VLLM_PROFILE = "vllm"  # vLLM's server and a gateway fronting it
+TRACING_PROFILE = "tracing"  # a trace collector beside any of the others
 KUBERAY = ROOT / "deploy" / "kuberay-rayservice.yaml"
 
 
@@ -306,13 +307,27 @@ def test_the_ray_profile_is_a_head_and_a_gateway_that_joins_it():
 def test_every_profile_is_checked_and_publishes_each_port_once():
     document, _ = load_compose(COMPOSE.read_text())
     named = {p for service in document["services"].values() for p in service.get("profiles", [])}
-    assert named == {*PROFILES, RAY_PROFILE, VLLM_PROFILE}
+    assert named == {*PROFILES, RAY_PROFILE, VLLM_PROFILE, TRACING_PROFILE}
     for profile in named:
         published = [
             port.rsplit(":", 1)[0] for service in active_services(document, profile).values()
             for port in service.get("ports", [])
         ]
         assert len(published) == len(set(published)), f"--profile {profile} publishes a port twice: {published}"
+
+
+def test_the_tracing_profile_is_a_collector_every_service_sends_its_traces_to():
+    document, unset = load_compose(COMPOSE.read_text(), {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4318"})
+    assert unset == set()
+    assert set(active_services(document, TRACING_PROFILE)) == {"jaeger"}
+    jaeger = document["services"]["jaeger"]
+    assert "receivers.otlp.protocols.http.endpoint=0.0.0.0:4318" in jaeger["command"]
+    # Every streamgate process (and the Ray head, whose replicas run there) is told where the collector is.
+    for name, service in document["services"].items():
+        if name not in ("jaeger", "vllm"):
+            assert environment(service)["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
+    unset_document, _ = load_compose(COMPOSE.read_text())
+    assert environment(unset_document["services"]["gateway"])["OTEL_EXPORTER_OTLP_ENDPOINT"] == ""  # nothing traced
 
 
 def test_the_constraints_pin_every_dependency_within_its_range():

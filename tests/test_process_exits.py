@@ -21,8 +21,8 @@ import pytest
 from bench.common import rss_kb
 from gateway.tools import load_module
 from tests.conftest import make_server, parse_sse, run_stream, wait_until
-from tests.processes import ROOT, ServeProcess, clean_env, free_port, start_serve
-from tests.redis_server import RedisServer, start_redis
+from tests.support.processes import ROOT, ServeProcess, clean_env, free_port, start_serve
+from tests.support.redis_server import RedisServer, start_redis
 
 CYCLES = 6
 
@@ -63,7 +63,7 @@ def test_every_sigterm_drain_exits_zero_even_with_a_step_in_flight(
     ("terminate called without an active exception"), after a clean drain."""
     for cycle in range(CYCLES):
         server = serve(tiny_model_path, tmp_path / f"serve{cycle}.log", "--store", own_redis.url,
-                       "--tools", "tests.native_tools", "--drain-timeout", "0.5")
+                       "--tools", "tests.support.native_tools", "--drain-timeout", "0.5")
         try:
             assert run_stream(server.url, "predict", {"prompt": "x", "top_k": 1}).terminal["event"] == "data"
             thread, outcome = in_thread(run_stream, server.url, "grind", {"seconds": 60})
@@ -87,12 +87,12 @@ def test_a_killed_replica_s_job_reads_as_lost_not_as_long_finished(
     "unknown, or finished more than N s ago". A retention shorter than the outage grace
     used to let the job's record expire before its owner counted as gone."""
     retention, grace = 5, 6  # the record used to expire 5 + 3 s after the kill, its owner to count as gone at 6 + 3
-    flags = ["--store", own_redis.url, "--tools", "tests.user_tools", "--detach-grace", "60",
+    flags = ["--store", own_redis.url, "--tools", "tests.support.user_tools", "--detach-grace", "60",
              "--retention", str(retention), "--store-outage-grace", str(grace)]
     a = serve(tiny_model_path, tmp_path / "a.log", *flags)
     b = None
     try:
-        b = make_server(tiny_model_path, tools=load_module("tests.user_tools"), store=own_redis.url,
+        b = make_server(tiny_model_path, tools=load_module("tests.support.user_tools"), store=own_redis.url,
                         retention=retention, store_outage_grace=grace)
         follower, _ = in_thread(run_stream, a.url, "echo", {"text": "ab", "repeat": 600, "delay": 0.05}, timeout=120)
         wait_until(lambda: listed(b.url), 10, "the job to be listed on B")

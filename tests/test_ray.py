@@ -1,18 +1,20 @@
 """`--backend ray`: a real local Ray instance, a Serve application of two replicas on the tiny model.
 
 One Ray instance and one application for the module (starting them takes tens of
-seconds); a gateway with the local backend beside it for the streams to equal.
+seconds); a gateway with the local backend beside it for the streams to equal. The
+replicas export their spans to a collector the module holds (tests/support/traces.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +26,14 @@ from ray import serve
 from backends.ray_serve import APP_NAME, NAMESPACE, RayBackend
 from gateway.server.app import create_app
 from gateway.config import Settings
-from tests.conftest import USER_TOOLS, Server, build_tiny_model, make_server, run_stream, wait_until
-from tests.processes import ROOT, clean_env, free_port, start_serve
-from tests.redis_server import redis_server  # noqa: F401
+from tests.conftest import USER_TOOLS, Server, make_server, run_stream, wait_until
+from tests.support.processes import ROOT, clean_env, free_port, start_serve
+from tests.support.redis_server import redis_server  # noqa: F401
 from tests.test_redis_replicas import Follower, check_log, events_of, read_some
 from tests.test_observability import scrape, value
 from tests.test_tools import Reference, result
+from tests.support import traces
+from tests.test_tracing import GENERATE, collector, the_run_there  # noqa: F401  (collector: a fixture)
 
 pytestmark = pytest.mark.ray
 
@@ -37,14 +41,22 @@ REPLICAS = 2
 
 
 @pytest.fixture(scope="module")
-def other_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def other_model_path(tiny: Callable[..., Path]) -> Path:
     """A second model every replica serves beside the tiny one."""
-    return build_tiny_model(tmp_path_factory.mktemp("ray-other"), seed=1, family="gpt2", init=0.2)
+    return tiny("gpt2", seed=1, init=0.2)
 
 
 @pytest.fixture(scope="module")
-def ray_gateway(tiny_model_path: Path, other_model_path: Path) -> Iterator[Server]:
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+def ray_gateway(tiny_model_path: Path, other_model_path: Path, collector: traces.Collector) -> Iterator[Server]:
+    # Ray's processes, the replicas among them, have the environment it was started in: the
+    # replicas trace as these variables say, and this process goes on with its own.
+    saved = dict(os.environ)
+    os.environ.update(collector.env("replica"))
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     settings = Settings(
         model=[str(tiny_model_path), f"other={other_model_path}"], backend="ray", ray_replicas=REPLICAS, ray_cpus_per_replica=0.5,
         tools=[USER_TOOLS], detach_grace=0,
@@ -111,6 +123,21 @@ def test_the_stream_equals_the_local_backends(ray_gateway: Server, local_gateway
         return raw.split(b"event: data\ndata: ", 1)[1].split(b"\n", 1)[0]
 
     assert result(on_ray.raw) == result(local.raw)
+
+
+def test_a_job_on_a_replica_is_one_trace_with_the_gateways(ray_gateway: Server, collector: traces.Collector) -> None:
+    with traces.recording("gateway") as exporter:
+        stream = run_stream(ray_gateway.url, "generate", GENERATE)
+        assert stream.terminal["event"] == "data", stream.raw
+        job_id = stream.headers["x-job-id"]
+        wait_until(lambda: traces.named(traces.recorded(exporter), "job"), what="the gateway's job span")
+        here = traces.recorded(exporter)
+    job = traces.one(here, "job", **{"streamgate.job.id": job_id})
+    assert job.status == "OK"
+    # The replica's spans reach the collector from its own process, in the trace the call's traceparent named.
+    there = collector.wait_for(lambda spans: traces.named(spans, "job", **{"streamgate.job.id": job_id}))
+    the_run_there(there, job, job_id)
+    assert {s.service for s in there if s.trace_id == job.trace_id} == {"replica"}
 
 
 def test_a_refusal_is_answered_before_any_stream(ray_gateway: Server, local_gateway: Server) -> None:

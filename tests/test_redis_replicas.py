@@ -23,10 +23,10 @@ from click.testing import CliRunner
 from gateway.cli.commands import main as cli_main
 from gateway.tools import load_module
 from tests.conftest import Server, make_server, parse_sse, run_stream, track_jobs, wait_until
-from tests.processes import free_port
-from tests.redis_server import RedisServer, redis_server, start_redis  # noqa: F401
+from tests.support.processes import free_port
+from tests.support.redis_server import RedisServer, redis_server, start_redis  # noqa: F401
 
-USER_TOOLS = "tests.user_tools"
+USER_TOOLS = "tests.support.user_tools"
 
 
 @pytest.fixture

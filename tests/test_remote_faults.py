@@ -3,7 +3,7 @@
 The executors are real `streamgate executor` subprocesses on the tiny model
 with the test tools (`echo` sleeps `delay` per copy, reports progress, and
 stops when cancelled); the gateways run in this process with the remote
-backend. Where the network has to misbehave, a `FaultProxy` (tests/faultproxy.py)
+backend. Where the network has to misbehave, a `FaultProxy` (tests/support/faultproxy.py)
 sits between them.
 
 - The session socket drops while the executor lives (mid-job, and while a job
@@ -42,8 +42,8 @@ import websockets
 from websockets.sync.client import connect as ws_connect
 
 from tests.conftest import Server, make_remote_server, parse_sse
-from tests.faultproxy import FaultProxy, upstream_of, wait_for
-from tests.processes import ServeProcess, start_executor
+from tests.support.faultproxy import FaultProxy, upstream_of, wait_for
+from tests.support.processes import ServeProcess, start_executor
 
 TOKEN = "fault-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -4,6 +4,7 @@ texts on a model of text passed on exactly as written."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -12,7 +13,6 @@ from transformers import AutoTokenizer
 
 from gateway.errors import ParamError
 from gateway.models import alphabet
-from tests import model_kinds
 from tests.conftest import make_server, run_stream
 from tests.test_tools import result
 
@@ -20,10 +20,10 @@ ESM_LETTERS = "LAGVSERTIDPKQNFYMHWCXBUZO.-"
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> dict[str, Path]:
+def paths(tiny: Callable[..., Path], tiny_model_path: Path) -> dict[str, Path]:
     return {
-        "esm": model_kinds.build("esm_mlm", tmp_path_factory.mktemp("esm")),
-        "bert": model_kinds.build("bert_mlm", tmp_path_factory.mktemp("bert")),
+        "esm": tiny("esm_mlm"),
+        "bert": tiny("bert_mlm"),
         "text": tiny_model_path,
     }
 
@@ -98,7 +98,7 @@ def test_text_models_get_their_text_as_written(server) -> None:
 
 @pytest.fixture(scope="module")
 def dna():
-    s = make_server(None, model_loader="dna=tests.custom_model:load_dna")
+    s = make_server(None, model_loader="dna=tests.support.custom_model:load_dna")
     yield s
     s.stop()
 
@@ -111,7 +111,7 @@ def test_a_dna_model_says_its_alphabet_and_tags(dna) -> None:
 def test_a_tag_goes_before_the_sequence_and_positions_are_the_callers_letters(dna) -> None:
     import torch
 
-    from tests.custom_model import BOS, DNA_TAGS, greedy
+    from tests.support.custom_model import BOS, DNA_TAGS, greedy
 
     module = dna.backend.model.module
     out = result(dna.url, "embed", {"texts": ["acg\ntn"], "pooling": "per_token", "tag": "bacteria"})

@@ -27,7 +27,7 @@ from gateway.plumbing.slowclients import SlowClientProtocol
 from tests.conftest import Server, make_server, run_stream, track_jobs, wait_until
 from tests.test_deadlines import flood
 from tests.test_observability import scrape, value
-from tests.user_tools import echo
+from tests.support.user_tools import echo
 
 TIMEOUT = 1.0  # the header, body and write timeouts of the server under test
 EVERY = 0.3  # seconds between trickled bytes, so that no deadline falls right on a send

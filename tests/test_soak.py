@@ -20,7 +20,7 @@ import httpx
 
 from gateway.protocol import EventType
 from tests.conftest import make_remote_server, parse_sse, track_jobs, wait_until
-from tests.processes import start_executor
+from tests.support.processes import start_executor
 
 JOBS = int(os.environ.get("STREAMGATE_SOAK_JOBS", "600"))
 CLIENTS = 8

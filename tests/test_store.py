@@ -2,7 +2,7 @@
 
 No model and no HTTP here: jobs are `Job`s driven by hand, and "cancelling" one
 is what a backend does, recorded. The Redis tests run against a real
-redis-server (tests/redis_server.py) with a fast heartbeat, so that leases,
+redis-server (tests/support/redis_server.py) with a fast heartbeat, so that leases,
 lapsed attachments and silent owners play out in a fraction of a second.
 """
 
@@ -22,8 +22,8 @@ from gateway.jobs import Job
 from gateway.protocol import Code, Event, Status, encode
 from gateway.server.redis_store import RedisJobView, RedisStore
 from gateway.server.store import JobStore, MemoryStore
-from tests.processes import free_port
-from tests.redis_server import redis_server, start_redis  # noqa: F401
+from tests.support.processes import free_port
+from tests.support.redis_server import redis_server, start_redis  # noqa: F401
 
 HEARTBEAT = 0.1
 

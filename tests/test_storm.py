@@ -2,7 +2,7 @@
 
 The storm: two gateways on one real Redis. Replica O runs four long jobs
 (in this process, four workers); replica F is a real `streamgate serve`
-process that 2,000 clients (tests/sse_swarm.py, a process of their own) follow
+process that 2,000 clients (tests/support/sse_swarm.py, a process of their own) follow
 those jobs through. F is restarted (SIGTERM, then a new process on the same
 port), which cuts every stream: the clients, retrying every 500 ms as an
 EventSource with `retry: 500` does, all come back within about a second of the
@@ -30,8 +30,8 @@ import pytest
 from bench.common import rss_kb
 from gateway.tools import load_module
 from tests.conftest import make_server, wait_until
-from tests.processes import ROOT, ServeProcess, clean_env, free_port, start_serve
-from tests.redis_server import RedisServer, start_redis
+from tests.support.processes import ROOT, ServeProcess, clean_env, free_port, start_serve
+from tests.support.redis_server import RedisServer, start_redis
 
 CLIENTS = 2_000
 JOBS = 4
@@ -66,11 +66,11 @@ def test_a_reconnect_storm_is_served_or_told_to_retry_and_loses_nothing(
     tiny_model_path: Path, own_redis: RedisServer, tmp_path: Path
 ) -> None:
     owner = make_server(
-        tiny_model_path, tools=load_module("tests.user_tools"), store=own_redis.url, devices=["cpu"] * JOBS,
+        tiny_model_path, tools=load_module("tests.support.user_tools"), store=own_redis.url, devices=["cpu"] * JOBS,
         detach_grace=120,
     )
     port = free_port()
-    args = ["--model", str(tiny_model_path), "--tools", "tests.user_tools", "--device", "cpu", "--port", str(port),
+    args = ["--model", str(tiny_model_path), "--tools", "tests.support.user_tools", "--device", "cpu", "--port", str(port),
             "--store", own_redis.url, "--retry-ms", "500", "--detach-grace", "120", "--log-level", "warning"]
     follower: ServeProcess | None = None
     swarm: subprocess.Popen[bytes] | None = None
@@ -79,7 +79,7 @@ def test_a_reconnect_storm_is_served_or_told_to_retry_and_loses_nothing(
         idle_peak = rss_kb(follower.proc.pid, "VmHWM")
         job_ids = [start_job(owner.url, {"text": "ab", "repeat": STEPS, "delay": 0.5}) for _ in range(JOBS)]
         swarm = subprocess.Popen(
-            [sys.executable, "-m", "tests.sse_swarm", "--port", str(port), "--clients", str(CLIENTS),
+            [sys.executable, "-m", "tests.support.sse_swarm", "--port", str(port), "--clients", str(CLIENTS),
              "--retry-ms", "500", "--deadline", "150", *job_ids],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=open(tmp_path / "swarm.log", "wb"),
         )
@@ -129,7 +129,7 @@ def test_a_reconnect_storm_is_served_or_told_to_retry_and_loses_nothing(
 
 
 def test_streams_past_the_limit_are_told_to_retry(serve: Any) -> None:
-    server = serve(tools=load_module("tests.user_tools"), max_streams=2, detach_grace=30)
+    server = serve(tools=load_module("tests.support.user_tools"), max_streams=2, detach_grace=30)
     job_id = start_job(server.url, {"text": "ab", "repeat": 100, "delay": 0.05})
     with httpx.Client(timeout=30) as client:
         with client.stream("GET", f"{server.url}/jobs/{job_id}/events"), \

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from bench.common import Bench
-    from tests.processes import ServeProcess
+    from tests.support.processes import ServeProcess
 
 HERE = Path(__file__).resolve().parent
 REQUIREMENTS = HERE / "requirements.txt"
@@ -119,7 +119,7 @@ def start(bench: Bench, peer: str, argv: Sequence[str], port: int, env: dict[str
     Its process is one of `bench`'s, stopped with the others; `wait_ready()`
     waits for LitServe's `/health`, which answers once its worker has loaded the model.
     """
-    from tests.processes import ROOT, ServeProcess, clean_env
+    from tests.support.processes import ROOT, ServeProcess, clean_env
 
     class Peer(ServeProcess):
         def wait_ready(self) -> None:
@@ -138,7 +138,7 @@ def start(bench: Bench, peer: str, argv: Sequence[str], port: int, env: dict[str
 def wait_health(process: ServeProcess, path: str = "/health") -> None:
     import httpx
 
-    from tests.processes import START_TIMEOUT
+    from tests.support.processes import START_TIMEOUT
 
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:

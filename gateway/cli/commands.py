@@ -190,6 +190,8 @@ def serve(**options: Any) -> None:
         from gateway.cli.dryrun import on_servers
 
         here, servers = on_servers(settings)  # models on inference servers: checked, not started
+    if not dry_run:
+        _trace("streamgate")
     if settings.backend == "ray":
         from backends.ray_serve import INSTALL_HINT, RayBackend, ray_available
 
@@ -265,6 +267,7 @@ def executor(**options: Any) -> None:
 
         report(service.backend, settings)
         return
+    _trace("streamgate-executor")
     _run_server(create_executor_app(service), settings, service.metrics.client_timeout, ws=WS)
 
 
@@ -277,6 +280,7 @@ def engine() -> None:
 
     settings, socket = child_settings()
     configure_logging(settings.log_level, settings.log_format, engine=engine_name(settings))
+    _trace("streamgate-engine", **{"streamgate.engine": engine_name(settings)})  # as the OTEL_* variables it inherits say
     # The gateway logs each request; the engine's own access lines would be its polls and submits.
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -289,6 +293,16 @@ def engine() -> None:
         create_executor_app(service), settings, service.metrics.client_timeout, ws=WS, uds=socket, ws_max_size=ws_max_size,
         ws_per_message_deflate=False,
     )
+
+
+def _trace(service: str, **resource: str) -> None:
+    """Trace as the OTEL_* variables say (gateway/plumbing/tracing.py): nothing when none is set."""
+    from gateway.plumbing import tracing
+
+    try:
+        tracing.configure(service, **resource)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _executor_service(settings: Settings, inline_results: bool = False) -> Any:
@@ -319,7 +333,7 @@ def _run_server(app: Any, settings: Settings, client_timeout: Callable[[str], No
     """Serve `app` until uvicorn stops (SIGTERM drains first), then leave as gateway/plumbing/drain.py says."""
     import uvicorn
 
-    from gateway.plumbing import handoff
+    from gateway.plumbing import handoff, tracing
     from gateway.plumbing.drain import exit_cleanly
     from gateway.plumbing.slowclients import uvicorn_options
 
@@ -330,8 +344,11 @@ def _run_server(app: Any, settings: Settings, client_timeout: Callable[[str], No
             **extra, **uvicorn_options(settings, client_timeout),
         )
     except KeyboardInterrupt:  # Ctrl-C, raised again by uvicorn once it is down: click exits 1
+        tracing.shutdown()
         exit_cleanly(1, before)
         raise
+    # The spans still held are exported now: the exit that follows may skip `atexit`.
+    tracing.shutdown()
     exit_cleanly(0, before)
 
 

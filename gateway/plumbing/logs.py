@@ -12,7 +12,8 @@ Shaped this way because of where log lines come from:
   returns: a 500 answered by Starlette's outermost error handler
   (`ApiError.response` adds the header from here) and its log lines.
 - One `logging.Filter`, on the handler `configure_logging` installs, stamps
-  `request_id` and `job_id` on every record and redacts credentials, whatever
+  `request_id` and `job_id` on every record (and with tracing, the current span's
+  `trace_id` and `span_id`: gateway/plumbing/tracing.py) and redacts credentials, whatever
   logger the record came from: a filter on a logger would miss the records
   its child loggers propagate, such as `uvicorn.access`'s.
 - uvicorn's own loggers are routed through that handler (the CLI starts uvicorn
@@ -30,6 +31,7 @@ from contextvars import ContextVar
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
+from opentelemetry import trace
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -114,7 +116,8 @@ def redact(text: str) -> str:
 
 
 class RequestContext(logging.Filter):
-    """Stamps `request_id` and `job_id` (None outside a request or job) and redacts the message."""
+    """Stamps `request_id` and `job_id` (None outside a request or job), the current span's
+    `trace_id` and `span_id` (None without one), and redacts the message."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         # An explicit `extra={"job_id": …}` wins over the request's.
@@ -122,6 +125,9 @@ class RequestContext(logging.Filter):
             record.request_id = request_id.get()
         if getattr(record, "job_id", None) is None:
             record.job_id = job_id.get()
+        span = trace.get_current_span().get_span_context()
+        if span.is_valid:
+            record.trace_id, record.span_id = trace.format_trace_id(span.trace_id), trace.format_span_id(span.span_id)
         try:
             message = record.getMessage()
         except Exception:  # a malformed call: let the handler report it, as logging does
@@ -132,8 +138,12 @@ class RequestContext(logging.Filter):
         return True
 
 
-def _ids(record: logging.LogRecord) -> dict[str, str]:
-    return {k: v for k in ("engine", "request_id", "job_id") if (v := getattr(record, k, None))}
+def _ids(record: logging.LogRecord, keys: tuple[str, ...] = ("engine", "request_id", "job_id")) -> dict[str, str]:
+    return {k: v for k in keys if (v := getattr(record, k, None))}
+
+
+# A JSON line also names its trace, for a log store to link to it; a text line stays short to read.
+_JSON_IDS = ("engine", "request_id", "job_id", "trace_id", "span_id")
 
 
 class EngineTag(logging.Filter):
@@ -172,7 +182,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
-            **_ids(record),
+            **_ids(record, _JSON_IDS),
         }
         if record.exc_info:
             entry["exc"] = redact(self.formatException(record.exc_info))

@@ -36,6 +36,7 @@ from gateway.config import Settings
 from gateway.plumbing.drain import Drain, on_sigterm
 from gateway.errors import ApiError, api_error_handler, http_error_handler
 from gateway.jobs import Job
+from gateway.plumbing import tracing
 from gateway.plumbing.logs import RequestIds, request_id_headers
 from gateway.plumbing.metrics import Metrics
 from gateway.protocol import Code, encode, parse_event_id
@@ -86,7 +87,8 @@ def _cors(origins: list[str]) -> list[Middleware]:
             CORSMiddleware,
             allow_origins=origins,
             allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID", "X-Request-Id"],
+            # traceparent and tracestate: a page's own tracing continues into the gateway's spans.
+            allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID", "X-Request-Id", "traceparent", "tracestate"],
             # A page elsewhere reads these from a run's response (fetch hides the rest).
             expose_headers=["X-Job-Id", "X-Request-Id", "Retry-After"],
             max_age=600,
@@ -369,6 +371,8 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     app.state.store = store
     app.state.metrics = metrics
     app.state.mcp = agents
+    if tracing.enabled():  # without tracing, not even a pass through it
+        app.add_middleware(tracing.RequestSpans)
     # Added last, so it wraps the other middleware (CORS included): every answer carries X-Request-Id.
     app.add_middleware(RequestIds)
     return app

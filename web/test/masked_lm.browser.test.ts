@@ -1,6 +1,6 @@
 /**
  * The dashboard in headless Chromium against a gateway serving a tiny ESM-2 masked LM
- * (tests/model_kinds.py): the tools it cannot run (generate and the other next-token tools)
+ * (tests/support/tiny_models.py): the tools it cannot run (generate and the other next-token tools)
  * are not offered but listed with the gateway's reasons; `fill_mask`, `pseudo_loglikelihood`
  * and `embed` (per token: one point per residue) run from the page and draw their results; a page
  * opened while the model loads lists the tools again once it is ready.

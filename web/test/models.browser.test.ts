@@ -167,8 +167,8 @@ describe('the dashboard on a DNA model with tags', () => {
   let profile: string
 
   before(async () => {
-    // The loader is the test suite's own (tests/custom_model.py): the repository root is on the path.
-    dna = await startGateway(['--model-loader', 'dna=tests.custom_model:load_dna'], {base: tinyModel()}, {PYTHONPATH: ROOT})
+    // The loader is the test suite's own (tests/support/custom_model.py): the repository root is on the path.
+    dna = await startGateway(['--model-loader', 'dna=tests.support.custom_model:load_dna'], {base: tinyModel()}, {PYTHONPATH: ROOT})
     profile = mkdtempSync(join(tmpdir(), 'streamgate-tags-'))
     browser = await launch(join(profile, 'profile'))
     page = await browser.newPage()

@@ -21,7 +21,7 @@ export function tinyModel(): string {
 }
 
 /**
- * A tiny random model of another kind (tests/model_kinds.py: `esm_mlm`, `bert_mlm`, …; `llama`:
+ * A tiny random model of another kind (tests/support/tiny_models.py: `esm_mlm`, `bert_mlm`, …; `llama`:
  * the tiny Llama's shape) built at `path`, its weights drawn with `seed`.
  */
 export function buildModel(kind: string, path: string, seed = 0): string {

@@ -1,4 +1,4 @@
-"""Tools that fail the way a GPU does, loaded with `--tools tests.device_tools`."""
+"""Tools that fail the way a GPU does, loaded with `--tools tests.support.device_tools`."""
 
 from __future__ import annotations
 

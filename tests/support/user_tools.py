@@ -1,4 +1,4 @@
-"""User tools for the CLI tests, loaded with `streamgate serve --tools tests.user_tools`."""
+"""User tools for the CLI tests, loaded with `streamgate serve --tools tests.support.user_tools`."""
 
 from __future__ import annotations
 

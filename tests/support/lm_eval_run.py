@@ -1,7 +1,7 @@
 """Run lm-evaluation-harness's `local-completions` on tests/data/lm_eval's task, offline, and
 print every (context, continuation, ll, is_greedy) it scored as one JSON list.
 
-    python tests/lm_eval_run.py BASE_URL MODEL TOKENIZER_FOLDER
+    python tests/support/lm_eval_run.py BASE_URL MODEL TOKENIZER_FOLDER
 
 A separate process, as an evaluation would be: lm-eval and its dependencies stay out of
 the test process, and its Hugging Face caches go to a temporary folder.
@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-TASKS = Path(__file__).parent / "data" / "lm_eval"
+TASKS = Path(__file__).resolve().parents[1] / "data" / "lm_eval"
 
 
 def main(base_url: str, model: str, tokenizer: str) -> None:

@@ -6,7 +6,7 @@ and an output head. It implements the whole `CustomModel` protocol
 (gateway/models/custom.py); `load_plain` serves the same weights with none
 of the optional parts, so that generation recomputes the context each token.
 
-    streamgate serve --model-loader tests.custom_model:load
+    streamgate serve --model-loader tests.support.custom_model:load
 """
 
 from __future__ import annotations

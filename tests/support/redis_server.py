@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import free_port
+from tests.support.processes import free_port
 
 # As scripts/check-system reads it: a path, or a name looked up on PATH.
 _GIVEN = os.environ.get("STREAMGATE_REDIS_SERVER") or "redis-server"

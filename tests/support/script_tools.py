@@ -1,7 +1,7 @@
 """Test tools for tests/test_invariants.py, in a module of their own so that an executor can load them.
 
 Servers of either kind load this module: the local gateway imports it, and an
-executor process gets `--tools tests.script_tools` (conftest's `tool_modules`).
+executor process gets `--tools tests.support.script_tools` (conftest's `tool_modules`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STREAMGATE = Path(sys.executable).parent / "streamgate"
 START_TIMEOUT = 180  # importing torch and loading the model on a slow, busy machine
 
@@ -25,8 +25,9 @@ def free_port() -> int:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The environment without PYTHONPATH or any STREAMGATE_* setting, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMGATE_") and k != "PYTHONPATH"}
+    """The environment without PYTHONPATH or any STREAMGATE_* or OTEL_* setting (a process traces only
+    when its test says so), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STREAMGATE_", "OTEL_")) and k != "PYTHONPATH"}
     env.update(extra)
     return env
 
@@ -97,12 +98,14 @@ def start_serve(
 
 
 def start_executor(
-    model_path: Path | str | list[str], log: Path, *, token: str | None = None, port: int | None = None, extra: list[str] | None = None
+    model_path: Path | str | list[str], log: Path, *, token: str | None = None, port: int | None = None, extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> ServeProcess:
-    """`streamgate executor` on the tiny model (or on several, as ["NAME=SOURCE", …]) with the test user tools; ready when it returns."""
+    """`streamgate executor` on the tiny model (or on several, as ["NAME=SOURCE", …]) with the test user tools, its
+    environment ours plus `env`; ready when it returns."""
     port = port or free_port()
     models = model_path if isinstance(model_path, list) else [str(model_path)]
-    args = [*(arg for model in models for arg in ("--model", model)), "--port", str(port), "--tools", "tests.user_tools",
+    args = [*(arg for model in models for arg in ("--model", model)), "--port", str(port), "--tools", "tests.support.user_tools",
             "--device", "cpu", "--log-level", "warning", *(extra or [])]
-    env = clean_env(**({"STREAMGATE_EXECUTOR_TOKEN": token} if token else {}))
+    env = clean_env(**(env or {}), **({"STREAMGATE_EXECUTOR_TOKEN": token} if token else {}))
     return start_serve(args, env, port, log, command="executor", headers={"Authorization": f"Bearer {token}"} if token else None)

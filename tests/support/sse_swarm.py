@@ -1,6 +1,6 @@
 """Many clients following jobs' event streams the way EventSource does, in one process of their own.
 
-`python -m tests.sse_swarm --port P --clients N --retry-ms R JOB_ID ...`: client
+`python -m tests.support.sse_swarm --port P --clients N --retry-ms R JOB_ID ...`: client
 `i` follows `GET /jobs/{JOB_IDS[i % len]}/events` on loopback. Like an
 EventSource (and the Python and TypeScript clients) each one reconnects R ms
 after its stream ends without a terminal event, or after a refused

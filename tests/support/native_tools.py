@@ -1,4 +1,4 @@
-"""A user tool for the process tests: `streamgate serve --tools tests.native_tools`.
+"""A user tool for the process tests: `streamgate serve --tools tests.support.native_tools`.
 
 `grind` keeps its device's thread in torch's native code for as long as asked,
 one matrix product after another, and never checks for a cancel: the way one
