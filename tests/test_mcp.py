@@ -233,6 +233,29 @@ def cancelled(job: dict[str, Any]) -> bool:
     return job["status"] == "FAILED" and job["terminal"]["data"]["error"]["code"] == "cancelled"
 
 
+# -- the docs' example -----------------------------------------------------------------------------
+
+
+def test_the_python_example_of_the_docs_runs_as_written(server) -> None:
+    """docs/agents.md's "From Python", against a gateway on the tiny model: the tools listed, a call
+    with its progress printed, and its completion and job id."""
+    import re
+    import subprocess
+
+    page = (ROOT / "docs" / "agents.md").read_text()
+    example = re.search(r"## From Python\n.*?```python\n(.*?)```", page, re.S).group(1)
+    assert "http://127.0.0.1:8000/mcp" in example
+    run = subprocess.run(
+        [sys.executable, "-c", example.replace("http://127.0.0.1:8000", server.url)], capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert "'generate'" in lines[0] and "'generate__other'" in lines[0]
+    assert any(re.match(r"\d+(\.\d+)?/\d+(\.\d+)?: ", line) for line in lines[1:-1])  # progress, value/total
+    completions, job_id = lines[-1].rsplit(" ", 1)
+    assert completions.startswith("[") and httpx.get(f"{server.url}/jobs/{job_id}", timeout=30).json()["status"] == "SUCCEEDED"
+
+
 # -- tools -----------------------------------------------------------------------------------------
 
 

@@ -49,14 +49,19 @@ def other_model_path(tiny: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def ray_gateway(tiny_model_path: Path, other_model_path: Path, collector: traces.Collector) -> Iterator[Server]:
     # Ray's processes, the replicas among them, have the environment it was started in: the
-    # replicas trace as these variables say, and this process goes on with its own.
-    saved = dict(os.environ)
-    os.environ.update(collector.env("replica"))
+    # replicas trace as these variables say, and this process goes on without them. Only they are
+    # put back: what ray.init sets (the cluster's auth token) is for the gateways started later.
+    tracing = collector.env("replica")
+    saved = {name: os.environ.get(name) for name in tracing}
+    os.environ.update(tracing)
     try:
         ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     settings = Settings(
         model=[str(tiny_model_path), f"other={other_model_path}"], backend="ray", ray_replicas=REPLICAS, ray_cpus_per_replica=0.5,
         tools=[USER_TOOLS], detach_grace=0,
