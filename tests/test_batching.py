@@ -227,6 +227,53 @@ def test_generation_together_and_joining_midway_equals_alone(family_model: Model
         assert ctxs[i].partials == partials, f"job {i}: its partial events"
 
 
+def test_a_prompt_sent_by_several_rows_is_run_once_and_each_row_gets_what_it_gets_alone(family_model: Model) -> None:
+    """`n` completions of a prompt and other jobs on the same prompt, joining together and midway:
+    the prefill runs each distinct prompt once, and every job is what it is alone (the sampled
+    ones included, whose rows must not share a sampler because they share a prompt)."""
+    same = "The capital of France is"
+    jobs = [
+        GenerateParams(prompts=[same], max_tokens=6),
+        GenerateParams(prompts=[same, "Hi!", same], max_tokens=5, temperature=0.9, seed=7),
+        GenerateParams(prompts=[same], n=3, max_tokens=4, temperature=1.1, seed=2),
+        GenerateParams(prompts=["Hi!"], max_tokens=6),
+        GenerateParams(prompts=[same], max_tokens=3),  # joins midway, onto a padded cache
+    ]
+    alone = [_alone(family_model, p) for p in jobs]
+    greedy_once = _alone(family_model, GenerateParams(prompts=[same], max_tokens=4))[0]
+    prefilled: list[int] = []
+
+    def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] > 1:  # a prefill: every decoding step feeds one column
+            prefilled.append(ids.shape[0])
+
+    batch = Generation(family_model)
+    ctxs = [Recorder(str(i)) for i in range(len(jobs))]
+    for params, ctx in zip(jobs[:4], ctxs):
+        batch.add(params, ctx)
+    handle = family_model.module.register_forward_pre_hook(record, with_kwargs=True)
+    outcomes: dict[str, Any] = {}
+    try:
+        steps = 0
+        while len(batch) or steps < 2:
+            if steps == 2:
+                batch.add(jobs[4], ctxs[4])
+            for ctx, outcome in batch.step():
+                outcomes[ctx.job_id] = outcome
+            steps += 1
+    finally:
+        handle.remove()
+    # Eight rows at first (`same` six times, "Hi!" twice): two distinct prompts; then the one joining.
+    assert prefilled[:2] == [2, 1]
+    for i, (expected, partials) in enumerate(alone):
+        assert as_plain(outcomes[str(i)]) == expected, f"job {i}"
+        assert ctxs[i].partials == partials, f"job {i}: its partial events"
+    # Greedy, a prompt's copies are its one completion.
+    greedy = _alone(family_model, GenerateParams(prompts=[same], n=3, max_tokens=4))[0]
+    assert greedy["completions"] == greedy_once["completions"] * 3
+
+
 def test_a_short_job_ends_while_a_long_one_goes_on(llama: Model) -> None:
     batch = Generation(llama)
     long, short = Recorder("long"), Recorder("short")

@@ -63,7 +63,8 @@ class KVCache:
     what it would alone. While no row is padded (a lone job, prompts of one
     length, or once the longer rows have left) there is no mask: the model runs
     as a plain decoding loop runs it, without the mask's per-step growth and
-    its check by transformers. Caches other than plain dynamic ones
+    its check by transformers. A prompt several new rows share is run once and
+    its cache copied to each. Caches other than plain dynamic ones
     (sliding-window layers) cannot be padded that way: with them new jobs wait
     for the batch to empty.
     """
@@ -98,6 +99,16 @@ class KVCache:
         return out.logits[:, -1, :]
 
     def prefill(self, rows: list[list[int]]) -> torch.Tensor:
+        # A prompt sent by several rows (`n` completions of it, clients asking the same) is run
+        # once: its rows take copies of its cache and logits, which are what each would compute.
+        first: dict[tuple[int, ...], int] = {}
+        of = [first.setdefault(tuple(ids), len(first)) for ids in rows]
+        if len(first) == len(rows):
+            return self._prefill(rows)
+        return self._prefill([list(ids) for ids in first], copies=torch.tensor(of, device=self.model.device))
+
+    def _prefill(self, rows: list[list[int]], copies: torch.Tensor | None = None) -> torch.Tensor:
+        """Run `rows`' prompts and take them in; with `copies`, rows `copies[i]` are taken in as row i."""
         # Left padding: every prompt ends at the last column, where its next token is read.
         width = max(len(ids) for ids in rows)
         device = self.model.device
@@ -120,6 +131,13 @@ class KVCache:
                 extra |= {"attention_mask": mask[:, :end], "position_ids": positions[:, start:end]}
             out = self.model.module(input_ids=input_ids[:, start:end], cache=cache, use_cache=True, **extra)
             cache = out.cache
+        logits = out.logits[:, -1, :]
+        if copies is not None:
+            cache.batch_select_indices(copies)
+            logits = logits[copies]
+            rows = [rows[i] for i in copies.tolist()]
+            if mask is not None and positions is not None:
+                mask, positions = mask[copies], positions[copies]
         if self.cache is None:
             self.cache, self.rows, self.length = cache, len(rows), width
             if mask is not None and positions is not None:
@@ -128,7 +146,7 @@ class KVCache:
             self.mergeable = _paddable(self.cache)
         else:
             self._merge(cache, rows, width)
-        return out.logits[:, -1, :]
+        return logits
 
     def _merge(self, cache: Any, rows: list[list[int]], width: int) -> None:
         device = self.model.device
