@@ -9,6 +9,10 @@ service, build context and target a service names defined.
 deploy/kuberay-rayservice.yaml is checked with no Kubernetes cluster: its Serve config by
 Ray Serve's own schema and by building the application from it, and the names that tie
 its objects together (the head's Service, the application, Redis, labels, ports).
+
+deploy/vllm-baseline.yaml, compose's `vllm` profile on Kubernetes, likewise: its gateway's
+command and environment by the gateway's own configuration, vLLM's args and probes by the
+vLLM of .vllm (the image's release), and the names that tie the gateway to vLLM's Service.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from functools import cache
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -35,6 +40,9 @@ RAY_PROFILE = "ray"  # a Ray head and a gateway on it
 VLLM_PROFILE = "vllm"  # vLLM's server and a gateway fronting it
 TRACING_PROFILE = "tracing"  # a trace collector beside any of the others
 KUBERAY = ROOT / "deploy" / "kuberay-rayservice.yaml"
+VLLM_BASELINE = ROOT / "deploy" / "vllm-baseline.yaml"
+# Other projects' images, by compose service, each pinned to a release (deploy/ names the same ones).
+OTHER_IMAGES = {"vllm": r"vllm/vllm-openai:v\d+\.\d+\.\d+", "jaeger": r"jaegertracing/jaeger:\d+\.\d+\.\d+"}
 
 
 class ComposeError(Exception):
@@ -357,10 +365,9 @@ def test_dockerfile_has_a_target_per_service():
     targets = dockerfile_targets((ROOT / "Dockerfile").read_text())
     assert {"gateway", "executor"} <= targets
     compose = yaml.safe_load(COMPOSE.read_text())
-    others = {"vllm": r"vllm/vllm-openai:v\d+\.\d+\.\d+", "jaeger": r"jaegertracing/jaeger:\d+\.\d+\.\d+"}
     for name, service in compose["services"].items():
-        if name in others:  # another project's image, pinned to a release
-            assert "build" not in service and re.fullmatch(others[name], service["image"]), name
+        if name in OTHER_IMAGES:  # another project's image, pinned to a release
+            assert "build" not in service and re.fullmatch(OTHER_IMAGES[name], service["image"]), name
             continue
         assert service["build"]["target"] in targets
 
@@ -387,10 +394,27 @@ def test_the_vllm_profile_is_vllms_server_and_a_gateway_serving_a_model_beside_i
 
 # --- deploy/kuberay-rayservice.yaml -------------------------------------------------------
 
+def manifest(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """A file's Kubernetes objects by kind and name."""
+    documents = list(yaml.load_all(path.read_text(), Loader=_UniqueKeyLoader))
+    objects = {(d["kind"], d["metadata"]["name"]): d for d in documents}
+    assert len(objects) == len(documents), f"{path.name}: two objects of one kind share a name"
+    return objects
+
+
 def kuberay() -> dict[tuple[str, str], dict[str, Any]]:
-    """The file's objects by kind and name."""
-    documents = yaml.load_all(KUBERAY.read_text(), Loader=_UniqueKeyLoader)
-    return {(d["kind"], d["metadata"]["name"]): d for d in documents}
+    return manifest(KUBERAY)
+
+
+def assert_service_reaches(objects: dict[tuple[str, str], dict[str, Any]], service: str, deployment: str) -> dict[str, Any]:
+    """A Service selects the pods of its Deployment, on ports those pods have; returns the Service's spec."""
+    spec = objects[("Service", service)]["spec"]
+    template = objects[("Deployment", deployment)]["spec"]["template"]
+    assert spec["selector"] == template["metadata"]["labels"]
+    assert objects[("Deployment", deployment)]["spec"]["selector"]["matchLabels"] == template["metadata"]["labels"]
+    ports = {p["name"] for c in template["spec"]["containers"] for p in c["ports"]}
+    assert {p["targetPort"] for p in spec["ports"]} <= ports
+    return spec
 
 
 def pod_env(container: dict[str, Any]) -> dict[str, Any]:
@@ -461,11 +485,159 @@ def test_the_gateways_join_the_rayservice_and_share_jobs_through_redis():
     # Services select the pods they name, on ports those pods have.
     redis = urlparse(env["STREAMGATE_STORE"]).hostname
     for svc, deployment in (("streamgate-gateway", "streamgate-gateway"), (redis, "streamgate-redis")):
-        spec = objects[("Service", svc)]["spec"]
-        template = objects[("Deployment", deployment)]["spec"]["template"]
-        assert spec["selector"] == template["metadata"]["labels"]
-        ports = {p["name"] for c in template["spec"]["containers"] for p in c["ports"]}
-        assert {p["targetPort"] for p in spec["ports"]} <= ports
+        assert_service_reaches(objects, svc, deployment)
+
+
+# --- deploy/vllm-baseline.yaml ------------------------------------------------------------
+
+def vllm_baseline() -> dict[tuple[str, str], dict[str, Any]]:
+    return manifest(VLLM_BASELINE)
+
+
+def container(objects: dict[tuple[str, str], dict[str, Any]], deployment: str) -> dict[str, Any]:
+    [only] = objects[("Deployment", deployment)]["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def flags(args: list[str]) -> dict[str, str]:
+    """`--name=value` arguments by name; any other form is refused, so that none is overlooked."""
+    assert all(arg.startswith("--") and "=" in arg for arg in args), args
+    return dict(arg.removeprefix("--").split("=", 1) for arg in args)
+
+
+def port_number(pod: dict[str, Any], name: str) -> int:
+    [number] = [p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"] if p["name"] == name]
+    return number
+
+
+def secret_ref(container: dict[str, Any], name: str) -> dict[str, Any]:
+    [entry] = [e for e in container.get("env", []) if e["name"] == name]
+    return entry["valueFrom"]["secretKeyRef"]
+
+
+def test_the_vllm_baseline_is_composes_vllm_server_on_a_gpu_of_its_own():
+    objects = vllm_baseline()
+    assert set(objects) == {
+        ("PersistentVolumeClaim", "vllm-models"),
+        ("Deployment", "vllm-baseline"), ("Service", "vllm-baseline"),
+        ("Deployment", "streamgate-gateway-vllm"), ("Service", "streamgate-gateway-vllm"),
+    }
+    compose, _ = load_compose(COMPOSE.read_text())  # as run with no variables set
+    composed = compose["services"]["vllm"]
+    server = container(objects, "vllm-baseline")
+    # vLLM's image as compose pins it, and its args, less the share of a GPU that compose splits.
+    assert server["image"] == composed["image"] and re.fullmatch(OTHER_IMAGES["vllm"], server["image"])
+    assert "command" not in server  # the image's own `vllm serve`, given compose's command as args
+    given = flags(server["args"])
+    assert given == {k: v for k, v in flags(composed["command"]).items() if k != "gpu-memory-utilization"}
+    assert given["served-model-name"] == "baseline"
+    # The model's folder is on the volume mounted where --model looks.
+    pod = objects[("Deployment", "vllm-baseline")]["spec"]["template"]["spec"]
+    [mount] = [m for m in server["volumeMounts"] if Path(given["model"]).is_relative_to(m["mountPath"])]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in objects
+    assert {"/dev/shm", "/root/.cache/huggingface"} <= {m["mountPath"] for m in server["volumeMounts"]}
+    # Probes on compose's healthcheck route, on a port the container has.
+    [checked] = re.findall(r"http://[^'\"]+", composed["healthcheck"]["test"][-1])
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert server[probe]["httpGet"] == {"path": urlparse(checked).path, "port": "http"}, probe
+    startup = server["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # compose's start_period: a first start compiles
+    # Each GPU pod has one GPU to itself; a rolling update would wait for a second GPU (and the claim).
+    for name in ("vllm-baseline", "streamgate-gateway-vllm"):
+        deployment = objects[("Deployment", name)]["spec"]
+        [pod_container] = deployment["template"]["spec"]["containers"]
+        assert pod_container["resources"]["limits"]["nvidia.com/gpu"] == 1, name
+        assert deployment["strategy"]["type"] == "Recreate", name
+        assert deployment["replicas"] == 1, name  # the gateway's jobs are in its memory
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in deployment["template"]["spec"]["tolerations"]
+    for name in ("vllm-baseline", "streamgate-gateway-vllm"):
+        assert_service_reaches(objects, name, name)
+
+
+def test_the_vllm_baselines_gateway_serves_the_bundled_model_and_vllms_under_its_served_name(monkeypatch):
+    import subprocess
+
+    from backends import inference
+    from backends import loading as models
+    from gateway.server import openapi
+    from tests.support.processes import STREAMGATE, clean_env
+
+    objects = vllm_baseline()
+    gateway, server = container(objects, "streamgate-gateway-vllm"), container(objects, "vllm-baseline")
+    pod = objects[("Deployment", "streamgate-gateway-vllm")]["spec"]["template"]
+    assert gateway["image"] == container(kuberay(), "streamgate-gateway")["image"]  # the project's image, one name in deploy/
+    assert gateway["command"][:2] == ["streamgate", "serve"]
+    # The command and environment as the real gateway reads them (secrets by a stand-in).
+    env = {e["name"]: e.get("value", "from-a-secret") for e in gateway["env"]}
+    printed = subprocess.run(
+        [str(STREAMGATE), *gateway["command"][1:], "--print-config=json"],
+        env=clean_env(**env), capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert printed.returncode == 0, printed.stderr
+    settings = json.loads(printed.stdout)["settings"]
+    assert (settings["host"], settings["port"], settings["backend"]) == ("0.0.0.0", port_number(pod, "http"), "local")
+    assert settings["tokens"] == ["REDACTED"]  # STREAMGATE_TOKENS reached it
+    assert pod["spec"]["terminationGracePeriodSeconds"] > settings["drain_timeout"]
+    # Its models: the bundled one, as compose's gateway names it; the baseline at vLLM's Service.
+    candidate, baseline = models.specs(settings["model"])
+    assert (candidate.name, candidate.server) == ("candidate", None) and candidate.gguf is not None
+    composed = load_compose(COMPOSE.read_text())[0]["services"]["gateway-vllm"]["command"]
+    local = [arg for arg in gateway["command"] if arg.startswith("--model=") and models.OPENAI not in arg]
+    assert local == [arg for arg in composed if arg.startswith("--model=") and models.OPENAI not in arg]
+    assert (baseline.name, baseline.server) == (flags(server["args"])["served-model-name"], "openai")
+    url = urlparse(baseline.source)
+    service = assert_service_reaches(objects, url.hostname, "vllm-baseline")
+    [port] = [p for p in service["ports"] if p["port"] == url.port]
+    assert port_number(objects[("Deployment", "vllm-baseline")]["spec"]["template"], port["targetPort"]) == 8000  # vLLM's default
+    assert (url.scheme, url.path) == ("http", "/v1")
+    # vLLM's key: from the Secret vLLM takes it from, into the variable --model-api-key names for the baseline.
+    keys = dict(entry.split("=", 1) for entry in settings["model_api_key"])
+    assert set(keys) == {baseline.name}
+    assert secret_ref(gateway, keys[baseline.name]) == secret_ref(server, "VLLM_API_KEY")
+    monkeypatch.setenv(keys[baseline.name], "the-key")
+    monkeypatch.setenv("OPENAI_API_KEY", "another")
+    assert inference.api_key(baseline.name, keys) == "the-key"
+    # Probes on the gateway's routes: ready (503 until both models are) and alive.
+    paths = openapi.document([], {"max_prompts": 1, "max_tokens": 1, "max_sequences": 1})["paths"]
+    ready, alive = gateway["readinessProbe"]["httpGet"], gateway["livenessProbe"]["httpGet"]
+    assert "503" in paths[ready["path"]]["get"]["responses"] and "503" not in paths[alive["path"]]["get"]["responses"]
+    assert gateway["startupProbe"]["httpGet"] == alive and ready["port"] == alive["port"] == "http"
+
+
+@pytest.mark.vllm
+def test_vllm_takes_the_baselines_args_and_answers_its_probes():
+    """vLLM's own parser and routes, from .vllm: the release the image is pinned to."""
+    import subprocess
+
+    from backends.inference import vllm_python
+
+    server = container(vllm_baseline(), "vllm-baseline")
+    compose, _ = load_compose(COMPOSE.read_text())
+    script = """
+import json, sys
+from fastapi import FastAPI
+import vllm
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.entrypoints.serve.instrumentator import register_instrumentator_api_routers
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+app = FastAPI()
+register_instrumentator_api_routers(app)
+parsed = [vars(make_arg_parser(FlexibleArgumentParser()).parse_args(args)) for args in json.loads(sys.argv[1])]
+print(json.dumps({"version": vllm.__version__, "routes": sorted({r.path for r in app.routes}),
+                  "parsed": [{k: p[k] for k in ("model", "served_model_name", "port")} for p in parsed]}))
+"""
+    given = [server["args"], compose["services"]["vllm"]["command"]]
+    run = subprocess.run(
+        [vllm_python(None), "-c", script, json.dumps(given)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.splitlines()[-1])
+    assert f"vllm/vllm-openai:v{found['version']}" == server["image"]
+    ours, composed = found["parsed"]
+    assert ours == composed == {"model": "/models/baseline", "served_model_name": ["baseline"], "port": 8000}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert server[probe]["httpGet"]["path"] in found["routes"], probe
 
 
 # --- The checker catches what Compose would refuse ----------------------------------------
