@@ -444,7 +444,7 @@ class EngineBackend(RemoteBackend):
             api_key=None if spec.server == "vllm" else inference.api_key(spec.name, keys),
             tools=infos, max_jobs=settings.max_decoding_jobs, queue_size=settings.queue_size,
             per_owner=settings.max_queued_per_owner, job_timeout=settings.job_timeout, deadline=settings.executor_deadline,
-            on_tools=self._learn_tools,
+            max_result_bytes=settings.max_result_bytes, on_tools=self._learn_tools,
         )
         if spec.server != "vllm":
             return link, None

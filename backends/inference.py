@@ -20,6 +20,9 @@ Deliberately the gateway's job model over the server's API, not a proxy of it:
   its other validation errors 422 `invalid_params`; answered before the stream when the
   job is sent at once, as the job's error when it waited; an unreachable or dead server
   ends its running jobs with `backend_unavailable` (retryable);
+- a job's result is priced before it is queued, by its tool's own `cost` and against the same
+  `--max-result-bytes` as on a model here (413 `too_large`, naming the field to shrink); its
+  memory is the server's (its KV cache, its context-length refusal 413 `too_long`);
 - only the tools the server can answer are offered: `generate`, and `loglikelihood`,
   `logprobs` and `predict` where it has vLLM's extensions (backends/server_requests.py),
   each shown on the server once it is up (backends/server_probes.py); the others are
@@ -36,6 +39,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -47,6 +51,7 @@ from opentelemetry.trace import SpanKind
 
 from backends import server_probes
 from backends.queue import JobQueue
+from gateway.cost import DEFAULT_RESULT_BYTES, Budget
 from gateway.errors import ApiError
 from gateway.jobs import Job, end_span
 from gateway.plumbing import tracing
@@ -62,8 +67,11 @@ PROBE_S = 120.0  # to show what a server that has just come up can answer
 # A server busy with long prompts answers its health poll late; it is gone once it has not answered
 # for this long (or, for one the gateway started, once its process ends: `lost`).
 STALL_S = 30.0
-# JSON requests (tokenizing, detokenizing, probes) open at once to one server, whatever the jobs: the
-# jobs' prompts are capped, their number is not, and the server's API process is one.
+# JSON requests (tokenizing, detokenizing, probes) open at once to one server, whatever the jobs and
+# tenants: a job's texts are capped, the jobs being admitted at once are not, and they tokenize before
+# they hold a slot (--max-decoding-jobs counts completions, up to 256 of them, each of which is far more
+# work for the server than a /tokenize). The server's API process is one, and a few requests at a time
+# keep it busy; more only queue there, out of the gateway's sight, ahead of the running jobs' streams.
 JSON_REQUESTS = 16
 CONNECT_S = 10.0  # to open a request; a request's own time is bounded by --job-timeout
 
@@ -101,6 +109,7 @@ class ServerLink:
         job_timeout: float,
         deadline: float,
         on_tools: Callable[[], None],
+        max_result_bytes: int = DEFAULT_RESULT_BYTES,
     ) -> None:
         self.name = name  # the model's name in this gateway
         self.url = url.rstrip("/")
@@ -121,6 +130,9 @@ class ServerLink:
         self.queue = JobQueue(queue_size, per_owner=per_owner)
         self.slots = asyncio.Semaphore(max_jobs)
         self.requests = asyncio.Semaphore(JSON_REQUESTS)
+        # Only the result is bounded here: a job's memory is the server's own (its KV cache), and what
+        # does not fit there is refused by it (its context-length error, 413 `too_long`).
+        self.budget = Budget(memory=sys.maxsize, result=max_result_bytes)
         self.job_timeout = job_timeout
         self.jobs: dict[str, Job] = {}  # queued here or running there
         self.running: dict[str, asyncio.Task[None]] = {}
@@ -285,6 +297,11 @@ class ServerLink:
         work = WORKS[tool.name](
             job.params, self.upstream or self.name, self.post, token_ids="token_ids" in self.have, context=self.context_length
         )
+        work.check()
+        # Priced before the server is asked anything: a hostile job costs it no request. A job whose
+        # result grows with its texts' tokens (logprobs of prompts) is priced again once the server has
+        # tokenized them, still before it is queued or its completion is sent.
+        self.price(tool, work)
         try:
             await work.prepare()
         except (KeyError, IndexError, TypeError, ValueError) as exc:  # an answer of the server's that is not what vLLM's is
@@ -292,6 +309,8 @@ class ServerLink:
                 Code.BACKEND_UNAVAILABLE, f"the inference server of model {self.name} answered something that could not be read: {exc!r}",
                 retry_after=5,
             ) from None
+        if work.tokenized:
+            self.price(tool, work)
         if self.healthy and not len(self.queue) and not self.slots.locked():
             await self.slots.acquire()
             try:
@@ -305,6 +324,11 @@ class ServerLink:
         self.queue.put(job)
         self.jobs[job.id] = job
         self.prepared[job.id] = work
+
+    def price(self, tool: Tool, work: Work) -> None:
+        """413 `too_large` for a job whose result is over `--max-result-bytes`, priced as on a model here."""
+        if tool.cost is not None:
+            self.budget.admit(work.price(tool.cost))
 
     def cancel(self, job: Job) -> None:
         job.cancel()

@@ -37,9 +37,11 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 
+from gateway.cost import Cost, Shape
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.protocol import Code, Status
+from gateway.tools.base import CostFn
 from gateway.tools.generate import GeneratePartial, GenerateResult, Usage
 from gateway.tools.loglikelihood import LoglikelihoodResult
 from gateway.tools.logprobs import LogprobsResult, Scored, TokenLogprob
@@ -95,9 +97,36 @@ def refusal(status: int, body: bytes, server: str) -> ApiError:
     return ApiError(Code.BACKEND_UNAVAILABLE, f"{server} answered {status}: {message}", retry_after=5)
 
 
+class _Counted:
+    """What a tool's `cost` reads of its model, for a model on an inference server: the texts' token
+    ids as the server gave them (one token for a text not tokenized yet: a lower bound, as no price
+    grows smaller with more tokens), and one for every size of the model. The result a tool prices
+    depends on its params and those token counts alone; the memory it prices is the server's own
+    concern (backends/inference.py, `ServerLink.price`), so the sizes it is worked out from do not matter."""
+
+    vocab_size = 1
+
+    def __init__(self, tokenized: dict[tuple[str, bool], list[int]]) -> None:
+        self.tokenized = tokenized
+        self.memo: dict[str, Any] = {"shape": Shape(layers=1, hidden=1, intermediate=1, heads=1, kv_heads=1, vocab=1, dtype_bytes=1)}
+
+    def has(self, capability: Any) -> bool:
+        return False
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenized.get((text, True)) or [0]
+
+    def encode_continuation(self, text: str) -> list[int]:
+        return self.tokenized.get((text, False)) or [0]
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return [0]
+
+
 class Work:
-    """One job's requests. `prepare` (checks, tokenizing) runs before the main request is sent;
-    a streamed one feeds `take` and ends with `result`, another ends with `answer` of its body."""
+    """One job's requests. `check` (the params alone) runs first, then `prepare` (tokenizing, the
+    request's body) before the main request is sent; a streamed one feeds `take` and ends with
+    `result`, another ends with `answer` of its body. `price` is the tool's own price of it."""
 
     stream: ClassVar[bool] = False
     needs: ClassVar[frozenset[str]] = frozenset()  # capabilities the server must have shown (backends/server_probes.py)
@@ -107,6 +136,21 @@ class Work:
         self.params, self.model, self.post = params, model, post
         self.token_ids, self.context = token_ids, context
         self.body: dict[str, Any] = {}
+        self.tokenized: dict[tuple[str, bool], list[int]] = {}  # (text, with special tokens): the server's ids
+
+    def check(self) -> None:
+        """The params' own refusals, before the job is priced or the server asked anything."""
+
+    def price(self, cost: CostFn) -> Cost:
+        """The local tool's `cost` of this job, its texts counted in the server's tokens where it has
+        tokenized them: one formula prices a job on either kind of model (gateway/cost.py)."""
+        return cost(_Counted(self.tokenized), self.params)  # type: ignore[arg-type]
+
+    async def tokenize(self, texts: list[tuple[str, bool]]) -> list[list[int]]:
+        """Each text's token ids from the server, with the special tokens a prompt gets or without."""
+        ids = await _tokenize(self.post, self.model, texts)
+        self.tokenized.update(zip(texts, ids))
+        return ids
 
     async def prepare(self) -> None:
         pass
@@ -126,6 +170,16 @@ class Generation(Work):
 
     stream = True
     needs = frozenset({"stream"})
+
+    def check(self) -> None:
+        given = [name for name in ("prompts", "messages", "token_ids") if getattr(self.params, name) is not None]
+        if not given:
+            raise ApiError(Code.INVALID_PARAMS, "required: prompts (plain text), messages (a conversation) or token_ids", field="prompts")
+        if len(given) > 1:
+            raise ApiError(
+                Code.INVALID_PARAMS, f"give one of prompts (plain text), messages (a conversation) and token_ids, not {' and '.join(given)}",
+                field=given[1],
+            )
 
     async def prepare(self) -> None:
         params = self.params
@@ -215,7 +269,7 @@ class Likelihood(Work):
 
     needs = frozenset({"tokenizer", "prompt_logprobs"})
 
-    async def prepare(self) -> None:
+    def check(self) -> None:
         params = self.params
         if len(params.continuations) != len(params.prompts):
             raise ApiError(
@@ -223,7 +277,10 @@ class Likelihood(Work):
                 f"must have one entry per prompt ({len(params.prompts)}), got {len(params.continuations)}",
                 field="continuations",
             )
-        ids = await _tokenize(self.post, self.model, [(p, True) for p in params.prompts] + [(c, False) for c in params.continuations])
+
+    async def prepare(self) -> None:
+        params = self.params
+        ids = await self.tokenize([(p, True) for p in params.prompts] + [(c, False) for c in params.continuations])
         n = len(params.prompts)
         self.pairs = list(zip(ids[:n], ids[n:]))
         for i, (context, continuation) in enumerate(self.pairs):
@@ -253,12 +310,14 @@ class PromptScoring(Work):
 
     needs = frozenset({"tokenizer", "prompt_logprobs", "logprobs_ids"})
 
+    def check(self) -> None:
+        if (self.params.prompts is None) == (self.params.token_ids is None):
+            raise ApiError(Code.INVALID_PARAMS, "give prompts (text) or token_ids, one of the two", field="prompts")
+
     async def prepare(self) -> None:
         params = self.params
-        if (params.prompts is None) == (params.token_ids is None):
-            raise ApiError(Code.INVALID_PARAMS, "give prompts (text) or token_ids, one of the two", field="prompts")
         field = "prompts" if params.prompts is not None else "token_ids"
-        self.rows = params.token_ids if params.token_ids is not None else await _tokenize(self.post, self.model, [(p, True) for p in params.prompts])
+        self.rows = params.token_ids if params.token_ids is not None else await self.tokenize([(p, True) for p in params.prompts])
         for i, ids in enumerate(self.rows):
             if not ids:
                 raise ApiError(Code.INVALID_PARAMS, "has no tokens to score", field=f"{field}[{i}]")

@@ -15,7 +15,9 @@ import subprocess
 import sys
 import threading
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from tests.support import traces
@@ -44,11 +46,18 @@ class Front:
     """A loopback front to the vLLM server: it forwards every request as it is, except that it can
     drop the fields only vLLM knows (a server without vLLM's extensions), and hold one streamed
     completion after its first token until the client leaves, so that a test decides how long a job
-    runs rather than the model's end-of-text."""
+    runs rather than the model's end-of-text. It counts the POSTs by path, and the most requests of
+    each path that were open at once, streams aside (an answer not streamed is read whole before it is
+    sent on, so that the next request its client sends never overlaps it here); `delay` holds each
+    request of a path that long first, as a busy server would, so that requests sent together overlap."""
 
     def __init__(self, upstream: str, drop: tuple[str, ...] = ()) -> None:
         self.drop, self.holding = drop, False
         self.traceparents: list[str | None] = []  # each completion request's, as it came
+        self.posts: Counter[str] = Counter()
+        self.open: Counter[str] = Counter()
+        self.peak: Counter[str] = Counter()
+        self.delay: dict[str, float] = {}
         self.client = httpx.AsyncClient(base_url=upstream.removesuffix("/v1"), timeout=None)
         app = Starlette(routes=[Route("/{path:path}", self.forward, methods=["GET", "POST"])])
         self.server = uvicorn.Server(uvicorn.Config(app, port=0, log_level="warning"))
@@ -61,16 +70,34 @@ class Front:
         """The next streamed completion passes its first token, then waits until its client leaves."""
         self.holding = True
 
-    async def forward(self, request: Request) -> StreamingResponse:
+    def reset(self) -> None:
+        self.posts.clear()
+        self.peak.clear()
+        self.delay.clear()
+
+    async def forward(self, request: Request) -> Response:
         body = await request.body()
-        held = False
-        if request.url.path.endswith("/completions"):
+        path = request.url.path
+        held = streamed = False
+        if path.endswith("/completions"):
             self.traceparents.append(request.headers.get("traceparent"))
         if body:
             fields = json.loads(body)
-            held, self.holding = self.holding and bool(fields.get("stream")), self.holding and not fields.get("stream")
+            streamed = bool(fields.get("stream"))
+            held, self.holding = self.holding and streamed, self.holding and not streamed
             body = json.dumps({k: v for k, v in fields.items() if k not in self.drop}).encode()
-        sent = self.client.build_request(request.method, request.url.path, content=body or None, headers={"content-type": "application/json"})
+        sent = self.client.build_request(request.method, path, content=body or None, headers={"content-type": "application/json"})
+        if request.method == "POST":
+            self.posts[path] += 1
+        if not streamed:
+            self.open[path] += 1
+            self.peak[path] = max(self.peak[path], self.open[path])
+            try:
+                await asyncio.sleep(self.delay.get(path, 0))
+                whole = await self.client.send(sent)
+            finally:
+                self.open[path] -= 1
+            return Response(whole.content, whole.status_code, media_type=whole.headers.get("content-type"))
         answer = await self.client.send(sent, stream=True)
         media_type = answer.headers.get("content-type")
         if not held:
@@ -335,6 +362,84 @@ def test_the_servers_refusals_are_the_protocols(vllm_gateway: ServeProcess) -> N
     assert [e["event"] for e in unknown_id.events].count("error") == 1 and unknown_id.of("data") == []
     error = unknown_id.terminal["data"]["error"]
     assert error["code"] == "invalid_params" and "out of vocabulary" in error["message"], error
+
+
+# --max-result-bytes of the gateway that prices jobs on a server (`priced`): 64 KiB.
+RESULT_BOUND = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def priced(front: Front, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """A gateway in front of the server that bounds results to RESULT_BOUND, a model of its own beside it."""
+    port = free_port()
+    args = [
+        "--model", f"smol=openai+{front.url}", "--model", f"tiny={tiny_model_path}", "--max-result-bytes", str(RESULT_BOUND),
+        "--device", "cpu", "--torch-threads", "1", "--port", str(port), "--log-level", "warning",
+    ]
+    gateway = start_serve(args, clean_env(), port, tmp_path_factory.mktemp("priced") / "gateway.log")
+    yield gateway
+    gateway.stop()
+
+
+def test_a_result_over_the_bound_is_refused_as_on_a_local_model_before_the_server_is_asked_anything(priced: ServeProcess, front: Front) -> None:
+    url = priced.url
+    ids = [list(range(10, 70))]
+    over = [
+        ("generate", {"prompts": PROMPTS, "n": 16, "max_tokens": 200, "temperature": 1.0}, "max_tokens"),  # 2 × 16 × 200 tokens
+        ("logprobs", {"token_ids": ids, "top": 20}, "top"),  # 60 positions of 20 alternatives each
+    ]
+    for tool, params, field in over:
+        asked = sum(front.posts.values())
+        messages = {}
+        for model in ("smol", "tiny"):
+            refused = httpx.post(f"{url}/{tool}/run", json={**params, "model": model}, timeout=60)
+            assert refused.status_code == 413, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "too_large" and error["field"] == field, error
+            assert "(--max-result-bytes)" in error["message"] and "the limit is 64 KiB" in error["message"], error
+            messages[model] = error["message"]
+        assert sum(front.posts.values()) == asked, f"{tool}: the server was asked {front.posts}"
+        # Priced the same on either kind of model: the tool's own price, the same bound.
+        assert messages["smol"] == messages["tiny"], messages
+    assert "X-Job-Id" not in refused.headers and httpx.get(f"{url}/jobs", timeout=10).json()["jobs"] == []
+
+    # Under the bound, the same jobs run there.
+    front.reset()
+    ran = run_stream(url, "generate", {"prompts": PROMPTS, "max_tokens": 4, "model": "smol"})
+    assert ran.terminal["event"] == "data", ran.events[-2:]
+    scored = run_stream(url, "logprobs", {"token_ids": ids, "top": 2, "model": "smol"})
+    assert scored.terminal["event"] == "data", scored.events[-2:]
+    assert len(scored.terminal["data"]["sequences"][0]["top"]) == len(ids[0]) - 1
+    assert front.posts["/v1/completions"] == 2
+
+    # Texts are priced once the server has tokenized them, before the job is queued or its completion sent.
+    front.reset()
+    refused = httpx.post(f"{url}/logprobs/run", json={"prompts": ["hello " * 60], "top": 20, "model": "smol"}, timeout=60)
+    assert refused.status_code == 413 and refused.json()["error"]["field"] == "top", refused.text
+    assert (front.posts["/tokenize"], front.posts["/v1/completions"]) == (1, 0), front.posts
+
+
+def test_many_jobs_tokenizing_at_once_put_a_bounded_number_of_requests_on_the_server(fronting: ServeProcess, front: Front) -> None:
+    """Jobs tokenize their texts as they are admitted, before they wait for the server's share: however
+    many are admitted at once, their /tokenize requests reach the server a few at a time."""
+    from backends.inference import JSON_REQUESTS
+
+    jobs, pairs = 12, 32
+
+    def one(j: int) -> Any:
+        prompts = [f"Question {j}.{i}: what number comes after {i}?" for i in range(pairs)]
+        return run_stream(fronting.url, "loglikelihood", {"prompts": prompts, "continuations": [f" {i + 1}" for i in range(pairs)]}, timeout=600)
+
+    front.reset()
+    front.delay["/tokenize"] = 0.05
+    try:
+        with ThreadPoolExecutor(jobs) as pool:
+            done = list(pool.map(one, range(jobs)))
+    finally:
+        front.delay.clear()
+    assert all(d.terminal["event"] == "data" for d in done), [d.events[-1:] for d in done]
+    assert front.posts["/tokenize"] == jobs * pairs * 2
+    assert 1 < front.peak["/tokenize"] <= JSON_REQUESTS, front.peak
 
 
 def test_a_cancelled_job_stops_the_servers_generation(vllm_gateway: ServeProcess) -> None:
