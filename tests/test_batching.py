@@ -276,20 +276,35 @@ def test_a_prompt_sent_by_several_rows_is_run_once_and_each_row_gets_what_it_get
 
 def test_a_short_job_ends_while_a_long_one_goes_on(llama: Model) -> None:
     batch = Generation(llama)
-    long, short = Recorder("long"), Recorder("short")
+    told: list[tuple[str, int]] = []  # (job, tokens so far), in the order the batch told them
+
+    class Told(Recorder):
+        def progress(self, done: int, total: int | None = None, unit: str | None = None) -> None:
+            super().progress(done, total, unit)
+            told.append((self.job_id, done))
+
+    long, short, one = Told("long"), Told("short"), Told("one")
     batch.add(GenerateParams(prompts=["Once upon a time"], max_tokens=30), long)
     batch.step()
     batch.step()
-    batch.add(GenerateParams(prompts=["Hi"], max_tokens=2), short)
+    joined = {"short": GenerateParams(prompts=["Hi"], max_tokens=2), "one": GenerateParams(prompts=["Hey"], max_tokens=1)}
+    batch.add(joined["short"], short)
+    batch.add(joined["one"], one)
     ended_at: dict[str, int] = {}
+    outcomes: dict[str, Any] = {}
     step = 2
     while len(batch):
         step += 1
-        for ctx, _ in batch.step():
+        for ctx, outcome in batch.step():
             ended_at[ctx.job_id] = step
-    assert ended_at["short"] == 4  # joined at step 3 (its prefill and first token), done at step 4
-    assert ended_at["long"] == 30
+            outcomes[ctx.job_id] = outcome
+    # Joined at step 3: the newcomers' first tokens before the long job's third, then the short
+    # job's second with it; the one-token job leaves before that step's decoding.
+    assert told[2:6] == [("short", 1), ("one", 1), ("long", 3), ("short", 2)]
+    assert ended_at == {"short": 3, "one": 3, "long": 30}
     assert long.progressed[-1] == (30, 30)
+    for name, params in joined.items():
+        assert as_plain(outcomes[name]) == _alone(llama, params)[0], name
 
 
 def test_cancelling_one_generation_leaves_the_others_unchanged(llama: Model) -> None:

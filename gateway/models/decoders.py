@@ -27,8 +27,9 @@ class Decoder(Protocol):
     def mergeable(self) -> bool:
         """True while new rows can join the rows decoding."""
 
-    def prefill(self, rows: list[list[int]]) -> torch.Tensor:
-        """Take new rows (their prompts) after those there are; their next-token logits (rows × vocab)."""
+    def prefill(self, rows: list[list[int]], share: bool = True) -> torch.Tensor:
+        """Take new rows (their prompts) after those there are; their next-token logits (rows × vocab).
+        `share`: rows of one prompt may share its pass (False where a pass treats each row its own way)."""
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed each row its next token; the next-token logits of every row."""
@@ -98,12 +99,12 @@ class KVCache:
         self.length += 1
         return out.logits[:, -1, :]
 
-    def prefill(self, rows: list[list[int]]) -> torch.Tensor:
+    def prefill(self, rows: list[list[int]], share: bool = True) -> torch.Tensor:
         # A prompt sent by several rows (`n` completions of it, clients asking the same) is run
         # once: its rows take copies of its cache and logits, which are what each would compute.
         first: dict[tuple[int, ...], int] = {}
         of = [first.setdefault(tuple(ids), len(first)) for ids in rows]
-        if len(first) == len(rows):
+        if not share or len(first) == len(rows):
             return self._prefill(rows)
         return self._prefill([list(ids) for ids in first], copies=torch.tensor(of, device=self.model.device))
 
@@ -217,7 +218,7 @@ class ModelState:
     def mergeable(self) -> bool:
         return self.state is None
 
-    def prefill(self, rows: list[list[int]]) -> torch.Tensor:
+    def prefill(self, rows: list[list[int]], share: bool = True) -> torch.Tensor:
         assert self.state is None, "a custom model's state takes rows only when empty"
         logits, self.state = self.model.module.start(rows)
         return logits
@@ -250,7 +251,7 @@ class Recompute:
         last = torch.tensor([len(ids) - 1 for ids in rows], device=logits.device)
         return logits[torch.arange(len(rows), device=logits.device), last]
 
-    def prefill(self, rows: list[list[int]]) -> torch.Tensor:
+    def prefill(self, rows: list[list[int]], share: bool = True) -> torch.Tensor:
         self.rows.extend(list(ids) for ids in rows)
         return self._last_logits(rows)
 

@@ -326,11 +326,16 @@ class Generation:
     """`generate`'s continuous batch: every member's rows decode together, a token per step.
 
     A job that ends (or is cancelled) leaves at the end of its step, and a job
-    added between steps is prefilled at the next one and joins the running
-    rows, so no job waits for the longest completion in the batch. How the
+    added between steps is prefilled at the start of the next one, its first
+    token sent before the running rows step, and joins them in that step, so
+    no job waits for the longest completion in the batch, nor for a step of
+    the others before its first token. How the
     rows' contexts are kept is the decoder's business (`decoder_for`): a KV
     cache, a custom model's own state, or the whole context run again.
     """
+
+    # Rows of one prompt share its prefill: their pass is the same (not where each row is steered its own way).
+    shares_prompts = True
 
     def __init__(self, model: Model) -> None:
         self.model = model
@@ -360,17 +365,23 @@ class Generation:
             if member.ctx.cancelled:
                 ended.append((member.ctx, Cancelled()))
         self._keep([m for m in self.members if not m.ctx.cancelled])
-        if self.members:
+        decoding = bool(self.members)
+        if joining:
+            # The newcomers first: their first tokens go out now, not after the running rows' step;
+            # then they decode with those rows (a second token) unless the first ended them.
+            rows = [ids for member in joining for ids in member.encoded]
+            logits = self._forward(joining, lambda: self.decoder.prefill(rows, share=self.shares_prompts), prefill=True)
+            tokens = self._sample(joining, logits)
+            self.pending = tokens if self.pending is None else torch.cat([self.pending, tokens])
+            self.members.extend(joining)
+            if decoding and any(m.done for m in joining):
+                ended.extend((m.ctx, m.result(self.model)) for m in joining if m.done)
+                self._keep([m for m in self.members if not m.done])
+        if decoding:
             assert self.pending is not None
             pending = self.pending
             logits = self._forward(self.members, lambda: self.decoder.decode(pending), prefill=False)
             self.pending = self._sample(self.members, logits)
-        if joining:
-            rows = [ids for member in joining for ids in member.encoded]
-            logits = self._forward(joining, lambda: self.decoder.prefill(rows), prefill=True)
-            tokens = self._sample(joining, logits)
-            self.pending = tokens if self.pending is None else torch.cat([self.pending, tokens])
-            self.members.extend(joining)
         finished = [m for m in self.members if m.done]
         ended.extend((m.ctx, m.result(self.model)) for m in finished)
         self._keep([m for m in self.members if not m.done])

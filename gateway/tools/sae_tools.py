@@ -480,6 +480,8 @@ def steering(model: Model, sae: SAE, rows: list[SteeredRows]) -> Iterator[None]:
 class Steering(Generation):
     """`generate`'s continuous batch, each row steered by its own job's clamps (one SAE per batch)."""
 
+    shares_prompts = False  # one prompt's rows may be steered apart
+
     def __init__(self, model: Model) -> None:
         super().__init__(model)
         self.sae: SAE | None = None
