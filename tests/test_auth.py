@@ -196,6 +196,13 @@ def test_cors_only_for_listed_origins(serve: Any) -> None:
     assert "authorization" in answer.headers["access-control-allow-headers"].lower()
     refused = httpx.options(f"{opened.url}/predict/run", headers={**preflight, "Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in refused.headers
+    # A browser's MCP client: its preflight names the MCP headers it sends.
+    mcp = {**preflight, "Access-Control-Request-Headers": "content-type,mcp-protocol-version,mcp-session-id,mcp-method,mcp-name"}
+    answer = httpx.options(f"{opened.url}/mcp", headers=mcp)
+    assert answer.status_code == 200, answer.text
+    assert {"mcp-protocol-version", "mcp-session-id", "mcp-method", "mcp-name"} <= {
+        h.strip().lower() for h in answer.headers["access-control-allow-headers"].split(",")
+    }
     stream = run_stream(opened.url, "predict", PREDICT, headers={"Origin": "https://ok.example"})
     assert stream.headers["access-control-allow-origin"] == "https://ok.example"
     assert "x-job-id" in stream.headers["access-control-expose-headers"].lower()

@@ -87,10 +87,15 @@ def _cors(origins: list[str]) -> list[Middleware]:
             CORSMiddleware,
             allow_origins=origins,
             allow_methods=["GET", "POST", "DELETE"],
-            # traceparent and tracestate: a page's own tracing continues into the gateway's spans.
-            allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID", "X-Request-Id", "traceparent", "tracestate"],
+            # traceparent and tracestate: a page's own tracing continues into the gateway's spans; the
+            # Mcp-* ones are what a browser's MCP client sends to /mcp (the 2025 handshake's and the
+            # 2026 envelope's), without which its preflight fails.
+            allow_headers=[
+                "Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID", "X-Request-Id", "traceparent", "tracestate",
+                "Mcp-Session-Id", "MCP-Protocol-Version", "Mcp-Method", "Mcp-Name",
+            ],
             # A page elsewhere reads these from a run's response (fetch hides the rest).
-            expose_headers=["X-Job-Id", "X-Request-Id", "Retry-After"],
+            expose_headers=["X-Job-Id", "X-Request-Id", "Retry-After", "Mcp-Session-Id"],
             max_age=600,
         )
     ]
