@@ -166,7 +166,11 @@ class ServerLink:
 
     @property
     def facts(self) -> dict[str, Any]:
-        return {"queued": len(self.queue), "running": len(self.running)}
+        # As an engine's: /readyz names the default model by them, whichever kind serves it.
+        return {
+            "model": self.name, "kind": "causal_lm", "context_length": self.context_length,
+            "queued": len(self.queue), "running": len(self.running),
+        }
 
     @property
     def tools(self) -> list[ToolInfo]:

@@ -466,8 +466,11 @@ def test_jobs_past_the_servers_share_wait_in_the_gateway_with_their_position(fro
     wait_until(lambda: "queued" in second.statuses(), timeout=60, what="the second job to wait")
     queued = [e["data"] for e in second.events if e["event"] == "status" and e["data"]["status"] == "QUEUED"]
     assert queued[-1]["position"] == 1
-    (server,) = httpx.get(f"{url}/readyz", timeout=10).json()["servers"]
+    ready = httpx.get(f"{url}/readyz", timeout=10).json()
+    (server,) = ready["servers"]
     assert (server["queued"], server["running"], server["jobs"]) == (1, 1, 2)
+    # The default model is named as one in an engine is, though a server serves it.
+    assert (ready["model"], ready["kind"], ready["queued"], ready["running"]) == ("smol", "causal_lm", 1, 1)
     httpx.delete(f"{url}/jobs/{first.events[0]['id'].split(':')[0]}", timeout=10).raise_for_status()
     assert first.ended()["data"]["error"]["code"] == "cancelled"
     assert second.ended()["event"] == "data"
