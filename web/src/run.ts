@@ -225,6 +225,8 @@ export async function runAndStream<T = unknown, P = unknown>(
         if (text) endsWithCR = text.endsWith('\r')
         parser.feed(text)
         for (const message of pending.splice(0)) {
+          // A callback that aborts the run hears nothing more, though the chunk held more events.
+          if (stopped) throw stopped
           const event = tracker.observe(message)
           if (event) failures = 0 // the stream moves: the next drop starts a fresh count
           switch (event?.type) {

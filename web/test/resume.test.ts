@@ -261,6 +261,29 @@ describe('bounded tries and backoff', () => {
     assert.deepEqual(calls.map((c) => c.method), ['POST', 'DELETE'])
   })
 
+  test('aborting from a callback: no event after it, though its chunk holds more, and the result is not returned', async () => {
+    const {fetch, calls} = fakeFetch(() => ({chunks: [encoder.encode(GENERATE.stream)], headers: SSE}))
+    const controller = new AbortController()
+    const partials: unknown[] = []
+    const statuses: string[] = []
+    const run = runAndStream(URL_, {}, {
+      fetch,
+      signal: controller.signal,
+      onStatus: (frame) => statuses.push(frame.status),
+      onPartial: (partial) => {
+        partials.push(partial)
+        controller.abort()
+      },
+    })
+    const error = await failure(run)
+    assert.ok(error instanceof AbortError, String(error))
+    assert.equal(partials.length, 1)
+    assert.ok(GENERATE.expected.partials.length > 1, 'the fixture has partials after the first')
+    assert.deepEqual(statuses, ['RECEIVED', 'QUEUED', 'RUNNING']) // those before the first partial, none after
+    await settle()
+    assert.deepEqual(calls.map((c) => c.method), ['POST', 'DELETE'])
+  })
+
   test('timeoutMs covers the reconnects', async () => {
     const {fetch, calls} = dropping()
     const error = await failure(runAndStream(URL_, {}, {fetch, timeoutMs: 50, resume: {tries: 1000, delayMs: 5, maxDelayMs: 5}}))
