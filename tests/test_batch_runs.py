@@ -511,6 +511,50 @@ def test_run_many_waits_out_a_full_queue(serve):
     assert [o.result["text"] for o in outcomes] == ["0", "1", "2", "3"]
 
 
+@pytest.mark.parametrize("queued", [True, False])
+def test_an_interrupt_while_work_is_handed_to_the_clients_loop_still_closes_it_first(monkeypatch: pytest.MonkeyPatch, queued: bool) -> None:
+    """Ctrl-C can land inside the hand-over itself (waking the loop's thread), after the work was
+    queued there or before: queued, it is started, cancelled and waited for before the interrupt
+    goes on; not queued, it never runs."""
+    loop = client_module._Loop()
+    handover = asyncio.run_coroutine_threadsafe
+    ran: list[str] = []
+
+    calls = []
+
+    def interrupted(coro: Any, target: asyncio.AbstractEventLoop) -> Any:
+        calls.append(coro)
+        if len(calls) > 1:  # what the interrupted call hands over after: as it is
+            return handover(coro, target)
+        if queued:
+            handover(coro, target)
+        raise KeyboardInterrupt
+
+    async def work() -> None:
+        ran.append("started")
+        try:
+            await asyncio.sleep(30)
+        finally:
+            ran.append("closed")
+
+    monkeypatch.setattr(client_module.asyncio, "run_coroutine_threadsafe", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        loop.call(work())
+    monkeypatch.setattr(client_module.asyncio, "run_coroutine_threadsafe", handover)
+
+    async def others() -> int:
+        return len(asyncio.all_tasks() - {asyncio.current_task()})
+
+    # Nothing of it is left running there (cancelled before its first step, or closed after it).
+    assert loop.call(others()) == 0
+    assert ran in ([], ["started", "closed"])
+
+    async def nothing() -> None:
+        pass
+
+    loop.close(nothing())
+
+
 def test_an_interrupted_client_closes_its_stream_before_the_interrupt_goes_on(serve):
     """Ctrl-C while `Client` waits on its loop's thread: what the call opened there is closed
     first, and the client still answers (the CLI then cancels the job)."""

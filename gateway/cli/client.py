@@ -449,13 +449,22 @@ class _Loop:
             work.close()
             raise RuntimeError("the client is closed" if self._closed else "a Client called from its own loop would wait on itself")
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
-        started = asyncio.run_coroutine_threadsafe(_task(work, done), self._loop)
+        started: dict[str, asyncio.Task[T]] = {}
+        handover = _task(work, done, started)
         try:
+            asyncio.run_coroutine_threadsafe(handover, self._loop)
             return done.result()
         except BaseException:
             if not done.done():
-                self._loop.call_soon_threadsafe(started.result().cancel)
-                concurrent.futures.wait([done])
+                # Interrupted, perhaps while handing `work` over: once a no-op handed over after it
+                # has run there, `work` has started if it was handed over at all.
+                asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self._loop).result()
+                if "task" in started:
+                    self._loop.call_soon_threadsafe(started["task"].cancel)
+                    concurrent.futures.wait([done])
+                else:  # never handed over
+                    handover.close()
+                    work.close()
             raise
 
     def iterate(self, items: AsyncGenerator[T, None]) -> Iterator[T]:
@@ -489,8 +498,8 @@ class _Loop:
 THREADS = 256
 
 
-async def _task(work: Coroutine[Any, Any, T], done: concurrent.futures.Future[T]) -> asyncio.Task[T]:
-    """`work` started as a task of this loop, its outcome copied to `done` as it ends."""
+async def _task(work: Coroutine[Any, Any, T], done: concurrent.futures.Future[T], started: dict[str, asyncio.Task[T]]) -> None:
+    """`work` started as a task of this loop (`started["task"]`), its outcome copied to `done` as it ends."""
 
     def copy(task: asyncio.Task[T]) -> None:
         if task.cancelled():
@@ -502,9 +511,8 @@ async def _task(work: Coroutine[Any, Any, T], done: concurrent.futures.Future[T]
         else:
             done.set_result(task.result())
 
-    task = asyncio.ensure_future(work)
+    task = started["task"] = asyncio.ensure_future(work)
     task.add_done_callback(copy)
-    return task
 
 
 async def _read_on_threads(items: Iterable[T]) -> AsyncIterator[T]:
