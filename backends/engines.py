@@ -34,6 +34,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import resource
 import secrets
 import shlex
@@ -53,7 +54,7 @@ import websockets
 from backends import inference
 from gateway.plumbing import memory, tracing
 from backends import loading as models
-from backends.base import Relaying, sent
+from backends.base import NULL, Relaying, sent
 from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
 from backends.spreading import Spread, cut
 from gateway.config import Settings
@@ -61,6 +62,7 @@ from gateway import params as params_mod
 from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.plumbing.logs import request_id
+from gateway.cost import Cost
 from gateway.protocol import Code, Forget, ModelInfo, Refusal, RemoteFrame, RemoteKind, Status, Submit, encode
 from gateway.tools.base import Tool
 from gateway.tools.batching import Chunked
@@ -136,6 +138,9 @@ class EngineLink(Link):
                 answer = self.answers.get(frame.job_id)
                 if answer is not None and not answer.done():
                     if frame.kind is RemoteKind.ACCEPTED:
+                        remote = self.jobs.get(frame.job_id)
+                        if remote is not None and frame.data != NULL:  # its price, as the engine set it
+                            remote.job.cost = msgspec.json.decode(frame.data, type=Cost)
                         answer.set_result(None)
                     else:
                         refusal = msgspec.json.decode(frame.data, type=Refusal)
@@ -238,7 +243,7 @@ class Engine:
     settings: Settings | None = None
     socket: Path | None = None
     restarts: int = 0
-    state: str = "starting"  # starting, running, restarting, stopped
+    state: str = "starting"  # starting, running, restarting, failed (to launch; tried again), given up (`unfixable`), stopped
     pid: int | None = None
     last_exit: str | None = None
     process: asyncio.subprocess.Process | None = None
@@ -276,8 +281,14 @@ class Engine:
             self.state = "running"
             code = await self.process.wait()
             self.pid = None
-            self.restarts += 1
             self.last_exit = exit_reason(code)
+            if (reason := self.unfixable()) is not None:
+                self.state, self.last_exit = "given up", f"{self.last_exit}: {reason}"
+                log.error("the engine of model %s on %s failed to start twice the same way (%s); not started again: "
+                          "fix its settings and restart the gateway", self.name, self.device, reason)
+                self.link.give_up(f"its server failed to start twice the same way, and is not started again: {reason}")
+                return
+            self.restarts += 1
             log.error("the engine of model %s on %s %s; starting it again in %.1f s", self.name, self.device, self.last_exit, pause)
             self.state = "restarting"
             self.link.lost(f"of model {self.name} on {self.device} {self.last_exit}")
@@ -287,6 +298,10 @@ class Engine:
             pause = min(pause * 2, BACKOFF_MAX_S)
 
     grace_s: ClassVar[float] = STOP_GRACE_S
+
+    def unfixable(self) -> str | None:
+        """Why the process that just ended cannot be fixed by starting it again, if it cannot."""
+        return None
 
     def _signal(self, process: asyncio.subprocess.Process, sig: signal.Signals) -> None:
         process.send_signal(sig)
@@ -341,13 +356,45 @@ class VllmEngine(Engine):
             start_new_session=True,
         )
         assert process.stdout is not None
-        task = asyncio.create_task(inference.relay_lines(process.stdout, f"{self.name} (vllm)"))
+        self.error = None
+        task = asyncio.create_task(inference.relay_lines(process.stdout, f"{self.name} (vllm)", self._errored))
         self._relays.add(task)
         task.add_done_callback(self._relays.discard)
         return process
 
     def __post_init__(self) -> None:
         self._relays: set[asyncio.Task[None]] = set()
+        self.error: str | None = None  # the last exception its server printed, since it was started
+        self._failed_before: str | None = None  # the exception of the last start that never got ready
+
+    def _errored(self, line: str) -> None:
+        self.error = line
+
+    def sizing(self) -> dict[str, Any]:
+        """The server's KV cache and dtype as its command gives them (None: vLLM's own choice)."""
+        def flag(name: str) -> str | None:
+            for i, arg in enumerate(self.command):
+                if arg == name and i + 1 < len(self.command):
+                    return self.command[i + 1]
+                if arg.startswith(name + "="):
+                    return arg.split("=", 1)[1]
+            return None
+
+        kv = flag("--kv-cache-memory-bytes")
+        return {"kv_cache_bytes": int(kv) if kv is not None and kv.isdigit() else kv, "dtype": flag("--dtype")}
+
+    def unfixable(self) -> str | None:
+        """A server that never got ready, twice in a row with the same exception (numbers aside: free
+        memory moves), fails for its settings or its machine: a restart would fail the same way."""
+        error, self.error = self.error, None
+        if self.link.ready_since_start or error is None:
+            self._failed_before = None
+            return None
+        same = re.sub(r"\d+(?:\.\d+)?", "#", error)
+        if same == self._failed_before:
+            return error
+        self._failed_before = same
+        return None
 
     grace_s: ClassVar[float] = STOP_GRACE_S * 3  # vLLM drains its requests and its engine first
 
@@ -450,7 +497,8 @@ class EngineBackend(RemoteBackend):
             return link, None
         source = inference.MODEL_PLACEHOLDER if spec.gguf is not None else spec.source
         command = inference.vllm_command(
-            inference.vllm_python(settings.vllm_python), source, spec.name, port, settings.dtype, shlex.split(settings.vllm_args)
+            inference.vllm_python(settings.vllm_python), source, spec.name, port, settings.dtype, shlex.split(settings.vllm_args),
+            kv_cache_bytes=settings.vllm_kv_cache_bytes,
         )
         return link, VllmEngine(spec.name, "vllm server", link, command=command, spec=spec, cache_dir=settings.cache_dir)
 
@@ -554,6 +602,7 @@ class EngineBackend(RemoteBackend):
     def not_ready_reason(self) -> str:
         problems = [
             f"the engine of model {e.name} on {e.device} is {e.state}" + (f" (it {e.last_exit})" if e.last_exit else "")
+            + ("; it is not started again: fix its settings and restart the gateway" if e.state == "given up" else "")
             for e in self.engines
             if not e.link.ready
         ]
@@ -580,8 +629,9 @@ class EngineBackend(RemoteBackend):
         copies = [e for e in self.engines if self.engines and e.name == self.engines[0].name and self.engines[0].link is first]
         if len(copies) > 1:  # as threads tell it: the copies' devices
             facts["device"] = ",".join(e.device for e in copies)
-            for key in ("queued", "running"):
-                facts[key] = sum(e.link.facts.get(key, 0) for e in copies)
+        if first.ready:  # counted from the jobs' own frames, current when read (`Link.counts`)
+            counts = [e.link.counts() for e in copies] or [first.counts()]
+            facts["queued"], facts["running"] = sum(q for q, _ in counts), sum(r for _, r in counts)
         return {
             **facts,
             "backend": "local",
@@ -595,14 +645,14 @@ class EngineBackend(RemoteBackend):
                     "pid": e.pid,
                     "restarts": e.restarts,
                     "jobs": e.link.load,
-                    "queued": e.link.facts.get("queued", 0) if e.link.ready else 0,
-                    "running": e.link.facts.get("running", 0) if e.link.ready else 0,
+                    "queued": e.link.counts()[0] if e.link.ready else 0,
+                    "running": e.link.counts()[1] if e.link.ready else 0,
                     "waiting": len(e.link.waiting),
                     "batches": sum(e.link.facts.get("batch_sizes", {}).values()),  # steps run, as it last said
                     "rss_bytes": e.rss(),
                 }
                 | ({"last_exit": e.last_exit} if e.last_exit else {})
-                | ({"url": e.link.url} if isinstance(e, VllmEngine) else {})
+                | ({"url": e.link.url, **e.sizing()} if isinstance(e, VllmEngine) else {})
                 | ({} if e.link.ready else {"problem": e.link.problem})
                 for n, e in enumerate(self.engines)
             ],

@@ -134,7 +134,7 @@ class Session:
         land here before the message's task runs, and go out together. A gateway that reads
         slowly lets the outbox grow by what its jobs' logs hold anyway.
         """
-        inline = self.inline and len(event.data) <= INLINE_RESULT_BYTES
+        inline = self.inline and event.size <= INLINE_RESULT_BYTES
         self.outbox.append(encode(remote_frame(event, inline)))
         if event.terminal:
             self.followed.pop(event.job_id, None)
@@ -414,12 +414,13 @@ class Executor:
         if op.request_id:  # on this task only: its log lines name the client's request, as a POST's would
             request_id.set(accept_request_id(op.request_id))
         try:
-            await self.take(session.id, op)
+            job = await self.take(session.id, op)
         except ApiError as exc:
             refusal = Refusal(exc.status, exc.info(), exc.retry_after)
             answer = RemoteFrame(op.job_id, 0, RemoteKind.REFUSED, msgspec.Raw(encode(refusal)))
         else:
-            answer = RemoteFrame(op.job_id, 0, RemoteKind.ACCEPTED, msgspec.Raw(b"null"))
+            # Its price, for the gateway to find its result room (gateway/admission.py); null if unpriced.
+            answer = RemoteFrame(op.job_id, 0, RemoteKind.ACCEPTED, msgspec.Raw(encode(job.cost)))
         if session.socket is not websocket:  # gone meanwhile: the gateway fails the submit itself
             return
         # Into the outbox, ahead of the job's first frames (added as it was admitted).

@@ -186,6 +186,12 @@ class Link:
     def load(self) -> int:
         return len(self.jobs)
 
+    def counts(self) -> tuple[int, int]:
+        """This gateway's jobs there waiting, and running, as their own frames said: current when
+        read, where the executor's `/readyz` figures are a poll old (and count other gateways' too)."""
+        running = sum(1 for remote in self.jobs.values() if remote.job.status is Status.RUNNING)
+        return len(self.jobs) - running, running
+
     def spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
@@ -478,7 +484,11 @@ class RemoteBackend(Relaying):
         served = []
         for model in self._models:
             ready = self.ready_for(model.name)
-            served.append(msgspec.structs.replace(model, ready=ready, problem=None if ready else "no executor serving it is ready"))
+            counts = [link.counts() for link in self.links if any(m.name == model.name for m in link.models)]
+            served.append(msgspec.structs.replace(
+                model, ready=ready, problem=None if ready else "no executor serving it is ready",
+                queued=sum(q for q, _ in counts), running=sum(r for _, r in counts),
+            ))
         return served
 
     @property

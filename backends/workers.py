@@ -27,7 +27,12 @@ tool, another batch key), the worker runs it first, alone or as a batch of its
 own with the compatible jobs waiting, which runs to its end, takes no one in
 and lets nothing through. A job behind one tenant's long generation then waits
 about one step of it, not all of it. (A one-pass batch is a single step: it
-runs to its end.)
+runs to its end.) A step or a lone job long enough to have stop points inside
+its passes (backends/stopping.py: over 512 tokens) does better: a short job at
+the head of the queue runs inside it, at its next stop point, on the same
+thread (gateway/plumbing/handoff.py `call_between`), if the two fit
+`--max-job-memory` together; it then waits one block of the pass, not the pass
+(an 8k-token embed or prefill is one pass of many seconds).
 
 A tool whose work falls into independent chunks (`Tool.spread`: `embed`,
 `pseudo_loglikelihood`) runs one job on every device at once when there are
@@ -315,14 +320,41 @@ class Worker:
                     # Idle: what big work freed goes back (gateway/plumbing/memory.py), on the device's thread.
                     self._thread.soon(memory.give_back, self.model.device)
 
-    async def _run(self, job: Job, idle: bool, lets_through: bool = True) -> None:
+    async def _run(self, job: Job, idle: bool, lets_through: bool = True, between: bool = False) -> None:
         """Run `job`: alone, or as the first of a batch (which, unless `lets_through` is false, lets
-        the head of the queue through between its steps and takes in jobs as it goes)."""
+        the head of the queue through between its steps and takes in jobs as it goes); `between`:
+        inside the long pass under way, at its next stop point (`_let_in`)."""
         tool = self.tools[job.tool]
         if tool.batch is None:
-            await self._run_alone(job, tool)
+            await self._run_alone(job, tool, between)
         else:
-            await self._run_batch(job, tool, idle, lets_through)
+            await self._run_batch(job, tool, idle, lets_through, between)
+
+    def _call(self, between: bool) -> Callable[..., asyncio.Future[Any]]:
+        assert self._thread is not None, "the worker has not started"
+        return self._thread.call_between if between else self._thread.call
+
+    def _fits_in(self, job: Job, held: int) -> bool:
+        """Whether `job` may run inside a long pass that holds `held` priced bytes: short itself (no
+        stop points of its own, so it ends within its own pass), and both within --max-job-memory."""
+        return not big([job]) and (not self.batch_memory or held + _memory(job) <= self.batch_memory)
+
+    async def _let_in(self, work: asyncio.Future[Any], held: int) -> None:
+        """While a long pass runs (`work`), each job at the head of the queue that `_fits_in` it runs
+        inside it, at its next stop point (backends/stopping.py): a short job of another tenant waits
+        one piece of the pass (a block, or one of its parts), not the whole pass. One at a time, each
+        to its end; the pass goes on after it."""
+        while not work.done():
+            head = self.queue.head
+            if head is not None and self._fits_in(head, held):
+                self.queue.take(lambda job: job is head, 1)
+                await self._run(head, idle=False, lets_through=False, between=True)
+                continue
+            arrival = asyncio.ensure_future(self.queue.next_arrival())
+            try:
+                await asyncio.wait([work, arrival], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                arrival.cancel()
 
     async def _let_through(self, compatible: Callable[[Job], bool]) -> None:
         """Between two steps of a batch: if the job served next is one the batch cannot take, run it now.
@@ -336,25 +368,29 @@ class Worker:
         self.queue.take(lambda job: job is head, 1)
         await self._run(head, idle=False, lets_through=False)
 
-    async def _run_alone(self, job: Job, tool: Tool) -> None:
+    async def _run_alone(self, job: Job, tool: Tool, between: bool = False) -> None:
         if not self._admit(job):
             return
         loop = asyncio.get_running_loop()
         started = loop.time()
         ctx = self.context(job)
+        long = big([job])
 
         def run() -> None:
             try:
-                outcome: Outcome = execute(tool, self.model, job.params, ctx, self.encode, stop=big([job]))
+                outcome: Outcome = execute(tool, self.model, job.params, ctx, self.encode, stop=long)
             except Exception as exc:
                 outcome = exc
             # The job ends in the hand-off that carries its frames: a short job's RUNNING, partials and
             # terminal event reach its client in one write.
             self._thread_post(lambda: self._finish(job, tool, outcome, loop.time() - started))
 
-        await self.call(run)
+        work = self._call(between)(run)
+        if long and not between:
+            await self._let_in(work, _memory(job))
+        await work
 
-    async def _run_batch(self, first: Job, tool: Tool, idle: bool = False, lets_through: bool = True) -> None:
+    async def _run_batch(self, first: Job, tool: Tool, idle: bool = False, lets_through: bool = True, between: bool = False) -> None:
         loop = asyncio.get_running_loop()
         key = tool.batch_key(first.params) if tool.batch_key is not None else None
 
@@ -435,12 +471,20 @@ class Worker:
         self._runs.add(run)
         try:
             while members:
-                steps = self.call(self._steps, batch, run, finish)
+                steps = self._call(between)(self._steps, batch, run, finish)
                 try:
                     # While the device steps: a job the batch cannot take at the head of the queue pauses
-                    # it after its step (let through below); compatible ones join it between two steps.
+                    # it after its step (let through below), or, short and the step long, runs inside
+                    # the step at its next stop point; compatible ones join it between two steps.
                     while lets_through and not steps.done():
                         head = self.queue.head
+                        # (A compatible one too, unless the batch is continuous: one that could join only
+                        # after this step, the long part, and not at all a one-pass batch under way.)
+                        if (head is not None and run.big and not run.pause and (not batch.continuous or not compatible(head))
+                                and self._fits_in(head, held[0])):
+                            self.queue.take(lambda job: job is head, 1)
+                            await self._run(head, idle=False, lets_through=False, between=True)
+                            continue
                         if head is not None and not compatible(head):
                             run.pause = True
                         elif batch.continuous and not run.pause and len(members) < most:

@@ -10,7 +10,11 @@ and says who asks (`Applicant`). The steps, in the protocol's order (shared/PROT
 4. the applicant's token quota (429 `rate_limited`);
 5. the backend's checks: server caps, readiness, the model's capabilities, the tool's own
    check and the job's price (gateway/cost.py: 413 `too_large`);
-6. the queue, fair between tenants (backends/queue.py: 429 `queue_full`).
+6. room for its priced result where finished results are kept (gateway/plumbing/spool.py: 503
+   `overloaded` with Retry-After when full);
+7. the queue, fair between tenants (backends/queue.py: 429 `queue_full`). A backend that learns
+   the price only as its service takes the job (an engine's) has the room checked then: a job
+   without room is cancelled there and refused here, before any event.
 
 A refusal at any step undoes those before it: a refused request leaves no key bound, no quota
 held and no job. A surface that lacks a part (the executor keeps no store, a replica no quota)
@@ -84,6 +88,13 @@ class KeyStore(Protocol):
     async def add(self, job: Job) -> None: ...
 
 
+class Room(Protocol):
+    """Where finished results are kept (gateway/plumbing/spool.py): `hold` promises a priced result
+    its bytes, or raises (413 never, 503 not now), and returns what gives them back."""
+
+    def hold(self, size: int, field: str = "") -> Callable[[], None]: ...
+
+
 class Refusing(Protocol):
     """A shutdown in progress (gateway/plumbing/drain.py): `refuse` raises 503 `shutting_down`."""
 
@@ -130,6 +141,7 @@ class Admission:
     store: KeyStore | None = None
     quota: Quota | None = None
     metrics: Tracking | None = None
+    room: Room | None = None
 
     def refuse_if_draining(self) -> None:
         if self.drain is not None:
@@ -145,10 +157,13 @@ class Admission:
         """`tool`'s params from a query string (no bigger than the header limit: decoded on the loop)."""
         return params_mod.decode_query(tool, query)
 
-    async def admit(self, tool: Tool, params: Any, applicant: Applicant, *, job_id: str | None = None) -> Job:
+    async def admit(
+        self, tool: Tool, params: Any, applicant: Applicant, *, job_id: str | None = None, most_result: int | None = None
+    ) -> Job:
         """Admit a job of `tool` with decoded `params` (`decode`'s, or a Struct another surface
-        built) for `applicant`, and queue it; `job_id`: the id a gateway gave it."""
-        job = await self._admit(tool, params, applicant, job_id, None)
+        built) for `applicant`, and queue it; `job_id`: the id a gateway gave it; `most_result`: the
+        most bytes of result the surface can answer with (`/mcp` inlines results), priced beforehand."""
+        job = await self._admit(tool, params, applicant, job_id, None, most_result)
         assert isinstance(job, Job)  # no key: never attached
         return job
 
@@ -158,14 +173,16 @@ class Admission:
         key), is `Attached` to the job it started; another request with it is a 409."""
         return await self._admit(tool, params, applicant, None, key)
 
-    async def _admit(self, tool: Tool, params: Any, applicant: Applicant, job_id: str | None, key: str | None) -> Job | Attached:
+    async def _admit(
+        self, tool: Tool, params: Any, applicant: Applicant, job_id: str | None, key: str | None, most_result: int | None = None
+    ) -> Job | Attached:
         parent = otel_context.get_current()
         span = tracer.start_span("admission", parent, attributes={"streamgate.tool": tool.name})
         if not span.get_span_context().is_valid:  # no tracing: not even the API's no-op context manager (5 µs)
-            return await self._steps(tool, params, applicant, job_id, key, parent, span)
+            return await self._steps(tool, params, applicant, job_id, key, parent, span, most_result)
         try:
             with trace.use_span(span, record_exception=False, set_status_on_exception=False):
-                admitted = await self._steps(tool, params, applicant, job_id, key, parent, span)
+                admitted = await self._steps(tool, params, applicant, job_id, key, parent, span, most_result)
         except BaseException as exc:
             end_span(span, *_refusal(exc))
             raise
@@ -176,7 +193,7 @@ class Admission:
 
     async def _steps(
         self, tool: Tool, params: Any, applicant: Applicant, job_id: str | None, key: str | None,
-        parent: otel_context.Context, admission: trace.Span,
+        parent: otel_context.Context, admission: trace.Span, most_result: int | None = None,
     ) -> Job | Attached:
         self.refuse_if_draining()
         # Its model by name, so that what the job records, routes by and is keyed on never depends on the default.
@@ -201,26 +218,55 @@ class Admission:
         if self.metrics is not None:
             self.metrics.track(job)
         release = lambda: None  # noqa: E731
+        room = None
         try:
             if self.quota is not None:
                 release = self.quota.admit(applicant.principal)
             job.cost = await self.backend.admit(tool, params, self.limits)
+            priced = job.cost is not None
+            if priced:
+                room = self._result_room(job, most_result)
             if admission.get_span_context().is_valid:
                 # From here the job is its own trace's: it outlives the request, and another process
                 # continues it from this span (the time it waits queued is measured from its start).
                 job.span = tracer.start_span("job", parent, attributes=_attributes(job))
             await self.backend.submit(job)
+            if not priced and job.cost is not None:
+                try:  # priced by the service that took it (an engine): its result is checked now
+                    room = self._result_room(job, most_result)
+                except ApiError:
+                    self.backend.cancel(job)
+                    raise
         except BaseException as exc:
             release()
+            if room is not None:
+                room()
             if scoped is not None and self.store is not None:
                 await self.store.release(scoped, job.id)
             end_span(job.span, *_refusal(exc))
             raise
+        if room is not None:
+            given_back = room
+            job.on_end.append(lambda _: given_back())
         job.on_end.append(lambda _: release())
         job.idempotency_key, job.request_digest = scoped, digest
         if self.store is not None:
             await self.store.add(job)
         return job
+
+
+    def _result_room(self, job: Job, most_result: int | None) -> Callable[[], None] | None:
+        """A priced job's result against the surface's bound (413), then the room kept for results
+        (what gives it back); None without a room."""
+        cost = job.cost
+        if most_result is not None and cost.result > most_result:
+            raise ApiError(
+                Code.TOO_LARGE,
+                f"the job's result is priced at {cost.result} bytes, over the {most_result} this surface "
+                f"answers with; make {cost.result_field} smaller, or run it with POST /{job.tool}/run",
+                field=cost.result_field,
+            )
+        return self.room.hold(cost.result, cost.result_field) if self.room is not None else None
 
 
 def _refusal(exc: BaseException) -> tuple[Code, str]:

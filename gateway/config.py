@@ -29,6 +29,8 @@ from msgspec import Meta
 from gateway.cost import DEFAULT_RESULT_BYTES
 
 SERVE = {"only": "serve"}
+# --max-job-memory's default under --engine-memory-limit: this share of the limit (a quarter).
+ENGINE_SHARE = 4
 EXECUTOR = {"only": "executor"}
 BYTES = {"unit": "bytes"}
 
@@ -64,7 +66,7 @@ class Settings(msgspec.Struct, kw_only=True):
     max_sequences: Annotated[int, Meta(ge=1, description="Most texts or sequences in one embed or pseudo_loglikelihood job.")] = 4096
     max_body_bytes: Annotated[int, Meta(ge=1)] = 1 << 20
     # gateway/cost.py
-    max_job_memory: Annotated[int, Meta(ge=1, extra=BYTES, description="Most memory one job may hold at its peak beyond the weights (activations, attention, states and logits kept, its result), as its tool prices it before queueing; more get 413 too_large naming the field to shrink. Batches are cut to fit it too. Default: half the smallest GPU's memory, else a quarter of this machine's.")] | None = None
+    max_job_memory: Annotated[int, Meta(ge=1, extra=BYTES, description="Most memory one job may hold at its peak beyond the weights (activations, attention, states and logits kept, its result), as its tool prices it before queueing; more get 413 too_large naming the field to shrink. Batches are cut to fit it too. Default: a quarter of --engine-memory-limit when that is given (more than half of it is refused); else half the smallest GPU's memory, else a quarter of this machine's.")] | None = None
     max_result_bytes: Annotated[int, Meta(ge=1, extra=BYTES, description="Most bytes of one job's result (JSON), as priced before queueing; more get 413 too_large.")] = DEFAULT_RESULT_BYTES
     # gateway/plumbing/slowclients.py
     max_header_bytes: Annotated[int, Meta(ge=1024, description="Most bytes of a request's line and headers together; more get 431 headers_too_large and the connection is closed.")] = 64 * 1024
@@ -83,10 +85,11 @@ class Settings(msgspec.Struct, kw_only=True):
     backend: Annotated[Literal["local", "remote", "ray"], Meta(extra=SERVE, description="Run tools in this process, on executors, or on the replicas of a Ray Serve application.")] = "local"
     # backends/engines.py
     engine: Annotated[Literal["thread", "process"], Meta(extra=SERVE, description="For --backend local: each model in an engine process of its own that the gateway restarts if it dies (a crash, an out-of-memory kill, a failed device) while the gateway and the other models go on; or all of them on threads of this process.")] = "process"
-    engine_memory_limit: Annotated[int, Meta(ge=1, extra={**SERVE, **BYTES}, description="For --engine process: the most address space each engine may take (RLIMIT_AS); a job that would pass it fails alone instead of exhausting the host. Leave room for the weights, torch's own reservations and the allocator's arenas.")] | None = None
+    engine_memory_limit: Annotated[int, Meta(ge=1, extra={**SERVE, **BYTES}, description="For --engine process: the most address space each engine may take (RLIMIT_AS); a job that would pass it fails alone instead of exhausting the host. Leave room for the weights, torch's own reservations and the allocator's arenas. --max-job-memory follows from it (a quarter, by default).")] | None = None
     # backends/inference.py
     vllm_python: Annotated[str, Meta(extra=SERVE, description="For --model NAME=vllm:PATH: the Python of vLLM's environment. Default: the project's .vllm (make vllm).")] | None = None
     vllm_args: Annotated[str, Meta(extra=SERVE, description='For --model NAME=vllm:PATH: more flags for each vLLM server, as one string ("--max-model-len 2048 --gpu-memory-utilization 0.8").')] = ""
+    vllm_kv_cache_bytes: Annotated[int, Meta(ge=1, extra={**SERVE, **BYTES}, description="For --model NAME=vllm:PATH: the KV cache each vLLM server holds (vLLM's --kv-cache-memory-bytes), its memory budget beside the weights, whatever else the machine runs. Default: 2 GiB on a CPU (vLLM's own default takes 92% of the host's memory and refuses to start beside other work); on a GPU, vLLM's own sizing. --vllm-args with --kv-cache-memory-bytes or --gpu-memory-utilization overrides it.")] | None = None
     model_api_key: Annotated[list[str], Meta(extra=SERVE, description="NAME=ENV_VAR: the environment variable holding the API key of the openai+ model NAME (repeatable). Default: OPENAI_API_KEY.")] = msgspec.field(default_factory=list)
     # backends/ray_serve.py
     ray_address: Annotated[str, Meta(extra=SERVE, description="For --backend ray: the Ray cluster, from one of its nodes (auto, or HEAD:6379); default: start or join a local one.")] | None = None
@@ -99,6 +102,10 @@ class Settings(msgspec.Struct, kw_only=True):
     executor_deadline: Annotated[float, Meta(ge=0, extra=SERVE, description="Seconds an executor may be unreachable before its jobs end with backend_unavailable.")] = 30.0
     detach_grace: Annotated[float, Meta(ge=0, extra=SERVE, description="Seconds a job runs on with no client attached before it is cancelled (0: cancel on disconnect).")] = 30.0
     retention: Annotated[float, Meta(ge=0, extra=SERVE, description="Seconds a finished job and its events stay readable.")] = 600.0
+    # gateway/plumbing/spool.py, gateway/server/store.py
+    result_store_bytes: Annotated[int, Meta(ge=1, extra={**SERVE, **BYTES}, description="Most bytes of finished results kept in the result spool on disk; a job whose priced result would not fit beside them and the running jobs' is refused before it is queued (503 overloaded, with Retry-After). Default: half the spool folder's free space at start.")] | None = None
+    result_spool: Annotated[str, Meta(extra=SERVE, description="The folder of the result spool: results of 64 KiB or more (and any result, past --result-memory-bytes) are written there once, as unnamed files that vanish with the process, and read from there by every reader. Default: the system's temporary folder.")] | None = None
+    result_memory_bytes: Annotated[int, Meta(ge=0, extra={**SERVE, **BYTES}, description="Most bytes of finished jobs' events held in memory with --store memory; past it every new result goes to the result spool.")] = 64 << 20
     # gateway/server/redis_store.py
     store: Annotated[str, Meta(pattern=r"^(memory$|rediss?://|unix://)", extra={**SERVE, "expected": "memory, or a Redis URL: redis://host:port/db (rediss://, unix://)"}, description="Where jobs are kept: memory (this process), or redis://host:port/db, shared by every replica.")] = "memory"
     store_outage_grace: Annotated[float, Meta(ge=1, extra=SERVE, description="Seconds a Redis store may be unreachable while jobs run on and their events wait for it; also how long a silent replica counts as alive.")] = 30.0
@@ -148,6 +155,17 @@ def build(values: Mapping[str, Any]) -> Settings:
         )
     if settings.backend == "remote" and not settings.executors:
         raise SettingsError("--backend remote needs at least one --executor URL")
+    if (limit := settings.engine_memory_limit) is not None:
+        # An engine holds its weights, torch's reservations and its allocator's arenas besides a job:
+        # a job priced at more than half its address space would pass the limit mid-pass.
+        if settings.max_job_memory is None:
+            settings.max_job_memory = limit // ENGINE_SHARE
+        elif settings.max_job_memory > limit // 2:
+            raise SettingsError(
+                f"--max-job-memory ({settings.max_job_memory}) is more than half of --engine-memory-limit ({limit}): "
+                "a job priced that high would pass the engine's limit beside its weights; lower it, or leave it out "
+                f"to have a {ENGINE_SHARE}th of the limit"
+            )
     return settings
 
 

@@ -36,11 +36,13 @@ from gateway.protocol import (
     ErrorInfo,
     Event,
     EventType,
+    Kept,
     LogFrame,
     Progress,
     Status,
     StatusFrame,
     encode,
+    kept_marker,
     now,
 )
 from gateway.encoding import to_json
@@ -211,7 +213,14 @@ class Job:
     def done(self) -> bool:
         return self.terminal is not None
 
-    def snapshot(self) -> JobSnapshot:
+    def keep_result(self, kept: Kept) -> None:
+        """Its result now lies in `kept` (the spool): the log and the terminal event refer to it there."""
+        terminal = self.terminal
+        assert terminal is not None and self.events[terminal.seq - 1] is terminal
+        self.terminal = self.events[terminal.seq - 1] = terminal.spooled(kept)
+
+    def snapshot(self, kept: list[Kept] | None = None) -> JobSnapshot:
+        """Where it stands; with `kept`, a result in the spool is a `kept_marker` in it, not read whole."""
         terminal = self.terminal
         if terminal is None:
             state = self.status.value
@@ -230,7 +239,7 @@ class Job:
             position=self.position if self.status is Status.QUEUED and terminal is None else None,
             progress=self.last_progress,
             last_event_id=self.events[-1].id if self.events else None,
-            terminal=TerminalEvent(terminal.type.value, msgspec.Raw(terminal.data)) if terminal else None,
+            terminal=terminal_event(terminal, kept) if terminal else None,
             owner=self.owner,
         )
 
@@ -258,6 +267,13 @@ class Job:
 
 
 _TIMED_OUT = object()
+
+
+def terminal_event(event: Event, kept: list[Kept] | None = None) -> TerminalEvent:
+    """A snapshot's `terminal`: its data whole, or (`kept`) a marker for a result in the spool."""
+    if event.kept is not None and kept is not None:
+        return TerminalEvent(event.type.value, kept_marker(kept, event.kept))
+    return TerminalEvent(event.type.value, msgspec.Raw(event.data))
 
 
 def end_span(span: trace.Span, code: Code, message: str) -> None:

@@ -8,8 +8,11 @@ bytes: a job's event log is replayed verbatim to every client that follows it.
 from __future__ import annotations
 
 import enum
+import re
+import secrets
 import time
-from typing import Annotated, Any
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Protocol
 
 import msgspec
 
@@ -202,13 +205,33 @@ class JobList(msgspec.Struct):
     next: str | None = None
 
 
+class Kept(Protocol):
+    """An event's data kept outside this process's memory (a result in the spool,
+    gateway/plumbing/spool.py): read a piece at a time, by any number of readers."""
+
+    size: int
+
+    def read(self) -> bytes:
+        """The whole data (blocking): only where it must be held whole anyway."""
+        ...
+
+    def pieces(self, piece: int = ...) -> AsyncIterator[bytes]: ...
+
+    def release(self) -> None: ...
+
+
 class Event(msgspec.Struct, frozen=True, gc=False):
-    """One event of a job, encoded: `id` is `<job_id>:<seq>`, `data` is JSON."""
+    """One event of a job, encoded: `id` is `<job_id>:<seq>`, `data` is JSON.
+
+    `raw` is the JSON in memory; a result moved to the spool has `kept` instead (and `raw` empty),
+    and is read a piece at a time (`parts`); `data` reads it whole, for the few that need that.
+    """
 
     job_id: str
     seq: int
     type: EventType
-    data: bytes
+    raw: bytes
+    kept: Kept | None = None
 
     @property
     def id(self) -> str:
@@ -218,6 +241,14 @@ class Event(msgspec.Struct, frozen=True, gc=False):
     def terminal(self) -> bool:
         return self.type in TERMINAL
 
+    @property
+    def size(self) -> int:
+        return self.kept.size if self.kept is not None else len(self.raw)
+
+    @property
+    def data(self) -> bytes:
+        return self.kept.read() if self.kept is not None else self.raw
+
     def sse(self) -> bytes:
         # JSON from msgspec never contains a raw newline, so one `data:` line
         # always carries the whole payload.
@@ -226,6 +257,41 @@ class Event(msgspec.Struct, frozen=True, gc=False):
             self.type.value.encode(),
             self.data,
         )
+
+    def sse_parts(self) -> tuple[bytes, bytes | Kept, bytes]:
+        """The event as `sse()` frames it, its data apart and uncopied: a head, the data, the end."""
+        head = b"id: %s\nevent: %s\ndata: " % (self.id.encode(), self.type.value.encode())
+        return head, self.kept if self.kept is not None else self.raw, b"\n\n"
+
+    def spooled(self, kept: Kept) -> Event:
+        """This event with its data in `kept` rather than in memory."""
+        return Event(self.job_id, self.seq, self.type, b"", kept)
+
+
+# Where a document (a snapshot, a page of them) names a result kept in the spool: a JSON string no
+# client can send (its nonce is this process's), replaced by the result's bytes as it is written.
+_KEPT_MARK = b'"\\u0000kept:' + secrets.token_hex(8).encode() + b":"
+_KEPT_AT = re.compile(re.escape(_KEPT_MARK) + rb'(\d+)"')
+
+
+def kept_marker(kept: list[Kept], data: Kept) -> msgspec.Raw:
+    """A stand-in for `data` in a document encoded whole, spliced back by `splice`."""
+    kept.append(data)
+    return msgspec.Raw(_KEPT_MARK + b"%d\"" % (len(kept) - 1))
+
+
+def splice(document: bytes, kept: list[Kept]) -> list[bytes | Kept]:
+    """`document`'s bytes with each `kept_marker` replaced by the data it stands for, as parts to write."""
+    if not kept:
+        return [document]
+    parts: list[bytes | Kept] = []
+    at = 0
+    for found in _KEPT_AT.finditer(document):
+        parts.append(document[at : found.start()])
+        parts.append(kept[int(found.group(1))])
+        at = found.end()
+    parts.append(document[at:])
+    return parts
 
 
 _encoder = msgspec.json.Encoder()

@@ -458,7 +458,8 @@ def vllm_gateway(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
         "--log-level", "warning",
     ]
     log = tmp_path_factory.mktemp("vllm") / "gateway.log"
-    gateway = start_serve(args, clean_env(VLLM_CPU_KVCACHE_SPACE="2"), port, log, timeout=VLLM_START_S)
+    # No VLLM_CPU_KVCACHE_SPACE: the gateway sizes the server's KV cache itself (--vllm-kv-cache-bytes).
+    gateway = start_serve(args, clean_env(), port, log, timeout=VLLM_START_S)
     yield gateway
     gateway.stop()
 

@@ -279,6 +279,21 @@ def test_safety():
     assert len(printed.targets) == 6
 
 
+def test_memory():
+    printed = run_bench("memory", timeout=300)
+    titles = [table.title or "" for table in printed.tables]
+    assert [t.split(" ", 1)[0] for t in titles] == ["1.", "2-3.", "4.", "5.", "6."], titles
+    sequential, readers, ways, turns, hostile = printed.tables
+    assert all(value is not None for value in sequential.numbers("over idle MB"))
+    assert [row["way"] for row in ways.rows] == ["/logit_lens/run", "/mcp"]
+    assert all(row["answered"] == row["calls"] for row in ways.rows), ways.rows  # every call answered whole
+    assert [row["tool"] for row in turns.rows] == ["embed", "logprobs", "logit_lens", "generate", "predict"]
+    assert all(row["its end"] == "data" for row in turns.rows), turns.rows
+    # What each hostile text gets is a function, not a figure: a 413 each time, before it is tokenized.
+    assert all(row["answers (3 tries)"].startswith("413 too_long") for row in hostile.rows), hostile.rows
+    assert len(printed.targets) == 6
+
+
 @pytest.mark.vllm
 def test_engines():
     printed = run_bench("engines", timeout=900)  # vLLM's first start compiles for about 100 s

@@ -361,3 +361,13 @@ def test_dry_run_with_a_config_file_as_a_user_runs_it(tiny_model_path, tmp_path)
                           env=clean_env(STREAMGATE_CONFIG=config), timeout=180)
     assert proc.returncode == 0, proc.stderr
     assert "device: cpu" in proc.stdout and "echo" in proc.stdout
+
+
+def test_the_job_memory_budget_follows_the_engine_memory_limit_or_is_refused_beside_it() -> None:
+    from gateway.config import SettingsError, build
+
+    assert build({"engine_memory_limit": 8 << 30}).max_job_memory == 2 << 30
+    assert build({"engine_memory_limit": 8 << 30, "max_job_memory": 3 << 30}).max_job_memory == 3 << 30
+    with pytest.raises(SettingsError, match=r"--max-job-memory .* more than half of --engine-memory-limit"):
+        build({"engine_memory_limit": 8 << 30, "max_job_memory": 5 << 30})
+    assert build({}).max_job_memory is None  # without a limit: the machine's default, worked out where models run

@@ -21,6 +21,7 @@ from backends import loading as models
 from backends.engines import engine_devices, engine_settings
 from gateway.config import Settings
 from tests.conftest import make_server, parse_sse, run_stream, wait_until
+from tests.test_observability import scrape, value
 from tests.support.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
 from tests.support.tiny_models import build_tiny_model
 
@@ -277,6 +278,77 @@ def test_an_engine_over_its_memory_limit_fails_the_job_not_the_host_and_dies_wit
         wait_until(lambda: not alive(engine["pid"]), timeout=30, what="the engine to die with its gateway")
     finally:
         gateway.stop()
+
+
+def test_hostile_bodies_under_an_engine_memory_limit_are_refused_before_tokenizing_and_restart_nothing(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """20 MB texts to every tool that tokenizes, with the body limit raised to take them: each one
+    a 413 `too_long` from its length in characters, before a tokenizer allocates for it (the
+    tokenizer's failed allocation under RLIMIT_AS was an abort, and every tenant's running jobs
+    with it). The engine's pid and restart count stay as they were."""
+    gateway = start_gateway(tmp_path, str(tiny_model_path), extra=("--engine-memory-limit", "3GiB", "--max-body-bytes", str(64 << 20)))
+    try:
+        (before,) = engines(gateway).values()
+        text = "hostile " * ((20 << 20) // 8)
+        hostile = [
+            ("embed", {"texts": [text]}),
+            ("predict", {"prompt": text}),
+            ("generate", {"prompts": [text], "max_tokens": 1}),
+            ("loglikelihood", {"prompts": ["a"], "continuations": [text]}),
+            ("logprobs", {"prompts": [text]}),
+            ("logit_lens", {"prompt": text}),
+        ]
+        with httpx.Client(timeout=120) as client:
+            for tool, params in hostile:
+                refused = client.post(f"{gateway.url}/{tool}/run", json=params)
+                assert refused.status_code == 413, (tool, refused.text[:500])
+                error = refused.json()["error"]
+                assert error["code"] == "too_long" and "characters" in error["message"], (tool, error)
+        (after,) = engines(gateway).values()
+        assert (after["pid"], after["restarts"]) == (before["pid"], 0)
+        assert run_stream(gateway.url, "predict", {"prompt": "x", "top_k": 1}).terminal["event"] == "data"
+        assert "Traceback" not in gateway.output()
+    finally:
+        gateway.stop()
+
+
+def test_readyz_and_metrics_count_an_engines_jobs_as_their_streams_tell_them(gateway: ServeProcess) -> None:
+    """Counted from the jobs' own frames, not from the engine's last poll: a client that has seen its
+    job run (and another's queue behind it) finds them so in /readyz and /metrics at once."""
+    url = gateway.url
+    wait_until(lambda: engines(gateway)["b"]["state"] == "ready", timeout=120, what="b ready")
+    running = follow(url, "nap", {"seconds": 3, "tag": "r", "model": "b"})
+    wait_until(lambda: "running" in running.statuses(), timeout=60, what="the nap to run")
+    waiting = follow(url, "device_error", {"kind": "none", "delay": 0, "model": "b"})
+    wait_until(lambda: "queued" in waiting.statuses(), timeout=60, what="the next job to queue")
+    b = engines(gateway)["b"]
+    assert (b["running"], b["queued"]) == (1, 1)
+    samples = scrape(url)
+    assert value(samples, "streamgate_jobs_running", model="b") == 1
+    assert value(samples, "streamgate_queue_depth", model="b") == 1
+    running.ended()
+    waiting.ended()
+    b = engines(gateway)["b"]
+    assert (b["running"], b["queued"]) == (0, 0)
+
+
+def test_the_gateways_polls_of_its_engines_are_not_logged_at_info(tiny_model_path: Path, tmp_path: Path) -> None:
+    """The gateway asks each engine's /readyz five times a second: at --log-level info, the engines'
+    access lines for them would be 70 MB a day each. The gateway's own access lines stay."""
+    port = free_port()
+    args = ["--model", str(tiny_model_path), "--engine", "process", "--tools", "tests.support.engine_tools", "--port", str(port),
+            "--device", "cpu", "--torch-threads", "1", "--log-level", "info"]
+    gateway = start_serve(args, clean_env(), port, tmp_path / "gateway.log")
+    try:
+        # Ready: the gateway has had an answer from the engine's /readyz by now, and a job's counts are current.
+        assert run_stream(gateway.url, "nap", {"seconds": 0, "tag": "t"}).terminal["event"] == "data"
+        assert httpx.get(gateway.url + "/readyz").json()["running"] == 0
+    finally:
+        gateway.stop()
+    lines = gateway.output().splitlines()
+    assert any("uvicorn.access" in line and "POST /nap/run" in line for line in lines)
+    assert not [line for line in lines if "GET /readyz" in line and "engine=" in line]
 
 
 def test_a_gateway_that_stops_stops_its_engines(tiny_model_path: Path, tmp_path: Path) -> None:

@@ -252,3 +252,67 @@ def test_another_tools_job_runs_between_two_chunks_of_a_long_embed(wide_gw: Serv
         gate.remove()
     a.join(120)
     assert a_events[-1]["event"] == "data"
+
+
+class BlockGate:
+    """Holds the first wide pass (over `min_width` tokens) at its `index`-th stop point until released."""
+
+    def __init__(self, model: Any, min_width: int, index: int) -> None:
+        from backends.stopping import stop_points
+
+        self.min_width = min_width
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        # Set before any job's stop hooks, so this runs first at its point.
+        self.handle = stop_points(model)[index].register_forward_pre_hook(self._hold)
+
+    def _hold(self, module: Any, args: Any) -> None:
+        wide = args and hasattr(args[0], "shape") and args[0].dim() >= 2 and int(args[0].shape[1]) >= self.min_width
+        if wide and not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(60)
+
+    def remove(self) -> None:
+        self.release.set()
+        self.handle.remove()
+
+
+LONE_PASSES = [  # a batch's one step (embed: one chunk; logprobs), and a job that runs alone (the lens)
+    ("embed", {"texts": ["a" * 6000]}),
+    ("logprobs", {"prompts": ["a" * 6000]}),
+    ("logit_lens", {"prompt": "a" * 6000, "positions": [-1]}),
+]
+
+
+@pytest.mark.parametrize(("tool", "params"), LONE_PASSES, ids=[t for t, _ in LONE_PASSES])
+def test_another_tenants_short_job_runs_inside_one_long_pass(wide_gw: Server, tool: str, params: dict[str, Any]) -> None:
+    """A's job is one pass over 6,000 tokens: one chunk, one step. B's predict, queued while it runs,
+    runs inside that pass at its next stop point and ends while the pass is held further on: it
+    waited a block of A's pass, not the whole of it. A's result is then what it is alone."""
+    from backends.stopping import stop_points
+
+    model = wide_gw.backend.model
+    early = BlockGate(model, min_width=1000, index=0)
+    late = BlockGate(model, min_width=1000, index=len(stop_points(model)) - 1)
+    try:
+        a_events: list[dict[str, Any]] = []
+        a = _job_started(wide_gw.url, tool, params, a_events)
+        assert early.entered.wait(60)
+        b_events: list[dict[str, Any]] = []
+        b = _job_started(wide_gw.url, "predict", {"prompt": "Hello", "top_k": 3}, b_events)
+        # B leaves the queue for A's pass before the pass goes on: it waits for A's next stop point.
+        wait_until(lambda: len(httpx.get(wide_gw.url + "/jobs?state=active").json()["jobs"]) == 2, 30, "B queued")
+        queue = next(iter(wide_gw.backend.served.values())).queue
+        wait_until(lambda: len(queue) == 0, 30, "B to be let into A's pass")
+        early.remove()
+        b.join(60)
+        assert b_events and b_events[-1]["event"] == "data", b_events[-1:]
+        assert late.entered.wait(60) and not a_events  # A is still in its one pass, further on
+    finally:
+        early.remove()
+        late.remove()
+    a.join(120)
+    # Each as it is alone: neither pass saw the other's activations (nor its hooks).
+    assert a_events[-1]["event"] == "data"
+    assert a_events[-1]["data"] == run_stream(wide_gw.url, tool, params, timeout=120).terminal["data"]
+    assert b_events[-1]["data"] == run_stream(wide_gw.url, "predict", {"prompt": "Hello", "top_k": 3}).terminal["data"]

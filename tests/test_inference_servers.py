@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from backends.inference import KV_CACHE_CPU
 from tests.support import traces
 from tests.conftest import VLLM_START_S, run_stream, server_url, wait_until
 from tests.support.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
@@ -158,6 +159,10 @@ def test_a_vllm_model_serves_beside_a_local_one_and_says_what_it_cannot_run(vllm
     assert smol["tools"] == ["generate", "loglikelihood", "logprobs", "predict"]
     assert "inference server" in smol["unsupported"]["logit_lens"] and "embed" in smol["unsupported"]
     assert "logit_lens" in tiny["tools"]
+    # Its memory is the budget the gateway gave it, on a machine with other work on it (vLLM's own
+    # default would reserve 92% of the host's memory, or refuse to start).
+    (server,) = [e for e in httpx.get(f"{vllm_gateway.url}/readyz", timeout=10).json()["engines"] if e["device"] == "vllm server"]
+    assert server["kv_cache_bytes"] == KV_CACHE_CPU and server["dtype"] == "float32"
     refused = httpx.post(f"{vllm_gateway.url}/logit_lens/run", json={"prompt": "a", "model": "smol"}, timeout=30)
     assert refused.status_code == 422 and refused.json()["error"]["code"] == "unsupported_by_model"
     assert run_stream(vllm_gateway.url, "generate", {"prompts": ["a"], "max_tokens": 3, "model": "tiny"}).terminal["event"] == "data"
@@ -621,6 +626,77 @@ def snapshot_of(url: str, job_id: str, headers: dict[str, str]) -> dict[str, Any
     answer = httpx.get(f"{url}/jobs/{job_id}", headers=headers, timeout=10)
     answer.raise_for_status()
     return answer.json()
+
+
+def test_a_vllm_server_is_sized_and_typed_for_its_device_in_flags_vllm_takes() -> None:
+    """On a CPU: a KV cache of the gateway's budget (never a share of the host's memory), and float32
+    where the CPU has no bfloat16 instructions; --vllm-args and --dtype win; on a GPU, vLLM sizes its
+    cache itself unless told. vLLM's own parser reads every one of these command lines."""
+    from backends.inference import vllm_command, vllm_python
+
+    plain = "flags : fpu avx2 fma"
+    bf16 = "flags : fpu avx2 avx512f avx512_bf16"
+    python = vllm_python(None)
+
+    def args(**kwargs: Any) -> list[str]:
+        command = vllm_command(python, "/m", "m", 8001, kwargs.pop("dtype", None), kwargs.pop("extra", []), **kwargs)
+        return command[command.index("--model"):]
+
+    cases = {
+        "cpu": args(on_gpu=False, cpuinfo=plain),
+        "cpu_bf16": args(on_gpu=False, cpuinfo=bf16),
+        "cpu_sized": args(on_gpu=False, cpuinfo=plain, kv_cache_bytes=3 << 30),
+        "cpu_told": args(on_gpu=False, cpuinfo=plain, dtype="bfloat16", extra=["--gpu-memory-utilization", "0.5"]),
+        "gpu": args(on_gpu=True, cpuinfo=plain),
+        "gpu_sized": args(on_gpu=True, kv_cache_bytes=8 << 30),
+    }
+    script = (
+        "import json, sys\n"
+        "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "cases = json.loads(sys.argv[1])\n"
+        "print(json.dumps({k: {f: vars(make_arg_parser(FlexibleArgumentParser()).parse_args(a))[f] for f in "
+        "('dtype', 'kv_cache_memory_bytes', 'gpu_memory_utilization')} for k, a in cases.items()}))\n"
+    )
+    run = subprocess.run([python, "-c", script, json.dumps(cases)], capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    parsed = json.loads(run.stdout.splitlines()[-1])
+    assert parsed["cpu"]["dtype"] == "float32" and parsed["cpu"]["kv_cache_memory_bytes"] == KV_CACHE_CPU
+    assert parsed["cpu_bf16"]["dtype"] == "auto" and parsed["cpu_bf16"]["kv_cache_memory_bytes"] == KV_CACHE_CPU
+    assert parsed["cpu_sized"]["kv_cache_memory_bytes"] == 3 << 30
+    assert parsed["cpu_told"]["dtype"] == "bfloat16" and parsed["cpu_told"]["kv_cache_memory_bytes"] is None
+    assert parsed["cpu_told"]["gpu_memory_utilization"] == 0.5
+    assert parsed["gpu"]["dtype"] == "auto" and parsed["gpu"]["kv_cache_memory_bytes"] is None
+    assert parsed["gpu_sized"]["kv_cache_memory_bytes"] == 8 << 30
+
+
+def test_a_vllm_server_that_cannot_start_is_not_started_again_and_readyz_says_why(tmp_path: Path) -> None:
+    """A server that fails before it is ready, twice the same way, fails for its settings: it is not
+    started again in a loop; /readyz is 503 with the reason, and the log says so once."""
+    port = free_port()
+    args = ["--model", "smol=vllm:", "--vllm-args", "--max-model-len 100000000", "--port", str(port), "--log-level", "warning"]
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([str(STREAMGATE), "serve", *args], cwd=ROOT, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
+    gateway = ServeProcess(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        def engine() -> dict[str, Any]:
+            try:
+                return httpx.get(f"{gateway.url}/readyz", timeout=10).json()["engines"][0]
+            except httpx.HTTPError:
+                return {}
+
+        wait_until(lambda: engine().get("state") == "given up", timeout=VLLM_START_S, what="the gateway to give up on the server")
+        ready = httpx.get(f"{gateway.url}/readyz", timeout=10)
+        assert ready.status_code == 503
+        failed = engine()
+        assert failed["restarts"] == 1 and "max_model_len" in failed["last_exit"], failed
+        assert "not started again" in failed["problem"] and "max_model_len" in failed["problem"]
+        refused = httpx.post(f"{gateway.url}/generate/run", json={"prompts": ["a"], "max_tokens": 1}, timeout=10)
+        assert refused.status_code == 503 and "not started again" in refused.json()["error"]["message"]
+        assert gateway.output().count("not started again") == 1
+    finally:
+        gateway.stop()
 
 
 def test_a_killed_vllm_server_ends_its_running_jobs_once_and_is_started_again(vllm_gateway: ServeProcess) -> None:

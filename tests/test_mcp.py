@@ -34,10 +34,11 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
 from gateway.protocol import Event, EventType, Progress, Status, StatusFrame, encode
-from gateway.server.mcp import Rising
+from gateway.server.mcp import INLINE_RESULT_BYTES, Rising
 from gateway.tools import Context, Model, tool
 from tests.conftest import make_server, wait_until
 from tests.support.processes import ROOT
+from tests.support.result_tools import sized
 from tests.test_slow_readers import big
 from tests.test_tools import result as run_result
 
@@ -614,3 +615,48 @@ def test_no_request_gets_a_5xx(server, method, params, version, raw) -> None:
     body = raw if raw is not None else msgspec.json.encode({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
     response = httpx.post(f"{server.url}/mcp", content=body, headers=headers, timeout=60)
     assert response.status_code < 500, (body, response.text)
+
+
+# -- big results -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sized_server(tiny_model_path: Path):
+    s = make_server([f"base={tiny_model_path}"], tools=[sized])
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_a_big_result_is_spliced_into_its_answer_from_the_one_copy_it_has(sized_server, mode) -> None:
+    """Over 64 KiB a result is not built by the SDK: its JSON is written into the answer a piece at a
+    time, as the text (escaped: quotes, backslashes, and characters past ASCII in the result) and
+    as `structuredContent`, both equal to what the same run answers; a task's answer too."""
+    # 240 KB of JSON, ~0.6 MB as the answer carries it twice: under the 1 MiB an SDK client takes in one event.
+    arguments = {"size": 40_000, "fill": 'é"\\'}
+    expected = {"text": 'é"\\' * 40_000}
+    splicing = sized_server.app.state.mcp.splicing
+    before = splicing._next
+    async with connect(sized_server.url, mode=mode) as client:
+        answer = await client.call_tool("sized", arguments)
+        assert not answer.is_error, answer.content[0].text[:300]
+        assert answer.structured_content == expected
+        assert msgspec.json.decode(answer.content[0].text) == expected
+        job_id = answer.meta["streamgate/job_id"]
+        assert httpx.get(f"{sized_server.url}/jobs/{job_id}").json()["terminal"]["data"] == expected
+    async with connect(sized_server.url, tasks=True) as client:
+        created = await start_task(client, "sized", arguments)
+        done = await until_task(client, created.task_id, lambda s: s.status != "working")
+        answer = types.CallToolResult.model_validate(done.result)
+        assert answer.structured_content == expected and msgspec.json.decode(answer.content[0].text) == expected
+    assert splicing._next - before == 2 and not splicing._waiting  # both answers spliced, every stand-in written
+
+
+async def test_a_result_priced_over_the_inline_bound_is_refused_before_it_is_queued(sized_server) -> None:
+    before = {j["job_id"] for j in jobs(sized_server.url)}
+    async with connect(sized_server.url) as client:
+        answer = await client.call_tool("sized", {"size": INLINE_RESULT_BYTES})
+    assert answer.is_error
+    error = answer.meta["streamgate/error"]
+    assert error["code"] == "too_large" and error["field"] == "size" and "POST /sized/run" in error["message"]
+    assert {j["job_id"] for j in jobs(sized_server.url)} == before  # no job was made

@@ -341,3 +341,31 @@ def test_store_flag() -> None:
     assert bad.exit_code == 2 and "Redis URL" in bad.output
     bad = runner.invoke(cli_main, ["serve"], env={"STREAMGATE_STORE": "somewhere"})
     assert bad.exit_code == 2
+
+
+def test_a_big_result_is_kept_in_the_owners_spool_and_in_redis_and_every_replica_serves_it(
+    tiny_model_path: Path, redis_server: RedisServer
+) -> None:
+    """Which copy serves a result with Redis: the replica that ran the job reads its own (in its
+    spool once big, its memory bounded as with the memory store); the others read Redis's copy."""
+    from tests.support.result_tools import result_bytes, sized
+    from tests.test_observability import scrape, value
+
+    a, b = (make_server(tiny_model_path, tools=[sized], store=redis_server.url) for _ in range(2))
+    try:
+        size = 1 << 20
+        done = run_stream(a.url, "sized", {"size": size, "fill": "é"})
+        expected = done.terminal["data"]
+        assert expected == {"text": "é" * size}
+        job_id = done.headers["x-job-id"]
+        wait_until(lambda: value(scrape(a.url), "streamgate_result_spool_results") == 1, 10, "A to spool its copy")
+        assert value(scrape(a.url), "streamgate_result_spool_bytes") == result_bytes(size, "é")
+        assert value(scrape(a.url), "streamgate_results_memory_bytes") < 64 * 1024
+        for url in (a.url, b.url):
+            status, _, events = events_of(url, job_id)
+            assert status == 200 and events[-1]["data"] == expected, url
+            assert snapshot(url, job_id).json()["terminal"]["data"] == expected, url
+        assert value(scrape(b.url), "streamgate_result_spool_results") == 0  # B ran nothing: it kept nothing
+    finally:
+        a.stop()
+        b.stop()

@@ -281,8 +281,8 @@ def engine() -> None:
     settings, socket = child_settings()
     configure_logging(settings.log_level, settings.log_format, engine=engine_name(settings))
     _trace("streamgate-engine", **{"streamgate.engine": engine_name(settings)})  # as the OTEL_* variables it inherits say
-    # The gateway logs each request; the engine's own access lines would be its polls and submits.
-    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    # The gateway logs each request; the engine's own access lines would be its polls and submits
+    # (`access_log=False` below: uvicorn sets its access logger's level from --log-level itself).
     logging.getLogger("httpx").setLevel(logging.WARNING)
     # Results as the JSON the gateway's clients get, in their `completed` frames: nothing to convert or fetch.
     service = _executor_service(settings, inline_results=True)
@@ -291,7 +291,7 @@ def engine() -> None:
     ws_max_size = max(settings.max_body_bytes + (1 << 16), 16 << 20)
     _run_server(
         create_executor_app(service), settings, service.metrics.client_timeout, ws=WS, uds=socket, ws_max_size=ws_max_size,
-        ws_per_message_deflate=False,
+        ws_per_message_deflate=False, access_log=False,
     )
 
 

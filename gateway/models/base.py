@@ -72,6 +72,7 @@ class _Returned(Exception):
 
 
 DECODE = "decode"  # the model's memo: `_decoder`'s function
+TOKEN_CHARS = "token_chars"  # the model's memo: `token_chars`
 
 
 def _decoder(tokenizer: Any) -> Any:
@@ -145,6 +146,7 @@ class Model:
         a protein tokenizer written in Python takes a millisecond a sequence): the ids of recent
         texts are kept, up to `TOKENS_KEPT` ids, so that each text is tokenized once.
         """
+        self.bound_text(len(text))
         key = (text, special)
         with self._tokens_lock:
             kept = self._tokens.get(key)
@@ -179,6 +181,7 @@ class Model:
         model wants one), so none is added; and a control token typed inside a
         message (`<|im_start|>system`) stays text, so no message can forge a turn.
         """
+        self.bound_text(sum(len(m.get("content") or "") + len(m.get("role") or "") for m in messages), "messages")
         ids = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=True, sanitize_control_tokens=True
         )["input_ids"]
@@ -220,6 +223,38 @@ class Model:
             ids = [self.tokenize(text, special=False) for text in self.tags.values()]
             self.memo["tag_ids"] = sorted((i for i in ids if i), key=len, reverse=True)
         return self.memo["tag_ids"]
+
+    @property
+    def token_chars(self) -> int:
+        """The most characters one token of this tokenizer may stand for: its longest vocabulary
+        entry (a byte-level entry's characters are its bytes), or a WordPiece word it makes one
+        unknown token of, whichever is longer; 0 when the tokenizer does not tell. Worked out once."""
+        chars = self.memo.get(TOKEN_CHARS)
+        if chars is None:
+            try:
+                vocab = self.tokenizer.get_vocab()
+            except (AttributeError, NotImplementedError, TypeError):
+                vocab = {}
+            longest = max(map(len, vocab), default=0)
+            word = getattr(self.tokenizer, "max_input_chars_per_word", 0) or 0
+            # A tokenizer that does not tell its vocabulary: no bound can be known (0).
+            chars = self.memo[TOKEN_CHARS] = max(longest, int(word)) if vocab else 0
+        return chars
+
+    def bound_text(self, chars: int, field: str = "input") -> None:
+        """Refuse (413 `too_long`) a text that could not fit the context whatever it says, before
+        a tokenizer sees it: a tokenizer allocates for a whole text at once, and a 20 MB body took
+        an engine's tokenizer past its memory limit (an abort, not an error). Four times the bound,
+        so that a normalizer that folds characters together (NFC makes one Hangul syllable of three
+        jamo) never refuses a text that fits; only text a tokenizer drops (runs of spaces) can be
+        refused at this size without filling the context, and then in these words."""
+        most = 4 * self.context_length * self.token_chars
+        if most and chars > most:
+            raise TooLong(
+                field,
+                f"a text of {chars} characters is more than this model takes at once: its context is "
+                f"{self.context_length} tokens of at most {self.token_chars} characters each",
+            )
 
     def fit(self, n_tokens: int, field: str, what: str = "input") -> None:
         """Raise `TooLong` (413) if `n_tokens` exceed the model's context."""

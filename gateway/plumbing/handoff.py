@@ -16,6 +16,10 @@ wake-up where there could be many:
   self-pipe), where one per frame cost nine for a small job. Because frames
   and outcomes share one buffer, a job's terminal event always lands after
   every frame its tool emitted.
+- `call_between` is the other way in: work that runs at the next stop point
+  of a long pass under way (backends/stopping.py), inside it, on the same
+  thread, so that another tenant's short job waits one piece of a long pass,
+  not all of it (backends/workers.py decides what may).
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ log = logging.getLogger("streamgate.worker")
 
 # Every device thread that has not ended yet, for the process's exit (gateway/plumbing/drain.py).
 _alive: set[threading.Thread] = set()
+_local = threading.local()
+_BETWEEN = object()  # a wake-up in a thread's queue: run the work waiting to run between (`call_between`)
+
+
+def current() -> DeviceThread | None:
+    """The device thread this code runs on, if any."""
+    return getattr(_local, "device", None)
 
 
 def alive() -> frozenset[threading.Thread]:
@@ -101,7 +112,11 @@ class DeviceThread:
 
     def __init__(self, name: str, handoff: Handoff) -> None:
         self.handoff = handoff
-        self._work: queue.SimpleQueue[tuple[asyncio.Future[Any] | None, Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Work to run at the next stop point of the long pass under way (`call_between`), and how
+        # deep in such work the thread is now: a pass let through runs inside another, never a third.
+        self._between: collections.deque[tuple[asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]]] = collections.deque()
+        self.depth = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         _alive.add(self._thread)
         self._thread.start()
@@ -111,6 +126,35 @@ class DeviceThread:
         future = self.handoff.loop.create_future()
         self._work.put((future, fn, args))
         return future
+
+    def call_between(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """Run `fn(*args)` at the next stop point of the long pass this thread is in (backends/stopping.py
+        calls `run_between` there), or, in none, before the work queued before it (event loop only):
+        how a short job of another tenant gets a turn inside a pass that runs for many seconds."""
+        future = self.handoff.loop.create_future()
+        self._between.append((future, fn, args))
+        self._work.put(_BETWEEN)  # wakes an idle thread; after a pass, runs what it did not reach
+        return future
+
+    @property
+    def waiting_between(self) -> bool:
+        return bool(self._between)
+
+    def run_between(self, every: bool = False) -> None:
+        """On this thread, at a stop point: run the next work waiting to run between, one deeper (a
+        piece of the pass goes between two of them, however many wait); `every`: all of it (no pass
+        is under way)."""
+        if self.depth or not self._between:
+            return
+        self.depth += 1
+        try:
+            while self._between:
+                future, fn, args = self._between.popleft()
+                self._settle_call(future, fn, args)
+                if not every:
+                    break
+        finally:
+            self.depth -= 1
 
     def soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run `fn(*args)` on this thread after the work queued before it, and report nothing back:
@@ -124,18 +168,31 @@ class DeviceThread:
                 item = self._work.get_nowait()
             except queue.Empty:
                 break
-            if item is not None and item[0] is not None:
+            if item is not None and item is not _BETWEEN and item[0] is not None:
                 item[0].cancel()
+        while self._between:
+            self._between.popleft()[0].cancel()
         self._work.put(None)
 
     def _run(self) -> None:
+        _local.device = self
         try:
             self._serve()
         finally:
             _alive.discard(self._thread)
 
+    def _settle_call(self, future: asyncio.Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (fn(*args), None)
+        except BaseException as exc:  # noqa: BLE001 - every outcome goes back to its awaiter
+            outcome = (None, exc)
+        self.handoff.post(_settle, future, *outcome)
+
     def _serve(self) -> None:
         while (item := self._work.get()) is not None:
+            if item is _BETWEEN:
+                self.run_between(every=True)
+                continue
             future, fn, args = item
             if future is None:
                 try:
@@ -144,10 +201,6 @@ class DeviceThread:
                     log.exception("housekeeping on a device's thread failed")
                 item = fn = args = None  # type: ignore[assignment]
                 continue
-            try:
-                outcome: tuple[Any, BaseException | None] = (fn(*args), None)
-            except BaseException as exc:  # noqa: BLE001 - every outcome goes back to its awaiter
-                outcome = (None, exc)
-            self.handoff.post(_settle, future, *outcome)
+            self._settle_call(future, fn, args)
             # No reference to the last step's inputs or outputs while the thread idles.
-            item = future = fn = args = outcome = None  # type: ignore[assignment]
+            item = future = fn = args = None  # type: ignore[assignment]

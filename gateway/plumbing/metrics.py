@@ -20,7 +20,7 @@ Shaped this way for three reasons:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -94,6 +94,10 @@ class Metrics:
             self.client_timeouts.labels(phase)
         self.registry.register(_BackendState(backend))
 
+    def results(self, facts: Callable[[], Mapping[str, int]]) -> None:
+        """Gauges of where finished results are kept (`MemoryStore.results_kept`), read at each scrape."""
+        self.registry.register(_ResultsState(facts))
+
     # -- hooks ---------------------------------------------------------------------
 
     def track(self, job: Job) -> None:
@@ -150,6 +154,33 @@ def _error_code(data: bytes) -> str:
         return msgspec.json.decode(data, type=_ErrorEvent).error.code
     except msgspec.MsgspecError:
         return "unknown"
+
+
+class _ResultsState:
+    """Where finished results are kept: bytes in memory and in the spool, its disk, promises and budget."""
+
+    HELP = {
+        "memory_bytes": "Bytes of finished jobs' events held in memory (--result-memory-bytes bounds them)",
+        "bytes": "Bytes of results kept in the result spool on disk",
+        "results": "Results kept in the result spool on disk",
+        "disk_bytes": "Bytes the result spool's files take on disk",
+        "promised_bytes": "Bytes of priced results promised to jobs admitted and not ended",
+        "budget_bytes": "Most bytes the result spool keeps (--result-store-bytes)",
+    }
+    NAMES = {"memory_bytes": "streamgate_results_memory_bytes", "bytes": "streamgate_result_spool_bytes",
+             "results": "streamgate_result_spool_results", "disk_bytes": "streamgate_result_spool_disk_bytes",
+             "promised_bytes": "streamgate_result_spool_promised_bytes", "budget_bytes": "streamgate_result_spool_budget_bytes"}
+
+    def __init__(self, facts: Callable[[], Mapping[str, int]]) -> None:
+        self.facts = facts
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        for key, value in self.facts().items():
+            if key in self.NAMES:
+                yield GaugeMetricFamily(self.NAMES[key], self.HELP[key], value=value)
 
 
 class _BackendState:

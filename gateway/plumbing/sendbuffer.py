@@ -32,13 +32,16 @@ before: the check costs one length comparison.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
+
+from gateway.protocol import Kept
 
 log = logging.getLogger("streamgate.sendbuffer")
 
@@ -48,6 +51,35 @@ PIECE = 256 * 1024
 
 # The ASGI scope extension gateway/plumbing/slowclients.py puts in every request: `drop`s its connection.
 DROP = "streamgate.drop"
+
+
+async def part_pieces(parts: Sequence[bytes | Kept], more_body: bool) -> AsyncIterator[Message]:
+    """`pieces` for a body in parts: bytes, and data kept in the result spool (gateway/plumbing/spool.py),
+    read a `PIECE` at a time as it is sent: a reader of a kept result never holds more than a piece of it.
+    Small parts are sent together, up to a piece."""
+    pending: list[bytes] = []
+    held = 0
+    for part in parts:
+        if isinstance(part, bytes):
+            if held + len(part) <= PIECE:
+                pending.append(part)
+                held += len(part)
+                continue
+            if pending:
+                yield {"type": "http.response.body", "body": b"".join(pending), "more_body": True}
+                pending, held = [], 0
+            for start in range(0, len(part), PIECE):
+                yield {"type": "http.response.body", "body": part[start : start + PIECE], "more_body": True}
+            continue
+        if pending:
+            yield {"type": "http.response.body", "body": b"".join(pending), "more_body": True}
+            pending, held = [], 0
+        async with contextlib.aclosing(part.pieces(PIECE)) as read:
+            async for piece in read:
+                yield {"type": "http.response.body", "body": piece, "more_body": True}
+    if pending:
+        yield {"type": "http.response.body", "body": b"".join(pending), "more_body": True}
+    yield {"type": "http.response.body", "body": b"", "more_body": more_body}
 
 
 def pieces(body: bytes, more_body: bool) -> Iterator[Message]:
@@ -99,12 +131,13 @@ def limit_send_buffer(transport: asyncio.BaseTransport, size: int) -> None:
 
 class WholeResponse(Response):
     """A whole answer that may be big (a job's snapshot carries its result): a body over
-    `PIECE` is sent in pieces, each within `send_timeout`, and past it the connection is
-    cut (`on_write_timeout` counts it). A body up to `PIECE` is sent as any `Response`."""
+    `PIECE`, or one with parts kept in the result spool (`parts`, gateway/protocol.py `splice`), is
+    sent in pieces, each within `send_timeout`, and past it the connection is cut
+    (`on_write_timeout` counts it). A body up to `PIECE` is sent as any `Response`."""
 
     def __init__(
         self,
-        content: bytes,
+        content: bytes | Sequence[bytes | Kept],
         *,
         send_timeout: float,
         on_write_timeout: Callable[[], None],
@@ -112,19 +145,27 @@ class WholeResponse(Response):
         headers: dict[str, str] | None = None,
         media_type: str = "application/json",
     ) -> None:
-        super().__init__(content, status_code=status_code, headers=headers, media_type=media_type)
+        parts = [content] if isinstance(content, bytes) else list(content)
+        whole = len(parts) == 1 and isinstance(parts[0], bytes)
+        super().__init__(parts[0] if whole else b"", status_code=status_code, headers=headers, media_type=media_type)
+        self.parts = parts
+        if not whole:
+            length = sum(len(part) if isinstance(part, bytes) else part.size for part in parts)
+            self.headers["content-length"] = str(length)
         self.send_timeout = send_timeout
         self._on_write_timeout = on_write_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if len(self.body) <= PIECE or scope.get("method") == "HEAD":
+        whole = len(self.parts) == 1 and isinstance(self.parts[0], bytes)
+        if (whole and len(self.body) <= PIECE) or scope.get("method") == "HEAD":
             await super().__call__(scope, receive, send)
             return
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        for message in pieces(self.body, more_body=False):
-            try:
-                async with asyncio.timeout(self.send_timeout):
-                    await send(message)
-            except TimeoutError:
-                await cut(scope, self._on_write_timeout, self.send_timeout)
-                return
+        async with contextlib.aclosing(part_pieces(self.parts, more_body=False)) as messages:
+            async for message in messages:
+                try:
+                    async with asyncio.timeout(self.send_timeout):
+                        await send(message)
+                except TimeoutError:
+                    await cut(scope, self._on_write_timeout, self.send_timeout)
+                    return

@@ -39,8 +39,9 @@ from gateway.jobs import Job
 from gateway.plumbing import tracing
 from gateway.plumbing.logs import RequestIds, request_id_headers
 from gateway.plumbing.metrics import Metrics
-from gateway.protocol import Code, encode, parse_event_id
+from gateway.protocol import Code, Kept, encode, parse_event_id, splice
 from gateway.plumbing.sendbuffer import WholeResponse
+from gateway.plumbing.spool import ResultSpool
 from gateway.server.store import JobHandle, JobStore, MemoryStore, jobs_query
 from gateway.tools.base import Tool
 from gateway.server.stream import Slot, Streams, job_response
@@ -103,8 +104,12 @@ def _cors(origins: list[str]) -> list[Middleware]:
 
 def open_store(settings: Settings, cancel: Any) -> JobStore:
     """The job store `settings.store` names: `memory`, or a Redis URL shared by every replica."""
+    results = ResultSpool(settings.result_spool, settings.result_store_bytes, retention=settings.retention)
     if settings.store == "memory":
-        return MemoryStore(cancel, detach_grace=settings.detach_grace, retention=settings.retention)
+        return MemoryStore(
+            cancel, detach_grace=settings.detach_grace, retention=settings.retention,
+            results=results, memory_budget=settings.result_memory_bytes,
+        )
     from gateway.server.redis_store import RedisStore
 
     return RedisStore(
@@ -113,6 +118,8 @@ def open_store(settings: Settings, cancel: Any) -> JobStore:
         detach_grace=settings.detach_grace,
         retention=settings.retention,
         outage_grace=settings.store_outage_grace,
+        results=results,
+        memory_budget=settings.result_memory_bytes,
     )
 
 
@@ -121,6 +128,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     limits = settings.limits()
     store = open_store(settings, lambda job: backend.cancel(job))
     metrics = Metrics(backend)
+    metrics.results(store.results_kept)
     auth = Auth(
         load_principals(
             settings.tokens_file,
@@ -131,7 +139,9 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         ticket_ttl=settings.ticket_ttl,
     )
     drain = Drain(settings.drain_timeout)
-    admission = Admission(backend, limits, drain=drain, store=store, quota=auth.limits, metrics=metrics)
+    admission = Admission(
+        backend, limits, drain=drain, store=store, quota=auth.limits, metrics=metrics, room=getattr(store, "results", None)
+    )
     streams = Streams(settings.max_streams, settings.max_streams_per_owner)
 
     def follow(job: JobHandle, slot: Slot, after: int = 0) -> Response:
@@ -214,13 +224,17 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             raise ApiError(Code.BAD_REQUEST, f"Last-Event-ID {resumed[0]}:{resumed[1]} is not an event of job {job.id}")
         return _resume(job, slot, resumed[1] if resumed else 0)
 
-    def whole(body: bytes) -> Response:
-        """A JSON answer that may carry results (a snapshot, a page of them): big, it is sent as a stream's big event is."""
-        return WholeResponse(body, send_timeout=settings.write_timeout, on_write_timeout=lambda: metrics.client_timeout("write"))
+    def whole(body: bytes, kept: list[Kept]) -> Response:
+        """A JSON answer that may carry results (a snapshot, a page of them): big, it is sent as a
+        stream's big event is, and a result in the spool is read from it a piece at a time."""
+        return WholeResponse(
+            splice(body, kept), send_timeout=settings.write_timeout, on_write_timeout=lambda: metrics.client_timeout("write")
+        )
 
     async def job_snapshot(request: Request) -> Response:
         job = await _job(request.path_params["job_id"], auth.authenticate(request))
-        return whole(encode(job.snapshot()))
+        kept: list[Kept] = []
+        return whole(encode(job.snapshot(kept)), kept)
 
     async def cancel_job(request: Request) -> Response:
         job = await _job(request.path_params["job_id"], auth.authenticate(request))
@@ -232,8 +246,9 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     async def list_jobs(request: Request) -> Response:
         principal = auth.authenticate(request)
         query = jobs_query(request)
-        mine = [s for s in await store.snapshots() if auth.sees(principal, s.owner) and query.wants(s)]
-        return whole(encode(query.page(mine)))
+        kept: list[Kept] = []
+        mine = [s for s in await store.snapshots(kept) if auth.sees(principal, s.owner) and query.wants(s)]
+        return whole(encode(query.page(mine)), kept)
 
     async def ticket(request: Request) -> Response:
         principal = auth.authenticate(request)

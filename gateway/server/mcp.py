@@ -24,9 +24,11 @@ and its terminal event the call's result. Nothing here runs a job or keeps one.
   result with `isError`: `<code>: <message>` as its text, the protocol's error object in its
   `_meta` (`streamgate/error`; not `structuredContent`, which clients check against the result
   schema even on an error). The job's id is in the result's `_meta` (`streamgate/job_id`). A
-  result over `INLINE_RESULT_BYTES` is not inlined (the SDK would build and encode it on the
-  event loop): the call answers `isError` `too_large` naming the job, whose result `GET
-  /jobs/{id}` has.
+  call whose result is priced over `INLINE_RESULT_BYTES` is refused before it is queued
+  (`isError` `too_large`, naming the param); an unpriced tool's result over it answers
+  `too_large` naming the job, whose result `GET /jobs/{id}` has. A result of `SPLICE_FROM`
+  bytes or more is written into its answer from the job's one copy (`Splicing`), never built
+  as Python objects.
 - **Cancelling.** A client that leaves (on 2026-07-28, closing the response stream is how a
   client cancels) cancels its job at once, as an OpenAI client's does. On the handshake-era
   wire a `notifications/cancelled` arrives as a request of its own; stateless, nothing ties it
@@ -58,7 +60,9 @@ import hashlib
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+import secrets
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -82,7 +86,7 @@ from gateway.jobs import Job
 from gateway.plumbing import sendbuffer
 from gateway.plumbing.logs import bind_job
 from gateway.plumbing.metrics import Metrics
-from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType, LogFrame, Status, StatusFrame
+from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType, Kept, LogFrame, Status, StatusFrame
 from gateway.server.auth import Auth, Principal
 from gateway.server.mcp_tasks import Tasks
 from gateway.server.store import JobStore
@@ -96,6 +100,8 @@ MAX_NAME = 64  # what the model APIs that agents call tools through accept (Open
 PAGE = 100  # tools per `tools/list` page
 ENVELOPE_BYTES = 64 * 1024  # the JSON-RPC around a call's arguments, over the run's body limit
 INLINE_RESULT_BYTES = 8 << 20
+SPLICE_FROM = 64 * 1024  # a result this big is spliced into its answer (`Splicing`), not built by the SDK
+SPLICE_KEEP_S = 600.0  # how long a stand-in waits for its answer to be written
 JOB_META = "streamgate/job_id"
 ERROR_META = "streamgate/error"
 CALLER = "streamgate.mcp.caller"  # the scope key the HTTP layer leaves the caller under, for the handlers
@@ -152,6 +158,7 @@ class McpServer:
         self._entries: dict[str, Entry] = {}
         # Calls being followed, by (tenant, request id): what a handshake-era `notifications/cancelled` names.
         self._calls: dict[tuple[str, str], list[Job]] = {}
+        self.splicing = Splicing()
         server: Server[Any] = Server(
             "streamgate",
             version=_version(),
@@ -204,20 +211,39 @@ class McpServer:
         client that leaves (an exception would reach it as a server fault, traceback and all)."""
         timeout = self.surface.write_timeout
         cut = False
+        start: Message | None = None  # a JSON answer's head, held until its body shows whether it splices
 
         async def bounded(message: Message) -> None:
-            nonlocal cut
+            nonlocal cut, start
+            if message["type"] == "http.response.start" and _content_type(message) == b"application/json":
+                start = message
+                return
             body = message.get("body", b"") if message["type"] == "http.response.body" else b""
+            spliced = self.splicing.parts(body) if message["type"] == "http.response.body" else None
+            if start is not None:
+                head, start = start, None
+                if spliced is not None:  # its length is no longer the body's: sent chunked
+                    head = {**head, "headers": [(k, v) for k, v in head["headers"] if k.lower() != b"content-length"]}
+                await write(head)
+            if spliced is not None:
+                async with contextlib.aclosing(sendbuffer.part_pieces(spliced, message.get("more_body", False))) as writes:
+                    async for piece in writes:
+                        await write(piece)
+                return
             writes = sendbuffer.pieces(body, message.get("more_body", False)) if len(body) > sendbuffer.PIECE else (message,)
-            for write in writes:
-                if cut:
-                    return
-                try:
-                    with anyio.fail_after(timeout):
-                        await send(write)
-                except TimeoutError:
-                    cut = True
-                    await sendbuffer.cut(scope, lambda: self.surface.metrics.client_timeout("write"), timeout)
+            for piece in writes:
+                await write(piece)
+
+        async def write(message: Message) -> None:
+            nonlocal cut
+            if cut:
+                return
+            try:
+                with anyio.fail_after(timeout):
+                    await send(message)
+            except TimeoutError:
+                cut = True
+                await sendbuffer.cut(scope, lambda: self.surface.metrics.client_timeout("write"), timeout)
 
         return bounded
 
@@ -280,7 +306,9 @@ class McpServer:
         if len(body) > surface.max_body_bytes:
             raise ApiError(Code.TOO_LARGE, f"the arguments are over the limit of {surface.max_body_bytes} bytes")
         decoded = await surface.admission.decode(tool, body, what="the arguments")
-        return await surface.admission.admit(tool, decoded, Applicant.of(caller.principal, caller.tenant))
+        return await surface.admission.admit(
+            tool, decoded, Applicant.of(caller.principal, caller.tenant), most_result=INLINE_RESULT_BYTES
+        )
 
     async def _follow(self, ctx: ServerRequestContext[Any], caller: Caller, job: Job) -> Any:
         """Follow the job to its end, its frames as notifications; the result, or `isError`."""
@@ -304,7 +332,7 @@ class McpServer:
                 if step is not None:
                     await ctx.session.report_progress(*step)
             assert job.terminal is not None
-            return await self._result(job.id, job.terminal.type, job.terminal.data)
+            return await self._result(job.id, job.terminal)
         finally:
             calls = self._calls.get(key, [])
             if job in calls:
@@ -316,20 +344,26 @@ class McpServer:
                     await store.cancel(job)
             store.detach(job)
 
-    async def _result(self, job_id: str, kind: EventType, data: bytes) -> types.CallToolResult:
-        """A terminal event as a `CallToolResult`."""
+    async def _result(self, job_id: str, terminal: Event) -> types.CallToolResult:
+        """A terminal event as a `CallToolResult`; a big result as markers the answer splices it into."""
         meta = {JOB_META: job_id}
-        if kind is EventType.ERROR:
-            return _error_result(msgspec.json.decode(data, type=ErrorFrame).error, meta=meta)
-        if len(data) > INLINE_RESULT_BYTES:
+        if terminal.type is EventType.ERROR:
+            return _error_result(msgspec.json.decode(terminal.data, type=ErrorFrame).error, meta=meta)
+        if terminal.size > INLINE_RESULT_BYTES:  # an unpriced tool's: refused here, after the fact
             info = ErrorInfo(
                 Code.TOO_LARGE,
-                f"the result is {len(data)} bytes, over the {INLINE_RESULT_BYTES} an MCP call returns inline: "
+                f"the result is {terminal.size} bytes, over the {INLINE_RESULT_BYTES} an MCP call returns inline: "
                 f"read it from GET /jobs/{job_id}",
                 retryable=False,
             )
             return _error_result(info, meta=meta)
-        structured = await params_mod.off_loop(msgspec.json.decode, data)
+        if terminal.kept is not None or terminal.size >= SPLICE_FROM:
+            text, structured = self.splicing.stand_in(terminal)
+            return types.CallToolResult(
+                content=[types.TextContent(type="text", text=text)], structured_content=structured, is_error=False, meta=meta
+            )
+        data = terminal.raw
+        structured = msgspec.json.decode(data)
         return types.CallToolResult(
             content=[types.TextContent(type="text", text=data.decode())],
             structured_content=structured if isinstance(structured, dict) else None,
@@ -345,6 +379,91 @@ class McpServer:
             await self.surface.store.cancel(calls[0])
         elif calls:
             log.info("notifications/cancelled for request %r: %d calls of that id, none cancelled", params.request_id, len(calls))
+
+
+class Splicing:
+    """Big results into the answers that carry them, from the one copy the job keeps.
+
+    The SDK builds a result as Python objects and encodes them (a 7.6 MB result of floats took
+    ~105 MB a call). A result of `SPLICE_FROM` bytes or more is given to it as two stand-ins, a
+    marker string as the text content and a one-key object as `structuredContent`; as the answer
+    is written (`McpServer._bounded`), each is replaced by the result itself: its JSON as a JSON
+    string, and its JSON as it is, read a piece at a time from memory or the result spool. A
+    marker is this process's (a nonce and a count), so no client's text can be taken for one; one
+    whose answer is never written (its client left first) is dropped `keep_s` later.
+    """
+
+    def __init__(self, keep_s: float = SPLICE_KEEP_S) -> None:
+        self._nonce = secrets.token_hex(8)
+        self._next = 0
+        self.keep_s = keep_s
+        self._waiting: dict[str, tuple[Event, float]] = {}  # oldest first
+        self._mark = re.compile(rb'"sg-(?:text|json)-' + self._nonce.encode() + rb'-(\d+)"(?:\s*:\s*0\s*\})?')
+
+    def stand_in(self, terminal: Event) -> tuple[str, dict[str, int]]:
+        now = time.monotonic()
+        # Stand-ins whose answer was never written (the client left first) go after a while.
+        while self._waiting and next(iter(self._waiting.values()))[1] < now - self.keep_s:
+            del self._waiting[next(iter(self._waiting))]
+        self._next += 1
+        key = str(self._next)
+        self._waiting[key] = (terminal, now)
+        return f"sg-text-{self._nonce}-{key}", {f"sg-json-{self._nonce}-{key}": 0}
+
+    def parts(self, body: bytes) -> list[bytes | Kept | Escaped] | None:
+        """`body` with its stand-ins replaced, as parts to write; None if it has none."""
+        if self._nonce.encode() not in body:
+            return None
+        parts: list[bytes | Kept | Escaped] = []
+        at = 0
+        for found in self._mark.finditer(body):
+            waiting = self._waiting.get(found.group(1).decode())
+            if waiting is None:
+                continue
+            terminal = waiting[0]
+            as_json = found.group(0).endswith(b"}")
+            start = found.start()
+            if as_json:  # `{"sg-json-…":0}`: the object, braces and all
+                start = body.rindex(b"{", 0, start)
+            data: bytes | Kept = terminal.kept if terminal.kept is not None else terminal.raw
+            if as_json:
+                parts += [body[at:start], data]
+            else:  # the marker's quotes stay, around the escaped JSON
+                parts += [body[at : start + 1], Escaped(data), b'"']
+            at = found.end()
+        parts.append(body[at:])
+        for key in {m.group(1).decode() for m in self._mark.finditer(body)}:
+            self._waiting.pop(key, None)
+        return parts
+
+
+class Escaped:
+    """JSON as a JSON string's contents, a piece at a time: JSON that msgspec or orjson wrote holds no
+    raw control character, so escaping its quotes and backslashes is all it takes, piece by piece."""
+
+    def __init__(self, data: bytes | Kept) -> None:
+        self.data = data
+        self.size = len(data) if isinstance(data, bytes) else data.size  # before escaping: a hint only
+
+    async def pieces(self, piece: int = sendbuffer.PIECE) -> AsyncIterator[bytes]:
+        if isinstance(self.data, bytes):
+            for start in range(0, len(self.data), piece):
+                yield _escape(self.data[start : start + piece])
+            return
+        async with contextlib.aclosing(self.data.pieces(piece)) as read:
+            async for chunk in read:
+                yield _escape(chunk)
+
+
+def _escape(chunk: bytes) -> bytes:
+    return chunk.replace(b"\\", b"\\\\").replace(b'"', b'\\"')
+
+
+def _content_type(start: Message) -> bytes:
+    for key, value in start.get("headers", ()):
+        if key.lower() == b"content-type":
+            return value.split(b";")[0].strip().lower()
+    return b""
 
 
 class Rising:

@@ -45,7 +45,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import Field
 
-from gateway.protocol import Code, ErrorFrame, EventType, JobSnapshot
+from gateway.protocol import Code, ErrorFrame, Event, EventType, JobSnapshot
 from gateway.server.auth import Auth, Principal
 from gateway.server.store import JobHandle, JobStore
 
@@ -71,7 +71,7 @@ class Tasks:
         retention: float,
         *,
         principal: Callable[[ServerRequestContext[Any]], Principal | None],
-        result: Callable[[str, EventType, bytes], Awaitable[types.CallToolResult]],
+        result: Callable[[str, Event], Awaitable[types.CallToolResult]],
     ) -> None:
         self.store = store
         self.auth = auth
@@ -102,14 +102,13 @@ class Tasks:
         return {"resultType": "task", **self._task(job.snapshot())}
 
     async def _get(self, ctx: ServerRequestContext[Any], params: TaskParams) -> dict[str, Any]:
-        snapshot = (await self._job(ctx, params.task_id)).snapshot()
+        job = await self._job(ctx, params.task_id)
+        # A result in the spool is a marker here, never read whole: the answer splices it in (gateway/server/mcp.py).
+        snapshot = job.snapshot(kept=[])
         state = self._task(snapshot)
-        if snapshot.terminal is not None:
-            kind = EventType(snapshot.terminal.event)
-            data = bytes(snapshot.terminal.data)
-            if state["status"] == "completed":
-                result = await self._result(snapshot.job_id, kind, data)
-                state["result"] = result.model_dump(by_alias=True, mode="json", exclude_none=True)
+        if job.terminal is not None and state["status"] == "completed":
+            result = await self._result(snapshot.job_id, job.terminal)
+            state["result"] = result.model_dump(by_alias=True, mode="json", exclude_none=True)
         return state
 
     async def _cancel(self, ctx: ServerRequestContext[Any], params: TaskParams) -> types.EmptyResult:

@@ -111,8 +111,17 @@ except ImportError:  # pragma: no cover
 
 from gateway.errors import ApiError
 from gateway.jobs import Job
-from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType, JobSnapshot, TerminalEvent, encode, now
-from gateway.server.store import Binding, JobHandle, JobStore, StoppedFollowing, StoreUnavailable
+from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType, JobSnapshot, Kept, TerminalEvent, encode, now
+from gateway.plumbing.spool import ResultSpool
+from gateway.server.store import (
+    DEFAULT_MEMORY_BUDGET,
+    Binding,
+    FinishedResults,
+    JobHandle,
+    JobStore,
+    StoppedFollowing,
+    StoreUnavailable,
+)
 
 log = logging.getLogger("streamgate.redis")
 
@@ -269,7 +278,7 @@ class RedisJobView:
     def done(self) -> bool:
         return self._terminal is not None
 
-    def snapshot(self) -> JobSnapshot:
+    def snapshot(self, kept: list[Kept] | None = None) -> JobSnapshot:
         assert self._snapshot is not None
         return self._snapshot
 
@@ -404,6 +413,8 @@ class RedisStore(JobStore):
         heartbeat: float = 1.0,
         outage_grace: float = 30.0,
         prefix: str = "streamgate:",
+        results: ResultSpool | None = None,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
     ) -> None:
         if not is_redis_url(url):
             raise ValueError(f"not a Redis URL: {url!r} (redis://host:port/db, rediss://…, unix://…)")
@@ -414,6 +425,10 @@ class RedisStore(JobStore):
         self.heartbeat = heartbeat
         self.outage_grace = outage_grace
         self.prefix = prefix
+        # The jobs this replica runs keep their events here too, to serve its own clients: bounded
+        # as the memory store's are (a big result in this replica's spool, once copied to Redis).
+        self.results = results
+        self.finished = FinishedResults(results, memory_budget)
         self.replica_id = uuid.uuid4().hex
         self.ttl = 3 * heartbeat  # of an attachment
         # A replica silent for this long is taken for dead and its jobs ended: no sooner than an
@@ -585,6 +600,10 @@ class RedisStore(JobStore):
         for client in (self._redis, self._reads, self._pulse):
             with contextlib.suppress(Exception):
                 await client.aclose()
+        self.finished.stop()
+
+    def results_kept(self) -> dict[str, int]:
+        return self.finished.facts()
 
     # -- idempotency keys ----------------------------------------------------------
 
@@ -714,7 +733,8 @@ class RedisStore(JobStore):
             self._alive_until.pop(owner, None)
         return alive
 
-    async def snapshots(self) -> list[JobSnapshot]:
+    async def snapshots(self, kept: list[Kept] | None = None) -> list[JobSnapshot]:
+        # Results live in Redis here, whole in each snapshot: no spool (gateway/plumbing/spool.py) to splice from.
         async with self._answering():
             ids = [member.decode() for member in await self._redis.zrange(self._index, 0, -1)]
             pipe = self._redis.pipeline(transaction=False)
@@ -756,6 +776,8 @@ class RedisStore(JobStore):
 
     def _forget(self, job_id: str) -> None:
         owned = self._owned.pop(job_id, None)
+        if owned is not None:
+            self.finished.forget(owned.job)
         if owned is not None and owned.timer is not None:
             owned.timer.cancel()
         self._mirrors.pop(job_id, None)
@@ -820,6 +842,9 @@ class RedisStore(JobStore):
                     job.fail(Code.BACKEND_UNAVAILABLE, "the job was ended while this gateway could not reach Redis")
                 return
             if terminal is not None:
+                if self._owned.get(job.id) is not None:
+                    # Copied out: its own copy here now counts against this replica's memory, or goes to the spool.
+                    self.finished.ended(job)
                 return
 
     # -- following a job that runs elsewhere -------------------------------------------

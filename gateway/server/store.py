@@ -9,13 +9,18 @@ jobs, their logs and their idempotency keys are kept for `retention` seconds,
 then forgotten (404).
 
 `MemoryStore` keeps all this in this process, for one gateway. `GET /jobs`
-lists the jobs kept, a page at a time (`JobsQuery`).
+lists the jobs kept, a page at a time (`JobsQuery`). Its memory is bounded in
+bytes, not only in time: a finished job's result goes to the result spool on
+disk (gateway/plumbing/spool.py) when it is big, and any result does once the
+finished jobs' logs held in memory pass `memory_budget` bytes; readers then read
+that one copy a piece at a time.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -23,9 +28,14 @@ from typing import Any, Protocol
 from gateway.admission import Binding
 from gateway.errors import ParamError
 from gateway.jobs import Job
-from gateway.protocol import Event, JobList, JobSnapshot
+from gateway.plumbing.spool import SPOOL_FROM, ResultSpool
+from gateway.protocol import Event, EventType, JobList, JobSnapshot, Kept
+
+log = logging.getLogger("streamgate.store")
 
 SWEEP_INTERVAL_S = 1.0
+# --result-memory-bytes' default: the finished jobs' logs this store holds in memory before every result goes to the spool.
+DEFAULT_MEMORY_BUDGET = 64 << 20
 
 # `GET /jobs?state=`: a status (in lower case), or a group of them.
 STATE_GROUPS = {"active": ("RECEIVED", "QUEUED", "DISPATCHED", "RUNNING"), "finished": ("SUCCEEDED", "FAILED")}
@@ -54,7 +64,7 @@ class JobHandle(Protocol):
 
     async def wait_events(self, after: int, timeout: float | None = None) -> list[Event]: ...
 
-    def snapshot(self) -> JobSnapshot: ...
+    def snapshot(self, kept: list[Kept] | None = None) -> JobSnapshot: ...
 
 
 class JobStore(abc.ABC):
@@ -85,8 +95,9 @@ class JobStore(abc.ABC):
         events, not a fresh snapshot (a shared store may then answer from what it already reads)."""
 
     @abc.abstractmethod
-    async def snapshots(self) -> list[JobSnapshot]:
-        """Every job kept (running, or finished within retention), on every replica sharing the store."""
+    async def snapshots(self, kept: list[Kept] | None = None) -> list[JobSnapshot]:
+        """Every job kept (running, or finished within retention), on every replica sharing the store;
+        with `kept`, results in the spool as markers (gateway/protocol.py `splice`)."""
 
     @abc.abstractmethod
     async def cancel(self, job: JobHandle) -> None:
@@ -95,6 +106,10 @@ class JobStore(abc.ABC):
     def stop_following(self) -> None:
         """The process is shutting down: every wait on a job that runs elsewhere raises
         `StoppedFollowing` (a store that keeps only this process's jobs has none)."""
+
+    def results_kept(self) -> dict[str, int]:
+        """Where this process keeps finished results (`FinishedResults.facts`)."""
+        return {}
 
     @abc.abstractmethod
     def attach(self, job: JobHandle) -> None:
@@ -105,6 +120,76 @@ class JobStore(abc.ABC):
         """A client stopped following `job`; with none left for `detach_grace`, it is cancelled."""
 
 
+class FinishedResults:
+    """The finished jobs a store keeps in this process: their logs' bytes counted against
+    `memory_budget`, and a big result (any result, past the budget) moved to the spool, its job's
+    terminal event then reading it from there (`Job.keep_result`). A result the spool cannot take
+    (a full or failing disk) stays in memory: never dropped before its retention ends."""
+
+    def __init__(self, spool: ResultSpool | None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
+        self.spool = spool
+        self.memory_budget = memory_budget
+        self.in_memory = 0  # bytes of the finished jobs' logs held here
+        self._held: dict[str, int] = {}  # each finished job's share of `in_memory`
+        self._kept: dict[str, Job] = {}  # the jobs counted, until forgotten
+        self._spooling: set[asyncio.Task[None]] = set()
+
+    def ended(self, job: Job) -> None:
+        """Count `job`'s log, or move its result to the spool (on a task: the write is a thread's)."""
+        if job.id in self._kept:
+            return
+        self._kept[job.id] = job
+        size = sum(event.size for event in job.events)
+        terminal = job.terminal
+        assert terminal is not None
+        if (
+            self.spool is not None
+            and terminal.type is EventType.DATA
+            and terminal.kept is None
+            and (terminal.size >= SPOOL_FROM or self.in_memory + size > self.memory_budget)
+        ):
+            task = asyncio.get_running_loop().create_task(self._spool(job, terminal, size))
+            self._spooling.add(task)
+            task.add_done_callback(self._spooling.discard)
+        else:
+            self._count(job, size)
+
+    def forget(self, job: Job) -> None:
+        if self._kept.pop(job.id, None) is None:
+            return
+        self.in_memory -= self._held.pop(job.id, 0)
+        if job.terminal is not None and job.terminal.kept is not None:
+            job.terminal.kept.release()
+
+    def facts(self) -> dict[str, int]:
+        """Where finished results are: bytes in memory, and the spool's facts (`ResultSpool.describe`)."""
+        return {"memory_bytes": self.in_memory, **(self.spool.describe() if self.spool is not None else {})}
+
+    def stop(self) -> None:
+        for task in list(self._spooling):
+            task.cancel()
+        if self.spool is not None:
+            self.spool.close()
+
+    def _count(self, job: Job, size: int) -> None:
+        self._held[job.id] = size
+        self.in_memory += size
+
+    async def _spool(self, job: Job, terminal: Event, size: int) -> None:
+        assert self.spool is not None
+        try:
+            kept = await self.spool.keep(terminal.raw)
+        except OSError as exc:  # a full or failing disk: the result stays in memory, never dropped
+            log.warning("job %s: its result could not be spooled (%s); it stays in memory", job.id, exc)
+            self._count(job, size)
+            return
+        if self._kept.get(job.id) is not job:  # forgotten meanwhile (retention 0)
+            kept.release()
+            return
+        job.keep_result(kept)
+        self._count(job, size - terminal.size)
+
+
 class MemoryStore(JobStore):
     def __init__(
         self,
@@ -112,10 +197,14 @@ class MemoryStore(JobStore):
         *,
         detach_grace: float = 30.0,
         retention: float = 600.0,
+        results: ResultSpool | None = None,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
     ) -> None:
         self._cancel = cancel
         self.detach_grace = detach_grace
         self.retention = retention
+        self.results = results  # where admission finds room for a priced result (gateway/admission.py `Room`)
+        self.finished = FinishedResults(results, memory_budget)
         self.jobs: dict[str, Job] = {}
         self.keys: dict[str, Binding] = {}
         self._reserved: set[str] = set()  # ids bound to a key whose job is being admitted
@@ -131,6 +220,7 @@ class MemoryStore(JobStore):
             self._sweeper.cancel()
         for timer in self._timers.values():
             timer.cancel()
+        self.finished.stop()
 
     async def reserve(self, key: str, job_id: str, request: str) -> Binding | None:
         bound = self.keys.get(key)
@@ -149,12 +239,23 @@ class MemoryStore(JobStore):
     async def add(self, job: Job) -> None:
         self._reserved.discard(job.id)
         self.jobs[job.id] = job
+        if job.done:
+            self._ended(job)
+        else:
+            job.on_end.append(self._ended)
+
+    def _ended(self, job: Job) -> None:
+        if self.jobs.get(job.id) is job:
+            self.finished.ended(job)
+
+    def results_kept(self) -> dict[str, int]:
+        return self.finished.facts()
 
     async def get(self, job_id: str, *, to_follow: bool = False) -> Job | None:
         return self.jobs.get(job_id)
 
-    async def snapshots(self) -> list[JobSnapshot]:
-        return [job.snapshot() for job in self.jobs.values()]
+    async def snapshots(self, kept: list[Kept] | None = None) -> list[JobSnapshot]:
+        return [job.snapshot(kept) for job in self.jobs.values()]
 
     async def cancel(self, job: JobHandle) -> None:
         if isinstance(job, Job) and not job.done:
@@ -197,6 +298,7 @@ class MemoryStore(JobStore):
     def _forget(self, job: Job) -> None:
         self.jobs.pop(job.id, None)
         self._attached.pop(job.id, None)
+        self.finished.forget(job)
         key = job.idempotency_key
         bound = self.keys.get(key) if key else None
         if bound is not None and bound.job_id == job.id:

@@ -21,7 +21,10 @@ bench/idle_streams.py; figures in bench/RESULTS.md):
   a piece (a big result) is written a piece at a time, each stamped, and
   counts as written once drained (gateway/plumbing/sendbuffer.py): a stream
   ends, and frees its slot, when its client has the last event, not when the
-  server buffered it.
+  server buffered it. A big event is written from the one copy every reader
+  shares (`framed`): its bytes in memory sliced a piece at a time, or a result
+  in the spool (gateway/plumbing/spool.py) read a piece at a time, so that a
+  hundred followers of one result hold a piece each, not a copy each.
 - Keep-alive comments come from the content, not from a ping task: `follow`
   gives the moment for one after `ping_interval` seconds in which nothing else
   was written, instead of a fixed clock alongside the data.
@@ -44,10 +47,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import random
 import resource
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from typing import Any
 
@@ -61,7 +65,7 @@ from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.plumbing.logs import bind_job
 from gateway.plumbing.metrics import Metrics
-from gateway.protocol import PING, Code, Event, retry_line
+from gateway.protocol import PING, Code, Event, Kept, retry_line
 from gateway.server.store import JobHandle, JobStore, StoppedFollowing, StoreUnavailable
 from gateway.tenants import over_share
 
@@ -216,7 +220,7 @@ class EventStream(Response):
 
     def __init__(
         self,
-        content: AsyncIterator[tuple[bytes, bool]],
+        content: AsyncIterator[tuple[bytes | Sequence[bytes | Kept], bool]],
         *,
         slot: Slot,
         job_id: str,
@@ -295,7 +299,9 @@ class EventStream(Response):
                 return False
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk, last in self.body_iterator:
-                if len(chunk) > sendbuffer.PIECE:
+                if not isinstance(chunk, bytes):  # parts: a big event's data, in memory or in the spool
+                    await self._send_parts(send, chunk, last)
+                elif len(chunk) > sendbuffer.PIECE:
                     await self._send_pieces(send, chunk, last)
                 else:
                     # Stamped, not timed: the streams' watcher cuts a write blocked too long, at no
@@ -328,6 +334,16 @@ class EventStream(Response):
             await send(message)
         self._sending_since = None
 
+    async def _send_parts(self, send: Send, parts: Sequence[bytes | Kept], last: bool) -> None:
+        """A chunk in parts, as `_send_pieces` sends a big one: no part is copied whole, a result in
+        the spool is read a piece at a time as the client takes it."""
+        loop = asyncio.get_running_loop()
+        async with contextlib.aclosing(sendbuffer.part_pieces(parts, more_body=not last)) as messages:
+            async for message in messages:
+                self._sending_since = loop.time()
+                await send(message)
+        self._sending_since = None
+
     async def _listen(self, receive: Receive) -> None:
         while True:
             message = await receive()
@@ -351,6 +367,20 @@ async def follow(job: JobHandle, after: int = 0, ping_interval: float = 0) -> As
             return
 
 
+def framed(batch: list[Event], head: bytes = b"") -> bytes | list[bytes | Kept]:
+    """A batch of events as one chunk, after `head`: bytes, or parts where an event is big or kept in
+    the spool, so that its data is written from the one copy every reader shares, never copied whole."""
+    if all(event.kept is None and len(event.raw) <= sendbuffer.PIECE for event in batch):
+        return head + b"".join([event.sse() for event in batch])
+    parts: list[bytes | Kept] = [head] if head else []
+    for event in batch:
+        if event.kept is None and len(event.raw) <= sendbuffer.PIECE:
+            parts.append(event.sse())
+        else:
+            parts.extend(event.sse_parts())
+    return parts
+
+
 def job_response(
     job: JobHandle,
     backend: Backend,
@@ -372,7 +402,7 @@ def job_response(
             backend.cancel(job)
             job.fail(Code.SHUTTING_DOWN, "the server is shutting down")
 
-    async def events() -> AsyncIterator[tuple[bytes, bool]]:
+    async def events() -> AsyncIterator[tuple[bytes | list[bytes | Kept], bool]]:
         store.attach(job)
         try:
             head = retry_line(retry_ms)  # goes out with the first events, or alone if there are none yet
@@ -384,7 +414,7 @@ def job_response(
                     yield PING, False
                     continue
                 metrics.sent(batch)
-                yield head + b"".join([event.sse() for event in batch]), last
+                yield framed(batch, head), last
                 head = b""
         except StoppedFollowing:
             pass  # another replica runs the job: the client reconnects, to a replica that stays
