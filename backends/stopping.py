@@ -37,7 +37,9 @@ def big(jobs: Sequence[Any]) -> bool:
 
 
 def stop_points(model: Model) -> list[nn.Module]:
-    """The blocks of every layer stack in the model (a `ModuleList` of two or more modules), and their parts."""
+    """The blocks of every layer stack in the model (a `ModuleList` of two or more modules), and their
+    parts; then its output projection (the head), which tools that read many positions call once per
+    chunk of them (a vocabulary's logits over thousands of positions take seconds in one go)."""
     points = model.memo.get("stop_points")
     if points is None:
         points = []
@@ -47,6 +49,9 @@ def stop_points(model: Model) -> list[nn.Module]:
                 for block in stack:
                     points.append(block)
                     points.extend(block.children())
+        head = getattr(module, "get_output_embeddings", lambda: None)() if module is not None else None
+        if isinstance(head, nn.Module) and all(head is not point for point in points):
+            points.append(head)
         model.memo["stop_points"] = points
     return points
 

@@ -2,8 +2,10 @@
 
 One gateway serves the bundled SmolLM2-135M-Instruct twice: `local` in an engine
 process of its own, and `vllm` on a vLLM server the gateway starts (`vllm:`, from
-the project's `.vllm`, `make vllm`), both float32 with a 2048-token context
-(`VLLM_CPU_KVCACHE_SPACE=2`). Three ways to the same completions:
+the project's `.vllm`, `make vllm`), both with a 2048-token context and as the
+gateway starts them by default: no `--dtype`, no KV cache setting (on a CPU the
+gateway gives vLLM a 2 GiB cache and, without bfloat16 instructions, float32;
+the report states what it chose). Three ways to the same completions:
 
 - bare vLLM: the server's own `/v1/completions`, on its own port;
 - streamgate over vLLM: the gateway's `/v1/completions`, model `vllm`;
@@ -173,9 +175,10 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
     source = args.model or str(default_gguf())  # (`--model PATH`: another causal LM, both ways)
     common.step("starting a gateway with the model on its own engine and on a vLLM server")
     gateway = bench.streamgate(
-        "serve", "--model", f"local={source}", "--model", f"vllm=vllm:{source}", "--dtype", "float32",
+        # The default start: what a user gets without tuning (the gateway sizes and types vLLM itself).
+        "serve", "--model", f"local={source}", "--model", f"vllm=vllm:{source}",
         "--vllm-args", "--max-model-len 2048", "--queue-size", "512", "--max-queued-per-owner", "512",
-        model=None, name="gateway", env={"VLLM_CPU_KVCACHE_SPACE": "2"},
+        model=None, name="gateway",
     )
     gateway.wait_ready(VLLM_START_S)
     ready = common.readyz(gateway)
@@ -183,7 +186,9 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
     vllm_port = int(server["url"].rsplit(":", 1)[1].split("/")[0])
     port = common.port_of(gateway)
     report.fact("machine", common.machine(ready.get("device", "?")))
-    report.fact("model", "SmolLM2-135M-Instruct (the bundled model, converted), float32, context 2048, on CPU both ways")
+    report.fact("model", f"SmolLM2-135M-Instruct (the bundled model, converted), context 2048; local {ready.get('dtype')}, "
+                f"vLLM {server.get('dtype') or 'its own dtype'} with a KV cache of {server.get('kv_cache_bytes') or 'its own sizing'} "
+                "bytes, as the gateway starts them by default")
     prompts = ("every request its own prompt (the list's in turn, numbered)" if args.distinct
                else f"prompts in turn from a list of {len(PROMPTS)}")
     report.fact("load", f"closed loops of {', '.join(map(str, levels))} clients, {per_client} streamed greedy "
