@@ -231,7 +231,7 @@ async def concurrently(port: int, pids: list[int], way: str, lens: dict[str, Any
     return seconds, peak - before, ok
 
 
-async def turns(port: int, tool: str, params: dict[str, Any], alone_ms: float) -> tuple[str, float, float, int]:
+async def turns(port: int, tool: str, params: dict[str, Any]) -> tuple[str, float, float, int]:
     """The tool's big job from one tenant; another's predicts meanwhile: the big job's seconds, the
     predicts' p99 and max ms, and how many ran."""
     big = await common.Response.open(port, "POST", f"/{tool}/run", msgspec.json.encode(params), source=ATTACKER)
@@ -384,8 +384,8 @@ async def run(bench: common.Bench, report: common.Report) -> None:
         worst = 0.0
         for tool, make in jobs.items():
             chars = await longest(port, tool, make, context * 8)
-            answer, p99, most, n = await turns(port, tool, make(chars), alone_ms)
-            answer, p99, most, n = await turns(port, tool, make(chars), alone_ms)
+            answer, p99, most, n = await turns(port, tool, make(chars))
+            answer, p99, most, n = await turns(port, tool, make(chars))
             worst = max(worst, most)
             turn_rows.append([tool, chars, answer, n, p99, most])
         report.table(["tool", "text chars", "its end", "predicts", "p99 ms", "max ms"], turn_rows,
