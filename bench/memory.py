@@ -385,7 +385,6 @@ async def run(bench: common.Bench, report: common.Report) -> None:
         for tool, make in jobs.items():
             chars = await longest(port, tool, make, context * 8)
             answer, p99, most, n = await turns(port, tool, make(chars))
-            answer, p99, most, n = await turns(port, tool, make(chars))
             worst = max(worst, most)
             turn_rows.append([tool, chars, answer, n, p99, most])
         report.table(["tool", "text chars", "its end", "predicts", "p99 ms", "max ms"], turn_rows,
