@@ -240,7 +240,12 @@ async def turns(port: int, tool: str, params: dict[str, Any]) -> tuple[str, floa
         big.close()
         return f"{big.status} {answer}", 0.0, 0.0, 0
     events = big.events()
+    last = "none"
     async for event in events:
+        last = event.event
+        if last in ("data", "error"):  # a short job can end before the reader sees it running
+            big.close()
+            return last, 0.0, 0.0, 0
         if b'"RUNNING"' in event.data:
             break
     waits: list[float] = []
@@ -253,7 +258,6 @@ async def turns(port: int, tool: str, params: dict[str, Any]) -> tuple[str, floa
                 waits.append(run.latency * 1000)
 
     side = asyncio.create_task(bystander())
-    last = "none"
     async for event in events:
         last = event.event
         if event.event in ("data", "error"):
