@@ -37,6 +37,10 @@ if [ -x .venv/bin/python ] && { [ "$device" = cpu ] || .venv/bin/python -c 'impo
 else
     env="$work/venv"
     python3 -m venv --system-site-packages "$env"
+    # python3 may itself be a virtual environment's (its torch is not the base interpreter's):
+    # its site folders are added to the new one's path, after the new one's own.
+    python3 -c 'import site; print("\n".join(site.getsitepackages()))' \
+        >"$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/outer.pth"
     if [ -d .whl ]; then
         "$env/bin/pip" install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
         "$env/bin/pip" install -q --no-index --no-deps --no-build-isolation --no-compile -e . || exit 1
