@@ -277,6 +277,16 @@ class BlockGate:
         self.handle.remove()
 
 
+def _b_waits_inside_a(server: Server, b_events: list[dict[str, Any]]) -> threading.Thread:
+    """Start B's predict while A's pass is held, and wait until B has left the queue for A's pass:
+    it waits for A's next stop point."""
+    b = _job_started(server.url, "predict", {"prompt": "Hello", "top_k": 3}, b_events)
+    wait_until(lambda: len(httpx.get(server.url + "/jobs?state=active").json()["jobs"]) == 2, 30, "B queued")
+    queue = next(iter(server.backend.served.values())).queue
+    wait_until(lambda: len(queue) == 0, 30, "B to be let into A's pass")
+    return b
+
+
 LONE_PASSES = [  # a batch's one step (embed: one chunk; logprobs), and a job that runs alone (the lens)
     ("embed", {"texts": ["a" * 6000]}),
     ("logprobs", {"prompts": ["a" * 6000]}),
@@ -302,11 +312,7 @@ def test_another_tenants_short_job_runs_inside_one_long_pass(wide_gw: Server, to
         a = _job_started(wide_gw.url, tool, params, a_events)
         assert early.entered.wait(60)
         b_events: list[dict[str, Any]] = []
-        b = _job_started(wide_gw.url, "predict", {"prompt": "Hello", "top_k": 3}, b_events)
-        # B leaves the queue for A's pass before the pass goes on: it waits for A's next stop point.
-        wait_until(lambda: len(httpx.get(wide_gw.url + "/jobs?state=active").json()["jobs"]) == 2, 30, "B queued")
-        queue = next(iter(wide_gw.backend.served.values())).queue
-        wait_until(lambda: len(queue) == 0, 30, "B to be let into A's pass")
+        b = _b_waits_inside_a(wide_gw, b_events)
         early.remove()
         b.join(60)
         assert b_events and b_events[-1]["event"] == "data", b_events[-1:]
@@ -319,3 +325,90 @@ def test_another_tenants_short_job_runs_inside_one_long_pass(wide_gw: Server, to
     assert a_events[-1]["event"] == "data"
     assert a_events[-1]["data"] == run_stream(wide_gw.url, tool, params, timeout=120).terminal["data"]
     assert b_events[-1]["data"] == run_stream(wide_gw.url, "predict", {"prompt": "Hello", "top_k": 3}).terminal["data"]
+
+
+def test_another_tenants_short_job_runs_inside_one_attention(wide_gw: Server) -> None:
+    """A's pass over 6,000 tokens is held inside its first block's attention, after the queries are
+    projected: B's predict, queued then, runs inside that attention (between two pieces of queries,
+    backends/stopping.py `_Pieces`), before the attention module returns, not at the stop point
+    after it. A's result is what it is alone."""
+    from gateway.plumbing import handoff
+
+    model = wide_gw.backend.model
+    attention = model.module.model.layers[0].self_attn
+    held, release = threading.Event(), threading.Event()
+    b_waiting_after: list[bool] = []
+
+    def wide(tensor: Any) -> bool:
+        return hasattr(tensor, "shape") and tensor.dim() >= 2 and int(tensor.shape[1]) >= 1000
+
+    def hold(module: Any, args: Any, output: Any) -> None:
+        if wide(args[0]) and not held.is_set():
+            held.set()
+            assert release.wait(60)
+
+    def returned(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        device = handoff.current()
+        if wide(kwargs.get("hidden_states", args[0] if args else None)) and device is not None and not b_waiting_after:
+            b_waiting_after.append(device.waiting_between)
+
+    handles = [
+        attention.q_proj.register_forward_hook(hold),
+        attention.register_forward_hook(returned, with_kwargs=True),
+    ]
+    params = {"prompts": ["a" * 6000]}
+    try:
+        a_events: list[dict[str, Any]] = []
+        a = _job_started(wide_gw.url, "logprobs", params, a_events)
+        assert held.wait(60)
+        b_events: list[dict[str, Any]] = []
+        b = _b_waits_inside_a(wide_gw, b_events)
+        release.set()
+        b.join(60)
+        a.join(120)
+    finally:
+        release.set()
+        for handle in handles:
+            handle.remove()
+    assert b_waiting_after == [False]  # B had run when A's first attention returned
+    assert b_events[-1]["event"] == "data" and a_events[-1]["event"] == "data"
+    assert a_events[-1]["data"] == run_stream(wide_gw.url, "logprobs", params, timeout=120).terminal["data"]
+
+
+def test_attention_and_linear_layers_in_pieces_compute_what_the_whole_pass_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every attention and linear layer of a pass cut into pieces (a causal prompt, a right-padded
+    batch, a bidirectional encoder's masked batch) gives the whole pass's outputs, to float rounding,
+    with a stop point between every two pieces."""
+    import torch
+    import transformers
+
+    from backends import stopping
+
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024)).eval()
+    esm = transformers.EsmForMaskedLM(transformers.EsmConfig(
+        vocab_size=33, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=1026, position_embedding_type="rotary", pad_token_id=1, mask_token_id=32)).eval()
+    ids = torch.randint(3, 300, (2, 700))
+    mask = torch.ones_like(ids)
+    mask[1, 500:] = 0
+    cases = [
+        (llama, {"input_ids": ids[:1], "use_cache": False}),
+        (llama, {"input_ids": ids, "attention_mask": mask, "use_cache": False}),
+        (esm, {"input_ids": ids % 30 + 3, "attention_mask": mask}),
+    ]
+    for module, inputs in cases:
+        with torch.inference_mode():
+            whole = module(**inputs, output_hidden_states=True)
+            stops: list[int] = []
+            monkeypatch.setattr(stopping, "PIECE_MACS", 1 << 18)
+            with stopping._Pieces(lambda: stops.append(1)):
+                cut = module(**inputs, output_hidden_states=True)
+            monkeypatch.undo()
+        assert len(stops) > 100  # every attention and the head in many pieces
+        keep = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"])).bool()
+        assert (cut.logits - whole.logits)[keep].abs().max() < 1e-5
+        for a, b in zip(cut.hidden_states, whole.hidden_states, strict=True):
+            assert (a - b)[keep].abs().max() < 1e-5

@@ -630,26 +630,36 @@ def sized_server(tiny_model_path: Path):
 @pytest.mark.parametrize("mode", ["auto", "legacy"])
 async def test_a_big_result_is_spliced_into_its_answer_from_the_one_copy_it_has(sized_server, mode) -> None:
     """Over 64 KiB a result is not built by the SDK: its JSON is written into the answer a piece at a
-    time, as the text (escaped: quotes, backslashes, and characters past ASCII in the result) and
-    as `structuredContent`, both equal to what the same run answers; a task's answer too."""
-    # 240 KB of JSON, ~0.6 MB as the answer carries it twice: under the 1 MiB an SDK client takes in one event.
+    time, as `structuredContent`, equal to what the same run answers, the text content a line saying
+    where it is; a task's answer too. A client on a protocol without `structuredContent` gets the
+    JSON as the text (escaped: quotes, backslashes, and characters past ASCII in the result)."""
     arguments = {"size": 40_000, "fill": 'é"\\'}
     expected = {"text": 'é"\\' * 40_000}
+    size = len(msgspec.json.encode(expected))
     splicing = sized_server.app.state.mcp.splicing
     before = splicing._next
     async with connect(sized_server.url, mode=mode) as client:
         answer = await client.call_tool("sized", arguments)
         assert not answer.is_error, answer.content[0].text[:300]
         assert answer.structured_content == expected
-        assert msgspec.json.decode(answer.content[0].text) == expected
         job_id = answer.meta["streamgate/job_id"]
+        assert answer.content[0].text == f"{size} bytes of JSON, in structuredContent (also GET /jobs/{job_id} while it is kept)"
         assert httpx.get(f"{sized_server.url}/jobs/{job_id}").json()["terminal"]["data"] == expected
     async with connect(sized_server.url, tasks=True) as client:
         created = await start_task(client, "sized", arguments)
         done = await until_task(client, created.task_id, lambda s: s.status != "working")
         answer = types.CallToolResult.model_validate(done.result)
-        assert answer.structured_content == expected and msgspec.json.decode(answer.content[0].text) == expected
-    assert splicing._next - before == 2 and not splicing._waiting  # both answers spliced, every stand-in written
+        assert answer.structured_content == expected and answer.content[0].text.startswith(f"{size} bytes of JSON")
+    # The 2025-03-26 protocol, before structured content: the JSON is the text.
+    headers = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-03-26"}
+    call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "sized", "arguments": arguments}}
+    response = httpx.post(f"{sized_server.url}/mcp", json=call, headers=headers, timeout=60)
+    assert response.status_code == 200, response.text[:300]
+    message = response.json() if response.headers["content-type"].startswith("application/json") else next(
+        msgspec.json.decode(line[5:]) for line in response.text.splitlines() if line.startswith("data:") and '"result"' in line
+    )
+    assert msgspec.json.decode(message["result"]["content"][0]["text"]) == expected
+    assert splicing._next - before == 3 and not splicing._waiting  # every answer spliced, every stand-in written
 
 
 async def test_a_result_priced_over_the_inline_bound_is_refused_before_it_is_queued(sized_server) -> None:

@@ -19,7 +19,9 @@ and its terminal event the call's result. Nothing here runs a job or keeps one.
   the next whole step (or the total), and text with no room left rides on the next one
   (`Rising`). Log frames are `notifications/message` at their level (on 2026-07-28 only when
   the request's `_meta` asks for logs, at that level and above).
-- **Results.** The `data` event is `structuredContent`, and its JSON the text content; an
+- **Results.** The `data` event is `structuredContent`, and its JSON the text content (for a
+  result of `SPLICE_FROM` bytes or more, on a protocol that has `structuredContent`, a line
+  saying where it is instead: the JSON once, not twice, and a text no model could read); an
   `error` event, or a refusal before the job started (the 4xx of `POST /{tool}/run`), is a
   result with `isError`: `<code>: <message>` as its text, the protocol's error object in its
   `_meta` (`streamgate/error`; not `structuredContent`, which clients check against the result
@@ -101,6 +103,8 @@ PAGE = 100  # tools per `tools/list` page
 ENVELOPE_BYTES = 64 * 1024  # the JSON-RPC around a call's arguments, over the run's body limit
 INLINE_RESULT_BYTES = 8 << 20
 SPLICE_FROM = 64 * 1024  # a result this big is spliced into its answer (`Splicing`), not built by the SDK
+# The first protocol version with `structuredContent`: from it, a spliced result is sent once.
+STRUCTURED_FROM = "2025-06-18"
 SPLICE_KEEP_S = 600.0  # how long a stand-in waits for its answer to be written
 JOB_META = "streamgate/job_id"
 ERROR_META = "streamgate/error"
@@ -332,7 +336,8 @@ class McpServer:
                 if step is not None:
                     await ctx.session.report_progress(*step)
             assert job.terminal is not None
-            return await self._result(job.id, job.terminal)
+            structured_only = (ctx.protocol_version or "") >= STRUCTURED_FROM
+            return await self._result(job.id, job.terminal, structured_only)
         finally:
             calls = self._calls.get(key, [])
             if job in calls:
@@ -344,8 +349,10 @@ class McpServer:
                     await store.cancel(job)
             store.detach(job)
 
-    async def _result(self, job_id: str, terminal: Event) -> types.CallToolResult:
-        """A terminal event as a `CallToolResult`; a big result as markers the answer splices it into."""
+    async def _result(self, job_id: str, terminal: Event, structured_only: bool = True) -> types.CallToolResult:
+        """A terminal event as a `CallToolResult`; a big result as markers the answer splices it into.
+        `structured_only`: the client's protocol has `structuredContent` (2025-06-18 on), and a big result
+        is there alone, the text content saying so; else it is the text content too."""
         meta = {JOB_META: job_id}
         if terminal.type is EventType.ERROR:
             return _error_result(msgspec.json.decode(terminal.data, type=ErrorFrame).error, meta=meta)
@@ -359,6 +366,10 @@ class McpServer:
             return _error_result(info, meta=meta)
         if terminal.kept is not None or terminal.size >= SPLICE_FROM:
             text, structured = self.splicing.stand_in(terminal)
+            if structured_only:
+                # MCP asks for the JSON as text too (a SHOULD, for clients older than structured
+                # content): at this size it is twice the answer, and more than a model's context.
+                text = f"{terminal.size} bytes of JSON, in structuredContent (also GET /jobs/{job_id} while it is kept)"
             return types.CallToolResult(
                 content=[types.TextContent(type="text", text=text)], structured_content=structured, is_error=False, meta=meta
             )
