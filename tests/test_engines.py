@@ -291,20 +291,22 @@ def test_hostile_bodies_under_an_engine_memory_limit_are_refused_before_tokenizi
     try:
         (before,) = engines(gateway).values()
         text = "hostile " * ((20 << 20) // 8)
-        hostile = [
-            ("embed", {"texts": [text]}),
-            ("predict", {"prompt": text}),
-            ("generate", {"prompts": [text], "max_tokens": 1}),
-            ("loglikelihood", {"prompts": ["a"], "continuations": [text]}),
-            ("logprobs", {"prompts": [text]}),
-            ("logit_lens", {"prompt": text}),
+        hostile = [  # each with the param the refusal names
+            ("embed", {"texts": ["a", text]}, "texts[1]"),
+            ("predict", {"prompt": text}, "prompt"),
+            ("generate", {"prompts": [text], "max_tokens": 1}, "prompts[0]"),
+            ("generate", {"messages": [{"role": "user", "content": text}], "max_tokens": 1}, "messages"),
+            ("loglikelihood", {"prompts": ["a"], "continuations": [text]}, "continuations[0]"),
+            ("logprobs", {"prompts": [text]}, "prompts[0]"),
+            ("logit_lens", {"prompt": text}, "prompt"),
         ]
         with httpx.Client(timeout=120) as client:
-            for tool, params in hostile:
+            for tool, params, field in hostile:
                 refused = client.post(f"{gateway.url}/{tool}/run", json=params)
                 assert refused.status_code == 413, (tool, refused.text[:500])
                 error = refused.json()["error"]
                 assert error["code"] == "too_long" and "characters" in error["message"], (tool, error)
+                assert error["field"] == field, (tool, error)
         (after,) = engines(gateway).values()
         assert (after["pid"], after["restarts"]) == (before["pid"], 0)
         assert run_stream(gateway.url, "predict", {"prompt": "x", "top_k": 1}).terminal["event"] == "data"

@@ -139,14 +139,14 @@ class Model:
 
     # -- tokens ---------------------------------------------------------------------------
 
-    def tokenize(self, text: str, special: bool = True) -> list[int]:
+    def tokenize(self, text: str, special: bool = True, field: str = "input") -> list[int]:
         """Token ids of `text`, with the tokenizer's special tokens around it when `special`.
 
         A job's texts are tokenized by its check, before it is queued, and again by its run (and
         a protein tokenizer written in Python takes a millisecond a sequence): the ids of recent
         texts are kept, up to `TOKENS_KEPT` ids, so that each text is tokenized once.
         """
-        self.bound_text(len(text))
+        self.bound_text(len(text), field)
         key = (text, special)
         with self._tokens_lock:
             kept = self._tokens.get(key)
@@ -165,9 +165,10 @@ class Model:
     def _tokenize(self, text: str, special: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a prompt, with the tokenizer's special tokens, never empty."""
-        ids = self.tokenize(text)
+    def encode(self, text: str, field: str = "input") -> list[int]:
+        """Token ids of a prompt, with the tokenizer's special tokens, never empty; `field` names the
+        param a text too long to tokenize is refused as."""
+        ids = self.tokenize(text, field=field)
         if not ids:
             # A model needs at least one token to predict from.
             start = getattr(self.tokenizer, "bos_token_id", None)
@@ -189,9 +190,9 @@ class Model:
             raise ValueError("the chat template renders this conversation as no tokens")
         return list(ids)
 
-    def encode_continuation(self, text: str) -> list[int]:
+    def encode_continuation(self, text: str, field: str = "input") -> list[int]:
         """Token ids of text that follows a prompt: no special tokens."""
-        return self.tokenize(text, special=False)
+        return self.tokenize(text, special=False, field=field)
 
     def decode(self, ids: list[int]) -> str:
         decode = self.memo.get(DECODE)

@@ -75,7 +75,7 @@ class PatchingResult(msgspec.Struct):
 
 
 def _plan(model: Model, p: PatchingParams):
-    src_ids, tgt_ids = model.encode(p.src_prompt), model.encode(p.tgt_prompt)
+    src_ids, tgt_ids = model.encode(p.src_prompt, "src_prompt"), model.encode(p.tgt_prompt, "tgt_prompt")
     model.fit(len(src_ids), "src_prompt")
     model.fit(len(tgt_ids), "tgt_prompt")
     layers = resolve_layers(model, p.layers)

@@ -122,7 +122,7 @@ def check(model: Model, params: EmbedParams) -> None:
     for i, text in enumerate(params.texts):
         if not text:
             raise ParamError(f"texts[{i}]", "must not be empty")
-        ids = model.encode(text)
+        ids = model.encode(text, f"texts[{i}]")
         model.fit(len(ids), f"texts[{i}]")
         if params.pooling is not Pooling.CLS and not model.own(ids):
             raise ParamError(f"texts[{i}]", "has no tokens of its own, only the tokenizer's special tokens")

@@ -51,7 +51,7 @@ def check(model: Model, params: FillMaskParams) -> None:
     if params.top_k > model.vocab_size:
         raise ParamError("top_k", f"must be <= the vocabulary size {model.vocab_size}")
     for i, text in enumerate(params.texts):
-        ids = model.encode(text)
+        ids = model.encode(text, f"texts[{i}]")
         model.fit(len(ids), f"texts[{i}]")
         if model.mask_token_id not in ids:
             raise ParamError(f"texts[{i}]", f"has no mask token; write {_mask(model)} where the model should fill in")

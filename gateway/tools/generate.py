@@ -112,7 +112,7 @@ def inputs(model: Model, params: GenerateParams) -> list[list[int]]:
     elif params.token_ids is not None:
         given = params.token_ids
     else:
-        given = [model.encode(prompt) for prompt in params.prompts or []]
+        given = [model.encode(prompt, f"prompts[{i}]") for i, prompt in enumerate(params.prompts or [])]
     return [ids for ids in given for _ in range(params.n)]
 
 
@@ -130,7 +130,7 @@ def check(model: Model, params: GenerateParams) -> None:
             raise ParamError("messages", f"the model's chat template cannot render them: {exc}") from None
         model.fit(len(ids) + params.max_tokens, "messages", "messages + max_tokens")
     for i, prompt in enumerate(params.prompts or []):
-        model.fit(len(model.encode(prompt)) + params.max_tokens, f"prompts[{i}]", "prompt + max_tokens")
+        model.fit(len(model.encode(prompt, f"prompts[{i}]")) + params.max_tokens, f"prompts[{i}]", "prompt + max_tokens")
     for i, ids in enumerate(params.token_ids or []):
         if (bad := next((t for t in ids if t >= model.vocab_size), None)) is not None:
             raise ParamError(f"token_ids[{i}]", f"token id {bad} is not below the vocabulary size {model.vocab_size}")

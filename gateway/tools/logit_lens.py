@@ -188,7 +188,7 @@ def _rows(layers: list[int], distinct: list[int], n_positions: int) -> torch.Ten
 
 
 def _prepare(model: Model, prompt: str, layers: list[int] | None, positions: list[int] | None):
-    ids = model.encode(prompt)
+    ids = model.encode(prompt, "prompt")
     model.fit(len(ids), "prompt")
     return ids, resolve_layers(model, layers), resolve_positions(len(ids), positions)
 

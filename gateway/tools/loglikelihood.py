@@ -34,8 +34,8 @@ class LoglikelihoodResult(msgspec.Struct):
 
 def _pairs(model: Model, params: LoglikelihoodParams) -> list[tuple[list[int], list[int]]]:
     return [
-        (model.encode(prompt), model.encode_continuation(cont))
-        for prompt, cont in zip(params.prompts, params.continuations)
+        (model.encode(prompt, f"prompts[{i}]"), model.encode_continuation(cont, f"continuations[{i}]"))
+        for i, (prompt, cont) in enumerate(zip(params.prompts, params.continuations))
     ]
 
 

@@ -61,7 +61,7 @@ class LogprobsResult(msgspec.Struct):
 def rows(model: Model, params: LogprobsParams) -> list[list[int]]:
     if params.token_ids is not None:
         return params.token_ids
-    return [model.encode(text) for text in params.prompts or []]
+    return [model.encode(text, f"prompts[{i}]") for i, text in enumerate(params.prompts or [])]
 
 
 def check(model: Model, params: LogprobsParams) -> None:

@@ -31,7 +31,7 @@ class PredictResult(msgspec.Struct):
 
 
 def check(model: Model, params: PredictParams) -> None:
-    model.fit(len(model.encode(params.prompt)), "prompt")
+    model.fit(len(model.encode(params.prompt, "prompt")), "prompt")
     if params.top_k > model.vocab_size:
         raise ParamError("top_k", f"must be <= the vocabulary size {model.vocab_size}")
 

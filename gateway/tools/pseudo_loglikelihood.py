@@ -50,7 +50,7 @@ def check(model: Model, params: PseudoLoglikelihoodParams) -> None:
     for i, sequence in enumerate(params.sequences):
         if not sequence:
             raise ParamError(f"sequences[{i}]", "must not be empty")
-        ids = model.encode(sequence)
+        ids = model.encode(sequence, f"sequences[{i}]")
         model.fit(len(ids), f"sequences[{i}]")
         if not model.own(ids):
             raise ParamError(f"sequences[{i}]", "has no tokens of its own, only the tokenizer's special tokens")

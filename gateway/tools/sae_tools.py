@@ -220,9 +220,9 @@ def _check_annotate(model: Model, params: AnnotateParams) -> None:
     elif params.feature_ids is not None:
         raise ParamError("feature_ids", "only with mode pick")
     if params.prompt is not None:
-        model.fit(len(model.encode(params.prompt)), "prompt")
+        model.fit(len(model.encode(params.prompt, "prompt")), "prompt")
     for i, sequence in enumerate(params.sequences or []):
-        model.fit(len(model.encode(sequence)), f"sequences[{i}]")
+        model.fit(len(model.encode(sequence, f"sequences[{i}]")), f"sequences[{i}]")
 
 
 def _residuals(model: Model, layer: int, rows: list[list[int]]) -> list[torch.Tensor]:
