@@ -335,9 +335,10 @@ class Worker:
         return self._thread.call_between if between else self._thread.call
 
     def _fits_in(self, job: Job, held: int) -> bool:
-        """Whether `job` may run inside a long pass that holds `held` priced bytes: short itself (no
-        stop points of its own, so it ends within its own pass), and both within --max-job-memory."""
-        return not big([job]) and (not self.batch_memory or held + _memory(job) <= self.batch_memory)
+        """Whether `job` may run inside a long pass that holds `held` priced bytes: priced and short
+        itself (no stop points of its own, so it ends within its own pass; a job with no price could
+        run for as long as it likes there), and both within --max-job-memory."""
+        return job.cost is not None and not big([job]) and (not self.batch_memory or held + _memory(job) <= self.batch_memory)
 
     async def _let_in(self, work: asyncio.Future[Any], held: int) -> None:
         """While a long pass runs (`work`), each job at the head of the queue that `_fits_in` it runs

@@ -412,3 +412,21 @@ def test_attention_and_linear_layers_in_pieces_compute_what_the_whole_pass_does(
         assert (cut.logits - whole.logits)[keep].abs().max() < 1e-5
         for a, b in zip(cut.hidden_states, whole.hidden_states, strict=True):
             assert (a - b)[keep].abs().max() < 1e-5
+
+
+def test_only_a_priced_short_job_is_let_into_a_long_pass() -> None:
+    """A job with no price could run for as long as it likes inside another's pass: it waits its
+    turn in the queue instead. A priced short one fits; a long one, or one over the memory left, not."""
+    from types import SimpleNamespace
+
+    from backends.stopping import STOPPABLE_TOKENS
+    from backends.workers import Worker
+    from gateway.cost import Cost
+
+    worker = SimpleNamespace(batch_memory=1000)
+    priced = SimpleNamespace(cost=Cost(memory=100, result=10, memory_field="x", result_field="x", tokens=10))
+    long = SimpleNamespace(cost=Cost(memory=100, result=10, memory_field="x", result_field="x", tokens=STOPPABLE_TOKENS))
+    assert Worker._fits_in(worker, priced, held=900)
+    assert not Worker._fits_in(worker, priced, held=901)
+    assert not Worker._fits_in(worker, long, held=0)
+    assert not Worker._fits_in(worker, SimpleNamespace(cost=None), held=0)
