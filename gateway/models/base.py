@@ -139,14 +139,15 @@ class Model:
 
     # -- tokens ---------------------------------------------------------------------------
 
-    def tokenize(self, text: str, special: bool = True, field: str = "input") -> list[int]:
+    def tokenize(self, text: str, special: bool = True, field: str = "input", bounded: bool = True) -> list[int]:
         """Token ids of `text`, with the tokenizer's special tokens around it when `special`.
 
         A job's texts are tokenized by its check, before it is queued, and again by its run (and
         a protein tokenizer written in Python takes a millisecond a sequence): the ids of recent
         texts are kept, up to `TOKENS_KEPT` ids, so that each text is tokenized once.
         """
-        self.bound_text(len(text), field)
+        if bounded:
+            self.bound_text(len(text), field)
         key = (text, special)
         with self._tokens_lock:
             kept = self._tokens.get(key)
@@ -165,10 +166,11 @@ class Model:
     def _tokenize(self, text: str, special: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
-    def encode(self, text: str, field: str = "input") -> list[int]:
+    def encode(self, text: str, field: str = "input", bounded: bool = True) -> list[int]:
         """Token ids of a prompt, with the tokenizer's special tokens, never empty; `field` names the
-        param a text too long to tokenize is refused as."""
-        ids = self.tokenize(text, field=field)
+        param a text too long to tokenize is refused as. `bounded=False`: a text run in windows
+        (gateway/tools/windows.py), whose length the body limit bounds, not the context."""
+        ids = self.tokenize(text, field=field, bounded=bounded)
         if not ids:
             # A model needs at least one token to predict from.
             start = getattr(self.tokenizer, "bos_token_id", None)

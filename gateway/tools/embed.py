@@ -26,6 +26,7 @@ the attention of one layer (`cost` prices the largest before the job is queued).
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
@@ -35,7 +36,9 @@ import torch
 from gateway.cost import JSON_FLOAT, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
+from gateway.tools import windows
 from gateway.tools.batching import Chunk, Chunked, chunk_peak, sorted_chunks
+from gateway.tools.windows import Framed, Share, Sizes, Stitch, WindowParams, WindowPlan
 
 EMBED_BATCH = 16  # texts per forward pass at most
 EMBED_TOKENS = 16384  # padded tokens per forward pass at most (a longer text runs alone)
@@ -49,7 +52,7 @@ class Pooling(str, enum.Enum):
     NONE = "none"  # the older name of per_token
 
 
-class EmbedParams(msgspec.Struct, forbid_unknown_fields=True):
+class EmbedParams(WindowParams, forbid_unknown_fields=True):
     texts: Annotated[list[str], msgspec.Meta(min_length=1, description="Texts, or protein or DNA sequences.")]
     layer: Annotated[
         int,
@@ -94,6 +97,11 @@ class EmbedResult(msgspec.Struct, omit_defaults=True):
     ]
     tokens: list[list[str]] | None = None
     """With pooling per_token: each text's own tokens, one per vector."""
+    plans: list[WindowPlan] | None = None
+    """With window: how each text was cut and stitched (gateway/tools/windows.py)."""
+    context: list[Any] | None = None
+    """With window and pooling per_token: per text, per own token, the fewest tokens of context it had
+    on its left and on its right, [left, right]."""
 
 
 def _array(t: torch.Tensor, precision: int | None) -> np.ndarray:
@@ -110,7 +118,38 @@ def _per_token(pooling: Pooling) -> bool:
     return pooling in (Pooling.PER_TOKEN, Pooling.NONE)
 
 
+def _framed(model: Model, text: str, field: str) -> Framed:
+    ids = model.encode(text, field, bounded=False)
+    return Framed.of(ids, model.own(ids), field)
+
+
+def _sizes(model: Model, params: EmbedParams, framed: Framed) -> Sizes | None:
+    return windows.resolve(params, model.context_length - framed.around)
+
+
 def check(model: Model, params: EmbedParams) -> None:
+    if params.window is not None:
+        _check_windows(model, params)
+        return
+    windows.resolve(params, model.context_length)  # window-only params without a window
+    with windows.naming_window():
+        _check(model, params)
+
+
+def _check_windows(model: Model, params: EmbedParams) -> None:
+    _check_layer(model, params)
+    if params.pooling is Pooling.CLS:
+        raise ParamError("pooling", "cls reads one window's first token; with windows use mean, last or per_token")
+    for i, text in enumerate(params.texts):
+        if not text:
+            raise ParamError(f"texts[{i}]", "must not be empty")
+        framed = _framed(model, text, f"texts[{i}]")
+        sizes = _sizes(model, params, framed)
+        assert sizes is not None
+        windows.plan(len(framed.own), sizes)  # a plan of too many windows is refused here
+
+
+def _check_layer(model: Model, params: EmbedParams) -> None:
     n = _n_states(model)
     if not -n <= params.layer < n:
         raise ParamError("layer", f"layer {params.layer} is out of range; the model has {n} hidden states (0..{n - 1}, or -{n}..-1)")
@@ -119,6 +158,10 @@ def check(model: Model, params: EmbedParams) -> None:
             "pooling",
             "cls reads the first token, which in a causal model sees nothing after it; use mean or last",
         )
+
+
+def _check(model: Model, params: EmbedParams) -> None:
+    _check_layer(model, params)
     for i, text in enumerate(params.texts):
         if not text:
             raise ParamError(f"texts[{i}]", "must not be empty")
@@ -129,26 +172,68 @@ def check(model: Model, params: EmbedParams) -> None:
 
 
 def cost(model: Model, params: EmbedParams) -> Cost:
-    """The largest chunk's pass with every hidden state it returns, then the vectors kept and their JSON."""
+    """The largest chunk's pass with every hidden state it returns, then the vectors kept and their JSON.
+    With windows the passes are the windows', and a per-token result is held twice at the end (the
+    windows' rows and the stitched array) with each position's context beside it in the JSON."""
     shape = Shape.of(model)
-    lengths = [len(model.encode(text)) for text in params.texts]
+    per_token = _per_token(params.pooling)
+    if params.window is None:
+        lengths = [len(model.encode(text)) for text in params.texts]
+        passes, positions, held = lengths, sum(lengths) if per_token else len(lengths), 1
+    else:
+        passes, n_own = [], []
+        for i, text in enumerate(params.texts):
+            framed = _framed(model, text, f"texts[{i}]")
+            sizes = _sizes(model, params, framed)
+            assert sizes is not None
+            passes += [end - start + framed.around for start, end in windows.plan(len(framed.own), sizes)]
+            n_own.append(len(framed.own))
+        positions, held = sum(n_own) if per_token else len(n_own), 2 if per_token else 1
     n_states = _n_states(model)
-    peak = chunk_peak(lengths, EMBED_BATCH, EMBED_TOKENS, lambda rows, width: shape.pass_bytes(rows, width, states=n_states))
-    vectors = sum(lengths) if _per_token(params.pooling) else len(lengths)
-    per_vector = shape.hidden * JSON_FLOAT + (JSON_TOKEN if _per_token(params.pooling) else 0)
-    result = vectors * per_vector
+    peak = chunk_peak(passes, EMBED_BATCH, EMBED_TOKENS, lambda rows, width: shape.pass_bytes(rows, width, states=n_states))
+    per_vector = shape.hidden * JSON_FLOAT + (JSON_TOKEN if per_token else 0)
+    if params.window is not None and per_token:
+        per_vector += 2 * JSON_FLOAT  # its [left, right] context
+    result = positions * per_vector
     return Cost(
-        memory=peak + vectors * shape.hidden * 4 + result,
+        memory=peak + held * positions * shape.hidden * 4 + result,
         result=result,
-        memory_field="texts",
-        result_field="pooling" if _per_token(params.pooling) else "texts",
-        tokens=max(lengths),
+        memory_field="window" if params.window is not None else "texts",
+        result_field="pooling" if per_token else "texts",
+        tokens=max(passes),
     )
 
 
+@dataclass(frozen=True)
+class _InWindow:
+    """A window's row of a chunk: where the text's own tokens begin in it, its share of the stitched
+    text, and the text's length in own tokens."""
+
+    head: int
+    share: Share
+    n: int
+
+
 def _plan(model: Model, jobs: list[EmbedParams], by_length: bool = True) -> list[Chunk]:
-    items = [((job, i), model.encode(text)) for job, params in enumerate(jobs) for i, text in enumerate(params.texts)]
-    return sorted_chunks(items, EMBED_BATCH, max_tokens=EMBED_TOKENS, by_length=by_length)
+    items: list[tuple[Any, list[int]]] = []
+    placed: dict[Any, _InWindow] = {}
+    for job, params in enumerate(jobs):
+        for i, text in enumerate(params.texts):
+            if params.window is None:
+                items.append(((job, i), model.encode(text)))
+                continue
+            framed = _framed(model, text, f"texts[{i}]")
+            sizes = _sizes(model, params, framed)
+            assert sizes is not None
+            cut = windows.plan(len(framed.own), sizes)
+            for w, ((start, end), share) in enumerate(zip(cut, windows.shares(cut, sizes.stitch))):
+                key = (job, (i, w))
+                items.append((key, framed.window(start, end)))
+                placed[key] = _InWindow(len(framed.head), share, len(framed.own))
+    chunks = sorted_chunks(items, EMBED_BATCH, max_tokens=EMBED_TOKENS, by_length=by_length)
+    for chunk in chunks:
+        chunk.extra["windows"] = {key: placed[key] for key in chunk.items if key in placed}
+    return chunks
 
 
 def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
@@ -170,7 +255,15 @@ def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
         groups.setdefault((params.layer % n_states, pooling, params.normalize, params.precision), []).append(row)
     out: list[Any] = [None] * len(chunk.items)
     owns: dict[int, list[int]] = {}  # each pooled row's own token positions (CLS reads none)
+    in_windows = chunk.extra.get("windows", {})
+    for row, key in enumerate(chunk.items):
+        if key in in_windows:
+            params = jobs[key[0]]
+            out[row] = _window_share(states[params.layer % n_states][row], chunk.data[row], in_windows[key], Pooling(params.pooling))
     for (layer, pooling, normalize, precision), rows in groups.items():
+        rows = [row for row in rows if chunk.items[row] not in in_windows]
+        if not rows:
+            continue
         device = states[layer].device
         if pooling is Pooling.CLS:
             vectors = states[layer][torch.tensor(rows, device=device), 0].float()
@@ -198,8 +291,65 @@ def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
     return out
 
 
-def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[tuple[int, int], Any]) -> list[EmbedResult]:
-    texts = model.token_texts(t for output in outputs.values() if isinstance(output, tuple) for t in output[1])
+@dataclass(frozen=True)
+class _Shared:
+    """What one window gives its text: positions [start, end) of it; `rows` its (weighted) states
+    there (per_token), their sum (mean), or the text's last position's (last; None if not its);
+    `ids` the tokens at those positions."""
+
+    start: int
+    end: int
+    rows: np.ndarray | None
+    ids: list[int]
+
+
+def _window_share(states: torch.Tensor, ids: list[int], at: _InWindow, pooling: Pooling) -> _Shared:
+    """One window row's share of its text, off the device: only what the stitched result needs of it."""
+    share = at.share
+    begin = at.head + share.offset
+    rows = states[begin : begin + share.end - share.start].float()
+    if share.weights is not None:
+        rows = rows * torch.from_numpy(share.weights).to(rows.device)[:, None]
+    own = ids[begin : begin + share.end - share.start]
+    if pooling is Pooling.MEAN:
+        return _Shared(share.start, share.end, _array(rows.sum(0), None), [])
+    if pooling is Pooling.LAST:
+        return _Shared(share.start, share.end, _array(rows[-1], None) if share.end == at.n else None, [])
+    return _Shared(share.start, share.end, _array(rows, None), own)
+
+
+def _stitched(params: EmbedParams, shared: list[_Shared], precision: int | None) -> tuple[Any, list[int]]:
+    """A windowed text's vector(s) from its windows' shares, and (per_token) its own token ids."""
+    n = max(part.end for part in shared)
+    pooling = Pooling(params.pooling)
+    ids: list[int] = []
+    if pooling is Pooling.MEAN:
+        vector = torch.from_numpy(np.sum([part.rows for part in shared], axis=0) / n)
+    elif pooling is Pooling.LAST:
+        vector = torch.from_numpy(np.sum([part.rows for part in shared if part.rows is not None], axis=0))
+    else:
+        width = next(part.rows.shape[-1] for part in shared if part.rows is not None)
+        vector = torch.zeros((n, width))
+        ids = [0] * n
+        for part in shared:
+            assert part.rows is not None
+            vector[part.start : part.end] += torch.from_numpy(part.rows)
+            ids[part.start : part.end] = part.ids
+    if params.normalize:
+        vector = torch.nn.functional.normalize(vector, dim=-1)
+    return _array(vector, precision), ids
+
+
+def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any]) -> list[EmbedResult]:
+    shared: dict[tuple[int, int], list[_Shared]] = {}
+    for (job, item), output in outputs.items():
+        if isinstance(item, tuple):
+            shared.setdefault((job, item[0]), []).append(output)
+    for key, parts in shared.items():
+        outputs[key] = _stitched(jobs[key[0]], sorted(parts, key=lambda part: part.start), jobs[key[0]].precision)
+        if not _per_token(jobs[key[0]].pooling):
+            outputs[key] = outputs[key][0]
+    texts = model.token_texts(t for key, output in outputs.items() if not isinstance(key[1], tuple) and isinstance(output, tuple) for t in output[1])
     results = []
     for job, params in enumerate(jobs):
         vectors = [outputs[job, i] for i in range(len(params.texts))]
@@ -207,6 +357,9 @@ def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[tuple[int, in
         if _per_token(params.pooling):
             tokens = [[texts[t] for t in ids] for _, ids in vectors]
             vectors = [v for v, _ in vectors]
+        plans = context = None
+        if params.window is not None:
+            plans, context = _plans(model, params)
         results.append(
             EmbedResult(
                 dim=int(vectors[0].shape[-1]),
@@ -214,13 +367,30 @@ def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[tuple[int, in
                 pooling=params.pooling,
                 embeddings=vectors,
                 tokens=tokens,
+                plans=plans,
+                context=context if _per_token(params.pooling) else None,
             )
         )
     return results
 
 
+def _plans(model: Model, params: EmbedParams) -> tuple[list[WindowPlan], list[Any]]:
+    """Each text's window plan, and each own token's least context on each side."""
+    plans, context = [], []
+    for i, text in enumerate(params.texts):
+        framed = _framed(model, text, f"texts[{i}]")
+        sizes = _sizes(model, params, framed)
+        assert sizes is not None
+        cut = windows.plan(len(framed.own), sizes)
+        plans.append(WindowPlan(windows=cut, stitch=sizes.stitch, window=sizes.window, overlap=sizes.overlap))
+        context.append(windows.context(cut, sizes.stitch))
+    return plans, context
+
+
 # Per text, a pass over its tokens: its length is its share of the work.
-work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="texts", items="texts", per_item=("embeddings", "tokens"))
+work = Chunked(
+    plan=_plan, run=_run, assemble=_assemble, unit="texts", items="texts", per_item=("embeddings", "tokens", "plans", "context")
+)
 
 
 @tool(

@@ -1,0 +1,225 @@
+"""Sequences longer than a model's context, as overlapping windows stitched back together.
+
+A tool whose output is per position, or pooled over positions, takes three
+params (`WindowParams`): `window`, the most own tokens of a sequence one pass
+sees (the model's context less the special tokens the tokenizer adds and any
+tag); `overlap`, the tokens two neighbouring windows share; and `stitch`, how a
+position seen by two windows gets its value:
+
+- `center` (the default): from the window where it is farthest from an edge,
+  so each position's state is one the model computed, with the most context on
+  its nearer side the plan gives it; the stretch where two windows overlap is
+  split at its middle.
+- `mean`: the average of every window that saw it. Smoother across window
+  edges, but a position in an overlap gets a mix of two passes' states, which
+  no single pass computed.
+
+A plan (`plan`) puts windows of `window` tokens `window - overlap` apart, the
+last one ending at the sequence's end, so every window is full length (a
+sequence no longer than `window` is one window: the whole pass, exactly). Each
+window is run as a sequence of its own, with the tokenizer's special tokens
+(and the sequence's tag) around it, as users of ESM-2 and Evo2 window by hand.
+
+The answer states the plan: each window's (start, end) in the sequence's own
+tokens, the rule, and, per position, the fewest tokens of context it had on
+each side (`Stitched.context`), so that edge-affected positions can be told.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+import numpy as np
+
+from gateway.errors import ApiError, ParamError, TooLong
+from gateway.protocol import Code
+
+
+class Stitch(str, enum.Enum):
+    CENTER = "center"
+    MEAN = "mean"
+
+
+WINDOW_DOC = (
+    "For a sequence longer than the model's context: the most of its own tokens one pass sees; longer "
+    "sequences run as overlapping windows, stitched (see stitch). Default: none (a sequence over the context "
+    "is refused with 413); 0 takes the model's context less its special tokens."
+)
+OVERLAP_DOC = "Tokens two neighbouring windows share. Default: a quarter of the window."
+STITCH_DOC = (
+    "How a position two windows saw gets its value: center (the default) takes it from the window where it is "
+    "farthest from an edge, a state one pass computed; mean averages every window that saw it."
+)
+
+
+class WindowParams(msgspec.Struct, kw_only=True):
+    """The window params a tool's params take (its own fields first)."""
+
+    window: Annotated[int, msgspec.Meta(ge=0, description=WINDOW_DOC)] | None = None
+    overlap: Annotated[int, msgspec.Meta(ge=0, description=OVERLAP_DOC)] | None = None
+    stitch: Annotated[Stitch, msgspec.Meta(description=STITCH_DOC)] = Stitch.CENTER
+
+
+class WindowPlan(msgspec.Struct, omit_defaults=True):
+    """How one sequence was cut: its windows, in its own tokens, and how they were stitched."""
+
+    windows: list[tuple[int, int]]
+    """Each window's (start, end) in the sequence's own tokens, end exclusive."""
+    stitch: Stitch
+    window: int
+    overlap: int
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A job's window and overlap, resolved against the model."""
+
+    window: int
+    overlap: int
+    stitch: Stitch
+
+    @property
+    def step(self) -> int:
+        return self.window - self.overlap
+
+
+def resolve(params: WindowParams, most: int) -> Sizes | None:
+    """The window sizes `params` ask for, `most` own tokens being the most a pass takes; None
+    when no window was asked for. Raises `ParamError` naming the param at fault."""
+    if params.window is None:
+        if params.overlap is not None:
+            raise ParamError("overlap", "only with window")
+        return None
+    window = params.window or most
+    if window > most:
+        raise ParamError("window", f"window {window} is more than the model takes in one pass: {most} tokens of a sequence")
+    overlap = params.overlap if params.overlap is not None else window // 4
+    if overlap >= window:
+        raise ParamError("overlap", f"must be less than the window ({window})")
+    return Sizes(window, overlap, Stitch(params.stitch))
+
+
+WINDOW_HINT = "; give window (0: as much as the model takes) to run it as overlapping windows"
+
+
+@contextlib.contextmanager
+def naming_window() -> Iterator[None]:
+    """Within: a 413 `too_long` says that the window param would take the sequence."""
+    try:
+        yield
+    except TooLong as exc:
+        exc.message += WINDOW_HINT
+        exc.args = (exc.message,)
+        raise
+
+
+@dataclass(frozen=True)
+class Framed:
+    """A sequence's token ids as windows take them: the tokens before its own (special tokens, a
+    tag), its own, and those after; each window is `head + own[start:end] + tail`."""
+
+    head: list[int]
+    own: list[int]
+    tail: list[int]
+
+    @classmethod
+    def of(cls, ids: list[int], own: list[int], field: str) -> Framed:
+        if not own:
+            raise ParamError(field, "has no tokens of its own, only the tokenizer's special tokens")
+        first, last = own[0], own[-1]
+        if last - first + 1 != len(own):
+            raise ParamError(field, "its own tokens are not one run between the special ones: it cannot be cut into windows")
+        return cls(ids[:first], ids[first : last + 1], ids[last + 1 :])
+
+    def window(self, start: int, end: int) -> list[int]:
+        return [*self.head, *self.own[start:end], *self.tail]
+
+    @property
+    def around(self) -> int:
+        """The tokens each window adds around the sequence's own."""
+        return len(self.head) + len(self.tail)
+
+
+# Windows one sequence may be cut into: a 1 Mbp genome in windows of 256 bases a quarter shared is
+# 5,209; a window of a few tokens over a long sequence would be a pass per token.
+MAX_WINDOWS = 20_000
+
+
+def plan(n: int, sizes: Sizes) -> list[tuple[int, int]]:
+    """Windows over `n` positions: `sizes.window` long, `sizes.step` apart, the last ending at `n`.
+    Raises 413 `too_large` (the `window` param) past `MAX_WINDOWS`."""
+    if n <= sizes.window:
+        return [(0, n)]
+    count = -(-(n - sizes.window) // sizes.step) + 1
+    if count > MAX_WINDOWS:
+        raise ApiError(
+            Code.TOO_LARGE,
+            f"window: {count} windows of {sizes.window} tokens {sizes.step} apart; at most {MAX_WINDOWS} a sequence: "
+            "a longer window, or less overlap",
+            field="window",
+        )
+    starts = list(range(0, n - sizes.window, sizes.step)) + [n - sizes.window]
+    return [(start, start + sizes.window) for start in starts]
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one window gives the stitched sequence: positions [start, end) in the sequence, each
+    row of the window's output from `offset` on times its `weight`."""
+
+    start: int
+    end: int
+    offset: int
+    weights: np.ndarray | None  # None: every weight is 1
+
+
+def shares(windows: list[tuple[int, int]], stitch: Stitch) -> list[Share]:
+    """Each window's share of the stitched sequence; the shares of a position's windows sum to 1."""
+    if stitch is Stitch.CENTER:
+        # Where two neighbours overlap, each position goes to the window it is farther inside; the
+        # overlap splits at its middle (the earlier window takes the middle position of an odd one).
+        cuts = [0]
+        for (_, end), (start, _) in zip(windows, windows[1:]):
+            cuts.append((start + end + 1) // 2)
+        cuts.append(windows[-1][1])
+        return [Share(a, b, a - w[0], None) for w, a, b in zip(windows, cuts, cuts[1:])]
+    n = windows[-1][1]
+    cover = np.zeros(n, dtype=np.float32)
+    for start, end in windows:
+        cover[start:end] += 1
+    return [Share(start, end, 0, 1.0 / cover[start:end]) for start, end in windows]
+
+
+def context(windows: list[tuple[int, int]], stitch: Stitch) -> np.ndarray:
+    """Per position, the fewest tokens of context it had on its left and on its right (n × 2) among
+    the windows its value came from: a position at the sequence's own end has what the sequence has."""
+    n = windows[-1][1]
+    least = np.full((n, 2), np.iinfo(np.int64).max, dtype=np.int64)
+    if stitch is Stitch.CENTER:
+        for share, (start, end) in zip(shares(windows, stitch), windows):
+            at = np.arange(share.start, share.end)
+            least[share.start : share.end, 0] = at - start
+            least[share.start : share.end, 1] = end - 1 - at
+        return least
+    for start, end in windows:
+        at = np.arange(start, end)
+        np.minimum(least[start:end, 0], at - start, out=least[start:end, 0])
+        np.minimum(least[start:end, 1], end - 1 - at, out=least[start:end, 1])
+    return least
+
+
+def stitched(n: int, parts: list[tuple[Share, np.ndarray]], width: int) -> np.ndarray:
+    """The n × width sequence from each window's output rows and share."""
+    out = np.zeros((n, width), dtype=np.float32)
+    for share, rows in parts:
+        piece = rows[share.offset : share.offset + share.end - share.start]
+        if share.weights is None:
+            out[share.start : share.end] = piece
+        else:
+            out[share.start : share.end] += piece * share.weights[:, None]
+    return out

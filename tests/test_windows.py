@@ -1,0 +1,173 @@
+"""Sequences longer than the context, as windows: the plan (gateway/tools/windows.py), and `embed`
+over it through the gateway against the same windows computed here in plain transformers and
+stitched here by each rule."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+from gateway.tools import windows
+from gateway.tools.windows import Sizes, Stitch
+from tests.conftest import make_server, run_stream
+from tests.test_tools import result
+
+AMINO = "LAGVSERTIDPKQNFYMHWC"
+
+
+# -- the plan -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "window", "overlap"), [(1, 10, 2), (10, 10, 2), (11, 10, 2), (1000, 100, 30), (997, 64, 63), (500, 7, 0)])
+def test_a_plan_covers_every_position_with_full_windows_and_shares_that_sum_to_one(n: int, window: int, overlap: int) -> None:
+    for stitch in Stitch:
+        sizes = Sizes(window, overlap, stitch)
+        cut = windows.plan(n, sizes)
+        assert cut[0][0] == 0 and cut[-1][1] == n
+        assert all(end - start == min(window, n) for start, end in cut)
+        assert all(b[0] - a[0] <= window - overlap for a, b in zip(cut, cut[1:]))  # no gap, at least the overlap shared
+        total = np.zeros(n)
+        for share, (start, end) in zip(windows.shares(cut, stitch), cut):
+            assert start <= share.start <= share.end <= end and share.offset == share.start - start
+            total[share.start : share.end] += 1 if share.weights is None else share.weights
+        assert np.allclose(total, 1)
+
+
+def test_center_takes_each_position_from_the_window_it_is_farthest_inside() -> None:
+    cut = windows.plan(1000, Sizes(100, 30, Stitch.CENTER))
+    context = windows.context(cut, Stitch.CENTER)
+    for p in range(1000):
+        best = max(min(p - s, e - 1 - p) for s, e in cut if s <= p < e)
+        assert min(context[p]) == best, p
+    # Inside the sequence every position keeps at least half the overlap on each side.
+    assert context[100:900].min() >= 14
+
+
+def test_mean_reports_each_sides_least_context_over_the_windows_averaged() -> None:
+    cut = [(0, 10), (6, 16)]
+    context = windows.context(cut, Stitch.MEAN)
+    assert context[7].tolist() == [1, 2]  # in (0, 10): 7 left, 2 right; in (6, 16): 1 left, 8 right
+
+
+# -- embed through the gateway ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def esm_path(tiny: Callable[..., Path]) -> Path:
+    return tiny("esm_mlm")
+
+
+@pytest.fixture(scope="module")
+def server(esm_path: Path, tiny_model_path: Path):
+    s = make_server([f"esm={esm_path}", f"text={tiny_model_path}"])
+    yield s
+    s.stop()
+
+
+def protein(n: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice(AMINO) for _ in range(n))
+
+
+def windowed_states(path: Path, sequence: str, window: int, overlap: int, stitch: str, layer: int = -1) -> np.ndarray:
+    """Per residue, the stitched hidden state, computed here: each window tokenized as a protein of
+    its own, run through transformers, and its residues' states stitched by `stitch`."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForMaskedLM.from_pretrained(path).eval()
+    n = len(sequence)
+    starts = list(range(0, max(n - window, 0), window - overlap)) + [max(n - window, 0)]
+    states: list[tuple[int, int, np.ndarray]] = []
+    with torch.no_grad():
+        for start in dict.fromkeys(starts):
+            end = min(start + window, n)
+            ids = tokenizer(sequence[start:end], return_tensors="pt")
+            hidden = model(**ids, output_hidden_states=True).hidden_states[layer][0, 1:-1]
+            states.append((start, end, hidden.numpy()))
+    out = np.zeros((n, states[0][2].shape[-1]), dtype=np.float64)
+    for p in range(n):
+        seen = [(min(p - s, e - 1 - p), h[p - s]) for s, e, h in states if s <= p < e]
+        if stitch == "center":
+            out[p] = max(seen, key=lambda x: x[0])[1]  # the first of equals: the earlier window
+        else:
+            out[p] = np.mean([h for _, h in seen], axis=0)
+    return out
+
+
+@pytest.mark.parametrize("stitch", ["center", "mean"])
+def test_embed_over_windows_is_the_windows_computed_here_and_stitched(server, esm_path: Path, stitch: str) -> None:
+    """A 1,000-residue protein on a model of 256 tokens: per_token, mean and last embeddings from
+    windows of 100 residues overlapping by 30, each equal (1e-5) to the same windows run here in
+    transformers and stitched here; the plan and each residue's context are in the answer."""
+    sequence = protein(1000)
+    want = windowed_states(esm_path, sequence, 100, 30, stitch)
+    params = {"model": "esm", "texts": [sequence], "window": 100, "overlap": 30, "stitch": stitch}
+    per_token = result(server.url, "embed", {**params, "pooling": "per_token"})
+    got = np.array(per_token["embeddings"][0])
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5
+    assert "".join(per_token["tokens"][0]) == sequence
+    (plan,) = per_token["plans"]
+    assert plan == {"windows": [list(w) for w in windows.plan(1000, Sizes(100, 30, Stitch(stitch)))], "stitch": stitch, "window": 100, "overlap": 30}
+    context = np.array(per_token["context"][0])
+    assert context.shape == (1000, 2) and context[0].tolist() == [0, 99] and context[-1].tolist() == [99, 0]
+    mean = result(server.url, "embed", {**params, "pooling": "mean"})["embeddings"][0]
+    assert np.abs(np.array(mean) - want.mean(0)).max() <= 1e-5
+    last = result(server.url, "embed", {**params, "pooling": "last", "normalize": True})["embeddings"][0]
+    assert np.abs(np.array(last) - want[-1] / np.linalg.norm(want[-1])).max() <= 1e-5
+
+
+def test_one_window_as_long_as_the_sequence_is_the_whole_pass_exactly(server) -> None:
+    sequence = protein(200, seed=1)
+    for pooling in ("per_token", "mean", "last"):
+        whole = result(server.url, "embed", {"model": "esm", "texts": [sequence], "pooling": pooling})
+        one = result(server.url, "embed", {"model": "esm", "texts": [sequence], "pooling": pooling, "window": 0})
+        assert one["embeddings"] == whole["embeddings"], pooling
+        assert one["plans"] == [{"windows": [[0, 200]], "stitch": "center", "window": 256, "overlap": 64}]  # 258 positions less <cls> and <eos>
+
+
+def test_a_causal_models_windows_keep_its_bos_in_each(server, tiny_model_path: Path) -> None:
+    """A text model's windows are its own tokens with its special tokens around each (the tiny
+    Llama's BOS), stitched as any other: a long text runs, its tokens back in order."""
+    text = "the quick brown fox jumps over the lazy dog. " * 40  # 1,800 bytes on a 256-token model
+    out = result(server.url, "embed", {"model": "text", "texts": [text], "window": 0, "pooling": "per_token"})
+    assert "".join(out["tokens"][0]) == text
+    assert len(out["embeddings"][0]) == len(text) and out["plans"][0]["window"] == 255
+
+
+def test_over_the_context_without_a_window_the_413_names_the_window_param(server) -> None:
+    s = run_stream(server.url, "embed", {"model": "esm", "texts": ["MK", protein(1000)]})
+    assert s.status == 413
+    error = s.body["error"]
+    assert error["code"] == "too_long" and error["field"] == "texts[1]" and "give window" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"window": 100, "pooling": "cls"}, "pooling"),
+        ({"window": 100, "overlap": 100}, "overlap"),
+        ({"window": 300}, "window"),
+        ({"overlap": 10}, "overlap"),
+        ({"window": 1, "overlap": 0, "texts": [protein(30_000)]}, "window"),  # 30,000 windows of one residue
+    ],
+)
+def test_a_window_that_cannot_run_is_refused_naming_the_param(server, params: dict[str, Any], field: str) -> None:
+    response = httpx.post(f"{server.url}/embed/run", json={"model": "esm", "texts": [protein(500)], **params})
+    assert response.status_code in (400, 413, 422) and response.json()["error"]["field"] == field, response.text
+
+
+def test_a_remote_executor_answers_the_same_windows(server, serve_any, esm_path: Path) -> None:
+    """Through an executor process (results as msgpack with raw buffers), the same numbers, plan and
+    context as in-process."""
+    remote = serve_any("remote", model_path=esm_path)
+    params = {"texts": [protein(600, seed=2)], "window": 120, "overlap": 40, "stitch": "mean", "pooling": "per_token"}
+    there = result(remote.url, "embed", params)
+    here = result(server.url, "embed", {**params, "model": "esm"})
+    assert there == here
