@@ -171,3 +171,41 @@ def test_a_remote_executor_answers_the_same_windows(server, serve_any, esm_path:
     there = result(remote.url, "embed", params)
     here = result(server.url, "embed", {**params, "model": "esm"})
     assert there == here
+
+
+def windowed_pll(path: Path, sequence: str, window: int, overlap: int, stitch: str) -> tuple[float, list[float]]:
+    """Per residue, its log-probability masked in its window (center) or averaged over every window
+    holding it (mean), computed here in transformers; and their sum."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForMaskedLM.from_pretrained(path).eval()
+    n = len(sequence)
+    starts = list(dict.fromkeys(list(range(0, max(n - window, 0), window - overlap)) + [max(n - window, 0)]))
+    cut = [(s, min(s + window, n)) for s in starts]
+    scores: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+    with torch.no_grad():
+        for start, end in cut:
+            ids = tokenizer(sequence[start:end], return_tensors="pt").input_ids[0]
+            for p in range(start, end):
+                masked = ids.clone()
+                masked[1 + p - start] = tokenizer.mask_token_id
+                logits = model(input_ids=masked[None]).logits[0, 1 + p - start]
+                scores[p].append((min(p - start, end - 1 - p), float(logits.log_softmax(-1)[ids[1 + p - start]])))
+    per = [max(s, key=lambda x: x[0])[1] if stitch == "center" else float(np.mean([v for _, v in s])) for s in scores]
+    return sum(per), per
+
+
+@pytest.mark.parametrize("stitch", ["center", "mean"])
+def test_pseudo_loglikelihood_over_windows_is_the_windows_scored_here(server, esm_path: Path, stitch: str) -> None:
+    sequence = protein(300, seed=3)
+    total, per = windowed_pll(esm_path, sequence, 80, 20, stitch)
+    out = result(server.url, "pseudo_loglikelihood", {
+        "model": "esm", "sequences": [sequence], "window": 80, "overlap": 20, "stitch": stitch, "per_position": True,
+    })
+    assert out["tokens_scored"] == [300] and "".join(out["tokens"][0]) == sequence
+    assert np.abs(np.array(out["per_position"][0]) - per).max() <= 1e-4 and abs(out["pll"][0] - total) <= 1e-3
+    assert out["plans"][0]["windows"] == [list(w) for w in windows.plan(300, Sizes(80, 20, Stitch(stitch)))]
+    assert np.array(out["context"][0]).shape == (300, 2)
+    short = protein(60, seed=4)
+    whole = result(server.url, "pseudo_loglikelihood", {"model": "esm", "sequences": [short], "per_position": True})
+    one = result(server.url, "pseudo_loglikelihood", {"model": "esm", "sequences": [short], "per_position": True, "window": 0})
+    assert one["per_position"] == whole["per_position"] and one["pll"] == whole["pll"]

@@ -10,6 +10,12 @@ The copies of every job's sequences are sorted by length into chunks of at
 most `PLL_TOKENS` padded tokens and run chunk by chunk, or on every device at
 once (`--devices`) for one big job. A sequence of n tokens costs n forward
 rows of n tokens: a 500-residue protein is 500 rows.
+
+With `window` (gateway/tools/windows.py) a sequence longer than the context
+is scored in windows: each position is masked in a copy of the window it takes
+its value from (`center`), or in every window that holds it, its
+log-probabilities averaged (`mean`). A sequence of n tokens then costs about
+n rows of `window` tokens (`center`).
 """
 
 from __future__ import annotations
@@ -24,13 +30,15 @@ from gateway.errors import ParamError
 from gateway.models.anatomy import logits_at
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import Chunk, Chunked, chunk_peak, sorted_chunks
+from gateway.tools import windows
 from gateway.tools.numbers import floats
+from gateway.tools.windows import Framed, Sizes, WindowParams, WindowPlan
 
 PLL_ROWS = 64  # masked copies per forward pass at most
 PLL_TOKENS = 16384  # padded tokens per forward pass at most
 
 
-class PseudoLoglikelihoodParams(msgspec.Struct, forbid_unknown_fields=True):
+class PseudoLoglikelihoodParams(WindowParams, forbid_unknown_fields=True):
     sequences: Annotated[list[str], msgspec.Meta(min_length=1, description="Sequences (or texts) to score.")]
     per_position: Annotated[
         bool, msgspec.Meta(description="Also return each own token's log-probability with it masked, and the tokens.")
@@ -44,14 +52,35 @@ class PseudoLoglikelihoodResult(msgspec.Struct, omit_defaults=True):
     """Per sequence: how many tokens were masked and scored (its own tokens)."""
     per_position: list[list[float]] | None = None
     tokens: list[list[str]] | None = None
+    plans: list[WindowPlan] | None = None
+    """With window: how each sequence was cut and stitched."""
+    context: list[Any] | None = None
+    """With window and per_position: per own token, the fewest tokens of context it had on each side, [left, right]."""
+
+
+def _framed(model: Model, params: PseudoLoglikelihoodParams, i: int) -> tuple[Framed, Sizes, list[tuple[int, int]]]:
+    """A windowed sequence's tokens, its window sizes and its plan."""
+    field = f"sequences[{i}]"
+    ids = model.encode(params.sequences[i], field, bounded=False)
+    framed = Framed.of(ids, model.own(ids), field)
+    sizes = windows.resolve(params, model.context_length - framed.around)
+    assert sizes is not None
+    return framed, sizes, windows.plan(len(framed.own), sizes)
 
 
 def check(model: Model, params: PseudoLoglikelihoodParams) -> None:
+    windows.resolve(params, model.context_length)  # window-only params without a window
     for i, sequence in enumerate(params.sequences):
         if not sequence:
             raise ParamError(f"sequences[{i}]", "must not be empty")
-        ids = model.encode(sequence, f"sequences[{i}]")
-        model.fit(len(ids), f"sequences[{i}]")
+        if params.window is not None:
+            framed, _, _ = _framed(model, params, i)
+            if model.mask_token_id in framed.own:
+                raise ParamError(f"sequences[{i}]", "already holds the mask token; give the sequence itself")
+            continue
+        with windows.naming_window():
+            ids = model.encode(sequence, f"sequences[{i}]")
+            model.fit(len(ids), f"sequences[{i}]")
         if not model.own(ids):
             raise ParamError(f"sequences[{i}]", "has no tokens of its own, only the tokenizer's special tokens")
         if model.mask_token_id in ids:
@@ -61,16 +90,24 @@ def check(model: Model, params: PseudoLoglikelihoodParams) -> None:
 def cost(model: Model, params: PseudoLoglikelihoodParams) -> Cost:
     """The largest chunk of masked copies (each as long as its sequence) with its logits, and a number a copy."""
     shape = Shape.of(model)
-    lengths = [len(model.encode(sequence)) for sequence in params.sequences]
-    copies = [n for n in lengths for _ in range(n)]  # a copy per position (own tokens: at most that)
+    if params.window is None:
+        lengths = [len(model.encode(sequence)) for sequence in params.sequences]
+        copies = [n for n in lengths for _ in range(n)]  # a copy per position (own tokens: at most that)
+    else:
+        lengths, copies = [], []
+        for i in range(len(params.sequences)):
+            framed, sizes, cut = _framed(model, params, i)
+            lengths.append(len(framed.own))
+            shares = windows.shares(cut, sizes.stitch)
+            copies += [end - start + framed.around for share, (start, end) in zip(shares, cut) for _ in range(share.end - share.start)]
     peak = chunk_peak(copies, PLL_ROWS, PLL_TOKENS, lambda rows, width: shape.pass_bytes(rows, width, states=1, logits=rows))
     result = len(lengths) * 2 * JSON_FLOAT + (sum(lengths) * (JSON_FLOAT + JSON_TOKEN) if params.per_position else 0)
     return Cost(
         memory=peak + len(copies) * 64 + result,
         result=result,
-        memory_field="sequences",
+        memory_field="window" if params.window is not None else "sequences",
         result_field="per_position" if params.per_position else "sequences",
-        tokens=max(lengths),
+        tokens=max(copies),
     )
 
 
@@ -79,11 +116,29 @@ def _plan(model: Model, jobs: list[PseudoLoglikelihoodParams], by_length: bool =
     items: list[tuple[tuple[int, Any], list[int]]] = []
     for job, params in enumerate(jobs):
         for s, sequence in enumerate(params.sequences):
+            if params.window is not None:
+                items += _window_copies(model, params, job, s)
+                continue
             # The copies share the sequence's ids; each is masked only when its chunk runs.
             ids = model.encode(sequence)
             for at in model.own(ids):
                 items.append(((job, (s, at, ids[at])), ids))
     return sorted_chunks(items, PLL_ROWS, max_tokens=PLL_TOKENS, by_length=by_length)  # type: ignore[arg-type]
+
+
+def _window_copies(model: Model, params: PseudoLoglikelihoodParams, job: int, s: int) -> list[tuple[tuple[int, Any], list[int]]]:
+    """A windowed sequence's masked copies: (job, (sequence, where in the window, the true token,
+    the position in the sequence, its weight)), each copy its window's ids."""
+    framed, sizes, cut = _framed(model, params, s)
+    head = len(framed.head)
+    items: list[tuple[tuple[int, Any], list[int]]] = []
+    for share, (start, end) in zip(windows.shares(cut, sizes.stitch), cut):
+        ids = framed.window(start, end)
+        for p in range(share.start, share.end):
+            weight = 1.0 if share.weights is None else float(share.weights[p - share.start])
+            at = head + p - start
+            items.append(((job, (s, at, ids[at], p, weight)), ids))
+    return items
 
 
 def _run(model: Model, jobs: list[PseudoLoglikelihoodParams], chunk: Chunk) -> list[float]:
@@ -100,13 +155,27 @@ def _assemble(
     model: Model, jobs: list[PseudoLoglikelihoodParams], outputs: dict[tuple[int, Any], float]
 ) -> list[PseudoLoglikelihoodResult]:
     by_sequence: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
-    for (job, (s, at, token)), value in outputs.items():
-        by_sequence.setdefault((job, s), []).append((at, token, value))
+    windowed: dict[tuple[int, int], dict[int, tuple[int, float]]] = {}
+    for (job, key), value in outputs.items():
+        if len(key) == 5:  # a windowed copy: summed into its position, by its weight
+            s, _, token, p, weight = key
+            at_p = windowed.setdefault((job, s), {})
+            at_p[p] = (token, at_p.get(p, (token, 0.0))[1] + weight * value)
+        else:
+            s, at, token = key
+            by_sequence.setdefault((job, s), []).append((at, token, value))
+    for key, at_p in windowed.items():
+        by_sequence[key] = [(p, token, value) for p, (token, value) in at_p.items()]
     wanted = any(params.per_position for params in jobs)
     texts = model.token_texts(token for per in by_sequence.values() for _, token, _ in per) if wanted else {}
     results = []
     for job, params in enumerate(jobs):
         scored = [sorted(by_sequence[job, s]) for s in range(len(params.sequences))]
+        plans = context = None
+        if params.window is not None:
+            cuts = [_framed(model, params, s) for s in range(len(params.sequences))]
+            plans = [WindowPlan(windows=cut, stitch=sizes.stitch, window=sizes.window, overlap=sizes.overlap) for _, sizes, cut in cuts]
+            context = [windows.context(cut, sizes.stitch) for _, sizes, cut in cuts] if params.per_position else None
         results.append(
             PseudoLoglikelihoodResult(
                 # Summed in float64 in position order: the same sum whichever device scored which copy.
@@ -114,6 +183,8 @@ def _assemble(
                 tokens_scored=[len(per) for per in scored],
                 per_position=[[v for _, _, v in per] for per in scored] if params.per_position else None,
                 tokens=[[texts[t] for _, t, _ in per] for per in scored] if params.per_position else None,
+                plans=plans,
+                context=context,
             )
         )
     return results
@@ -125,7 +196,7 @@ def _weight(sequence: str) -> float:
 
 work = Chunked(
     plan=_plan, run=_run, assemble=_assemble, unit="positions",  # type: ignore[arg-type]
-    items="sequences", per_item=("pll", "tokens_scored", "per_position", "tokens"), weight=_weight,
+    items="sequences", per_item=("pll", "tokens_scored", "per_position", "tokens", "plans", "context"), weight=_weight,
 )
 
 
