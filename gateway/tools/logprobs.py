@@ -7,6 +7,14 @@ Texts are tokenised as prompts are (special tokens included), or given as token
 ids, which are scored exactly as given. `top` adds the most likely tokens at each
 position, and `next_token` the greedy token after the text (what `generate` at
 temperature 0 would produce first), both from the same pass.
+
+With `window` (gateway/tools/windows.py) a text longer than the context is
+scored with a stride, as the well-known sliding-window perplexity does: windows
+of `window` own tokens, `window - overlap` apart, each token scored in the
+first window that holds it, so every token has at least `overlap` tokens of
+its text before it (the first `window`, all of theirs). Each window begins with
+the tokenizer's special tokens (a BOS), as a text of its own would. Windows
+run in passes of at most `PASS_TOKENS` tokens.
 """
 
 from __future__ import annotations
@@ -21,12 +29,15 @@ from gateway.errors import ParamError
 from gateway.models.anatomy import readout_chunks, readout_rows
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import one_pass
+from gateway.tools import windows
 from gateway.tools.numbers import floats
+from gateway.tools.windows import Framed, WindowParams, WindowPlan
 
 MAX_TOP = 20
+PASS_TOKENS = 16384  # padded tokens in one pass over a windowed text's windows
 
 
-class LogprobsParams(msgspec.Struct, forbid_unknown_fields=True):
+class LogprobsParams(WindowParams, forbid_unknown_fields=True):
     prompts: Annotated[list[str], msgspec.Meta(min_length=1, description="Texts to score, tokenised as prompts are.")] | None = None
     token_ids: Annotated[
         list[Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1)]],
@@ -52,6 +63,8 @@ class Scored(msgspec.Struct, omit_defaults=True):
     top: list[list[TokenLogprob]] | None = None
     next_token: TokenLogprob | None = None
     next_top: list[TokenLogprob] | None = None  # the `top` alternatives at the next token's position
+    plan: WindowPlan | None = None
+    """With window: the windows, in the text's own tokens; each token scored in the first that holds it."""
 
 
 class LogprobsResult(msgspec.Struct):
@@ -61,65 +74,146 @@ class LogprobsResult(msgspec.Struct):
 def rows(model: Model, params: LogprobsParams) -> list[list[int]]:
     if params.token_ids is not None:
         return params.token_ids
-    return [model.encode(text, f"prompts[{i}]") for i, text in enumerate(params.prompts or [])]
+    bounded = params.window is None
+    return [model.encode(text, f"prompts[{i}]", bounded=bounded) for i, text in enumerate(params.prompts or [])]
+
+
+class _Windowed:
+    """A text scored in windows: its windows' token ids, and for each position t of the text the
+    (window, column) whose logits score token t + 1 (at the last position: the next token)."""
+
+    def __init__(self, model: Model, params: LogprobsParams, ids: list[int], field: str) -> None:
+        framed = Framed.of(ids, model.own(ids) if params.token_ids is None else list(range(len(ids))), field)
+        sizes = windows.resolve(params, model.context_length - framed.around)
+        assert sizes is not None
+        if sizes.overlap < 1 and not framed.head:
+            raise ParamError("overlap", "at least 1: a token is scored from the one before it in its window")
+        self.cut = windows.plan(len(framed.own), sizes)
+        self.plan = WindowPlan(windows=self.cut, stitch=sizes.stitch, window=sizes.window, overlap=sizes.overlap)
+        self.rows = [framed.window(start, end) for start, end in self.cut]
+        head, n = len(framed.head), len(framed.own)
+        first = 0  # the first window holding own token q, as q rises
+        self.reads: list[tuple[int, int]] = []
+        for t in range(len(ids)):
+            u = t + 1  # the token these logits score
+            if u < head:
+                self.reads.append((0, t))
+            elif u < head + n:
+                q = u - head
+                while self.cut[first][1] <= q:
+                    first += 1
+                self.reads.append((first, head + q - self.cut[first][0] - 1))
+            else:  # the tail's tokens, and the next token: the last window
+                self.reads.append((len(self.cut) - 1, t - (n - (self.cut[-1][1] - self.cut[-1][0]))))
 
 
 def check(model: Model, params: LogprobsParams) -> None:
     if (params.prompts is None) == (params.token_ids is None):
         raise ParamError("prompts", "give prompts (text) or token_ids, one of the two")
     field = "prompts" if params.prompts is not None else "token_ids"
-    for i, ids in enumerate(rows(model, params)):
+    windows.resolve(params, model.context_length)  # window-only params without a window
+    with windows.naming_window():
+        texts = rows(model, params)
+    for i, ids in enumerate(texts):
         if params.token_ids is not None and (bad := next((t for t in ids if t >= model.vocab_size), None)) is not None:
             raise ParamError(f"token_ids[{i}]", f"token id {bad} is not below the vocabulary size {model.vocab_size}")
-        model.fit(len(ids), f"{field}[{i}]")
+        if params.window is not None:
+            _Windowed(model, params, ids, f"{field}[{i}]")
+            continue
+        with windows.naming_window():
+            model.fit(len(ids), f"{field}[{i}]")
 
 
 def cost(model: Model, params: LogprobsParams) -> Cost:
     """The pass with the last block's states kept, one readout chunk's logits, and the tokens scored."""
     shape = Shape.of(model)
-    lengths = [len(ids) for ids in rows(model, params)]
+    texts = rows(model, params)
+    lengths = [len(ids) for ids in texts]
     positions = sum(lengths)
+    passes = [(len(lengths), max(lengths))]
+    if params.window is not None:
+        cut = [_Windowed(model, params, ids, "prompts") for ids in texts]
+        widest = max(len(row) for text in cut for row in text.rows)
+        passes = [(max(1, min(PASS_TOKENS // widest, sum(len(text.rows) for text in cut))), widest)]
+    rows_, width = passes[0]
     # A model without a layer stack gives its logits at every position at once.
     read = min(positions, readout_rows(model)) if model.has(Capability.LAYERS) else positions
     per_token = 8 + JSON_TOKEN + JSON_FLOAT + params.top * (JSON_ENTRY + JSON_TOKEN)
     result = positions * per_token
-    memory = shape.block_bytes(len(lengths), max(lengths)) + shape.states_bytes(len(lengths), max(lengths), 1)
+    memory = shape.block_bytes(rows_, width) + shape.states_bytes(rows_, width, 1)
     return Cost(
         memory=memory + shape.logits_bytes(read) + positions * (8 + 4 + PY_FLOAT + params.top * (12 + PY_ENTRY)) + result,
         result=result,
-        memory_field="prompts" if params.prompts is not None else "token_ids",
+        memory_field="window" if params.window is not None else ("prompts" if params.prompts is not None else "token_ids"),
         result_field="top" if params.top else ("prompts" if params.prompts is not None else "token_ids"),
-        tokens=max(lengths),
+        tokens=width,
     )
 
 
 def _logprobs_many(model: Model, jobs: list[LogprobsParams], ctxs: list[Context]) -> list[LogprobsResult]:
-    # Every text of every job in one right-padded forward pass, read out a chunk of positions at a time.
+    # Every text of every job in right-padded forward passes (one, unless windows make more), read
+    # out a chunk of positions at a time. Each position t of a text reads the logits of one
+    # (row, column): they score token t + 1, and at the text's last position, the next token.
     per_job = [rows(model, params) for params in jobs]
-    flat = [ids for job in per_job for ids in job]
-    input_ids, mask = right_padded(model, flat)
-    device = input_ids.device
-    # Every position of every text: at t < n - 1 its logits score token t + 1; at n - 1, the next token.
-    at_rows = torch.tensor([row for row, ids in enumerate(flat) for _ in ids], device=device)
-    at_cols = torch.tensor([t for ids in flat for t in range(len(ids))], device=device)
-    scored = torch.tensor([ids[t + 1] if t + 1 < len(ids) else 0 for ids in flat for t in range(len(ids))], device=device)
+    passes: list[list[list[int]]] = [[]]  # the rows of each pass
+    widths = [max((len(ids) for job, params in zip(per_job, jobs) if params.window is None for ids in job), default=0)]
+    reads: list[tuple[int, int, int, int]] = []  # (pass, row, column, token scored), text after text
+    plans: list[WindowPlan | None] = []
+    for job, params in zip(per_job, jobs):
+        for i, ids in enumerate(job):
+            targets = [*ids[1:], 0]
+            if params.window is None:
+                row = len(passes[0])
+                passes[0].append(ids)
+                reads += [(0, row, t, targets[t]) for t in range(len(ids))]
+                plans.append(None)
+                continue
+            cut = _Windowed(model, params, ids, f"prompts[{i}]")
+            placed = []
+            for window in cut.rows:
+                if passes[-1] and (len(passes[-1]) + 1) * max(len(window), widths[-1]) > PASS_TOKENS:
+                    passes.append([])
+                    widths.append(0)
+                placed.append((len(passes) - 1, len(passes[-1])))
+                passes[-1].append(window)
+                widths[-1] = max(widths[-1], len(window))
+            reads += [(*placed[w], col, targets[t]) for t, (w, col) in enumerate(cut.reads)]
+            plans.append(cut.plan)
     k = max(params.top for params in jobs)  # one top-k for every position, as deep as the deepest job asks
     own_parts, best_parts, best_lp_parts, top_id_parts, top_value_parts = [], [], [], [], []
-    for part, logits in readout_chunks(model, input_ids, mask, at_rows, at_cols):
-        logprobs = logits.log_softmax(dim=-1)
-        own_parts.append(logprobs.gather(1, scored[part, None])[:, 0])
-        best = logprobs.argmax(dim=-1)
-        best_parts.append(best)
-        best_lp_parts.append(logprobs.gather(1, best[:, None])[:, 0])
-        if k:
-            top = logprobs.topk(k, dim=-1)
-            top_id_parts.append(top.indices)
-            top_value_parts.append(top.values)
-    own = floats(torch.cat(own_parts))
-    best_ids = torch.cat(best_parts).tolist()
-    best_logprobs = floats(torch.cat(best_lp_parts))
-    top_ids: list[Any] = torch.cat(top_id_parts).tolist() if k else []
-    top_values: Any = torch.cat(top_value_parts).cpu() if k else None
+    order: list[int] = []  # the reads in the order they are computed
+    by_pass: list[list[int]] = [[] for _ in passes]
+    for r, read in enumerate(reads):
+        by_pass[read[0]].append(r)
+    for pass_rows, mine in zip(passes, by_pass):
+        if not pass_rows:
+            continue
+        input_ids, mask = right_padded(model, pass_rows)
+        device = input_ids.device
+        order += mine
+        at_rows = torch.tensor([reads[r][1] for r in mine], device=device)
+        at_cols = torch.tensor([reads[r][2] for r in mine], device=device)
+        scored = torch.tensor([reads[r][3] for r in mine], device=device)
+        for part, logits in readout_chunks(model, input_ids, mask, at_rows, at_cols):
+            logprobs = logits.log_softmax(dim=-1)
+            own_parts.append(logprobs.gather(1, scored[part, None])[:, 0])
+            best = logprobs.argmax(dim=-1)
+            best_parts.append(best)
+            best_lp_parts.append(logprobs.gather(1, best[:, None])[:, 0])
+            if k:
+                top = logprobs.topk(k, dim=-1)
+                top_id_parts.append(top.indices)
+                top_value_parts.append(top.values)
+    # Back in the reads' order (text after text, position after position).
+    back = torch.empty(len(order), dtype=torch.long)
+    back[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    back = back.to(own_parts[0].device)
+    own = floats(torch.cat(own_parts)[back])
+    best_ids = torch.cat(best_parts)[back].tolist()
+    best_logprobs = floats(torch.cat(best_lp_parts)[back])
+    top_ids: list[Any] = torch.cat(top_id_parts)[back].tolist() if k else []
+    top_values: Any = torch.cat(top_value_parts)[back].cpu() if k else None
+    flat = [ids for job in per_job for ids in job]
     texts = model.token_texts([*(t for ids in flat for t in ids), *best_ids, *(i for position in top_ids for i in position)])
 
     def alternatives(start: int, end: int, top: int) -> list[list[TokenLogprob]]:
@@ -127,12 +221,15 @@ def _logprobs_many(model: Model, jobs: list[LogprobsParams], ctxs: list[Context]
         return [[TokenLogprob(i, texts[i], v) for i, v in zip(ids[:top], vs)] for ids, vs in zip(top_ids[start:end], values)]
 
     results, at = [], 0  # `at`: the first position of the text at hand, in the flat order
+    text_plans = iter(plans)
     for job, params, ctx in zip(per_job, jobs, ctxs):
         entries = []
         for ids in job:
             n = len(ids)
             last = at + n - 1
-            entry = Scored(token_ids=list(ids), tokens=[texts[t] for t in ids], logprobs=[None, *own[at:last]])
+            entry = Scored(
+                token_ids=list(ids), tokens=[texts[t] for t in ids], logprobs=[None, *own[at:last]], plan=next(text_plans)
+            )
             if params.top:
                 entry.top = alternatives(at, last, params.top)
             if params.next_token:
