@@ -206,6 +206,48 @@ def test_annotate_sequences_gives_tracks_equal_to_a_direct_encode(model: Any) ->
     assert [s.id for s in top.features] == [i for i in peaks.topk(3).indices.tolist() if peaks[i] > 0]
 
 
+@pytest.mark.parametrize("stitch", ["center", "mean"])
+def test_annotate_a_sequence_longer_than_the_context_in_windows(model: Any, stitch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1,000-letter sequence on a 256-token model, windows of 100 overlapping by 30: its residual
+    stream stitched from the windows (each run here with the BOS before it) and encoded here gives
+    the same tracks, errors and summaries; the plan and each position's context are in the answer.
+    The stream is encoded 37 positions at a time, as a long one is."""
+    from gateway.tools import sae_tools, windows
+    from gateway.tools.windows import Sizes, Stitch
+
+    monkeypatch.setattr(sae_tools, "ENCODE_FLOATS", N * 37)
+
+    sequence = "".join("ACGT"[(i * 7 + i // 3) % 4] for i in range(1000))
+    ids = model.encode(sequence, bounded=False)
+    bos, own = ids[:1], ids[1:]
+    cut = windows.plan(len(own), Sizes(100, 30, Stitch(stitch)))
+    x = torch.zeros((len(own), D))
+    with torch.no_grad():
+        states = [
+            model.module(input_ids=torch.tensor([bos + own[a:b]]), output_hidden_states=True).hidden_states[LAYER + 1][0, 1:]
+            for a, b in cut
+        ]
+    for p in range(len(own)):
+        seen = [(min(p - a, b - 1 - p), h[p - a]) for (a, b), h in zip(cut, states) if a <= p < b]
+        x[p] = max(seen, key=lambda v: v[0])[1] if stitch == "center" else torch.stack([h for _, h in seen]).mean(0)
+    t = sae_tensors()
+    f = torch.relu(x @ t["W_enc"] + t["b_enc"])
+    picked = [0, 1, 2, DEAD]
+    params = AnnotateParams(sequences=[sequence], mode="pick", feature_ids=picked, window=100, overlap=30, stitch=Stitch(stitch))
+    with torch.inference_mode():
+        (seq,) = sae_annotate.run(model, params, Recorder()).sequences
+    assert "".join(seq.tokens) == sequence and seq.tracks.shape == (4, 1000)
+    assert np.allclose(seq.tracks, f[:, picked].T.numpy(), atol=1e-5)
+    relative = (x - (f @ t["W_dec"] + t["b_dec"])).norm(dim=-1) / x.norm(dim=-1)
+    assert np.allclose(seq.relative_error, relative.numpy(), atol=1e-5)
+    assert [s.argmax for s in seq.features] == f[:, picked].argmax(dim=0).tolist()
+    assert seq.plan.windows == cut and seq.context.shape == (1000, 2)
+    with torch.inference_mode():  # the top features, found over every stretch of the sequence
+        top = sae_annotate.run(model, AnnotateParams(sequences=[sequence], k=3, window=100, overlap=30, stitch=Stitch(stitch)), Recorder())
+    peaks = f.max(dim=0).values
+    assert [s.id for s in top.sequences[0].features] == [i for i in peaks.topk(3).indices.tolist() if peaks[i] > 0]
+
+
 def test_annotate_sequences_in_one_job_equal_one_job_each(serve: Any, sae_path: Path) -> None:
     server = serve(sae=[str(sae_path)], max_batch_size=64)
     texts = [("ab" * (i % 13 + 1)) + " dogs"[: i % 5] for i in range(64)]
@@ -414,3 +456,18 @@ def test_dry_run_reports_saes_and_refuses_a_bad_one(tiny_model_path: Path, sae_p
     bad = write_sae(tmp_path / "bad", sidecar={"layer": 5, "activation": "relu"})
     result = CliRunner().invoke(main, serve, env={"STREAMGATE_SAE": str(bad)})
     assert result.exit_code == 1 and f"--sae {bad}: layer 5 is out of range" in result.output
+
+
+def test_annotate_windows_through_the_gateway(serve: Any, sae_path: Path) -> None:
+    """The windowed answer on the wire: the plan and the context as JSON beside the tracks; a
+    sequence over the context without a window is a 413 naming the window param."""
+    server = serve(sae=[str(sae_path)])
+    sequence = "ACGT" * 150
+    params = {"sequences": [sequence], "mode": "pick", "feature_ids": [0, 1], "window": 0, "overlap": 64}
+    out = run_stream(server.url, "sae_annotate", params, timeout=120)
+    assert out.terminal["event"] == "data", out.raw[-300:]
+    (seq,) = out.terminal["data"]["sequences"]
+    assert seq["plan"] == {"windows": [[0, 255], [191, 446], [345, 600]], "stitch": "center", "window": 255, "overlap": 64}
+    assert len(seq["context"]) == 600 and seq["context"][0] == [0, 254] and len(seq["tracks"][0]) == 600
+    refused = httpx.post(server.url + "/sae_annotate/run", json={"sequences": [sequence]})
+    assert refused.status_code == 413 and "give window" in refused.json()["error"]["message"]

@@ -32,7 +32,9 @@ from gateway.models.decoders import ModelState, Recompute
 from gateway.models.sae import SAE
 from gateway.tools.base import Capability, Context, Model, Tool, right_padded, tool
 from gateway.tools.batching import one_pass, run_alone
+from gateway.tools import windows
 from gateway.tools.numbers import floats
+from gateway.tools.windows import Framed, Share, WindowParams, WindowPlan
 from gateway.tools.generate import (
     GenerateParams,
     GeneratePartial,
@@ -129,7 +131,7 @@ def sae_features(model: Model, params: FeaturesParams, ctx: Context) -> Features
 # -- sae_annotate ---------------------------------------------------------------------
 
 
-class AnnotateParams(msgspec.Struct, forbid_unknown_fields=True):
+class AnnotateParams(WindowParams, forbid_unknown_fields=True):
     prompt: Annotated[str, msgspec.Meta(description="One text: each token's features (`tokens` in the result).")] | None = None
     sae: SaeName | None = None
     mode: Annotated[
@@ -193,13 +195,16 @@ _PerPosition = Annotated[
 ]
 
 
-class SequenceAnnotation(msgspec.Struct):
+class SequenceAnnotation(msgspec.Struct, omit_defaults=True):
     """One sequence: its own tokens (special tokens left out), aligned with every per-position array."""
 
     tokens: list[str]
     features: list[FeatureTrack]
     tracks: _Tracks
     relative_error: _PerPosition  # |x - decode(encode(x))| / |x| at each position
+    plan: WindowPlan | None = None
+    """With window: how the sequence was cut; its residual stream stitched before it is encoded."""
+    context: Annotated[Any, msgspec.Meta(description="With window: per position, [left, right], its least context on each side.")] = None
 
 
 class AnnotateResult(msgspec.Struct, omit_defaults=True):
@@ -220,9 +225,30 @@ def _check_annotate(model: Model, params: AnnotateParams) -> None:
     elif params.feature_ids is not None:
         raise ParamError("feature_ids", "only with mode pick")
     if params.prompt is not None:
-        model.fit(len(model.encode(params.prompt, "prompt")), "prompt")
+        with windows.naming_window():
+            model.fit(len(model.encode(params.prompt, "prompt")), "prompt")
+    windows.resolve(params, model.context_length)  # window-only params without a window
+    if params.window is not None and params.sequences is None:
+        raise ParamError("window", "with sequences: a prompt's tokens are annotated one by one, within the context")
     for i, sequence in enumerate(params.sequences or []):
-        model.fit(len(model.encode(sequence, f"sequences[{i}]")), f"sequences[{i}]")
+        if params.window is not None:
+            _windowed(model, params, i)
+            continue
+        with windows.naming_window():
+            model.fit(len(model.encode(sequence, f"sequences[{i}]")), f"sequences[{i}]")
+
+
+def _windowed(model: Model, params: AnnotateParams, i: int) -> tuple[Framed, WindowPlan, list[Share]]:
+    """A windowed sequence's tokens, its plan and each window's share of the stitched stream."""
+    assert params.sequences is not None
+    field = f"sequences[{i}]"
+    ids = model.encode(params.sequences[i], field, bounded=False)
+    framed = Framed.of(ids, model.own(ids), field)
+    sizes = windows.resolve(params, model.context_length - framed.around)
+    assert sizes is not None
+    cut = windows.plan(len(framed.own), sizes)
+    plan = WindowPlan(windows=cut, stitch=sizes.stitch, window=sizes.window, overlap=sizes.overlap)
+    return framed, plan, windows.shares(cut, sizes.stitch)
 
 
 def _residuals(model: Model, layer: int, rows: list[list[int]]) -> list[torch.Tensor]:
@@ -260,21 +286,40 @@ def _annotate_prompt(model: Model, sae: SAE, params: AnnotateParams, x: torch.Te
     return tokens
 
 
+# Features × positions encoded at once, at most: a long sequence is encoded a stretch at a time.
+ENCODE_FLOATS = 1 << 24
+
+
 def _annotate_sequence(model: Model, sae: SAE, params: AnnotateParams, x: torch.Tensor, ids: list[int]) -> SequenceAnnotation:
     own = model.own(ids)  # positions are the sequence's own tokens: BOS, CLS, EOS are not letters of it
-    x = x[own]
-    f = sae.encode(x)
-    relative = (x - sae.decode(f)).norm(dim=-1) / x.norm(dim=-1).clamp(min=1e-12)
+    return _annotate_own(model, sae, params, x[own], [ids[i] for i in own])
+
+
+def _annotate_own(model: Model, sae: SAE, params: AnnotateParams, x: torch.Tensor, ids: list[int]) -> SequenceAnnotation:
+    """A sequence's annotation from its own positions' residual stream `x` (positions × d_model),
+    encoded a stretch of positions at a time: every feature's activation at every position of a
+    long sequence is never held at once (a second pass reads the chosen features' tracks)."""
+    n = x.shape[0]
+    step = max(1, ENCODE_FLOATS // sae.n_features)
+    stretches = [(a, min(a + step, n)) for a in range(0, n, step)]
+    peaks = x.new_full((sae.n_features,), float("-inf")) if n else x.new_zeros(sae.n_features)
+    relative = x.new_empty(n)
+    for a, b in stretches:
+        f = sae.encode(x[a:b])
+        relative[a:b] = (x[a:b] - sae.decode(f)).norm(dim=-1) / x[a:b].norm(dim=-1).clamp(min=1e-12)
+        peaks = torch.maximum(peaks, f.max(dim=0).values)
     if params.mode == "pick":
         assert params.feature_ids is not None
         chosen = params.feature_ids
     else:  # the k features with the largest activation anywhere in the sequence, largest first
-        peaks = f.max(dim=0).values if len(own) else f.new_zeros(sae.n_features)
         top = torch.topk(peaks, min(params.k, sae.n_features))
         chosen = [i for i, v in zip(top.indices.tolist(), top.values.tolist()) if v > 0]
-    tracks = f[:, chosen].T.contiguous()  # features × positions
+    tracks = x.new_empty((len(chosen), n))  # features × positions
+    index = torch.tensor(chosen, dtype=torch.long, device=x.device)
+    for a, b in stretches if chosen else ():
+        tracks[:, a:b] = sae.encode(x[a:b]).index_select(1, index).T
     labels = sae.spec.labels
-    if len(own):
+    if n:
         peaks = tracks.max(dim=1)  # the first position of the largest, as argmax gives it
         maxima, means = floats(torch.stack([peaks.values, tracks.mean(dim=1)]))
         argmax = peaks.indices.tolist()
@@ -288,9 +333,9 @@ def _annotate_sequence(model: Model, sae: SAE, params: AnnotateParams, x: torch.
     summary = [
         FeatureTrack(fid, labels.get(fid), maxima[k], means[k], argmax[k], above[k]) for k, fid in enumerate(chosen)
     ]
-    texts = model.token_texts(ids[i] for i in own)
+    texts = model.token_texts(ids)
     return SequenceAnnotation(
-        tokens=[texts[ids[i]] for i in own],
+        tokens=[texts[i] for i in ids],
         features=summary,
         tracks=tracks.cpu().numpy(),
         relative_error=relative.cpu().numpy(),
@@ -306,19 +351,29 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
     a prompt's k features each, or each sequence's tracks (a float per chosen feature and position)."""
     shape = Shape.of(model)
     sae = resolve_sae(model, params.sae)
-    lengths = [len(model.encode(t)) for t in ([params.prompt] if params.prompt is not None else params.sequences or [])]
     chosen = len(params.feature_ids) if params.mode == "pick" and params.feature_ids else min(params.k, sae.n_features)
+    stitched = 0
+    if params.window is None:
+        lengths = [len(model.encode(t)) for t in ([params.prompt] if params.prompt is not None else params.sequences or [])]
+        passes = lengths
+    else:  # each window a pass's row; each sequence's residual stream stitched whole before it is encoded
+        cut = [_windowed(model, params, i) for i in range(len(params.sequences or []))]
+        lengths = [len(framed.own) for framed, _, _ in cut]
+        passes = [end - start + framed.around for framed, plan, _ in cut for start, end in plan.windows]
+        stitched = max(lengths) * shape.hidden * 4
     if params.prompt is not None:
         result = lengths[0] * (JSON_TOKEN + 16 + 2 * JSON_FLOAT + chosen * (JSON_ENTRY + 16))
     else:
-        result = sum(n * (JSON_TOKEN + JSON_FLOAT + chosen * (JSON_FLOAT + 8)) + chosen * 96 for n in lengths)
-    widest = max(lengths)
-    rows = max(1, min(len(lengths), PASS_TOKENS // widest))
-    encoded = rows * widest * sae.n_features * 4 * 2  # the features and their top-k or chosen rows
+        per_position = JSON_TOKEN + JSON_FLOAT + chosen * (JSON_FLOAT + 8) + (2 * JSON_FLOAT if params.window is not None else 0)
+        result = sum(n * per_position + chosen * 96 for n in lengths)
+    widest = max(passes)
+    rows = max(1, min(len(passes), PASS_TOKENS // widest))
+    # A pass's features (its top-k or chosen rows beside them), or a stretch's when encoded a stretch at a time.
+    encoded = min(rows * widest * sae.n_features, max(ENCODE_FLOATS, sae.n_features)) * 4 * 2
     return Cost(
-        memory=shape.pass_bytes(rows, widest, states=1) + encoded + sum(lengths) * chosen * 4 + result,
+        memory=shape.pass_bytes(rows, widest, states=1) + encoded + stitched + sum(lengths) * chosen * 4 + result,
         result=result,
-        memory_field="sequences" if params.sequences is not None else "prompt",
+        memory_field="window" if params.window is not None else ("sequences" if params.sequences is not None else "prompt"),
         result_field="k" if params.mode == "top" else "feature_ids",
         tokens=widest,
     )
@@ -328,11 +383,23 @@ def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]
     for params in jobs:
         _check_annotate(model, params)  # also when called directly, without the gateway's check
     saes = [resolve_sae(model, params.sae) for params in jobs]
-    rows = [(j, [model.encode(t) for t in ([p.prompt] if p.prompt is not None else p.sequences or [])]) for j, p in enumerate(jobs)]
-    flat = [(j, ids) for j, job_rows in rows for ids in job_rows]
+    # One entry per pass row: (job, its sequence, token ids, and for a window, (its share, where the
+    # sequence's own tokens begin in it)).
+    flat: list[tuple[int, int, list[int], tuple[Share, int] | None]] = []
+    stitched: dict[tuple[int, int], tuple[torch.Tensor, Framed, WindowPlan]] = {}
+    for j, p in enumerate(jobs):
+        if p.window is not None:
+            for s in range(len(p.sequences or [])):
+                framed, plan, shares = _windowed(model, p, s)
+                stitched[j, s] = (torch.zeros((len(framed.own), saes[j].spec.d_model), device=model.device), framed, plan)
+                flat += [(j, s, framed.window(a, b), (share, len(framed.head))) for (a, b), share in zip(plan.windows, shares)]
+            continue
+        texts = [p.prompt] if p.prompt is not None else p.sequences or []
+        flat += [(j, s, model.encode(t), None) for s, t in enumerate(texts)]
+    totals = [sum(1 for entry in flat if entry[0] == j) for j in range(len(jobs))]
     # Passes of rows of one SAE layer, longest first, each within PASS_TOKENS (one row may pass it alone).
-    order = sorted(range(len(flat)), key=lambda i: (saes[flat[i][0]].spec.layer, -len(flat[i][1])))
-    outputs: dict[int, Any] = {}
+    order = sorted(range(len(flat)), key=lambda i: (saes[flat[i][0]].spec.layer, -len(flat[i][2])))
+    outputs: dict[tuple[int, int], Any] = {}
     finished = [0] * len(jobs)  # each job's rows done, for its progress
     start = 0
     while start < len(order):
@@ -341,24 +408,34 @@ def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]
         while (
             end < len(order)
             and saes[flat[order[end]][0]].spec.layer == layer
-            and (end - start + 1) * len(flat[order[start]][1]) <= PASS_TOKENS
+            and (end - start + 1) * len(flat[order[start]][2]) <= PASS_TOKENS
         ):
             end += 1
         chunk = order[start:end]
-        for i, x in zip(chunk, _residuals(model, layer, [flat[i][1] for i in chunk])):
-            j, ids = flat[i]
+        for i, x in zip(chunk, _residuals(model, layer, [flat[i][2] for i in chunk])):
+            j, s, ids, window = flat[i]
             finished[j] += 1
             params, sae = jobs[j], saes[j]
-            if params.prompt is not None:
-                outputs[i] = _annotate_prompt(model, sae, params, x, ids)
+            if window is not None:  # the window's share, added into the sequence's stitched stream
+                share, head = window
+                rows = x[head + share.offset : head + share.offset + share.end - share.start]
+                if share.weights is not None:
+                    rows = rows * torch.from_numpy(share.weights).to(rows.device)[:, None]
+                stitched[j, s][0][share.start : share.end] += rows
+            elif params.prompt is not None:
+                outputs[j, s] = _annotate_prompt(model, sae, params, x, ids)
             else:
-                outputs[i] = _annotate_sequence(model, sae, params, x, ids)
+                outputs[j, s] = _annotate_sequence(model, sae, params, x, ids)
         for j in {flat[i][0] for i in chunk}:
-            ctxs[j].progress(finished[j], len(rows[j][1]), "sequences")
+            ctxs[j].progress(finished[j], totals[j], "windows" if jobs[j].window is not None else "sequences")
         start = end
+    for (j, s), (x, framed, plan) in stitched.items():
+        annotation = _annotate_own(model, saes[j], jobs[j], x, framed.own)
+        annotation.plan, annotation.context = plan, windows.context(plan.windows, plan.stitch)
+        outputs[j, s] = annotation
     done: dict[int, list[Any]] = {j: [] for j in range(len(jobs))}
-    for i in range(len(flat)):  # flat is in job order, each job's rows in its order
-        done[flat[i][0]].append(outputs[i])
+    for j, params in enumerate(jobs):
+        done[j] = [outputs[j, s] for s in range(len([params.prompt] if params.prompt is not None else params.sequences or []))]
     results = []
     for j, (params, sae) in enumerate(zip(jobs, saes)):
         if params.prompt is not None:
