@@ -79,6 +79,9 @@ def cases(scale: int) -> list[tuple[str, dict[str, Any]]]:
         ("lens_line", {"prompt": "a" * 3 * n}),
         ("activation_patching", {"src_prompt": "a" * 500, "tgt_prompt": "b" * 500}),
         ("generate", {"prompts": ["a" * n] * 4, "max_tokens": 64}),
+        # Longer than the context, in windows (docs/sequences.md).
+        ("embed", {"texts": ["a" * 20 * n], "window": 2 * n, "pooling": "per_token"}),
+        ("logprobs", {"prompts": ["a" * 20 * n], "window": 2 * n, "overlap": n // 2}),
     ]
 
 
