@@ -241,3 +241,34 @@ def test_logprobs_over_windows_score_each_token_in_the_first_window_that_holds_i
     short = {"model": "text", "prompts": ["hello there, a short text"], "top": 3, "next_token": True}
     whole, one = result(server.url, "logprobs", short), result(server.url, "logprobs", {**short, "window": 0})
     assert one["sequences"][0].pop("plan")["windows"] == [[0, 25]] and one == whole
+
+
+@pytest.mark.parametrize("stitch", ["center", "mean"])
+def test_fill_mask_over_windows_is_the_windows_read_here(server, esm_path: Path, stitch: str) -> None:
+    """Masks along a 700-residue protein, windows of 100 overlapping by 40: each mask's top tokens
+    and probabilities from its window (center) or averaged over its windows (mean), as computed here."""
+    tokenizer = AutoTokenizer.from_pretrained(esm_path)
+    model = AutoModelForMaskedLM.from_pretrained(esm_path).eval()
+    residues = list(protein(700, seed=5))
+    masked = [3, 95, 130, 350, 351, 699]
+    for q in masked:
+        residues[q] = "<mask>"
+    text = "".join(residues)
+    cut = windows.plan(700, Sizes(100, 40, Stitch(stitch)))
+    want = {}
+    with torch.no_grad():
+        for q in masked:
+            seen = []
+            for a, b in cut:
+                if a <= q < b:
+                    ids = tokenizer("".join(residues[a:b]), return_tensors="pt").input_ids
+                    seen.append((min(q - a, b - 1 - q), model(input_ids=ids).logits[0, 1 + q - a].softmax(-1)))
+            want[q] = max(seen, key=lambda x: x[0])[1] if stitch == "center" else torch.stack([p for _, p in seen]).mean(0)
+    out = result(server.url, "fill_mask", {"model": "esm", "texts": [text], "window": 100, "overlap": 40, "stitch": stitch, "top_k": 3})
+    (fills,) = out["fills"]
+    assert [f["position"] for f in fills] == masked
+    for fill in fills:
+        top = want[fill["position"]].topk(3)
+        assert [p["id"] for p in fill["predictions"]] == top.indices.tolist()
+        assert np.allclose([p["prob"] for p in fill["predictions"]], top.values.numpy(), atol=1e-5)
+    assert out["plans"][0]["windows"] == [list(w) for w in cut]

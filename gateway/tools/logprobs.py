@@ -155,37 +155,28 @@ def _logprobs_many(model: Model, jobs: list[LogprobsParams], ctxs: list[Context]
     # out a chunk of positions at a time. Each position t of a text reads the logits of one
     # (row, column): they score token t + 1, and at the text's last position, the next token.
     per_job = [rows(model, params) for params in jobs]
-    passes: list[list[list[int]]] = [[]]  # the rows of each pass
-    widths = [max((len(ids) for job, params in zip(per_job, jobs) if params.window is None for ids in job), default=0)]
+    passes = windows.Passes(PASS_TOKENS)
     reads: list[tuple[int, int, int, int]] = []  # (pass, row, column, token scored), text after text
     plans: list[WindowPlan | None] = []
     for job, params in zip(per_job, jobs):
         for i, ids in enumerate(job):
             targets = [*ids[1:], 0]
             if params.window is None:
-                row = len(passes[0])
-                passes[0].append(ids)
-                reads += [(0, row, t, targets[t]) for t in range(len(ids))]
+                placed = passes.whole(ids)
+                reads += [(*placed, t, targets[t]) for t in range(len(ids))]
                 plans.append(None)
                 continue
             cut = _Windowed(model, params, ids, f"prompts[{i}]")
-            placed = []
-            for window in cut.rows:
-                if passes[-1] and (len(passes[-1]) + 1) * max(len(window), widths[-1]) > PASS_TOKENS:
-                    passes.append([])
-                    widths.append(0)
-                placed.append((len(passes) - 1, len(passes[-1])))
-                passes[-1].append(window)
-                widths[-1] = max(widths[-1], len(window))
-            reads += [(*placed[w], col, targets[t]) for t, (w, col) in enumerate(cut.reads)]
+            in_passes = [passes.window(window) for window in cut.rows]
+            reads += [(*in_passes[w], col, targets[t]) for t, (w, col) in enumerate(cut.reads)]
             plans.append(cut.plan)
     k = max(params.top for params in jobs)  # one top-k for every position, as deep as the deepest job asks
     own_parts, best_parts, best_lp_parts, top_id_parts, top_value_parts = [], [], [], [], []
     order: list[int] = []  # the reads in the order they are computed
-    by_pass: list[list[int]] = [[] for _ in passes]
+    by_pass: list[list[int]] = [[] for _ in passes.rows]
     for r, read in enumerate(reads):
         by_pass[read[0]].append(r)
-    for pass_rows, mine in zip(passes, by_pass):
+    for pass_rows, mine in zip(passes.rows, by_pass):
         if not pass_rows:
             continue
         input_ids, mask = right_padded(model, pass_rows)

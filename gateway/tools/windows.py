@@ -223,3 +223,31 @@ def stitched(n: int, parts: list[tuple[Share, np.ndarray]], width: int) -> np.nd
         else:
             out[share.start : share.end] += piece * share.weights[:, None]
     return out
+
+
+class Passes:
+    """Rows of token ids packed into right-padded passes: whole texts into the first pass, as one pass
+    runs them; windows into passes of at most `tokens` padded tokens, in order (a long sequence's
+    windows would be one pass of thousands of rows)."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self.rows: list[list[list[int]]] = [[]]
+        self.widths = [0]
+
+    def whole(self, ids: list[int]) -> tuple[int, int]:
+        """Put a text's row in the first pass: its (pass, row)."""
+        return self._put(0, ids)
+
+    def window(self, ids: list[int]) -> tuple[int, int]:
+        """Put a window's row in the last pass, or a new one if it would not fit: its (pass, row)."""
+        if self.rows[-1] and (len(self.rows[-1]) + 1) * max(len(ids), self.widths[-1]) > self.tokens:
+            self.rows.append([])
+            self.widths.append(0)
+        return self._put(len(self.rows) - 1, ids)
+
+    def _put(self, at: int, ids: list[int]) -> tuple[int, int]:
+        self.rows[at].append(ids)
+        self.widths[at] = max(self.widths[at], len(ids))
+        return at, len(self.rows[at]) - 1
+
