@@ -497,6 +497,13 @@ class Worker:
                     run.stopped = True  # (if the loop's side failed, the thread stops after its step)
                     with contextlib.suppress(Exception):
                         await asyncio.shield(steps)
+                    if isinstance(exc, Cancelled) and run.live and all(ctx.cancelled for ctx in run.live) and run.inbox:
+                        # The step stopped because every member in it was cancelled: those end; the
+                        # jobs offered to join it meanwhile were not, and go on in a batch of their own.
+                        finish([(ctx, exc) for ctx in run.live], len(run.live))
+                        run.live, run.stopped = [], False
+                        batch = tool.batch(self.model)
+                        continue
                     finish([(ctx, exc) for ctx in members], len(members))
                     return
                 if not left and not run.inbox and members:  # not one of them is in the batch any more

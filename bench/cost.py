@@ -77,7 +77,8 @@ def cases(scale: int) -> list[tuple[str, dict[str, Any]]]:
         ("logit_lens", {"prompt": "a" * 300, "top_k": 100, "layers": [0] * 100, "positions": [0] * 100}),
         ("lens_grid", {"prompt": "a" * 3 * n}),
         ("lens_line", {"prompt": "a" * 3 * n}),
-        ("activation_patching", {"src_prompt": "a" * 500, "tgt_prompt": "b" * 500}),
+        # Every layer and position patched: passes grow with the square of the length.
+        ("activation_patching", {"src_prompt": "a" * 250 * scale, "tgt_prompt": "b" * 250 * scale}),
         ("generate", {"prompts": ["a" * n] * 4, "max_tokens": 64}),
         # Longer than the context, in windows (docs/sequences.md).
         ("embed", {"texts": ["a" * 20 * n], "window": 2 * n, "pooling": "per_token"}),

@@ -550,7 +550,8 @@ def test_a_cut_job_cancelled_ends_once_and_stops_every_part(two_copies: ServePro
     trace = tmp_path / "chunks"
     # 20 slow texts a part: 5 chunks of 4, 2 s each, were it not cancelled.
     job = follow(url, "lengths", {"texts": ["slow"] * 40, "trace": str(trace)})
-    wait_until(lambda: all(e["running"] == 1 for e in copies(two_copies)), timeout=60, what="a part running on each engine")
+    # The follower's own thread records the stream's events: its first may come after the engines run.
+    wait_until(lambda: job.events and all(e["running"] == 1 for e in copies(two_copies)), timeout=60, what="a part running on each engine")
     job_id = job.events[0]["id"].split(":")[0]
     assert httpx.delete(f"{url}/jobs/{job_id}", timeout=10).json()["cancelled"] is True
     assert job.ended()["data"]["error"]["code"] == "cancelled"

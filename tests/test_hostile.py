@@ -430,3 +430,28 @@ def test_only_a_priced_short_job_is_let_into_a_long_pass() -> None:
     assert not Worker._fits_in(worker, priced, held=901)
     assert not Worker._fits_in(worker, long, held=0)
     assert not Worker._fits_in(worker, SimpleNamespace(cost=None), held=0)
+
+
+def test_a_job_waiting_to_join_a_batch_whose_members_are_all_cancelled_runs_on(wide_gw: Server) -> None:
+    """A's long prefill is held; B, compatible, is offered to join A's batch; A is cancelled. The
+    step stops for A, and ends A alone: B, never cancelled, runs in a batch of its own to its end."""
+    gate = BlockGate(wide_gw.backend.model, min_width=1000, index=0)
+    try:
+        a_events: list[dict[str, Any]] = []
+        a = _job_started(wide_gw.url, "generate", {"prompts": ["a" * 6000], "max_tokens": 8}, a_events)
+        assert gate.entered.wait(60)
+        b_events: list[dict[str, Any]] = []
+        b = _job_started(wide_gw.url, "generate", {"prompts": ["Hello"], "max_tokens": 4}, b_events)
+        wait_until(lambda: len(httpx.get(wide_gw.url + "/jobs?state=active").json()["jobs"]) == 2, 30, "B queued")
+        queue = next(iter(wide_gw.backend.served.values())).queue
+        wait_until(lambda: len(queue) == 0, 30, "B offered to A's batch")
+        a_job = min(httpx.get(wide_gw.url + "/jobs?state=active").json()["jobs"], key=lambda j: j["created"])  # A came first
+        assert httpx.delete(f"{wide_gw.url}/jobs/{a_job['job_id']}").json()["cancelled"] is True
+        gate.remove()
+        a.join(60)
+        b.join(60)
+    finally:
+        gate.remove()
+    assert a_events[-1]["event"] == "error" and a_events[-1]["data"]["error"]["code"] == "cancelled"
+    assert b_events[-1]["event"] == "data", b_events[-1]
+    assert b_events[-1]["data"] == run_stream(wide_gw.url, "generate", {"prompts": ["Hello"], "max_tokens": 4}).terminal["data"]

@@ -272,3 +272,17 @@ def test_fill_mask_over_windows_is_the_windows_read_here(server, esm_path: Path,
         assert [p["id"] for p in fill["predictions"]] == top.indices.tolist()
         assert np.allclose([p["prob"] for p in fill["predictions"]], top.values.numpy(), atol=1e-5)
     assert out["plans"][0]["windows"] == [list(w) for w in cut]
+
+
+def test_loglikelihood_over_windows_sums_the_strided_scores_of_the_continuation(server) -> None:
+    """A prompt and continuation of 1,500 tokens on a 256-token model: the continuation's log-likelihood
+    with windows is the sum of its tokens' scores from logprobs over the same windows."""
+    prompt, continuation = "the quick brown fox " * 50, "jumps over the lazy dog. " * 20
+    params = {"model": "text", "window": 120, "overlap": 40}
+    out = result(server.url, "loglikelihood", {**params, "prompts": [prompt], "continuations": [continuation]})
+    scored = result(server.url, "logprobs", {**params, "prompts": [prompt + continuation]})["sequences"][0]
+    n = len(continuation)  # the byte tokenizer: a token a character, the same either way
+    assert out["ll"][0] == pytest.approx(sum(scored["logprobs"][-n:]), abs=1e-3)
+    assert out["plans"][0] == scored["plan"]
+    with pytest.raises(AssertionError):  # the same pair without a window: over the context
+        result(server.url, "loglikelihood", {"model": "text", "prompts": [prompt], "continuations": [continuation]})

@@ -192,9 +192,9 @@ class Model:
             raise ValueError("the chat template renders this conversation as no tokens")
         return list(ids)
 
-    def encode_continuation(self, text: str, field: str = "input") -> list[int]:
+    def encode_continuation(self, text: str, field: str = "input", bounded: bool = True) -> list[int]:
         """Token ids of text that follows a prompt: no special tokens."""
-        return self.tokenize(text, special=False, field=field)
+        return self.tokenize(text, special=False, field=field, bounded=bounded)
 
     def decode(self, ids: list[int]) -> str:
         decode = self.memo.get(DECODE)

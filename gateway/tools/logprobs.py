@@ -31,7 +31,7 @@ from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import one_pass
 from gateway.tools import windows
 from gateway.tools.numbers import floats
-from gateway.tools.windows import Framed, WindowParams, WindowPlan
+from gateway.tools.windows import Strided, WindowParams, WindowPlan
 
 MAX_TOP = 20
 PASS_TOKENS = 16384  # padded tokens in one pass over a windowed text's windows
@@ -78,33 +78,9 @@ def rows(model: Model, params: LogprobsParams) -> list[list[int]]:
     return [model.encode(text, f"prompts[{i}]", bounded=bounded) for i, text in enumerate(params.prompts or [])]
 
 
-class _Windowed:
-    """A text scored in windows: its windows' token ids, and for each position t of the text the
-    (window, column) whose logits score token t + 1 (at the last position: the next token)."""
-
-    def __init__(self, model: Model, params: LogprobsParams, ids: list[int], field: str) -> None:
-        framed = Framed.of(ids, model.own(ids) if params.token_ids is None else list(range(len(ids))), field)
-        sizes = windows.resolve(params, model.context_length - framed.around)
-        assert sizes is not None
-        if sizes.overlap < 1 and not framed.head:
-            raise ParamError("overlap", "at least 1: a token is scored from the one before it in its window")
-        self.cut = windows.plan(len(framed.own), sizes)
-        self.plan = WindowPlan(windows=self.cut, stitch=sizes.stitch, window=sizes.window, overlap=sizes.overlap)
-        self.rows = [framed.window(start, end) for start, end in self.cut]
-        head, n = len(framed.head), len(framed.own)
-        first = 0  # the first window holding own token q, as q rises
-        self.reads: list[tuple[int, int]] = []
-        for t in range(len(ids)):
-            u = t + 1  # the token these logits score
-            if u < head:
-                self.reads.append((0, t))
-            elif u < head + n:
-                q = u - head
-                while self.cut[first][1] <= q:
-                    first += 1
-                self.reads.append((first, head + q - self.cut[first][0] - 1))
-            else:  # the tail's tokens, and the next token: the last window
-                self.reads.append((len(self.cut) - 1, t - (n - (self.cut[-1][1] - self.cut[-1][0]))))
+def _own(model: Model, params: LogprobsParams, ids: list[int]) -> list[int]:
+    """The positions of a text's own tokens: token ids are scored as given, every one its own."""
+    return model.own(ids) if params.token_ids is None else list(range(len(ids)))
 
 
 def check(model: Model, params: LogprobsParams) -> None:
@@ -118,7 +94,7 @@ def check(model: Model, params: LogprobsParams) -> None:
         if params.token_ids is not None and (bad := next((t for t in ids if t >= model.vocab_size), None)) is not None:
             raise ParamError(f"token_ids[{i}]", f"token id {bad} is not below the vocabulary size {model.vocab_size}")
         if params.window is not None:
-            _Windowed(model, params, ids, f"{field}[{i}]")
+            Strided(model, params, ids, _own(model, params, ids), f"{field}[{i}]")
             continue
         with windows.naming_window():
             model.fit(len(ids), f"{field}[{i}]")
@@ -132,7 +108,7 @@ def cost(model: Model, params: LogprobsParams) -> Cost:
     positions = sum(lengths)
     passes = [(len(lengths), max(lengths))]
     if params.window is not None:
-        cut = [_Windowed(model, params, ids, "prompts") for ids in texts]
+        cut = [Strided(model, params, ids, _own(model, params, ids), "prompts") for ids in texts]
         widest = max(len(row) for text in cut for row in text.rows)
         passes = [(max(1, min(PASS_TOKENS // widest, sum(len(text.rows) for text in cut))), widest)]
     rows_, width = passes[0]
@@ -166,7 +142,7 @@ def _logprobs_many(model: Model, jobs: list[LogprobsParams], ctxs: list[Context]
                 reads += [(*placed, t, targets[t]) for t in range(len(ids))]
                 plans.append(None)
                 continue
-            cut = _Windowed(model, params, ids, f"prompts[{i}]")
+            cut = Strided(model, params, ids, _own(model, params, ids), f"prompts[{i}]")
             in_passes = [passes.window(window) for window in cut.rows]
             reads += [(*in_passes[w], col, targets[t]) for t, (w, col) in enumerate(cut.reads)]
             plans.append(cut.plan)

@@ -31,7 +31,7 @@ import contextlib
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -223,6 +223,37 @@ def stitched(n: int, parts: list[tuple[Share, np.ndarray]], width: int) -> np.nd
         else:
             out[share.start : share.end] += piece * share.weights[:, None]
     return out
+
+
+class Strided:
+    """A causal model's text scored with a stride: its windows' token ids (`rows`), and for each
+    position t of the text the (window, column) whose logits score token t + 1 (at the last
+    position: the next token). Each token is scored in the first window that holds it, from the
+    token before it there: it has at least `overlap` tokens of its text before it."""
+
+    def __init__(self, model: Any, params: WindowParams, ids: list[int], own: list[int], field: str) -> None:
+        framed = Framed.of(ids, own, field)
+        sizes = resolve(params, model.context_length - framed.around)
+        assert sizes is not None
+        if sizes.overlap < 1 and not framed.head:
+            raise ParamError("overlap", "at least 1: a token is scored from the one before it in its window")
+        self.cut = plan(len(framed.own), sizes)
+        self.plan = WindowPlan(windows=self.cut, stitch=sizes.stitch, window=sizes.window, overlap=sizes.overlap)
+        self.rows = [framed.window(start, end) for start, end in self.cut]
+        head, n = len(framed.head), len(framed.own)
+        first = 0  # the first window holding own token q, as q rises
+        self.reads: list[tuple[int, int]] = []
+        for t in range(len(ids)):
+            u = t + 1  # the token these logits score
+            if u < head:
+                self.reads.append((0, t))
+            elif u < head + n:
+                q = u - head
+                while self.cut[first][1] <= q:
+                    first += 1
+                self.reads.append((first, head + q - self.cut[first][0] - 1))
+            else:  # the tail's tokens, and the next token: the last window
+                self.reads.append((len(self.cut) - 1, t - (n - (self.cut[-1][1] - self.cut[-1][0]))))
 
 
 class Passes:
