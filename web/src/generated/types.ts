@@ -202,6 +202,11 @@ export interface JobSnapshot {
 
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "Stitch".
+ */
+export type Stitch = 'center' | 'mean'
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
  * via the `definition` "Stat".
  */
 export type Stat = 'entropy' | 'probability' | 'rank'
@@ -358,6 +363,12 @@ export interface LoglikelihoodParams {
   continuations: string[]
   model?: string | null
   tag?: string | null
+  window?: number | null
+  overlap?: number | null
+  /**
+   * How a position two windows saw gets its value: center (the default) takes it from the window where it is farthest from an edge, a state one pass computed; mean averages every window that saw it.
+   */
+  stitch?: Stitch
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -366,6 +377,19 @@ export interface LoglikelihoodParams {
 export interface LoglikelihoodResult {
   ll: number[]
   is_greedy: boolean[]
+  plans?: WindowPlan[] | null
+}
+/**
+ * How one sequence was cut: its windows, in its own tokens, and how they were stitched.
+ *
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "WindowPlan".
+ */
+export interface WindowPlan {
+  windows: never[][]
+  stitch: Stitch
+  window: number
+  overlap: number
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -384,6 +408,12 @@ export interface LogprobsParams {
   next_token?: boolean
   model?: string | null
   tag?: string | null
+  window?: number | null
+  overlap?: number | null
+  /**
+   * How a position two windows saw gets its value: center (the default) takes it from the window where it is farthest from an edge, a state one pass computed; mean averages every window that saw it.
+   */
+  stitch?: Stitch
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -406,6 +436,7 @@ export interface Scored {
   top?: TokenLogprob[][] | null
   next_token?: TokenLogprob | null
   next_top?: TokenLogprob[] | null
+  plan?: WindowPlan | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -593,6 +624,12 @@ export interface EmbedParams {
   precision?: number | null
   model?: string | null
   tag?: string | null
+  window?: number | null
+  overlap?: number | null
+  /**
+   * How a position two windows saw gets its value: center (the default) takes it from the window where it is farthest from an edge, a state one pass computed; mean averages every window that saw it.
+   */
+  stitch?: Stitch
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -607,6 +644,8 @@ export interface EmbedResult {
    */
   embeddings: (number[] | number[][])[]
   tokens?: string[][] | null
+  plans?: WindowPlan[] | null
+  context?: unknown[] | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -623,6 +662,12 @@ export interface FillMaskParams {
   top_k?: number
   model?: string | null
   tag?: string | null
+  window?: number | null
+  overlap?: number | null
+  /**
+   * How a position two windows saw gets its value: center (the default) takes it from the window where it is farthest from an edge, a state one pass computed; mean averages every window that saw it.
+   */
+  stitch?: Stitch
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -631,6 +676,7 @@ export interface FillMaskParams {
 export interface FillMaskResult {
   mask_token: string
   fills: MaskFill[][]
+  plans?: WindowPlan[] | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -658,6 +704,12 @@ export interface PseudoLoglikelihoodParams {
   per_position?: boolean
   model?: string | null
   tag?: string | null
+  window?: number | null
+  overlap?: number | null
+  /**
+   * How a position two windows saw gets its value: center (the default) takes it from the window where it is farthest from an edge, a state one pass computed; mean averages every window that saw it.
+   */
+  stitch?: Stitch
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -668,6 +720,8 @@ export interface PseudoLoglikelihoodResult {
   tokens_scored: number[]
   per_position?: number[][] | null
   tokens?: string[][] | null
+  plans?: WindowPlan[] | null
+  context?: unknown[] | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -722,6 +776,12 @@ export interface AnnotateParams {
   threshold?: number
   model?: string | null
   tag?: string | null
+  window?: number | null
+  overlap?: number | null
+  /**
+   * How a position two windows saw gets its value: center (the default) takes it from the window where it is farthest from an edge, a state one pass computed; mean averages every window that saw it.
+   */
+  stitch?: Stitch
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -760,6 +820,13 @@ export interface SequenceAnnotation {
    * One number per position.
    */
   relative_error: number[]
+  plan?: WindowPlan | null
+  /**
+   * With window: per position, [left, right], its least context on each side.
+   */
+  context?: {
+    [k: string]: unknown | undefined
+  }
 }
 /**
  * One feature over one sequence: its largest and mean activation, where the largest is, and where it is above the threshold.
