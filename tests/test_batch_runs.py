@@ -555,7 +555,16 @@ def test_an_interrupt_while_work_is_handed_to_the_clients_loop_still_closes_it_f
     loop.close(nothing())
 
 
-def test_an_interrupted_client_closes_its_stream_before_the_interrupt_goes_on(serve):
+@pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """Ctrl-C as a terminal's Python gets it, whatever started the tests: a process started in the
+    background of a shell inherits SIGINT ignored, and then Python raises nothing for it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupted_client_closes_its_stream_before_the_interrupt_goes_on(serve, ctrl_c):
     """Ctrl-C while `Client` waits on its loop's thread: what the call opened there is closed
     first, and the client still answers (the CLI then cancels the job)."""
     server = serve(tools=ECHO_TOOLS, detach_grace=30)
