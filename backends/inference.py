@@ -303,6 +303,7 @@ class ServerLink:
         work = WORKS[tool.name](
             job.params, self.upstream or self.name, self.post, token_ids="token_ids" in self.have, context=self.context_length
         )
+        work.refuse_windows()
         work.check()
         # Priced before the server is asked anything: a hostile job costs it no request. A job whose
         # result grows with its texts' tokens (logprobs of prompts) is priced again once the server has

@@ -113,10 +113,10 @@ class _Counted:
     def has(self, capability: Any) -> bool:
         return False
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, field: str = "input", bounded: bool = True) -> list[int]:
         return self.tokenized.get((text, True)) or [0]
 
-    def encode_continuation(self, text: str) -> list[int]:
+    def encode_continuation(self, text: str, field: str = "input", bounded: bool = True) -> list[int]:
         return self.tokenized.get((text, False)) or [0]
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -140,6 +140,17 @@ class Work:
 
     def check(self) -> None:
         """The params' own refusals, before the job is priced or the server asked anything."""
+
+    def refuse_windows(self) -> None:
+        """Windows (gateway/tools/windows.py) are passes run here, over a model's own tokens and
+        states: an inference server scores whole sequences within its context."""
+        if getattr(self.params, "window", None) is not None:
+            raise ApiError(
+                Code.INVALID_PARAMS,
+                "windows run on models served by the gateway itself, not on an inference server; "
+                "leave window out and keep the sequence within the model's context",
+                field="window",
+            )
 
     def price(self, cost: CostFn) -> Cost:
         """The local tool's `cost` of this job, its texts counted in the server's tokens where it has

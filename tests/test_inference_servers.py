@@ -359,6 +359,9 @@ def test_the_servers_refusals_are_the_protocols(vllm_gateway: ServeProcess) -> N
     assert too_long.status_code == 413 and too_long.json()["error"]["code"] == "too_long", too_long.text
     mismatched = httpx.post(f"{url}/loglikelihood/run", json={"prompts": ["a"], "continuations": [" b", " c"], "model": "smol"}, timeout=60)
     assert mismatched.status_code == 422 and mismatched.json()["error"]["field"] == "continuations", mismatched.text
+    # Windows are passes run by the gateway over a model's own states: refused on a server, naming the param.
+    windowed = httpx.post(f"{url}/logprobs/run", json={"prompts": ["a b"], "window": 0, "model": "smol"}, timeout=60)
+    assert windowed.status_code == 422 and windowed.json()["error"]["field"] == "window", windowed.text
     too_many = httpx.post(f"{url}/predict/run", json={"prompt": "a", "top_k": 500, "model": "smol"}, timeout=60)
     assert too_many.status_code == 422 and too_many.json()["error"]["code"] == "invalid_params", too_many.text  # vLLM's --max-logprobs
     assert "X-Job-Id" not in too_long.headers and httpx.get(f"{url}/jobs", timeout=10).json()["jobs"] == before
