@@ -813,7 +813,10 @@ def test_get_tools_lists_every_new_tool_with_its_schemas(server: Any) -> None:
             {"src_prompt", "tgt_prompt", "src_positions", "tgt_positions", "target_tokens", "layers"},
             {"layers", "positions", "src_positions", "labels", "target_tokens", "clean_prob", "source_prob", "prob_diff", "rank"},
         ),
-        "embed": ({"texts", "layer", "pooling", "normalize", "precision"}, {"dim", "layer", "pooling", "embeddings", "tokens"}),
+        "embed": (
+            {"texts", "layer", "pooling", "normalize", "precision", "window", "overlap", "stitch"},
+            {"dim", "layer", "pooling", "embeddings", "tokens", "plans", "context"},
+        ),
     }
     for name, (params, results) in expected.items():
         entry = listed[name]
