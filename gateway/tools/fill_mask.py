@@ -30,7 +30,7 @@ from gateway.tools.batching import one_pass
 from gateway.tools import windows
 from gateway.tools.numbers import floats
 from gateway.tools.predict import TokenProb
-from gateway.tools.windows import Framed, WindowParams, WindowPlan
+from gateway.tools.windows import WindowParams, WindowPlan
 
 PASS_TOKENS = 16384  # padded tokens in one pass over windows
 
@@ -81,12 +81,8 @@ class _Windowed:
     (row, column, weight) of each window its probabilities come from."""
 
     def __init__(self, model: Model, params: FillMaskParams, i: int) -> None:
-        field = f"texts[{i}]"
-        self.ids = model.encode(params.texts[i], field, bounded=False)
-        framed = Framed.of(self.ids, model.own(self.ids), field)
-        sizes = windows.resolve(params, model.context_length - framed.around)
-        assert sizes is not None
-        cut = windows.plan(len(framed.own), sizes)
+        framed, sizes, cut = windows.cut(model, params, params.texts[i], f"texts[{i}]")
+        self.ids = [*framed.head, *framed.own, *framed.tail]
         self.plan = WindowPlan(windows=cut, stitch=sizes.stitch, window=sizes.window, overlap=sizes.overlap)
         shares = windows.shares(cut, sizes.stitch)
         self.rows: list[list[int]] = []

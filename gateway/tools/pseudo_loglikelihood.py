@@ -60,12 +60,7 @@ class PseudoLoglikelihoodResult(msgspec.Struct, omit_defaults=True):
 
 def _framed(model: Model, params: PseudoLoglikelihoodParams, i: int) -> tuple[Framed, Sizes, list[tuple[int, int]]]:
     """A windowed sequence's tokens, its window sizes and its plan."""
-    field = f"sequences[{i}]"
-    ids = model.encode(params.sequences[i], field, bounded=False)
-    framed = Framed.of(ids, model.own(ids), field)
-    sizes = windows.resolve(params, model.context_length - framed.around)
-    assert sizes is not None
-    return framed, sizes, windows.plan(len(framed.own), sizes)
+    return windows.cut(model, params, params.sequences[i], f"sequences[{i}]")
 
 
 def check(model: Model, params: PseudoLoglikelihoodParams) -> None:

@@ -241,12 +241,7 @@ def _check_annotate(model: Model, params: AnnotateParams) -> None:
 def _windowed(model: Model, params: AnnotateParams, i: int) -> tuple[Framed, WindowPlan, list[Share]]:
     """A windowed sequence's tokens, its plan and each window's share of the stitched stream."""
     assert params.sequences is not None
-    field = f"sequences[{i}]"
-    ids = model.encode(params.sequences[i], field, bounded=False)
-    framed = Framed.of(ids, model.own(ids), field)
-    sizes = windows.resolve(params, model.context_length - framed.around)
-    assert sizes is not None
-    cut = windows.plan(len(framed.own), sizes)
+    framed, sizes, cut = windows.cut(model, params, params.sequences[i], f"sequences[{i}]")
     plan = WindowPlan(windows=cut, stitch=sizes.stitch, window=sizes.window, overlap=sizes.overlap)
     return framed, plan, windows.shares(cut, sizes.stitch)
 

@@ -256,6 +256,15 @@ class Strided:
                 self.reads.append((len(self.cut) - 1, t - (n - (self.cut[-1][1] - self.cut[-1][0]))))
 
 
+def cut(model: Any, params: WindowParams, text: str, field: str) -> tuple[Framed, Sizes, list[tuple[int, int]]]:
+    """A text to run in windows: its tokens framed, its window sizes and its plan (`params.window` given)."""
+    ids = model.encode(text, field, bounded=False)
+    framed = Framed.of(ids, model.own(ids), field)
+    sizes = resolve(params, model.context_length - framed.around)
+    assert sizes is not None
+    return framed, sizes, plan(len(framed.own), sizes)
+
+
 class Passes:
     """Rows of token ids packed into right-padded passes: whole texts into the first pass, as one pass
     runs them; windows into passes of at most `tokens` padded tokens, in order (a long sequence's
