@@ -22,9 +22,13 @@ together, read from /proc. The cases, one after the other:
 6. hostile: a second gateway with `--engine-memory-limit 3GiB` and `--max-body-bytes 64 MiB`,
    sent a 20 MB text to each tool that tokenizes, three times each: the answers, and the
    engine's restarts (from `/readyz`).
+7. another replica: two gateways sharing a redis-server (`--store`); the big result of case 1 run
+   on the first, then followed on the second by 200 clients (--quick 50) that never read: the
+   second's memory while they hold their streams, over before (it reads Redis's one copy of the
+   result a piece at a time, gateway/server/redis_store.py).
 
 Targets (the issue's): after the sequential results, memory <= idle + the in-memory budget
-(`--result-memory-bytes`, 64 MiB); followers and never-reading MCP clients < +300 MB; MCP within
+(`--result-memory-bytes`, 64 MiB); followers (on either replica) and never-reading MCP clients < +300 MB; MCP within
 1.2x /run's time and memory; another tenant's predict behind any one job <= 1 s plus its own time
 alone; 0 engine restarts and every hostile text a 413.
 """
@@ -59,7 +63,7 @@ MCP_HEADERS = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Ve
 
 def options(parser: Any) -> None:
     parser.add_argument("--results", type=int, default=None, help="Sequential results (default 500; --quick 30).")
-    parser.add_argument("--cases", default="1,2,4,5,6", help="Which cases to run, by number (2 runs 2 and 3; default all).")
+    parser.add_argument("--cases", default="1,2,4,5,6,7", help="Which cases to run, by number (2 runs 2 and 3; default all).")
 
 
 def text(chars: int) -> str:
@@ -156,11 +160,15 @@ async def sequential(port: int, pids: list[int], lens: dict[str, Any], count: in
     return idle, samples
 
 
-async def followers(port: int, pids: list[int], lens: dict[str, Any], count: int) -> tuple[float, float, int]:
+async def followers(port: int, pids: list[int], lens: dict[str, Any], count: int,
+                    on: tuple[int, list[int]] | None = None) -> tuple[float, float, int]:
+    """`count` never-reading followers of one big result; `on`: the port and processes of another
+    replica that follows it (the memory and /healthz measured are theirs)."""
     response = await common.Response.open(port, "POST", "/logit_lens/run", msgspec.json.encode(lens))
     job_id = response.headers["x-job-id"]
     await response.body()
     response.close()
+    port, pids = on or (port, pids)
     await asyncio.sleep(1)
     before = resident_mb(pids)
     request = f"GET /jobs/{job_id}/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
@@ -327,6 +335,26 @@ async def hostile(bench: common.Bench, model: str | None) -> tuple[list[tuple[st
     return answers, restarts
 
 
+async def replicas(bench: common.Bench, model: str | None, lens: dict[str, Any], readers: int) -> tuple[float, float, int]:
+    """Case 7: `followers` of a result run on one replica, on the other."""
+    from tests.support.redis_server import RedisServer
+
+    folder = bench.dir / "redis"
+    folder.mkdir()
+    store = RedisServer(folder, common.free_port()).start()
+    try:
+        first, second = (bench.streamgate("serve", "--store", store.url, model=model, name=f"replica {n}") for n in (1, 2))
+        bench.ready(first, second)
+        try:
+            return await followers(common.port_of(first), [], lens, readers,
+                                   on=(common.port_of(second), processes(second)))
+        finally:
+            common.stop(first)
+            common.stop(second)
+    finally:
+        store.stop()
+
+
 async def run(bench: common.Bench, report: common.Report) -> None:
     quick = bench.quick
     model = bench.model(default_tiny=False, wide=True)
@@ -414,6 +442,15 @@ async def run(bench: common.Bench, report: common.Report) -> None:
                      title=f"6. a 20 MB text to each tool, {tries} {'try' if tries == 1 else 'tries'} each, --engine-memory-limit 3GiB")
         refused = all(answer.startswith("413 too_long") for _, answer in answers)
         report.target("0 engine restarts and every 20 MB text a 413 too_long", f"{restarts} restarts", restarts == 0 and refused)
+    if "7" in cases:
+        readers = 50 if quick else 200
+        common.step(f"another replica: {readers} followers that never read, through Redis")
+        before, held, healthz_ms = await replicas(bench, model, big, readers)
+        report.table(["readers", "of a result MB", "before MB", "while held MB", "over before MB"],
+                     [[f"{readers} followers on the other replica", big_mb, before, held, held - before]],
+                     title=f"7. followers on another replica, through Redis (/healthz answered in {healthz_ms} ms meanwhile)")
+        report.target(f"{readers} never-reading followers on another replica < +300 MB", f"+{held - before:.0f} MB",
+                      held - before < 300)
     report.fact("machine", common.machine(f"{info['device']} ({info['dtype']}), model {info['model']}"))
     report.fact("gateway", "defaults (--result-memory-bytes 64 MiB, --retention 600 s, the result spool in the system's "
                 "temporary folder); memory: the gateway's and its engine's resident memory summed")

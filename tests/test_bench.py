@@ -282,8 +282,8 @@ def test_safety():
 def test_memory():
     printed = run_bench("memory", timeout=300)
     titles = [table.title or "" for table in printed.tables]
-    assert [t.split(" ", 1)[0] for t in titles] == ["1.", "2-3.", "4.", "5.", "6."], titles
-    sequential, readers, ways, turns, hostile = printed.tables
+    assert [t.split(" ", 1)[0] for t in titles] == ["1.", "2-3.", "4.", "5.", "6.", "7."], titles
+    sequential, readers, ways, turns, hostile, replicas = printed.tables
     assert all(value is not None for value in sequential.numbers("over idle MB"))
     assert [row["way"] for row in ways.rows] == ["/logit_lens/run", "/mcp"]
     assert all(row["answered"] == row["calls"] for row in ways.rows), ways.rows  # every call answered whole
@@ -291,7 +291,8 @@ def test_memory():
     assert all(row["its end"] == "data" for row in turns.rows), turns.rows
     # What each hostile text gets is a function, not a figure: a 413 each time, before it is tokenized.
     assert all(row["answers"].startswith("413 too_long") for row in hostile.rows), hostile.rows
-    assert len(printed.targets) == 6
+    assert all(value is not None for value in replicas.numbers("over before MB"))
+    assert len(printed.targets) == 7
 
 
 @pytest.mark.vllm

@@ -347,7 +347,8 @@ def test_a_big_result_is_kept_in_the_owners_spool_and_in_redis_and_every_replica
     tiny_model_path: Path, redis_server: RedisServer
 ) -> None:
     """Which copy serves a result with Redis: the replica that ran the job reads its own (in its
-    spool once big, its memory bounded as with the memory store); the others read Redis's copy."""
+    spool once big, its memory bounded as with the memory store); the others read Redis's copy,
+    which is kept once, in a key of its own, neither in the job's stream nor in its snapshot."""
     from tests.support.result_tools import result_bytes, sized
     from tests.test_observability import scrape, value
 
@@ -361,10 +362,24 @@ def test_a_big_result_is_kept_in_the_owners_spool_and_in_redis_and_every_replica
         wait_until(lambda: value(scrape(a.url), "streamgate_result_spool_results") == 1, 10, "A to spool its copy")
         assert value(scrape(a.url), "streamgate_result_spool_bytes") == result_bytes(size, "é")
         assert value(scrape(a.url), "streamgate_results_memory_bytes") < 64 * 1024
+        kept = redis.Redis.from_url(redis_server.url)
+        encoded = result_bytes(size, "é")
+        assert kept.strlen(f"streamgate:result:{job_id}") == encoded
+        assert len(kept.hget(f"streamgate:job:{job_id}", "snapshot") or b"") < 4096
+        assert int(kept.hget(f"streamgate:job:{job_id}", "tsize") or 0) == encoded
+        (_, last), = kept.xrevrange(f"streamgate:events:{job_id}", count=1)
+        assert last == {b"type": b"data", b"size": str(encoded).encode()}
+        assert 0 < kept.pttl(f"streamgate:result:{job_id}") <= kept.pttl(f"streamgate:job:{job_id}") + 1000
         for url in (a.url, b.url):
             status, _, events = events_of(url, job_id)
             assert status == 200 and events[-1]["data"] == expected, url
             assert snapshot(url, job_id).json()["terminal"]["data"] == expected, url
+            listed = httpx.get(f"{url}/jobs", timeout=30).json()["jobs"]
+            assert [job["terminal"]["data"] for job in listed if job["job_id"] == job_id] == [expected], url
+        # Resumed on B from the event before the result: the result alone, whole.
+        last_seq = int(events[-1]["id"].split(":")[1])
+        status, _, events = events_of(b.url, job_id, f"{job_id}:{last_seq - 1}")
+        assert status == 200 and [e["data"] for e in events] == [expected]
         assert value(scrape(b.url), "streamgate_result_spool_results") == 0  # B ran nothing: it kept nothing
     finally:
         a.stop()

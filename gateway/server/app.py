@@ -170,7 +170,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             # A client reconnecting to the URL it first opened: an EventSource (GET), or a POST sent
             # again by a retrying client (fetch-event-source sends Last-Event-ID, no key). The same job.
             job = await _job(resumed[0], principal, to_follow=True)
-            if (its_tool := job.snapshot().tool) != tool.name:
+            if (its_tool := job.snapshot(kept=[]).tool) != tool.name:
                 raise ApiError(
                     Code.BAD_REQUEST,
                     f"Last-Event-ID {resumed[0]}:{resumed[1]} is an event of a {its_tool} job, not of {tool.name}",
@@ -202,7 +202,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
     async def _job(job_id: str, principal: Principal | None, *, to_follow: bool = False) -> JobHandle:
         job = await store.get(job_id, to_follow=to_follow)
         # Another token's job is answered as an unknown one: its existence is not the caller's to learn.
-        if job is None or not auth.sees(principal, job.snapshot().owner):
+        if job is None or not auth.sees(principal, job.snapshot(kept=[]).owner):
             raise ApiError(Code.NOT_FOUND, f"no job {job_id} (unknown, or finished more than {settings.retention:g} s ago)")
         return job
 
@@ -241,7 +241,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         running = not job.done
         if running:
             await store.cancel(job)
-        return JSONResponse({"job_id": job.id, "cancelled": running, "status": job.snapshot().status})
+        return JSONResponse({"job_id": job.id, "cancelled": running, "status": job.snapshot(kept=[]).status})
 
     async def list_jobs(request: Request) -> Response:
         principal = auth.authenticate(request)

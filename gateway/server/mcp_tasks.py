@@ -129,7 +129,7 @@ class Tasks:
                 data={"requiredCapabilities": {"extensions": {TASKS: {}}}},
             )
         job = await self.store.get(task_id)
-        if job is None or not self.auth.sees(self._principal(ctx), job.snapshot().owner):
+        if job is None or not self.auth.sees(self._principal(ctx), job.snapshot(kept=[]).owner):
             raise MCPError(code=types.INVALID_PARAMS, message="Failed to retrieve task: Task not found")
         return job
 

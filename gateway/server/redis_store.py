@@ -14,10 +14,19 @@ with the job's snapshot. The copy is a Lua script that skips seqs already
 written, so a write retried after a lost reply doubles nothing. Other replicas
 see the job through a `RedisJobView`: `wait_events` is `XREAD BLOCK` from
 `<after>-0`, the snapshot and the terminal event come from the job's hash. The
-owner itself always serves its jobs from memory.
+owner itself always serves its jobs from memory (a big result from its spool).
+
+**Big results: Redis keeps them, every replica streams them.** A result of
+`SPOOL_FROM` bytes or more is written once, to its own key; its stream entry
+and the hash say only its size, and the snapshot in the hash goes without it.
+Another replica's readers (followers, snapshots, listings) read it from there
+a `PIECE` at a time (`InRedis`, `GETRANGE`): however many follow it, none holds
+more than a piece, and nothing copies it whole. It counts against Redis's own
+memory (its `maxmemory`), once, for the job's retention.
 
 Keys (prefix `streamgate:`): `job:{id}` (hash: owner, snapshot, last_seq,
-terminal seq and type, idempotency key, cancel flag), `events:{id}` (stream),
+terminal seq, type and size, idempotency key, cancel flag), `events:{id}` (stream),
+`result:{id}` (a result of `SPOOL_FROM` bytes or more, kept once),
 `attached:{id}` (sorted set of replicas following the job, scored by
 deadline), `jobs` (sorted set of every job's id, scored by its creation time), `key:{idempotency key}` (the job id and a digest of its request), `replica:{replica id}` (the
 owner's liveness key; also the name of the channel the owner listens on).
@@ -92,11 +101,12 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -110,9 +120,9 @@ except ImportError:  # pragma: no cover
     _NO_MAINT = {}
 
 from gateway.errors import ApiError
-from gateway.jobs import Job
+from gateway.jobs import Job, terminal_event
 from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType, JobSnapshot, Kept, TerminalEvent, encode, now
-from gateway.plumbing.spool import ResultSpool
+from gateway.plumbing.spool import PIECE, SPOOL_FROM, ResultSpool
 from gateway.server.store import (
     DEFAULT_MEMORY_BUDGET,
     Binding,
@@ -133,35 +143,43 @@ READ_CONNECTIONS = 1024  # per replica: jobs followed from here at once, each on
 READ_COUNT = 1000  # most events one XREAD returns
 
 # Copy a batch of events and the snapshot. KEYS: hash, stream, attached, the
-# owner's liveness key, the index, [idempotency key]. ARGV: job id, snapshot,
-# retention ms, terminal seq ('' while running), terminal type, owner,
-# idempotency key, the key's value, lease ms, liveness ms, created, then (seq,
-# type, data) triples. 1 written; 0 the job was ended elsewhere; 2 Redis lost
-# the job (restarted empty): send its log again from seq 1.
+# owner's liveness key, the index, the result key, [idempotency key]. ARGV: job
+# id, snapshot, retention ms, terminal seq ('' while running), terminal type,
+# owner, idempotency key, the key's value, lease ms, liveness ms, created, the
+# seq whose data is kept apart ('' for none), then (seq, type, data) triples. 1
+# written; 0 the job was ended elsewhere; 2 Redis lost the job (restarted
+# empty): send its log again from seq 1.
 #
 # Writing is a sign of life (the liveness key), so a job Redis lost and gets
 # back is never taken for an orphan between its copy and the next heartbeat; and
 # a job copied afresh is listed and keeps its idempotency key again. Its keys are
 # leased from then too: a stream begun just before its owner died expires with
-# the rest.
+# the rest. A big result is kept once, in the result key, which its stream entry
+# and the hash (`tsize`) refer to; readers take it a piece at a time (`InRedis`).
 _MIRROR = """
 if redis.call('HEXISTS', KEYS[1], 'tseq') == 1 then return 0 end
 local fresh = redis.call('EXISTS', KEYS[1]) == 0
-if fresh and tonumber(ARGV[12]) > 1 then return 2 end
+if fresh and tonumber(ARGV[13]) > 1 then return 2 end
 redis.call('SET', KEYS[4], '1', 'PX', ARGV[10])
 local last = tonumber(redis.call('HGET', KEYS[1], 'last_seq') or '0')
-for i = 12, #ARGV, 3 do
+for i = 13, #ARGV, 3 do
   local seq = tonumber(ARGV[i])
   if seq > last then
-    redis.call('XADD', KEYS[2], ARGV[i] .. '-0', 'type', ARGV[i + 1], 'data', ARGV[i + 2])
+    if ARGV[i] == ARGV[12] then
+      redis.call('SET', KEYS[6], ARGV[i + 2])
+      redis.call('XADD', KEYS[2], ARGV[i] .. '-0', 'type', ARGV[i + 1], 'size', #ARGV[i + 2])
+      redis.call('HSET', KEYS[1], 'tsize', #ARGV[i + 2])
+    else
+      redis.call('XADD', KEYS[2], ARGV[i] .. '-0', 'type', ARGV[i + 1], 'data', ARGV[i + 2])
+    end
     last = seq
   end
 end
 redis.call('HSET', KEYS[1], 'last_seq', last, 'snapshot', ARGV[2], 'owner', ARGV[6], 'key', ARGV[7])
-local own = {KEYS[1], KEYS[2], KEYS[3], KEYS[6]}
+local own = {KEYS[1], KEYS[2], KEYS[3], KEYS[6], KEYS[7]}
 if fresh then
   redis.call('ZADD', KEYS[5], ARGV[11], ARGV[1])
-  if KEYS[6] then redis.call('SET', KEYS[6], ARGV[8], 'NX') end
+  if KEYS[7] then redis.call('SET', KEYS[7], ARGV[8], 'NX') end
 end
 if ARGV[4] ~= '' then
   redis.call('HSET', KEYS[1], 'tseq', ARGV[4], 'ttype', ARGV[5])
@@ -173,7 +191,7 @@ return 1
 """
 
 # End a job whose owner is silent. KEYS: owner's liveness key, hash, stream,
-# attached, [idempotency key]. ARGV: expected last seq, error data, snapshot,
+# attached, result, [idempotency key]. ARGV: expected last seq, error data, snapshot,
 # retention ms, the terminal's seq. 1 done, 0 not needed, -1 the log moved on.
 _FINALIZE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -188,7 +206,7 @@ return 1
 
 # Re-lease a running job's keys (never a finished one's: that would stretch its
 # retention) and read its cancel flag; -1 if Redis lost the job. KEYS: hash,
-# stream, attached, [idem]. ARGV: lease ms.
+# stream, attached, result, [idem]. ARGV: lease ms.
 _LEASE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HEXISTS', KEYS[1], 'tseq') == 0 then
@@ -247,6 +265,47 @@ class _Owned:
     cancel_seen: bool = False
 
 
+class InRedis:
+    """A big result Redis keeps once, apart from its job's events (`result:{id}`; gateway/protocol.py's
+    `Kept`): any replica's readers take it a `PIECE` at a time (`GETRANGE`), none holds it whole."""
+
+    __slots__ = ("store", "job_id", "size")
+
+    def __init__(self, store: RedisStore, job_id: str, size: int) -> None:
+        self.store = store
+        self.job_id = job_id
+        self.size = size
+
+    def read(self) -> bytes:
+        """The whole result, through a connection of its own (blocking): only where it must be held whole."""
+        client = redis.Redis.from_url(self.store.url, socket_timeout=ANSWER_S, socket_connect_timeout=2, **_NO_MAINT)
+        try:
+            return self._checked(client.get(self.store._result(self.job_id)) or b"", self.size)
+        finally:
+            client.close()
+
+    async def pieces(self, piece: int = PIECE) -> AsyncIterator[bytes]:
+        key = self.store._result(self.job_id)
+        at = 0
+        while at < self.size:
+            end = min(self.size, at + piece)
+            try:
+                async with asyncio.timeout(ANSWER_S):
+                    chunk = await self.store._redis.getrange(key, at, end - 1)
+            except (RedisError, TimeoutError) as exc:
+                raise StoreUnavailable(f"reading the result of job {self.job_id} from Redis failed: {exc!r}") from exc
+            yield self._checked(chunk, end - at)
+            at = end
+
+    def _checked(self, data: bytes, size: int) -> bytes:
+        if len(data) != size:  # expired (retention) while it was read: never a short answer as a whole one
+            raise StoreUnavailable(f"the result of job {self.job_id} expired while it was read")
+        return data
+
+    def release(self) -> None:
+        """Redis lets it go with its job's other keys, at the end of its retention."""
+
+
 class RedisJobView:
     """A job that runs on another replica, read from Redis (see `JobHandle`)."""
 
@@ -266,7 +325,10 @@ class RedisJobView:
         self.last_seq = int(fields.get(b"last_seq", b"0"))
         self._snapshot = msgspec.json.decode(fields[b"snapshot"], type=JobSnapshot)
         tseq = fields.get(b"tseq")
-        if tseq and self._snapshot.terminal is not None:
+        if tseq and b"tsize" in fields:
+            kept = InRedis(self._store, self.id, int(fields[b"tsize"]))
+            self._terminal = Event(self.id, int(tseq), EventType(fields[b"ttype"].decode()), b"", kept)
+        elif tseq and self._snapshot.terminal is not None:
             data = bytes(self._snapshot.terminal.data)
             self._terminal = Event(self.id, int(tseq), EventType(fields[b"ttype"].decode()), data)
 
@@ -280,7 +342,11 @@ class RedisJobView:
 
     def snapshot(self, kept: list[Kept] | None = None) -> JobSnapshot:
         assert self._snapshot is not None
-        return self._snapshot
+        terminal = self._terminal
+        if terminal is None or terminal.kept is None:
+            return self._snapshot
+        # A result kept apart: its snapshot was stored without it, and is completed here.
+        return msgspec.structs.replace(self._snapshot, terminal=terminal_event(terminal, kept))
 
     async def wait_events(self, after: int, timeout: float | None = None) -> list[Event]:
         """Events with seq > `after`, waiting up to `timeout` for one; [] on timeout."""
@@ -504,12 +570,22 @@ class RedisStore(JobStore):
         """The replica's liveness key, and the name of the channel it listens on."""
         return f"{self.prefix}replica:{replica_id}"
 
+    def _result(self, job_id: str) -> str:
+        return f"{self.prefix}result:{job_id}"
+
     def _job_keys(self, job_id: str, key: str | None) -> list[str]:
-        keys = [self._hash(job_id), self._stream(job_id), self._attached_key(job_id)]
+        keys = [self._hash(job_id), self._stream(job_id), self._attached_key(job_id), self._result(job_id)]
         return keys + [self._idem(key)] if key else keys
 
     def _mirror_keys(self, job: Job) -> list[str]:
-        keys = [self._hash(job.id), self._stream(job.id), self._attached_key(job.id), self._replica(self.replica_id), self._index]
+        keys = [
+            self._hash(job.id),
+            self._stream(job.id),
+            self._attached_key(job.id),
+            self._replica(self.replica_id),
+            self._index,
+            self._result(job.id),
+        ]
         return keys + [self._idem(job.idempotency_key)] if job.idempotency_key else keys
 
     def _ms(self, seconds: float) -> int:
@@ -734,29 +810,40 @@ class RedisStore(JobStore):
         return alive
 
     async def snapshots(self, kept: list[Kept] | None = None) -> list[JobSnapshot]:
-        # Results live in Redis here, whole in each snapshot: no spool (gateway/plumbing/spool.py) to splice from.
+        # A big result is in Redis apart (`InRedis`): a marker with `kept`, read whole without.
+        names = ("snapshot", "owner", "tseq", "ttype", "tsize")
         async with self._answering():
             ids = [member.decode() for member in await self._redis.zrange(self._index, 0, -1)]
             pipe = self._redis.pipeline(transaction=False)
             for job_id in ids:
-                pipe.hmget(self._hash(job_id), "snapshot", "owner", "tseq")
-            found = await pipe.execute() if ids else []
-            gone = [job_id for job_id, (snapshot, _, _) in zip(ids, found) if snapshot is None]
+                pipe.hmget(self._hash(job_id), *names)
+            found = {job_id: dict(zip(names, values)) for job_id, values in zip(ids, await pipe.execute() if ids else [])}
+            gone = [job_id for job_id, fields in found.items() if fields["snapshot"] is None]
             if gone:  # expired jobs leave the index as it is read
                 await self._redis.zrem(self._index, *gone)
-            snapshots = {job_id: snapshot for job_id, (snapshot, _, _) in zip(ids, found) if snapshot is not None}
+            kept_here = {job_id: fields for job_id, fields in found.items() if fields["snapshot"] is not None}
             # A job whose owner went silent is listed as lost, as `get` reads it, not as running.
             elsewhere = {
-                job_id: owner.decode()
-                for job_id, (snapshot, owner, tseq) in zip(ids, found)
-                if snapshot is not None and tseq is None and owner and owner.decode() != self.replica_id
+                job_id: fields["owner"].decode()
+                for job_id, fields in kept_here.items()
+                if fields["tseq"] is None and fields["owner"] and fields["owner"].decode() != self.replica_id
             }
             silent = {owner for owner in set(elsewhere.values()) if not await self._owner_alive(owner)}
-            lost = [job_id for job_id, owner in elsewhere.items() if owner in silent]
-            for view in await asyncio.gather(*(self.get(job_id) for job_id in lost)):
-                if isinstance(view, RedisJobView):
-                    snapshots[view.id] = encode(view.snapshot())
-        return [msgspec.json.decode(snapshot, type=JobSnapshot) for snapshot in snapshots.values()]
+            lost = {job_id for job_id, owner in elsewhere.items() if owner in silent}
+            views = {
+                view.id: view for view in await asyncio.gather(*(self.get(job_id) for job_id in lost)) if isinstance(view, RedisJobView)
+            }
+        snapshots = []
+        for job_id, fields in kept_here.items():
+            if job_id in views:
+                snapshots.append(views[job_id].snapshot(kept))
+                continue
+            snapshot = msgspec.json.decode(fields["snapshot"], type=JobSnapshot)
+            if fields["tsize"] is not None and fields["tseq"] is not None:
+                result = Event(job_id, int(fields["tseq"]), EventType(fields["ttype"].decode()), b"", InRedis(self, job_id, int(fields["tsize"])))
+                snapshot = msgspec.structs.replace(snapshot, terminal=terminal_event(result, kept))
+            snapshots.append(snapshot)
+        return snapshots
 
     async def cancel(self, job: JobHandle) -> None:
         if isinstance(job, Job):
@@ -801,8 +888,15 @@ class RedisStore(JobStore):
             events = job.events[written:]
             if not events:
                 return
-            snapshot = job.snapshot()  # taken with `events`, so the two agree
-            terminal = job.terminal if job.terminal is not None and job.terminal.seq <= events[-1].seq else None
+            snapshot = job.snapshot(kept=[])  # taken with `events`, so the two agree
+            terminal = job.terminal
+            # A result already in this replica's spool (a copy sent again) is read on a thread, not on the loop.
+            datas = [event.raw if event.kept is None else await asyncio.to_thread(event.kept.read) for event in events]
+            apart = terminal is not None and terminal.type is EventType.DATA and terminal.size >= SPOOL_FROM
+            if terminal is not None:
+                # A big result is kept once, in the result key, and readers fill it in from there.
+                whole = TerminalEvent(terminal.type.value, msgspec.Raw(datas[-1]))
+                snapshot = msgspec.structs.replace(snapshot, terminal=None if apart else whole)
             args: list[Any] = [
                 job.id,
                 encode(snapshot),
@@ -815,9 +909,10 @@ class RedisStore(JobStore):
                 self._lease_ms,
                 self._ms(self.liveness),
                 job.created,
+                terminal.seq if apart and terminal is not None else "",
             ]
-            for event in events:
-                args += [event.seq, event.type.value, event.data]
+            for event, data in zip(events, datas):
+                args += [event.seq, event.type.value, data]
             try:
                 ok = await self._mirror_script(keys=self._mirror_keys(job), args=args)
             except RedisError as exc:
@@ -860,8 +955,7 @@ class RedisStore(JobStore):
             view._terminal = events[-1]
         return events
 
-    @staticmethod
-    def _events(job_id: str, reply: Any) -> list[Event]:
+    def _events(self, job_id: str, reply: Any) -> list[Event]:
         if not reply:
             return []
         # RESP2: [[stream, entries]]; RESP3: {stream: [entries]}.
@@ -869,7 +963,11 @@ class RedisStore(JobStore):
         events = []
         for entry_id, fields in entries:
             seq = int(entry_id.split(b"-")[0])
-            events.append(Event(job_id, seq, EventType(fields[b"type"].decode()), fields[b"data"]))
+            kind = EventType(fields[b"type"].decode())
+            if b"size" in fields:  # a big result, kept apart
+                events.append(Event(job_id, seq, kind, b"", InRedis(self, job_id, int(fields[b"size"]))))
+            else:
+                events.append(Event(job_id, seq, kind, fields[b"data"]))
         return events
 
     async def _finalize_if_orphan(self, view: RedisJobView) -> bool:
