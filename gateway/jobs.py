@@ -15,8 +15,11 @@ always lands after them.
 
 from __future__ import annotations
 
+import array
 import asyncio
+import bisect
 import contextlib
+import itertools
 import logging
 import threading
 import uuid
@@ -51,6 +54,7 @@ from gateway.tools.base import Cancelled
 log = logging.getLogger("streamgate.jobs")
 
 PROGRESS_INTERVAL_S = 0.1  # RUNNING frames are coalesced to at most ~10/s per job
+PIECE = 256 * 1024  # of a kept log read at once by a follower, as the spool's own pieces
 
 
 class Job:
@@ -88,7 +92,8 @@ class Job:
         self.cost: Any = None
         # Called once with the job when its terminal event is appended (e.g. to free a per-token slot).
         self.on_end: list[Callable[[Job], None]] = []
-        self.events: list[Event] = []
+        # Its log; once it has ended, its events before the terminal one may be moved out of memory (`keep_log`).
+        self.events: list[Event] | KeptLog = []
         self.terminal: Event | None = None
         # Read by worker threads between steps, hence a threading.Event.
         self.cancel_requested = threading.Event()
@@ -112,6 +117,7 @@ class Job:
     def _append(self, type: EventType, data: bytes) -> Event | None:
         if self.terminal is not None:
             return None
+        assert isinstance(self.events, list)  # a kept log is a finished job's
         event = Event(self.id, len(self.events) + 1, type, data)
         self.events.append(event)
         if event.terminal:
@@ -216,8 +222,14 @@ class Job:
     def keep_result(self, kept: Kept) -> None:
         """Its result now lies in `kept` (the spool): the log and the terminal event refer to it there."""
         terminal = self.terminal
-        assert terminal is not None and self.events[terminal.seq - 1] is terminal
+        assert terminal is not None and isinstance(self.events, list) and self.events[terminal.seq - 1] is terminal
         self.terminal = self.events[terminal.seq - 1] = terminal.spooled(kept)
+
+    def keep_log(self, kept: Kept, before: list[Event]) -> None:
+        """Its events before the terminal one (`before`, written into `kept` as `KeptLog.record` made
+        them) now lie there: its log holds its terminal event and an index of 9 bytes an event."""
+        assert self.terminal is not None and isinstance(self.events, list) and self.events[:-1] == before
+        self.events = KeptLog(self.id, kept, before, self.terminal)
 
     def snapshot(self, kept: list[Kept] | None = None) -> JobSnapshot:
         """Where it stands; with `kept`, a result in the spool is a `kept_marker` in it, not read whole."""
@@ -246,7 +258,10 @@ class Job:
     # -- following ------------------------------------------------------------
 
     async def wait_events(self, after: int, timeout: float | None = None) -> list[Event]:
-        """Events with seq > `after`, waiting up to `timeout` for one; [] on timeout."""
+        """Events with seq > `after`, waiting up to `timeout` for one; [] on timeout. From a kept
+        log, as many as a piece holds (at least one): the follower asks again for the rest."""
+        if isinstance(self.events, KeptLog):
+            return await self.events.after(after)
         if len(self.events) <= after and self.terminal is None:
             # A bare future and a timer: no Event per appended event, no task per wait
             # (asyncio.wait_for makes one), for the many followers a gateway holds.
@@ -267,6 +282,69 @@ class Job:
 
 
 _TIMED_OUT = object()
+
+_KINDS = list(EventType)
+
+
+class KeptLog:
+    """A finished job's log with its events before the terminal one kept outside memory (the result
+    spool, gateway/plumbing/spool.py): their data back to back in one record, and per event its
+    type and where its data ends. A log of thousands of partials costs 9 bytes an event here,
+    where each had cost its data and about a hundred bytes more. It reads as the list it replaces
+    (`len`, an index, a slice: blocking reads, for the few that need them); followers read it a
+    piece at a time, on a thread (`after`)."""
+
+    __slots__ = ("job_id", "kept", "kinds", "ends", "terminal")
+
+    def __init__(self, job_id: str, kept: Kept, before: list[Event], terminal: Event) -> None:
+        self.job_id = job_id
+        self.kept = kept
+        self.kinds = bytes(_KINDS.index(event.type) for event in before)
+        self.ends = array.array("Q", itertools.accumulate(len(event.raw) for event in before))
+        self.terminal = terminal
+
+    @staticmethod
+    def record(before: list[Event]) -> bytes:
+        """What a log's record holds: its events' data back to back."""
+        return b"".join([event.raw for event in before])
+
+    def __len__(self) -> int:
+        return len(self.kinds) + 1
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            assert step == 1, "a kept log is read forwards"
+            return self._read(start, stop)
+        events = self._read(*slice(index, index + 1 if index != -1 else None).indices(len(self))[:2])
+        if not events:
+            raise IndexError(index)
+        return events[0]
+
+    async def after(self, after: int, piece: int = PIECE) -> list[Event]:
+        """Events with seq > `after`: those whose data fits in `piece` bytes (at least one), read on a thread."""
+        start, n = max(0, after), len(self.kinds)
+        if start >= n:
+            return [self.terminal] if start < n + 1 else []
+        base = self.ends[start - 1] if start else 0
+        stop = bisect.bisect_right(self.ends, base + piece, lo=start + 1)
+        return await asyncio.to_thread(self._read, start, stop if stop < n else n + 1)
+
+    def _read(self, start: int, stop: int) -> list[Event]:
+        """Events at indices `start`..`stop - 1` of the log (the terminal one's is its last)."""
+        n = len(self.kinds)
+        kept_stop = min(stop, n)
+        events = []
+        if start < kept_stop:
+            base = self.ends[start - 1] if start else 0
+            data = self.kept.read_at(base, self.ends[kept_stop - 1] - base)
+            at = base
+            for i in range(start, kept_stop):
+                events.append(Event(self.job_id, i + 1, _KINDS[self.kinds[i]], data[at - base : self.ends[i] - base]))
+                at = self.ends[i]
+        if stop > n >= start:
+            events.append(self.terminal)
+        return events
 
 
 def terminal_event(event: Event, kept: list[Kept] | None = None) -> TerminalEvent:

@@ -2,8 +2,9 @@
 
 The spool on its own first: records written and read back byte for byte, a segment closed only
 once its records are released and its readers done, and the room promised to admitted jobs.
-Then a real `streamgate serve` with its engine process: a big result is spooled, and read back
-whole by its stream, a resume and its snapshot; a full spool refuses a job before it is queued
+A finished job's many events (a long generation's partials) go to the spool too, and read back
+the same from any point. Then a real `streamgate serve` with its engine process: a big result is
+spooled, and read back whole by its stream, a resume and its snapshot; so are a long log's events; a full spool refuses a job before it is queued
 (503 with Retry-After) and one that could never fit with 413; a gateway's memory stays flat over
 many big results read in turn, and under a hundred followers of one result that never read.
 """
@@ -22,8 +23,10 @@ import httpx
 import pytest
 
 from gateway.errors import ApiError
+from gateway.jobs import Job, KeptLog
 from gateway.plumbing.spool import PIECE, SEGMENT_BYTES, ResultSpool
 from gateway.protocol import Code
+from gateway.server.store import FinishedResults
 from tests.conftest import parse_sse, run_stream, wait_until
 from tests.support.processes import ServeProcess, clean_env, free_port, start_serve
 from tests.support.result_tools import result_bytes
@@ -87,6 +90,36 @@ async def test_the_room_promised_to_jobs_refuses_what_cannot_fit(tmp_path: Path)
     spool.close()
 
 
+async def test_a_finished_jobs_many_events_go_to_the_spool_and_read_back_the_same_from_any_point(tmp_path: Path) -> None:
+    spool = ResultSpool(str(tmp_path), 64 * MIB)
+    finished = FinishedResults(spool, memory_budget=64 * MIB)
+    job = Job("chatty", None)
+    for i in range(5000):
+        job.partial({"i": i, "text": "y" * (i % 97)})
+    job.succeed({"text": "done"})
+    written = list(job.events)
+    finished.ended(job)
+    await asyncio.gather(*finished._spooling)
+    assert isinstance(job.events, KeptLog), "a log of 5,000 events stayed in memory"
+    assert spool.describe()["results"] == 1  # the log; the result is small and stays
+    # Counted at what it costs now: its terminal event and 9 bytes an event.
+    assert finished.in_memory < 5000 * 10 + 1000, finished.in_memory
+    assert len(job.events) == len(written) and job.events[-1] is job.terminal
+    assert job.events[1234] == written[1234] and job.events[100:103] == written[100:103]
+    for after in (0, 1, 2500, 4999, 5000, 5001):
+        read: list[Any] = []
+        while not read or not read[-1].terminal:
+            batch = await job.wait_events(after + len(read))
+            assert batch and sum(e.size for e in batch[:-1]) <= PIECE  # a piece at a time
+            read += batch
+        assert read == written[after:], after
+    assert await job.wait_events(len(written)) == []
+    assert job.snapshot().last_event_id == written[-1].id
+    finished.forget(job)
+    assert spool.describe()["results"] == 0
+    spool.close()
+
+
 # -- a gateway and its engine ---------------------------------------------------------
 
 
@@ -145,6 +178,23 @@ def test_a_big_result_is_spooled_and_read_back_whole_by_every_way_in(gateway: Se
     page = httpx.get(f"{gateway.url}/jobs?state=succeeded", timeout=30).json()
     mine = next(s for s in page["jobs"] if s["job_id"] == job_id)
     assert mine["terminal"]["data"] == done.terminal["data"]
+
+
+def test_a_long_logs_events_are_spooled_and_every_resume_reads_them_back(gateway: ServeProcess) -> None:
+    before = kept(gateway)
+    done = run_stream(gateway.url, "chatty", {"partials": 3000})
+    assert done.terminal["data"] == {"text": "done"}
+    partials = [e for e in done.events if e["event"] == "partial"]
+    assert [e["data"]["i"] for e in partials] == list(range(3000))
+    job_id = done.headers["x-job-id"]
+    wait_until(lambda: kept(gateway)["results"] == before["results"] + 1, 10, "its events to be spooled")
+    assert kept(gateway)["memory"] - before["memory"] < 64 * 1024  # 9 bytes an event, and its result
+    for last in (None, done.events[0]["id"], partials[1500]["id"], done.events[-2]["id"]):
+        headers = {"Last-Event-ID": last} if last else {}
+        with httpx.stream("GET", f"{gateway.url}/jobs/{job_id}/events", headers=headers, timeout=30) as r:
+            resumed = parse_sse(r.read())
+        at = 0 if last is None else [e["id"] for e in done.events].index(last) + 1
+        assert resumed == done.events[at:], last
 
 
 def test_a_full_spool_refuses_a_job_before_it_is_queued_and_one_that_never_fits_with_413(

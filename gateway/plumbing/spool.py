@@ -90,6 +90,13 @@ class Spooled:
         with self._reading():
             return _pread_all(self.segment.fd, self.size, self.offset)
 
+    def read_at(self, start: int, size: int) -> bytes:
+        """`size` bytes from `start` (blocking): a part of a kept log (gateway/jobs.py `KeptLog`)."""
+        if start < 0 or start + size > self.size:
+            raise ValueError(f"bytes {start}-{start + size} of a {self.size}-byte record")
+        with self._reading():
+            return _pread_all(self.segment.fd, size, self.offset + start)
+
     async def pieces(self, piece: int = PIECE) -> AsyncIterator[bytes]:
         """The result, `piece` bytes at a time, each read on a thread."""
         with self._reading():

@@ -278,9 +278,12 @@ class InRedis:
 
     def read(self) -> bytes:
         """The whole result, through a connection of its own (blocking): only where it must be held whole."""
+        return self.read_at(0, self.size)
+
+    def read_at(self, start: int, size: int) -> bytes:
         client = redis.Redis.from_url(self.store.url, socket_timeout=ANSWER_S, socket_connect_timeout=2, **_NO_MAINT)
         try:
-            return self._checked(client.get(self.store._result(self.job_id)) or b"", self.size)
+            return self._checked(client.getrange(self.store._result(self.job_id), start, start + size - 1) if size else b"", size)
         finally:
             client.close()
 

@@ -11,9 +11,10 @@ then forgotten (404).
 `MemoryStore` keeps all this in this process, for one gateway. `GET /jobs`
 lists the jobs kept, a page at a time (`JobsQuery`). Its memory is bounded in
 bytes, not only in time: a finished job's result goes to the result spool on
-disk (gateway/plumbing/spool.py) when it is big, and any result does once the
-finished jobs' logs held in memory pass `memory_budget` bytes; readers then read
-that one copy a piece at a time.
+disk (gateway/plumbing/spool.py) when it is big, and so do its other events
+(thousands of partials of a long generation) when they are (gateway/jobs.py
+`KeptLog`); any job's do once the finished jobs' logs held in memory pass
+`memory_budget` bytes. Readers then read that one copy a piece at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 
 from gateway.admission import Binding
 from gateway.errors import ParamError
-from gateway.jobs import Job
+from gateway.jobs import Job, KeptLog
 from gateway.plumbing.spool import SPOOL_FROM, ResultSpool
 from gateway.protocol import Event, EventType, JobList, JobSnapshot, Kept
 
@@ -36,6 +37,10 @@ log = logging.getLogger("streamgate.store")
 SWEEP_INTERVAL_S = 1.0
 # --result-memory-bytes' default: the finished jobs' logs this store holds in memory before every result goes to the spool.
 DEFAULT_MEMORY_BUDGET = 64 << 20
+# What an event costs in memory besides its data (the Event, its bytes object, the log's slot), and
+# what one costs once its log is kept (gateway/jobs.py `KeptLog`): counted against the budget too.
+EVENT_OVERHEAD = 100
+KEPT_EVENT = 9
 
 # `GET /jobs?state=`: a status (in lower case), or a group of them.
 STATE_GROUPS = {"active": ("RECEIVED", "QUEUED", "DISPATCHED", "RUNNING"), "finished": ("SUCCEEDED", "FAILED")}
@@ -135,20 +140,21 @@ class FinishedResults:
         self._spooling: set[asyncio.Task[None]] = set()
 
     def ended(self, job: Job) -> None:
-        """Count `job`'s log, or move its result to the spool (on a task: the write is a thread's)."""
+        """Count `job`'s log, or move its result and its other events to the spool (on a task: the
+        writes are a thread's)."""
         if job.id in self._kept:
             return
         self._kept[job.id] = job
-        size = sum(event.size for event in job.events)
         terminal = job.terminal
-        assert terminal is not None
-        if (
-            self.spool is not None
-            and terminal.type is EventType.DATA
-            and terminal.kept is None
-            and (terminal.size >= SPOOL_FROM or self.in_memory + size > self.memory_budget)
-        ):
-            task = asyncio.get_running_loop().create_task(self._spool(job, terminal, size))
+        assert terminal is not None and isinstance(job.events, list)
+        before = job.events[:-1]
+        log_size = sum(event.size for event in before) + EVENT_OVERHEAD * len(before)
+        size = log_size + terminal.size + EVENT_OVERHEAD
+        over = self.in_memory + size > self.memory_budget
+        result_out = terminal.type is EventType.DATA and terminal.kept is None and (terminal.size >= SPOOL_FROM or over)
+        log_out = bool(before) and (log_size >= SPOOL_FROM or over)
+        if self.spool is not None and (result_out or log_out):
+            task = asyncio.get_running_loop().create_task(self._spool(job, size, result_out, log_out))
             self._spooling.add(task)
             task.add_done_callback(self._spooling.discard)
         else:
@@ -160,6 +166,8 @@ class FinishedResults:
         self.in_memory -= self._held.pop(job.id, 0)
         if job.terminal is not None and job.terminal.kept is not None:
             job.terminal.kept.release()
+        if isinstance(job.events, KeptLog):
+            job.events.kept.release()
 
     def facts(self) -> dict[str, int]:
         """Where finished results are: bytes in memory, and the spool's facts (`ResultSpool.describe`)."""
@@ -175,19 +183,35 @@ class FinishedResults:
         self._held[job.id] = size
         self.in_memory += size
 
-    async def _spool(self, job: Job, terminal: Event, size: int) -> None:
+    async def _spool(self, job: Job, size: int, result_out: bool, log_out: bool) -> None:
+        """Move the result (`result_out`) and the events before it (`log_out`) to the spool; what the
+        spool cannot take (a full or failing disk) stays in memory, counted: never dropped."""
+        assert self.spool is not None and job.terminal is not None and isinstance(job.events, list)
+        terminal, before = job.terminal, job.events[:-1]
+        if result_out:
+            kept = await self._keep(job, "result", terminal.raw)
+            if kept is not None:
+                job.keep_result(kept)
+                size -= terminal.size
+        if log_out:
+            kept = await self._keep(job, "events", KeptLog.record(before))
+            if kept is not None:
+                job.keep_log(kept, before)
+                size -= sum(event.size for event in before) + (EVENT_OVERHEAD - KEPT_EVENT) * len(before)
+        if self._kept.get(job.id) is job:
+            self._count(job, size)
+
+    async def _keep(self, job: Job, what: str, data: bytes) -> Kept | None:
         assert self.spool is not None
         try:
-            kept = await self.spool.keep(terminal.raw)
-        except OSError as exc:  # a full or failing disk: the result stays in memory, never dropped
-            log.warning("job %s: its result could not be spooled (%s); it stays in memory", job.id, exc)
-            self._count(job, size)
-            return
+            kept = await self.spool.keep(data)
+        except OSError as exc:
+            log.warning("job %s: its %s could not be spooled (%s); kept in memory", job.id, what, exc)
+            return None
         if self._kept.get(job.id) is not job:  # forgotten meanwhile (retention 0)
             kept.release()
-            return
-        job.keep_result(kept)
-        self._count(job, size - terminal.size)
+            return None
+        return kept
 
 
 class MemoryStore(JobStore):

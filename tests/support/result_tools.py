@@ -31,3 +31,16 @@ def _cost(model: Model, params: SizedParams) -> Cost:
 def sized(model: Model, params: SizedParams, ctx: Context) -> SizedResult:
     """A result of `size` copies of `fill`: what a big tool's result weighs, without its compute."""
     return SizedResult(params.fill * params.size)
+
+
+class ChattyParams(msgspec.Struct, forbid_unknown_fields=True):
+    partials: int  # partial events before the result
+    size: int = 40  # characters in each
+
+
+@tool
+def chatty(model: Model, params: ChattyParams, ctx: Context) -> SizedResult:
+    """Many small partial events, then a small result: the log of a long generation, without its compute."""
+    for i in range(params.partials):
+        ctx.partial({"i": i, "text": "y" * params.size})
+    return SizedResult("done")
