@@ -49,6 +49,8 @@ class Code(str, enum.Enum):
     INVALID_PARAMS = "invalid_params"
     UNSUPPORTED_BY_MODEL = "unsupported_by_model"
     IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
+    NO_RESULT = "no_result"
+    RANGE_NOT_SATISFIABLE = "range_not_satisfiable"
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
     QUEUE_FULL = "queue_full"
@@ -219,7 +221,9 @@ class Kept(Protocol):
         """`size` bytes from `start` (blocking)."""
         ...
 
-    def pieces(self, piece: int = ...) -> AsyncIterator[bytes]: ...
+    def pieces(self, piece: int = ..., start: int = 0, stop: int | None = None) -> AsyncIterator[bytes]:
+        """Bytes `start`..`stop` (the end), `piece` at a time."""
+        ...
 
     def release(self) -> None: ...
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 import uuid
@@ -276,16 +277,16 @@ def test_finished_jobs_are_forgotten_after_the_retention(serve):
 
 
 class DropOnce(httpx.HTTPTransport):
-    """A transport whose first run stream breaks after `after` bytes, like a dropped connection."""
+    """A transport whose first answer to a path ending in `suffix` breaks after `after` bytes, like a dropped connection."""
 
-    def __init__(self, after: int) -> None:
+    def __init__(self, after: int, suffix: str = "/run") -> None:
         super().__init__()
-        self.after, self.dropped, self.requests = after, False, []
+        self.after, self.suffix, self.dropped, self.requests = after, suffix, False, []
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        self.requests.append((request.method, request.url.path, request.headers.get("last-event-id")))
+        self.requests.append((request.method, request.url.path, request.headers.get("last-event-id") or request.headers.get("range")))
         response = super().handle_request(request)
-        if self.dropped or not request.url.path.endswith("/run"):
+        if self.dropped or not request.url.path.endswith(self.suffix):
             return response
         self.dropped = True
         return httpx.Response(response.status_code, headers=response.headers, stream=_Cut(response.stream, self.after))
@@ -322,3 +323,19 @@ def test_the_python_client_resumes_a_dropped_stream(gw, after):
     assert methods == [("POST", "/gated/run"), ("GET", f"/jobs/{job_id}/events")]
     seen = [last for _, _, last in transport.requests]
     assert seen[1] is None or seen[1] == events[int(seen[1].rsplit(":", 1)[1]) - 1].id
+
+
+def test_the_python_client_downloads_a_result_and_resumes_a_dropped_download(gw, tmp_path):
+    gate = new_gate()
+    GATES[gate].set()
+    transport = DropOnce(12, suffix="/result")
+    with Client(gw.url, transport=transport) as client:
+        result = client.run("gated", {"gate": gate})
+        size = client.download(tmp_path / "result.json")
+    job_id = client.job_id
+    assert json.loads((tmp_path / "result.json").read_bytes()) == result
+    assert size == (tmp_path / "result.json").stat().st_size and not (tmp_path / "result.json.part").exists()
+    assert [(m, p, r) for m, p, r in transport.requests if p.endswith("/result")] == [
+        ("GET", f"/jobs/{job_id}/result", None),
+        ("GET", f"/jobs/{job_id}/result", "bytes=12-"),
+    ]

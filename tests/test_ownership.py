@@ -63,6 +63,7 @@ def test_another_tokens_job_is_answered_as_an_unknown_one(gateway: Any) -> None:
     for method, path, headers in (
         ("GET", f"/jobs/{job_id}", {}),
         ("GET", f"/jobs/{job_id}/events", {}),
+        ("GET", f"/jobs/{job_id}/result", {}),
         ("DELETE", f"/jobs/{job_id}", {}),
         ("GET", "/echo/run", {"Last-Event-ID": events[-1]["id"]}),
         ("POST", "/echo/run", {"Last-Event-ID": events[-1]["id"]}),
@@ -77,6 +78,8 @@ def test_another_tokens_job_is_answered_as_an_unknown_one(gateway: Any) -> None:
     # Bob's attempts changed nothing: the job is alice's, running, and hers to read.
     mine = httpx.get(f"{gateway.url}/jobs/{job_id}", headers=bearer(ALICE)).json()
     assert mine["owner"] == "alice" and mine["status"] in ("QUEUED", "RUNNING")
+    running = httpx.get(f"{gateway.url}/jobs/{job_id}/result", headers=bearer(ALICE))
+    assert running.status_code == 409 and running.json()["error"]["code"] == "no_result", running.text
     assert httpx.delete(f"{gateway.url}/jobs/{job_id}", headers=bearer(ALICE)).json()["cancelled"] is True
 
 

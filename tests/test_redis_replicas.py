@@ -376,6 +376,10 @@ def test_a_big_result_is_kept_in_the_owners_spool_and_in_redis_and_every_replica
             assert snapshot(url, job_id).json()["terminal"]["data"] == expected, url
             listed = httpx.get(f"{url}/jobs", timeout=30).json()["jobs"]
             assert [job["terminal"]["data"] for job in listed if job["job_id"] == job_id] == [expected], url
+            whole = httpx.get(f"{url}/jobs/{job_id}/result", timeout=30)
+            assert whole.status_code == 200 and whole.json() == expected, url
+            part = httpx.get(f"{url}/jobs/{job_id}/result", headers={"Range": "bytes=300000-300009"}, timeout=30)
+            assert part.status_code == 206 and part.content == whole.content[300000:300010], url
         # Resumed on B from the event before the result: the result alone, whole.
         last_seq = int(events[-1]["id"].split(":")[1])
         status, _, events = events_of(b.url, job_id, f"{job_id}:{last_seq - 1}")

@@ -197,6 +197,43 @@ def test_a_long_logs_events_are_spooled_and_every_resume_reads_them_back(gateway
         assert resumed == done.events[at:], last
 
 
+def test_a_result_downloads_alone_whole_or_by_ranges_from_the_one_copy(gateway: ServeProcess) -> None:
+    for size in (2 * MIB, 1000):  # in the spool; in memory
+        done = run_stream(gateway.url, "sized", {"size": size, "fill": "é"})
+        job_id = done.headers["x-job-id"]
+        if size > 1000:
+            wait_until(lambda: kept(gateway)["promised"] == 0, 10, "the result to be spooled")
+        url = f"{gateway.url}/jobs/{job_id}/result"
+        whole = httpx.get(url, timeout=30)
+        assert whole.status_code == 200 and whole.json() == done.terminal["data"]
+        assert whole.headers["content-length"] == str(result_bytes(size, "é")) and whole.headers["accept-ranges"] == "bytes"
+        etag, body = whole.headers["etag"], whole.content
+        # A cut download resumed: the pieces put together are the whole, byte for byte.
+        got = b""
+        for start, stop in ((0, 99), (100, len(body) // 2), (len(body) // 2 + 1, None)):
+            asked = f"bytes={start}-{'' if stop is None else stop}"
+            part = httpx.get(url, headers={"Range": asked, "If-Range": etag}, timeout=30)
+            assert part.status_code == 206, (asked, part.text)
+            end = len(body) - 1 if stop is None else stop
+            assert part.headers["content-range"] == f"bytes {start}-{end}/{len(body)}"
+            got += part.content
+        assert got == body
+        assert httpx.get(url, headers={"Range": "bytes=-10"}, timeout=30).content == body[-10:]
+        # Another copy's ETag, or several ranges: the whole result.
+        assert httpx.get(url, headers={"Range": "bytes=0-9", "If-Range": '"x"'}, timeout=30).content == body
+        assert httpx.get(url, headers={"Range": "bytes=0-1,5-6"}, timeout=30).status_code == 200
+        past = httpx.get(url, headers={"Range": f"bytes={len(body)}-"}, timeout=30)
+        assert past.status_code == 416 and past.headers["content-range"] == f"bytes */{len(body)}"
+        assert past.json()["error"]["code"] == "range_not_satisfiable"
+        head = httpx.head(url, timeout=30)
+        assert head.status_code == 200 and head.headers["content-length"] == str(len(body)) and head.content == b""
+    failed = run_stream(gateway.url, "chatty", {"partials": 1, "fail": True})
+    assert failed.terminal["event"] == "error"
+    refused = httpx.get(f"{gateway.url}/jobs/{failed.headers['x-job-id']}/result", timeout=30)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "no_result"
+    assert "failed (tool_error" in refused.json()["error"]["message"]
+
+
 def test_a_full_spool_refuses_a_job_before_it_is_queued_and_one_that_never_fits_with_413(
     tiny_model_path: Path, tmp_path: Path
 ) -> None:

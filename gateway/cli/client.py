@@ -38,6 +38,7 @@ import contextlib
 import inspect
 import itertools
 import json
+import os
 import threading
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
@@ -184,6 +185,12 @@ class Client:
         """Cancel a job (by default the one this client ran last); `{"job_id", "cancelled", "status"}`."""
         return self._loop.call(self._async.cancel(job_id))
 
+    def download(self, path: str | os.PathLike[str], job_id: str | None = None) -> int:
+        """Write a finished job's result (by default the last one's) to `path` from `GET /jobs/{id}/result`,
+        never holding it whole: a connection that drops is resumed from the bytes written (`Range`,
+        `If-Range`), up to `resume_tries` times. Its size in bytes."""
+        return self._loop.call(self._async.download(path, job_id))
+
     def stream(
         self,
         tool: str,
@@ -287,6 +294,42 @@ class AsyncClient:
     async def cancel(self, job_id: str | None = None) -> dict[str, Any]:
         """Cancel a job (by default the one this client ran last), as `Client.cancel`."""
         return _json_of(await self._http.delete(_cancel_path(job_id or self.job_id)))
+
+    async def download(self, path: str | os.PathLike[str], job_id: str | None = None) -> int:
+        """Write a finished job's result to `path`, resuming a dropped connection; as `Client.download`."""
+        url = _cancel_path(job_id or self.job_id) + "/result"
+        partial = f"{os.fspath(path)}.part"
+        etag: str | None = None
+        written = 0
+        tries = 0
+        with open(partial, "wb") as out:
+            while True:
+                headers = {"Range": f"bytes={written}-", "If-Range": etag} if etag and written else {}
+                try:
+                    async with self._http.stream("GET", url, headers=headers) as response:
+                        if response.status_code >= 400:
+                            await response.aread()
+                            _raise_for_status(response)
+                        if response.status_code == 200 and written:  # the copy changed: start again
+                            out.seek(0)
+                            out.truncate()
+                            written = 0
+                        etag = response.headers.get("etag")
+                        size = int(response.headers["content-length"]) + written
+                        async for chunk in response.aiter_bytes():
+                            out.write(chunk)
+                            written += len(chunk)
+                    if written == size:
+                        break
+                    why = f"it ended at byte {written} of {size}"
+                except httpx.TransportError as exc:
+                    why = repr(exc)
+                tries += 1
+                if tries > self.resume_tries:
+                    raise StreamEndedError(f"the download of {url} kept failing: {why}")
+                await asyncio.sleep(min(0.25 * 2**tries, 5.0))
+        os.replace(partial, path)
+        return written
 
     def stream(
         self,

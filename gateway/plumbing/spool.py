@@ -97,11 +97,11 @@ class Spooled:
         with self._reading():
             return _pread_all(self.segment.fd, size, self.offset + start)
 
-    async def pieces(self, piece: int = PIECE) -> AsyncIterator[bytes]:
-        """The result, `piece` bytes at a time, each read on a thread."""
+    async def pieces(self, piece: int = PIECE, start: int = 0, stop: int | None = None) -> AsyncIterator[bytes]:
+        """The result (bytes `start`..`stop` of it), `piece` bytes at a time, each read on a thread."""
         with self._reading():
-            end = self.offset + self.size
-            at = self.offset
+            end = self.offset + (self.size if stop is None else min(stop, self.size))
+            at = self.offset + start
             while at < end:
                 n = min(piece, end - at)
                 chunk = await asyncio.to_thread(_pread_all, self.segment.fd, n, at)

@@ -42,6 +42,7 @@ from gateway.plumbing.metrics import Metrics
 from gateway.protocol import Code, Kept, encode, parse_event_id, splice
 from gateway.plumbing.sendbuffer import WholeResponse
 from gateway.plumbing.spool import ResultSpool
+from gateway.server.results import result_response
 from gateway.server.store import JobHandle, JobStore, MemoryStore, jobs_query
 from gateway.tools.base import Tool
 from gateway.server.stream import Slot, Streams, job_response
@@ -236,6 +237,16 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         kept: list[Kept] = []
         return whole(encode(job.snapshot(kept)), kept)
 
+    async def job_result(request: Request) -> Response:
+        job = await _job(request.path_params["job_id"], auth.authenticate(request))
+        return result_response(
+            job,
+            request.headers.get("range"),
+            request.headers.get("if-range"),
+            send_timeout=settings.write_timeout,
+            on_write_timeout=lambda: metrics.client_timeout("write"),
+        )
+
     async def cancel_job(request: Request) -> Response:
         job = await _job(request.path_params["job_id"], auth.authenticate(request))
         running = not job.done
@@ -370,6 +381,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             Route("/jobs/{job_id}", job_snapshot, methods=["GET"]),
             Route("/jobs/{job_id}", cancel_job, methods=["DELETE"]),
             Route("/jobs/{job_id}/events", job_events, methods=["GET"]),
+            Route("/jobs/{job_id}/result", job_result, methods=["GET"]),
             Route("/auth/ticket", ticket, methods=["POST"]),
             *openai.routes(compatible),
             Route("/mcp", agents, methods=["POST"]),

@@ -85,7 +85,7 @@ PROTOCOL = (
 )
 
 # What each error status means, from the codes that answer it.
-ERROR_STATUSES = (400, 401, 403, 404, 408, 413, 422, 429, 431, 503)
+ERROR_STATUSES = (400, 401, 403, 404, 408, 409, 413, 416, 422, 429, 431, 503)
 # What any request may be answered, whatever its route: its line and headers over --max-header-bytes.
 EVERY_ROUTE = (431,)
 
@@ -367,6 +367,22 @@ def _other_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
             "get": op("events", "A job's stream again, from the start or after Last-Event-ID",
                       _stream_responses({"$ref": REF.format(name="Event")}, (400, 401, 404, 503)),
                       parameters=[job_id, last_event_id], tags=["jobs"]),
+        },
+        "/jobs/{job_id}/result": {
+            "get": op("result", "A finished job's result alone, as a file; Range requests resume a cut download", {
+                "200": {"description": "The result's JSON, the `data` event's data byte for byte.",
+                        "headers": {"ETag": {"schema": {"type": "string"}}, "Accept-Ranges": {"schema": {"type": "string"}}},
+                        "content": {"application/json": {"schema": {"type": "object"}}}},
+                "206": {"description": "The bytes the `Range` asked for.",
+                        "headers": {"Content-Range": {"schema": {"type": "string"}}, "ETag": {"schema": {"type": "string"}}},
+                        "content": {"application/json": {"schema": {"type": "string", "format": "binary"}}}},
+                **errors(401, 404, 409, 416, 503),
+            }, parameters=[job_id,
+                           {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"},
+                            "description": "`bytes=a-b`, `bytes=a-` or `bytes=-n`: one range (several are answered whole)."},
+                           {"name": "If-Range", "in": "header", "required": False, "schema": {"type": "string"},
+                            "description": "The `ETag` of the copy being resumed: the range is sent only if it still matches."}],
+               tags=["jobs"]),
         },
         "/tools": {
             "get": op("tools", "The tools, with their params, result and partial schemas",

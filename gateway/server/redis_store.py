@@ -287,11 +287,11 @@ class InRedis:
         finally:
             client.close()
 
-    async def pieces(self, piece: int = PIECE) -> AsyncIterator[bytes]:
+    async def pieces(self, piece: int = PIECE, start: int = 0, stop: int | None = None) -> AsyncIterator[bytes]:
         key = self.store._result(self.job_id)
-        at = 0
-        while at < self.size:
-            end = min(self.size, at + piece)
+        at, last = start, self.size if stop is None else min(stop, self.size)
+        while at < last:
+            end = min(last, at + piece)
             try:
                 async with asyncio.timeout(ANSWER_S):
                     chunk = await self.store._redis.getrange(key, at, end - 1)

@@ -36,6 +36,7 @@ def sized(model: Model, params: SizedParams, ctx: Context) -> SizedResult:
 class ChattyParams(msgspec.Struct, forbid_unknown_fields=True):
     partials: int  # partial events before the result
     size: int = 40  # characters in each
+    fail: bool = False  # end with an error, not a result
 
 
 @tool
@@ -43,4 +44,6 @@ def chatty(model: Model, params: ChattyParams, ctx: Context) -> SizedResult:
     """Many small partial events, then a small result: the log of a long generation, without its compute."""
     for i in range(params.partials):
         ctx.partial({"i": i, "text": "y" * params.size})
+    if params.fail:
+        raise RuntimeError("asked to fail")
     return SizedResult("done")
