@@ -233,6 +233,21 @@ async def test_another_replica_follows_the_job(replicas: Any) -> None:
     assert encode(finished.snapshot()) == encode(job.snapshot())
 
 
+async def test_a_job_running_longer_than_two_leases_stays_listed(replicas: Any) -> None:
+    # Its index entry is pruned two leases after it was last touched (by a copy or a heartbeat),
+    # not after it was created: here a lease is under a second, and the job runs past three.
+    a = await replicas("redis", retention=0.3, outage_grace=0.2)
+    long = await a.add()
+    long.set_status(Status.RUNNING)
+    lease = a.store._lease_ms / 1000
+    assert lease < 1.0
+    await asyncio.sleep(2 * lease + 1.0)
+    short = await a.add()  # an add prunes the index
+    listed = {s.job_id for s in await a.store.snapshots()}
+    assert {long.id, short.id} <= listed
+    long.succeed({"text": "done"})
+
+
 async def test_followers_on_one_replica_share_one_reader(replicas: Any, redis_server: Any) -> None:
     """Many clients following one job through one replica: Redis sees one blocked XREAD, not one per client."""
     a, b = await replicas("redis"), await replicas("redis")

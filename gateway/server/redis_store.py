@@ -28,7 +28,9 @@ Keys (prefix `streamgate:`): `job:{id}` (hash: owner, snapshot, last_seq,
 terminal seq, type and size, idempotency key, cancel flag), `events:{id}` (stream),
 `result:{id}` (a result of `SPOOL_FROM` bytes or more, kept once),
 `attached:{id}` (sorted set of replicas following the job, scored by
-deadline), `jobs` (sorted set of every job's id, scored by its creation time), `key:{idempotency key}` (the job id and a digest of its request), `replica:{replica id}` (the
+deadline), `jobs` (sorted set of every job's id, scored by when its owner last
+wrote or re-leased it: a job running for hours stays listed, and one whose
+owner died leaves once its keys have expired), `key:{idempotency key}` (the job id and a digest of its request), `replica:{replica id}` (the
 owner's liveness key; also the name of the channel the owner listens on).
 
 **Expiry.** While a job runs its owner re-leases its keys every `heartbeat` s
@@ -145,7 +147,7 @@ READ_COUNT = 1000  # most events one XREAD returns
 # Copy a batch of events and the snapshot. KEYS: hash, stream, attached, the
 # owner's liveness key, the index, the result key, [idempotency key]. ARGV: job
 # id, snapshot, retention ms, terminal seq ('' while running), terminal type,
-# owner, idempotency key, the key's value, lease ms, liveness ms, created, the
+# owner, idempotency key, the key's value, lease ms, liveness ms, now, the
 # seq whose data is kept apart ('' for none), then (seq, type, data) triples. 1
 # written; 0 the job was ended elsewhere; 2 Redis lost the job (restarted
 # empty): send its log again from seq 1.
@@ -177,10 +179,8 @@ for i = 13, #ARGV, 3 do
 end
 redis.call('HSET', KEYS[1], 'last_seq', last, 'snapshot', ARGV[2], 'owner', ARGV[6], 'key', ARGV[7])
 local own = {KEYS[1], KEYS[2], KEYS[3], KEYS[6], KEYS[7]}
-if fresh then
-  redis.call('ZADD', KEYS[5], ARGV[11], ARGV[1])
-  if KEYS[7] then redis.call('SET', KEYS[7], ARGV[8], 'NX') end
-end
+redis.call('ZADD', KEYS[5], ARGV[11], ARGV[1])
+if fresh and KEYS[7] then redis.call('SET', KEYS[7], ARGV[8], 'NX') end
 if ARGV[4] ~= '' then
   redis.call('HSET', KEYS[1], 'tseq', ARGV[4], 'ttype', ARGV[5])
   for _, key in ipairs(own) do redis.call('PEXPIRE', key, ARGV[3]) end
@@ -736,7 +736,8 @@ class RedisStore(JobStore):
             pipe.pexpire(self._hash(job.id), self._lease_ms)
             # The index of every job, for listing; members whose job has expired are dropped
             # as it is read, and any older than a lease past retention here.
-            pipe.zadd(self._index, {job.id: job.created})
+            # Touched at each copy and heartbeat (`_beat`); one untouched for two leases has expired.
+            pipe.zadd(self._index, {job.id: time.time()})
             pipe.zremrangebyscore(self._index, "-inf", time.time() - (self._lease_ms / 1000) * 2)
             if key:
                 pipe.pexpire(self._idem(key), self._lease_ms)
@@ -911,7 +912,7 @@ class RedisStore(JobStore):
                 f"{job.id} {job.request_digest}",
                 self._lease_ms,
                 self._ms(self.liveness),
-                job.created,
+                time.time(),
                 terminal.seq if apart and terminal is not None else "",
             ]
             for event, data in zip(events, datas):
@@ -1123,6 +1124,8 @@ class RedisStore(JobStore):
                     args=[self._lease_ms],
                     client=pipe,
                 )
+            if running:  # still listed, however long they run
+                pipe.zadd(self._index, {owned.job.id: time.time() for owned in running}, xx=True)
             async with asyncio.timeout(ANSWER_S):  # a stalled Redis is found out as soon as a dead one
                 replies = await pipe.execute()
         except (RedisError, TimeoutError) as exc:
@@ -1141,7 +1144,7 @@ class RedisStore(JobStore):
             log.info("Redis at %s is reachable", self._where())
         self.problem = None
         self._failed_beats = 0
-        for owned, flag in zip(running, replies[1:]):
+        for owned, flag in zip(running, replies[1 : 1 + len(running)]):
             if flag == -1 and not owned.job.done:  # Redis lost the job: copy it again
                 self._restart_mirror(owned.job)
             elif flag and not owned.cancel_seen and not owned.job.done:
