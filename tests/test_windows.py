@@ -123,6 +123,14 @@ def test_embed_over_windows_is_the_windows_computed_here_and_stitched(server, es
     assert np.abs(np.array(last) - want[-1] / np.linalg.norm(want[-1])).max() <= 1e-5
 
 
+def test_a_windowed_jobs_progress_counts_its_windows(server) -> None:
+    s = run_stream(server.url, "embed", {"model": "esm", "texts": [protein(1000), "MKV"], "window": 100, "overlap": 30})
+    assert s.terminal["event"] == "data"
+    running = [e["data"]["progress"] for e in s.events if e["event"] == "status" and e["data"].get("progress")]
+    n = len(windows.plan(1000, Sizes(100, 30, Stitch.CENTER))) + 1  # the short text is one window
+    assert running and running[-1] == {"done": n, "total": n, "unit": "windows"}, running
+
+
 def test_one_window_as_long_as_the_sequence_is_the_whole_pass_exactly(server) -> None:
     sequence = protein(200, seed=1)
     for pooling in ("per_token", "mean", "last"):

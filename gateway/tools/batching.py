@@ -27,7 +27,7 @@ import collections
 import functools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from gateway.tools.base import Cancelled, Context
 
@@ -235,23 +235,33 @@ class ChunkSteps:
             return exc
 
 
+class WindowItem(NamedTuple):
+    """An item that is one window of a long input (gateway/tools/windows.py): its job's progress counts windows."""
+
+    item: int
+    window: int
+
+
 class ChunkProgress:
-    """Each job's items done, reported as chunks finish (in any order)."""
+    """Each job's items done, reported as chunks finish (in any order); windows where a job's items are `WindowItem`s."""
 
     def __init__(self, chunks: list[Chunk], ctxs: Sequence[Context], unit: str) -> None:
-        self.ctxs, self.unit = ctxs, unit
+        self.ctxs = ctxs
+        self.units = [unit] * len(ctxs)
         self.total = [0] * len(ctxs)
         self.done = [0] * len(ctxs)
         for chunk in chunks:
-            for job, _ in chunk.items:
+            for job, item in chunk.items:
                 self.total[job] += 1
+                if isinstance(item, WindowItem):
+                    self.units[job] = "windows"
 
     def advance(self, chunk: Chunk) -> None:
         jobs = sorted({job for job, _ in chunk.items})
         for job, _ in chunk.items:
             self.done[job] += 1
         for job in jobs:
-            self.ctxs[job].progress(self.done[job], self.total[job], self.unit)
+            self.ctxs[job].progress(self.done[job], self.total[job], self.units[job])
 
 
 def sorted_chunks(

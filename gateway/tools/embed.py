@@ -37,7 +37,7 @@ from gateway.cost import JSON_FLOAT, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools import windows
-from gateway.tools.batching import Chunk, Chunked, chunk_peak, sorted_chunks
+from gateway.tools.batching import Chunk, Chunked, WindowItem, chunk_peak, sorted_chunks
 from gateway.tools.windows import Framed, Share, Sizes, Stitch, WindowParams, WindowPlan
 
 EMBED_BATCH = 16  # texts per forward pass at most
@@ -227,7 +227,7 @@ def _plan(model: Model, jobs: list[EmbedParams], by_length: bool = True) -> list
             assert sizes is not None
             cut = windows.plan(len(framed.own), sizes)
             for w, ((start, end), share) in enumerate(zip(cut, windows.shares(cut, sizes.stitch))):
-                key = (job, (i, w))
+                key = (job, WindowItem(i, w))
                 items.append((key, framed.window(start, end)))
                 placed[key] = _InWindow(len(framed.head), share, len(framed.own))
     chunks = sorted_chunks(items, EMBED_BATCH, max_tokens=EMBED_TOKENS, by_length=by_length)
