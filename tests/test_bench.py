@@ -279,6 +279,21 @@ def test_safety():
     assert len(printed.targets) == 6
 
 
+def test_sequences():
+    printed = run_bench("sequences")
+    parity, length = printed.tables
+    assert [(row["window"], row["overlap"], row["stitch"]) for row in parity.rows] == [
+        ("64", overlap, stitch) for overlap in ("0", "8", "16", "32") for stitch in ("center", "mean")
+    ]
+    # Windows that overlap more are closer to the full pass, the stitched states and the strided scores alike.
+    for column in ("cos mean", "mean-pooled cos", "ppl / full"):
+        assert all(value is not None and 0.9 < value <= 1.01 for value in parity.numbers(column)), (column, parity.rows)
+    centered = [row for row in parity.rows if row["stitch"] == "center"]
+    assert float(centered[-1]["cos mean"]) > float(centered[0]["cos mean"]), centered
+    assert [row["residues"] for row in length.rows] == ["1000", "10000", "100000"]
+    assert all(value is not None for value in length.numbers("peak RSS over idle MB"))
+
+
 def test_memory():
     printed = run_bench("memory", timeout=300)
     titles = [table.title or "" for table in printed.tables]
