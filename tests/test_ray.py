@@ -114,6 +114,9 @@ def replica_stats() -> list[dict[str, Any]]:
         ("generate", {"prompts": ["hello there", "a b"], "max_tokens": 6}),
         ("predict", {"prompt": "hello world", "top_k": 3}),
         ("echo", {"text": "ab", "repeat": 3}),
+        # Sequences over the context (256), in windows: one plan, the same numbers on a replica.
+        ("embed", {"texts": ["the quick brown fox " * 40], "window": 100, "overlap": 20, "pooling": "per_token"}),
+        ("logprobs", {"prompts": ["jumps over the lazy dog " * 30], "window": 120, "overlap": 30}),
     ],
 )
 def test_the_stream_equals_the_local_backends(ray_gateway: Server, local_gateway: Server, tool: str, params: Any) -> None:
