@@ -99,7 +99,7 @@ class Tasks:
         if not job.done:
             self.store.attach(job)
             job.on_end.append(self.store.detach)
-        return {"resultType": "task", **self._task(job.snapshot())}
+        return {"resultType": "task", **self._task(job.snapshot(kept=[]))}
 
     async def _get(self, ctx: ServerRequestContext[Any], params: TaskParams) -> dict[str, Any]:
         job = await self._job(ctx, params.task_id)
