@@ -1,12 +1,12 @@
 /**
  * The dashboard against a gateway with client tokens, in headless Chromium (Debian's, driven
  * by playwright-core; no browser is downloaded): the token field after the first 401, tickets
- * for every EventSource, a stream resumed with a fresh ticket after its own expired, and the
- * token never in a URL.
+ * for every EventSource, a stream resumed with a fresh ticket after its own expired, a result
+ * downloaded with a ticket of its own, and the token never in a URL.
  */
 import assert from 'node:assert/strict'
 import {randomBytes} from 'node:crypto'
-import {mkdtempSync, rmSync} from 'node:fs'
+import {mkdtempSync, readFileSync, rmSync} from 'node:fs'
 import {tmpdir} from 'node:os'
 import {join} from 'node:path'
 import {after, before, describe, test} from 'node:test'
@@ -185,5 +185,39 @@ describe('the dashboard on a gateway with tokens', () => {
       await blocker.catch(() => undefined)
       await proxy.close()
     }
+  })
+  test('the result downloads with a fresh ticket at each click, long after the job', async () => {
+    const watched = await open()
+    const {page} = watched
+    await page.fill('[data-field=prompts] textarea', 'The result as a file')
+    await page.fill('[data-field=max_tokens] input', '8')
+    const job = await run(page)
+    await page.locator('#login').waitFor({state: 'visible'})
+    await page.fill('#login input', TOKEN)
+    await page.click('#login button[type=submit]')
+    await finished(job)
+    const result = JSON.parse((await job.locator('.raw pre').textContent()) ?? '{}') as unknown
+    const jobId = (await job.locator('.job-id').getAttribute('title'))!
+    const link = job.locator('a.download-result')
+    const plain = `${gateway.url}/jobs/${jobId}/result`
+    // No ticket waits in the page for a link that may never be followed.
+    assert.equal(await link.getAttribute('href'), plain)
+
+    const tickets: string[] = []
+    for (const round of [1, 2]) {
+      const [download] = await Promise.all([page.waitForEvent('download'), link.click()])
+      const url = new URL(download.url())
+      assert.equal(`${url.origin}${url.pathname}`, plain)
+      tickets.push(url.searchParams.get('ticket') ?? assert.fail(`download ${round} has no ticket: ${download.url()}`))
+      assert.equal(await download.failure(), null)
+      assert.deepEqual(JSON.parse(readFileSync((await download.path())!, 'utf8')), result)
+      // Past the first ticket's life: the second click must not follow it.
+      if (round === 1) await page.waitForTimeout(TICKET_TTL_S * 1000 + 500)
+    }
+    assert.notEqual(tickets[0], tickets[1])
+    assert.deepEqual(watched.refused.filter((url) => url.includes('/result')), [])
+    await tokenOnlyInHeaders(watched)
+    assert.deepEqual(watched.errors, [])
+    await page.close()
   })
 })

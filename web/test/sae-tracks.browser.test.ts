@@ -4,11 +4,14 @@
  * a tiny 16-feature SAE on layer 0 (test/support/tiny_sae.py). An 8,000-letter DNA sequence is drawn
  * as 16 tracks within a time budget stated against the sentence view, hovered, zoomed to its letters
  * and scrolled; several sequences get a stepper, and a sequence pasted with line breaks goes as typed.
- * Screenshots go to test-artifacts/ (sae-tracks.png, sae-tracks-zoomed.png, sae-tracks-several.png).
+ * Run in windows, it gets a lane of its windows and its edge-affected stretches shaded (one window:
+ * neither), and the card's link downloads the result the stream brought.
+ * Screenshots go to test-artifacts/ (sae-tracks.png, sae-tracks-zoomed.png, sae-tracks-several.png,
+ * sae-tracks-windows.png).
  */
 import assert from 'node:assert/strict'
 import {execFileSync} from 'node:child_process'
-import {mkdtempSync, rmSync} from 'node:fs'
+import {mkdtempSync, readFileSync, rmSync} from 'node:fs'
 import {tmpdir} from 'node:os'
 import {join} from 'node:path'
 import {after, before, describe, test} from 'node:test'
@@ -17,7 +20,7 @@ import {type BrowserContext, type Locator, type Page} from 'playwright-core'
 
 import {SAE_EXAMPLES, type AnnotateResult, type SequenceAnnotation} from '../src/index.ts'
 import {fmt} from '../src/dashboard/dom.ts'
-import {LAYOUT, LETTER_PX} from '../src/dashboard/tracks.ts'
+import {edgeStretches, LAYOUT, LETTER_PX, type Context} from '../src/dashboard/tracks.ts'
 import {ARTIFACTS, finished, launch, rawResult, run} from './support/browser.ts'
 import {ROOT, startGateway, WEB, type Gateway} from './support/gateway.ts'
 
@@ -146,6 +149,43 @@ async function bars(view: Locator, rows: number, near: number[]): Promise<{count
       return out
     },
     {rows, near, layout: LAYOUT},
+  )
+}
+
+/** The y, in the canvas's CSS pixels, of the middle of track `row` below a windows lane. */
+const laneTrackY = (row: number) => trackY(row) + LAYOUT.windows
+
+/**
+ * At each of the canvas's CSS columns `xs`: whether the windows lane has a window drawn there, whether
+ * its strip is marked (the --warn colour), and how many track bands show their plain colour (--bg) in
+ * their top pixel row, where only a bar's peak or a shade covers it.
+ */
+async function laneAt(view: Locator, xs: number[], rows: number): Promise<{window: boolean; strip: boolean; plain: number}[]> {
+  return view.locator('canvas.track-canvas').evaluate(
+    (canvas, {xs, rows, layout}) => {
+      // No named functions in here: the test's compiler would wrap them in a helper the page lacks.
+      const c = canvas as HTMLCanvasElement
+      const probe = document.createElement('canvas').getContext('2d')!
+      const [warn, band] = ['--warn', '--bg'].map((name) => {
+        probe.fillStyle = getComputedStyle(c).getPropertyValue(name).trim()
+        probe.fillRect(0, 0, 1, 1)
+        return [...probe.getImageData(0, 0, 1, 1).data.slice(0, 3)].join()
+      })
+      const ratio = c.width / c.clientWidth
+      const ctx = c.getContext('2d')!
+      const laneTop = layout.ruler + 1
+      const stripY = layout.ruler + layout.windows - layout.strip / 2 - 1
+      const tracksTop = layout.ruler + layout.windows + layout.letters
+      return xs.map((x) => {
+        const column = ctx.getImageData(Math.round(x * ratio), 0, 1, c.height).data
+        let window = false
+        for (let y = laneTop; y < stripY - layout.strip / 2; y++) window ||= column[Math.round(y * ratio) * 4 + 3]! > 0
+        const tops = Array.from({length: rows}, (_, r) => tracksTop + r * layout.pitch)
+        const [strip, ...bands] = [stripY, ...tops].map((y) => [...column.slice(Math.round(y * ratio) * 4, Math.round(y * ratio) * 4 + 3)].join())
+        return {window, strip: strip === warn, plain: bands.filter((rgb) => rgb === band).length}
+      })
+    },
+    {xs, rows, layout: LAYOUT},
   )
 }
 
@@ -356,6 +396,99 @@ describe('the SAE feature-track view', () => {
     assert.equal((await dataset(view)).letters, 'shown')
     await job.scrollIntoViewIfNeeded()
     await page.screenshot({path: join(ARTIFACTS, 'sae-tracks-several.png'), fullPage: true})
+    assert.deepEqual(page.errors, [])
+    await page.close()
+  })
+  test('in windows: a lane of the windows, the edge-affected stretches shaded, a tip on each; one window: neither; the result downloads', async () => {
+    const page = await open()
+    await page.fill('[data-field=window] input', '2000')
+    await page.fill('[data-field=overlap] input', '400')
+    await page.selectOption('[data-field=stitch] select', 'mean')
+    const job = await annotate(page, {sequence: dna(LENGTH)})
+    const result = await rawResult<AnnotateResult>(job)
+    const seq = result.sequences?.[0] ?? assert.fail('no sequences in the result')
+    const plan = seq.plan ?? assert.fail('no plan in a windowed result')
+    assert.deepEqual(plan.windows, [[0, 2000], [1600, 3600], [3200, 5200], [4800, 6800], [6000, 8000]])
+    assert.deepEqual([plan.stitch, plan.window, plan.overlap], ['mean', 2000, 400])
+    const context = seq.context as unknown as Context[]
+    // Mean: each overlap is edge-affected; the last window's, 800 wide, only its 200 at each end.
+    const stretches: [number, number][] = [[1600, 2000], [3200, 3600], [4800, 5200], [6000, 6200], [6600, 6800]]
+    assert.deepEqual(edgeStretches(context, 400), stretches)
+
+    const view = job.locator('.result .sae-tracks')
+    const shown = await dataset(view)
+    assert.equal(shown.windows, '5')
+    const laneLabel = view.locator('.track-windows-label')
+    assert.equal(await laneLabel.innerText(), 'windows')
+    assert.match((await laneLabel.getAttribute('title')) ?? '', /5 windows of 2,000 positions overlapping by 400, stitched by mean/)
+    const summary = await view.locator('.track-summary').innerText()
+    assert.match(summary, /Run in 5 windows of 2,000 positions overlapping by 400, stitched by mean\./)
+    assert.match(summary, /Shaded: 1,600 edge-affected positions in 5 stretches, with less than half the overlap \(200\) of context on a side where the sequence goes on\./)
+    assert.match((await view.locator('canvas.track-canvas').getAttribute('aria-label')) ?? '', /Run in 5 windows .* Shaded: 1,600 edge-affected positions/)
+    // The labels' column keeps each track's label beside its band, below the lane.
+    const canvasTop = (await view.locator('canvas.track-canvas').boundingBox())!.y
+    const firstLabel = (await view.locator('.track-label[data-feature]').first().boundingBox())!
+    assert.ok(Math.abs(firstLabel.y + firstLabel.height / 2 - (canvasTop + laneTrackY(0) + (LAYOUT.pitch - LAYOUT.track) / 2)) <= 2, 'the labels are not beside their tracks')
+
+    // Drawn: a window over every position; the strip and every band shaded over the stretches, and nowhere else.
+    const ppp = Number(shown.pxPerPosition)
+    const at = (p: number) => (p + 0.5) * ppp
+    const inside = stretches.map(([a, b]) => at((a + b) / 2))
+    const outside = [800, 2800, 4400, 6400, 7400].map(at)
+    const rows = seq.features.length + 1
+    for (const [i, seen] of (await laneAt(view, inside, rows)).entries()) {
+      assert.deepEqual(seen, {window: true, strip: true, plain: 0}, `inside stretch ${stretches[i]}`)
+    }
+    for (const [i, seen] of (await laneAt(view, outside, rows)).entries()) {
+      assert.ok(seen.window && !seen.strip && seen.plain > 0, `at ${outside[i]! / ppp}: ${JSON.stringify(seen)}`)
+    }
+
+    // The lane's tip: the windows that hold the position, its context, and whether it is edge-affected.
+    await job.scrollIntoViewIfNeeded()
+    const box = (await view.locator('canvas.track-overlay').boundingBox())!
+    const laneY = box.y + LAYOUT.ruler + 5
+    await page.mouse.move(box.x + at(1800), laneY)
+    let seen = await tip(page)
+    let p = seen.position - 1
+    assert.ok(p >= 1600 && p < 2000, `position ${seen.position}`)
+    assert.match(seen.text, /^window 1 of 5: positions 1–2,000$/m)
+    assert.match(seen.text, /^window 2 of 5: positions 1,601–3,600$/m)
+    assert.match(seen.text, new RegExp(`^context: ${context[p]![0].toLocaleString('en-US')} left, ${context[p]![1].toLocaleString('en-US')} right$`, 'm'))
+    assert.match(seen.text, new RegExp(`^edge-affected: ${context[p]![0] < 200 ? 'left' : 'right'}, < 200 context$`, 'm'))
+    await page.mouse.move(box.x + at(2800), laneY)
+    seen = await tip(page)
+    p = seen.position - 1
+    assert.ok(p >= 2000 && p < 3200, `position ${seen.position}`)
+    assert.match(seen.text, /^window 2 of 5: positions 1,601–3,600$/m)
+    assert.doesNotMatch(seen.text, /window [13] |edge-affected/)
+    // Over a track in a stretch, the tip says so too.
+    await page.mouse.move(box.x + at(6100), box.y + laneTrackY(0))
+    assert.match((await tip(page)).text, /^edge-affected: left, < 200 context$/m)
+    await page.screenshot({path: join(ARTIFACTS, 'sae-tracks-windows.png')})
+
+    // The card links the result as a file: the same JSON as the stream's data event.
+    const jobId = (await job.locator('.job-id').getAttribute('title')) ?? assert.fail('no job id')
+    const link = job.locator('a.download-result')
+    assert.equal(await link.innerText(), 'Download result')
+    assert.equal(await link.getAttribute('href'), `${gateway.url}/jobs/${jobId}/result`)
+    assert.equal(await link.getAttribute('download'), `${jobId}.json`)
+    const [download] = await Promise.all([page.waitForEvent('download'), link.click()])
+    assert.equal(download.url(), `${gateway.url}/jobs/${jobId}/result`)
+    assert.deepEqual(JSON.parse(readFileSync((await download.path())!, 'utf8')), result)
+    await job.locator('button[title=Remove]').click()
+
+    // A sequence no longer than the window is one window: a plan, but no lane and nothing shaded.
+    const short = await annotate(page, {sequence: dna(1500)})
+    const one = (await rawResult<AnnotateResult>(short)).sequences![0]!
+    assert.deepEqual(one.plan?.windows, [[0, 1500]])
+    assert.deepEqual(edgeStretches(one.context as unknown as Context[], one.plan!.overlap), [])
+    const plain = short.locator('.result .sae-tracks')
+    assert.equal((await dataset(plain)).windows, undefined)
+    assert.equal(await plain.locator('.track-windows-label').count(), 0)
+    assert.doesNotMatch(await plain.locator('.track-summary').innerText(), /window|Shaded/)
+    const height = await plain.locator('canvas.track-canvas').evaluate((c) => (c as HTMLCanvasElement).clientHeight)
+    assert.equal(height, LAYOUT.ruler + LAYOUT.letters + (one.features.length + 1) * LAYOUT.pitch + LAYOUT.bottom)
+    assert.equal(await short.locator('a.download-result').getAttribute('href'), `${gateway.url}/jobs/${(await short.locator('.job-id').getAttribute('title'))!}/result`)
     assert.deepEqual(page.errors, [])
     await page.close()
   })

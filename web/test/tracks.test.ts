@@ -1,12 +1,26 @@
 /**
  * The feature-track view's arithmetic (src/dashboard/tracks.ts), in Node: which positions a pixel
  * column covers, the largest activation over them (so that a peak is never lost between pixels),
- * the bars' heights, the ruler's step and the pixels filled.
+ * the bars' heights, the ruler's step and the pixels filled; for a windowed sequence, which windows
+ * hold a position, their rows in the lane and the edge-affected stretches.
  */
 import assert from 'node:assert/strict'
 import {describe, test} from 'node:test'
 
-import {argmaxIn, barHeights, columnRange, fillPixels, rulerStep, zoomBounds} from '../src/dashboard/tracks.ts'
+import {
+  argmaxIn,
+  barHeights,
+  columnRange,
+  edgeSides,
+  edgeStretches,
+  fillPixels,
+  rulerStep,
+  stackWindows,
+  windowsAt,
+  zoomBounds,
+  type Context,
+  type Window,
+} from '../src/dashboard/tracks.ts'
 
 /** Deterministic values in [-0.2, 1): a few negative, some exactly 0, as ReLU features and their neighbours give. */
 function values(n: number, seed = 1): number[] {
@@ -103,5 +117,102 @@ describe('pixels', () => {
     fillPixels(image, 1, 1, 3, 5, 7)
     fillPixels(image, -2, 0, 1, 1, 9)
     assert.deepEqual([...image.data], [9, 0, 0, 0, 0, 7, 7, 0, 0, 7, 7, 0])
+  })
+})
+
+/** A plan's windows over `n` positions, as the gateway cuts them (gateway/tools/windows.py, `plan`). */
+function plan(n: number, window: number, overlap: number): Window[] {
+  if (n <= window) return [[0, n]]
+  const step = window - overlap
+  const starts: number[] = []
+  for (let s = 0; s < n - window; s += step) starts.push(s)
+  starts.push(n - window)
+  return starts.map((s) => [s, s + window])
+}
+
+/** Each position's least context on each side among the windows its value came from, as the gateway answers it (`context`). */
+function contextOf(windows: Window[], stitch: 'center' | 'mean'): Context[] {
+  const n = windows.at(-1)![1]
+  const out: [number, number][] = Array.from({length: n}, () => [Infinity, Infinity])
+  if (stitch === 'center') {
+    // Each position from the window it is farthest inside: neighbours' overlaps split at their middle.
+    const cuts = [0, ...windows.slice(1).map(([start], i) => Math.floor((start + windows[i]![1] + 1) / 2)), n]
+    for (const [i, [start, end]] of windows.entries()) for (let p = cuts[i]!; p < cuts[i + 1]!; p++) out[p] = [p - start, end - 1 - p]
+    return out
+  }
+  for (const [start, end] of windows) {
+    for (let p = start; p < end; p++) out[p] = [Math.min(out[p]![0], p - start), Math.min(out[p]![1], end - 1 - p)]
+  }
+  return out
+}
+
+describe('windows and their edges', () => {
+  test('the rule: less than half the overlap of context on a side where the sequence goes on', () => {
+    // Position 500 of 1,000, overlap 100: 49 on its left is under half, 50 is not.
+    assert.deepEqual(edgeSides([49, 300], 500, 1000, 100), [true, false])
+    assert.deepEqual(edgeSides([50, 49], 500, 1000, 100), [false, true])
+    assert.deepEqual(edgeSides([3, 2], 500, 1000, 5), [false, true]) // an odd overlap: half is 2.5
+    // Windows that do not overlap: a position at a window's edge, with none on that side, is affected.
+    assert.deepEqual(edgeSides([0, 40], 500, 1000, 0), [true, false])
+    assert.deepEqual(edgeSides([1, 40], 500, 1000, 0), [false, false])
+    // Near the sequence's own ends a position has all the sequence has: that is no window's doing.
+    assert.deepEqual(edgeSides([0, 499], 0, 1000, 100), [false, false])
+    assert.deepEqual(edgeSides([7, 40], 7, 1000, 100), [false, true])
+    assert.deepEqual(edgeSides([400, 0], 999, 1000, 100), [false, false])
+  })
+
+  test('mean: every overlap of two windows is edge-affected; the last window’s wider one only at its two ends', () => {
+    const windows = plan(8000, 2000, 400)
+    assert.deepEqual(windows, [[0, 2000], [1600, 3600], [3200, 5200], [4800, 6800], [6000, 8000]])
+    // The last window ends at the sequence's end: it overlaps the one before by 800, whose middle keeps 200 a side.
+    assert.deepEqual(edgeStretches(contextOf(windows, 'mean'), 400), [[1600, 2000], [3200, 3600], [4800, 5200], [6000, 6200], [6600, 6800]])
+  })
+
+  test('center: with an even overlap no position inside has less than half of it; with an odd one, one position at each cut', () => {
+    for (const [n, window, overlap] of [[8000, 2000, 400], [1000, 64, 16], [97, 10, 2]] as const) {
+      assert.deepEqual(edgeStretches(contextOf(plan(n, window, overlap), 'center'), overlap), [], `${[n, window, overlap]}`)
+    }
+    // Windows [0, 10), [5, 15), [10, 20), [11, 21), cut at 8, 13 and 16: the position before each of the first two
+    // cuts has 2 on its right, under 2.5; the last window overlaps its neighbour by 9, and keeps 4 a side.
+    const windows = plan(21, 10, 5)
+    assert.deepEqual(edgeStretches(contextOf(windows, 'center'), 5), [[7, 8], [12, 13]])
+  })
+
+  test('one window: nothing is edge-affected, though the ends have no context', () => {
+    const context = contextOf(plan(300, 1000, 250), 'mean')
+    assert.deepEqual(context[0], [0, 299])
+    assert.deepEqual(edgeStretches(context, 250), [])
+    assert.deepEqual(edgeStretches([], 250), [])
+  })
+
+  test('windowsAt: the windows that hold a position, in order', () => {
+    for (const windows of [plan(8000, 2000, 400), plan(21, 10, 5), plan(50, 10, 0), plan(40, 10, 8), plan(5, 10, 2)]) {
+      const n = windows.at(-1)![1]
+      for (let p = 0; p < n; p++) {
+        const expected = [...windows.keys()].filter((i) => windows[i]![0] <= p && p < windows[i]![1])
+        assert.deepEqual(windowsAt(windows, p), expected, `position ${p} of ${windows.join(' ')}`)
+      }
+      assert.deepEqual(windowsAt(windows, n), [])
+    }
+  })
+
+  test('stackWindows: overlapping windows in different rows, alternating where they can', () => {
+    assert.deepEqual(stackWindows(plan(8000, 2000, 400), 3), {rows: [0, 1, 0, 1, 0], count: 2})
+    assert.deepEqual(stackWindows(plan(50, 10, 0), 3), {rows: [0, 0, 0, 0, 0], count: 1}) // no overlap: one row
+    // The last window, pinned to the end, overlaps the one two before it: a third row.
+    assert.deepEqual(stackWindows(plan(21, 10, 5), 3), {rows: [0, 1, 0, 2], count: 3})
+    assert.deepEqual(stackWindows([], 3), {rows: [], count: 0})
+    // Within the rows allowed, no two windows of a row overlap; past them, the row that frees first.
+    for (const windows of [plan(1000, 64, 16), plan(1000, 64, 31), plan(97, 10, 4)]) {
+      const {rows, count} = stackWindows(windows, 3)
+      assert.ok(count <= 3)
+      for (let i = 1; i < windows.length; i++) {
+        const before = rows.lastIndexOf(rows[i]!, i - 1)
+        if (before >= 0) assert.ok(windows[before]![1] <= windows[i]![0], `windows ${before} and ${i} share row ${rows[i]}`)
+      }
+    }
+    const deep = stackWindows(plan(40, 10, 8), 3) // five windows hold a position: three rows, reused in turn
+    assert.equal(deep.count, 3)
+    assert.deepEqual(deep.rows.slice(0, 6), [0, 1, 2, 0, 1, 2])
   })
 })

@@ -16,6 +16,9 @@
  * within a minute: the browser's reconnect after that is refused (401) and closes
  * the EventSource for good, so the job is picked up again with a fresh ticket on
  * `GET /jobs/{id}/events?last_event_id=…`, from the event after the last one seen.
+ *
+ * A finished job's card links its result as a file (`GET /jobs/{id}/result`), with a ticket of its
+ * own on a gateway with tokens.
  */
 import {HttpError, ProtocolError} from '../errors.ts'
 import type {ErrorInfo, GeneratePartial, ToolInfo} from '../generated/types.ts'
@@ -63,6 +66,7 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
   const elapsed = h('span', {class: 'muted elapsed'})
   const jobId = h('code', {class: 'job-id', title: 'job id'})
   const cancel = h('button', {type: 'button', class: 'secondary', onclick: () => void stop()}, 'Cancel')
+  const download = h('span', {class: 'download'})
   const remove = h('button', {type: 'button', class: 'icon', title: 'Remove', 'aria-label': 'Remove', hidden: true, onclick: () => card.remove()}, '×')
   const timeline = h('ol', {class: 'timeline'})
   const queue = h('div', {class: 'queue muted', hidden: true})
@@ -91,6 +95,7 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
       badge,
       elapsed,
       h('span', {class: 'spacer'}),
+      download,
       cancel,
       remove,
     ),
@@ -192,6 +197,7 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
         }
         raw.textContent = JSON.stringify(event.result, null, 2)
         rawBox.hidden = false
+        if (state.jobId) download.replaceChildren(resultLink(base, login, state.jobId))
         finish('done')
         hooks.onDone?.(event.result)
         break
@@ -367,6 +373,48 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
 
   void connect(false)
   return card
+}
+
+/**
+ * A link to `GET /jobs/{id}/result`: the result alone, as a file. With a token it carries a ticket,
+ * got when the link is pointed at, focused or followed rather than with the result: a ticket lives a
+ * minute at most, and the link may be followed long after. A click waits for a fresh one, then
+ * follows the link itself.
+ */
+function resultLink(base: URL, login: Login, jobId: string): HTMLAnchorElement {
+  const plain = new URL(`jobs/${encodeURIComponent(jobId)}/result`, base)
+  const link = h('a', {class: 'download-result', href: plain.href, download: `${jobId}.json`}, 'Download result')
+  let arming: Promise<void> | undefined
+  let followed = false
+  const arm = (): Promise<void> => {
+    arming ??= login
+      .ticket()
+      .then(
+        (ticket) => {
+          const url = new URL(plain)
+          if (ticket) url.searchParams.set('ticket', ticket)
+          link.href = url.href
+        },
+        () => undefined, // the gateway cannot be reached: following the link shows why
+      )
+      .finally(() => (arming = undefined))
+    return arming
+  }
+  const prepare = () => void (login.token && arm())
+  link.addEventListener('pointerenter', prepare)
+  link.addEventListener('focus', prepare)
+  link.addEventListener('click', (event) => {
+    if (followed || !login.token) {
+      followed = false
+      return
+    }
+    event.preventDefault()
+    void arm().then(() => {
+      followed = true
+      link.click()
+    })
+  })
+  return link
 }
 
 /** `GET /jobs/{id}/events`, after `lastEventId` when there is one. */

@@ -7,8 +7,10 @@
 /**
  * The canvas's rows, in CSS pixels: the ruler, the letters under it, then per track a band `track`
  * tall every `pitch` (the features in order, then the reconstruction error), and a margin at the bottom.
+ * A sequence run in several windows gets a lane `windows` tall between the ruler and the letters: its
+ * windows, stacked, over a strip `strip` tall marking the edge-affected positions.
  */
-export const LAYOUT = {ruler: 20, letters: 18, track: 26, pitch: 30, bottom: 4} as const
+export const LAYOUT = {ruler: 20, letters: 18, track: 26, pitch: 30, bottom: 4, windows: 18, strip: 4} as const
 /** Letters are drawn from this many CSS pixels per position on. */
 export const LETTER_PX = 8
 /** The most CSS pixels one position gets (or the whole sequence's fit, when that is more). */
@@ -92,4 +94,67 @@ export function fillPixels(image: Pixels, x0: number, y0: number, x1: number, y1
   const bottom = Math.min(image.height, Math.floor(y1))
   if (left >= right) return
   for (let y = Math.max(0, Math.floor(y0)); y < bottom; y++) image.data.fill(color, y * image.width + left, y * image.width + right)
+}
+
+/** One position's context in a windowed result: the fewest tokens it had on its left and on its right. */
+export type Context = readonly [number, number]
+/** A window of a plan: positions `[start, end)`. */
+export type Window = readonly [number, number]
+
+/**
+ * Which sides of position `p` (of `n`) are edge-affected: it had less than half the overlap of context
+ * there (`2 × context < overlap`; with no overlap, none at all) while the sequence goes on past what it
+ * saw. A position near the sequence's own end has less only because the sequence has no more: that is
+ * no window's doing.
+ */
+export function edgeSides(context: Context, p: number, n: number, overlap: number): [boolean, boolean] {
+  const least = Math.max(overlap, 1)
+  return [2 * context[0] < least && context[0] < p, 2 * context[1] < least && context[1] < n - 1 - p]
+}
+
+/** The edge-affected stretches of a windowed sequence (`edgeSides`, either side), `[from, to)` in order. */
+export function edgeStretches(context: ArrayLike<Context>, overlap: number): [number, number][] {
+  const n = context.length
+  const out: [number, number][] = []
+  for (let p = 0; p < n; p++) {
+    const [left, right] = edgeSides(context[p]!, p, n, overlap)
+    if (!left && !right) continue
+    const last = out.at(-1)
+    if (last && last[1] === p) last[1] = p + 1
+    else out.push([p, p + 1])
+  }
+  return out
+}
+
+/** The indices of the windows that hold position `p`, in order (the windows in order of their starts, as a plan has them). */
+export function windowsAt(windows: readonly Window[], p: number): number[] {
+  // The last window starting at or before p, then back while they still reach it: a plan has
+  // thousands of windows, a position a few.
+  let lo = 0
+  let hi = windows.length
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1
+    if (windows[mid]![0] <= p) lo = mid + 1
+    else hi = mid
+  }
+  const out: number[] = []
+  for (let i = lo - 1; i >= 0 && windows[i]![1] > p; i--) out.unshift(i)
+  return out
+}
+
+/**
+ * A row for each window, so that windows that overlap sit in different rows and their overlap shows:
+ * each takes the first row whose windows have all ended by its start. At most `most` rows: past them
+ * (a plan whose overlap is more than half its window), the row that frees first, drawn over.
+ */
+export function stackWindows(windows: readonly Window[], most: number): {rows: number[]; count: number} {
+  const ends: number[] = []
+  const rows = windows.map(([start, end]) => {
+    let row = ends.findIndex((e) => e <= start)
+    if (row < 0 && ends.length < most) row = ends.length
+    if (row < 0) row = ends.indexOf(Math.min(...ends))
+    ends[row] = end
+    return row
+  })
+  return {rows, count: ends.length}
 }

@@ -8,13 +8,37 @@
  * as the whole sequence at the zoom chosen: the scroller's own scrollbar, wheel, trackpad and drag
  * move the window, and only the positions in view are drawn. Zoom: the buttons, ctrl + wheel (a
  * trackpad's pinch), or + / − / 0 on the focused tracks. Positions are shown counted from 1.
+ *
+ * A sequence run in several windows (`plan`) gets a lane under the ruler with its windows, and its
+ * edge-affected positions (tracks.ts, `edgeSides`) shaded in every track: so that a peak or a dip at
+ * a window's edge is seen for what it may be.
  */
 import type {AnnotateParams, AnnotateResult, FeatureTrack, SequenceAnnotation} from '../generated/types.ts'
 import {hideTip, showTip} from './charts.ts'
 import {fmt, h, percent, showToken} from './dom.ts'
-import {argmaxIn, barHeights, clamp, columnRange, fillPixels, LAYOUT, LETTER_PX, MOST_PX, rulerStep, zoomBounds, type Pixels} from './tracks.ts'
+import {
+  argmaxIn,
+  barHeights,
+  clamp,
+  columnRange,
+  edgeSides,
+  edgeStretches,
+  fillPixels,
+  LAYOUT,
+  LETTER_PX,
+  MOST_PX,
+  rulerStep,
+  stackWindows,
+  windowsAt,
+  zoomBounds,
+  type Context,
+  type Pixels,
+  type Window,
+} from './tracks.ts'
 
-const {ruler: RULER_H, letters: LETTERS_H, track: TRACK_H, pitch: PITCH, bottom: BOTTOM} = LAYOUT
+const {ruler: RULER_H, letters: LETTERS_H, track: TRACK_H, pitch: PITCH, bottom: BOTTOM, windows: LANE_H, strip: STRIP_H} = LAYOUT
+/** The most rows the windows lane stacks its windows in (more only for an overlap over half the window). */
+const LANE_ROWS = 3
 /** The scroller's content is at most this wide: past it, scrolling maps onto the sequence proportionally. */
 const MAX_SCROLL_W = 8_000_000
 
@@ -22,19 +46,30 @@ const featureName = (f: FeatureTrack) => (f.label ? `#${f.id} ${f.label}` : `#${
 /** A position as people read it: 12,345. */
 const pos = (p: number) => String(p).replace(/\B(?=(\d{3})+(?!\d))/g, ',')
 
-/** A CSS colour as one pixel of ImageData's buffer (read as 32-bit words in the platform's byte order). */
+/**
+ * A CSS colour as one pixel of ImageData's buffer (read as 32-bit words in the platform's byte order);
+ * with `over` and `alpha`, the colour at `alpha` over `over`, as an opaque pixel (the pixels are
+ * written, not blended).
+ */
 const packed = new Map<string, number>()
 let probe: CanvasRenderingContext2D | null | undefined
-function pack(color: string): number {
-  let word = packed.get(color)
+function pack(color: string, over?: string, alpha = 1): number {
+  const key = over ? `${color} ${alpha} ${over}` : color
+  let word = packed.get(key)
   if (word === undefined) {
     probe ??= h('canvas', {width: 1, height: 1}).getContext('2d', {willReadFrequently: true})
     if (!probe) return 0
     probe.clearRect(0, 0, 1, 1)
+    if (over) {
+      probe.fillStyle = over
+      probe.fillRect(0, 0, 1, 1)
+      probe.globalAlpha = alpha
+    }
     probe.fillStyle = color
     probe.fillRect(0, 0, 1, 1)
+    probe.globalAlpha = 1
     word = new Uint32Array(probe.getImageData(0, 0, 1, 1).data.buffer)[0]!
-    packed.set(color, word)
+    packed.set(key, word)
   }
   return word
 }
@@ -73,6 +108,12 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
   let dpr = 1
   let hover: {x: number; y: number; clientX: number; clientY: number} | null = null
   let drag: {x: number; scroll: number; moved: boolean} | null = null
+  // A plan of several windows: its windows, each one's row in the lane, each position's context and the edge-affected stretches.
+  let windows: readonly Window[] = []
+  let stack: {rows: number[]; count: number} = {rows: [], count: 0}
+  let context: ArrayLike<Context> = []
+  let stretches: [number, number][] = []
+  let edgeCount = 0
 
   // -- the elements --------------------------------------------------------------------------
   const root = h('div', {class: 'sae-tracks', 'data-sequence': 0, 'data-letters': 'hidden'})
@@ -107,7 +148,7 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
     status,
   )
   const summary = h('p', {class: 'track-summary muted'})
-  const labels = h('div', {class: 'track-labels', style: `padding-top: ${RULER_H + LETTERS_H}px`})
+  const labels = h('div', {class: 'track-labels', style: `padding-top: ${RULER_H}px`})
   const canvas = h('canvas', {class: 'track-canvas', role: 'img'})
   const overlay = h('canvas', {class: 'track-overlay', 'aria-hidden': 'true'})
   const stage = h('div', {class: 'track-stage'}, canvas, overlay)
@@ -128,7 +169,10 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
 
   // -- geometry ------------------------------------------------------------------------------
   const rows = () => seq.features.length + 1 // the features, then the reconstruction error
-  const height = () => RULER_H + LETTERS_H + rows() * PITCH + BOTTOM
+  const lane = () => (windows.length ? LANE_H : 0)
+  /** Where the first track's band begins, CSS px from the top. */
+  const tracksTop = () => RULER_H + lane() + LETTERS_H
+  const height = () => tracksTop() + rows() * PITCH + BOTTOM
   const visible = () => width / ppp // positions in view
   const contentWidth = () => Math.max(width, Math.min(MAX_SCROLL_W, n * ppp))
   const maxStart = () => Math.max(0, n - visible())
@@ -157,9 +201,27 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
       error: v('--warn', '#9a6700'),
     }
   }
+  /** The plan in words, for the summary, the canvas's label and the lane's title. */
+  const planText = () => {
+    const plan = seq.plan!
+    return `${pos(windows.length)} windows of ${pos(plan.window)} positions overlapping by ${pos(plan.overlap)}, stitched by ${plan.stitch}`
+  }
+  const edgeRule = () => `less than half the overlap (${fmt(seq.plan!.overlap / 2, 1)}) of context on a side where the sequence goes on`
 
   const drawLabels = () => {
     labels.replaceChildren(
+      windows.length
+        ? h(
+            'div',
+            {
+              class: 'track-label track-windows-label',
+              style: `height: ${LANE_H}px`,
+              title: `the windows the sequence ran in (${planText()}), stacked where they overlap; under them, the edge-affected positions: ${edgeRule()}`,
+            },
+            h('span', {class: 'track-name'}, 'windows'),
+          )
+        : '',
+      h('div', {style: `height: ${LETTERS_H}px`}),
       ...seq.features.map((f, i) =>
         h(
           'div',
@@ -184,8 +246,12 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
     const active = seq.features.filter((f) => f.max > 0).length
     summary.textContent = `${pos(n)} positions; ${seq.features.length} feature${seq.features.length === 1 ? '' : 's'}${
       seq.features.length ? `, ${active} active somewhere` : pick ? '' : ' (none is active anywhere)'
-    }.`
+    }.${windows.length ? ` Run in ${planText()}. ${edgeText()}.` : ''}`
   }
+  const edgeText = () =>
+    edgeCount
+      ? `Shaded: ${pos(edgeCount)} edge-affected position${edgeCount === 1 ? '' : 's'} in ${pos(stretches.length)} stretch${stretches.length === 1 ? '' : 'es'}, with ${edgeRule()}`
+      : `No position is edge-affected (${edgeRule()})`
 
   const describe = (first: number, last: number) => {
     const ranked = [...seq.features].sort((a, b) => b.max - a.max).filter((f) => f.max > 0)
@@ -194,7 +260,8 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
       `Feature tracks${sequences.length > 1 ? ` of sequence ${index + 1} of ${sequences.length}` : ''}: ${seq.features.length} features over ${pos(n)} positions, ` +
       `${pos(first)} to ${pos(last)} shown${ppp >= LETTER_PX ? ' with their letters' : ''}. ` +
       (shown.length ? `${shown.join('; ')}${ranked.length > shown.length ? `; ${ranked.length - shown.length} more active` : ''}. ` : 'No feature is active. ') +
-      `Relative reconstruction error up to ${percent(maxError)}.`
+      `Relative reconstruction error up to ${percent(maxError)}.` +
+      (windows.length ? ` Run in ${planText()}. ${edgeText()}.` : '')
     )
   }
 
@@ -246,18 +313,40 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
     pixels.data.fill(0)
     const line = pack(c.line)
     fillPixels(pixels, 0, dev(RULER_H) - 1, columns, dev(RULER_H), line)
+    // The device columns each edge-affected stretch in view takes: at least one, however far out.
+    const shaded: [number, number][] = []
+    for (const [a, b] of stretches) {
+      if (b <= first || a >= last) continue
+      const left = dev(x(a))
+      shaded.push([left, Math.max(left + 1, dev(x(b)))])
+    }
+    if (windows.length) {
+      // The windows, alternately shaded, each in its row of the stack; the strip under them.
+      const shades = [pack(c.muted, c.band, 0.35), pack(c.muted, c.band, 0.7)]
+      const tall = (LANE_H - STRIP_H - 4) / stack.count
+      for (const [i, [a, b]] of windows.entries()) {
+        if (b <= first || a >= last) continue
+        const left = dev(x(a))
+        const y = RULER_H + 1 + stack.rows[i]! * tall
+        fillPixels(pixels, left, dev(y), Math.max(left + 1, dev(x(b))), dev(y + tall) - (tall >= 4 ? 1 : 0), shades[i % 2]!)
+      }
+      const strip = pack(c.error)
+      for (const [left, right] of shaded) fillPixels(pixels, left, dev(RULER_H + LANE_H - STRIP_H - 1), right, dev(RULER_H + LANE_H - 1), strip)
+    }
     if (!letters) {
-      const lettersY = RULER_H + LETTERS_H / 2
+      const lettersY = RULER_H + lane() + LETTERS_H / 2
       fillPixels(pixels, dev(Math.max(0, x(0))), dev(lettersY - 1.5), dev(Math.min(width, x(n))), dev(lettersY + 1.5), line)
     }
     const band = pack(c.band)
+    const edgeBand = pack(c.error, c.band, 0.22)
     for (let r = 0; r < rows(); r++) {
       const isError = r === seq.features.length
       const values: ArrayLike<number> = isError ? seq.relative_error : (seq.tracks[r] ?? [])
       const top = isError ? maxError : sharedBox.checked ? sharedMax : (seq.features[r]?.max ?? 0)
-      const y0 = dev(RULER_H + LETTERS_H + r * PITCH)
-      const base = dev(RULER_H + LETTERS_H + r * PITCH + TRACK_H)
+      const y0 = dev(tracksTop() + r * PITCH)
+      const base = dev(tracksTop() + r * PITCH + TRACK_H)
       fillPixels(pixels, 0, y0, columns, base, band)
+      for (const [left, right] of shaded) fillPixels(pixels, left, y0, right, base, edgeBand)
       const heights = barHeights(values, start, across, columns, top, base - y0, ppp >= 4)
       const color = pack(isError ? c.error : c.bar)
       for (let col = 0; col < columns; col++) {
@@ -298,7 +387,7 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
       for (let p = first; p < last; p++) {
         const token = showToken(seq.tokens[p] ?? '')
         const text = token.length <= fits ? token : fits > 1 ? `${token.slice(0, fits - 1)}…` : token.slice(0, 1)
-        ctx.fillText(text, x(p) + ppp / 2, RULER_H + LETTERS_H / 2)
+        ctx.fillText(text, x(p) + ppp / 2, RULER_H + lane() + LETTERS_H / 2)
       }
     }
 
@@ -333,8 +422,9 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
       delete root.dataset.hoverPosition
       return hideTip()
     }
-    const row = Math.floor((hover.y - RULER_H - LETTERS_H) / PITCH)
-    const onTrack = row >= 0 && row < rows() && hover.y - RULER_H - LETTERS_H - row * PITCH <= TRACK_H
+    const row = Math.floor((hover.y - tracksTop()) / PITCH)
+    const onTrack = row >= 0 && row < rows() && hover.y - tracksTop() - row * PITCH <= TRACK_H
+    const onLane = windows.length > 0 && hover.y >= RULER_H && hover.y < RULER_H + lane()
     const isError = row === seq.features.length
     const values: ArrayLike<number> | undefined = !onTrack ? undefined : isError ? seq.relative_error : seq.tracks[row]
     const [at, value] = values ? argmaxIn(values, from, to) : [from, NaN]
@@ -346,11 +436,23 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
     if (onTrack) {
       ctx.strokeStyle = colors().text
       ctx.lineWidth = 1
-      ctx.strokeRect(0.5, RULER_H + LETTERS_H + row * PITCH - 0.5, width - 1, TRACK_H + 1)
+      ctx.strokeRect(0.5, tracksTop() + row * PITCH - 0.5, width - 1, TRACK_H + 1)
     }
     const lines = [`position ${pos(at + 1)} of ${pos(n)}: ${showToken(seq.tokens[at] ?? '')}`]
     if (onTrack && isError) lines.push(`relative error ${percent(value)}`)
     else if (onTrack) lines.push(`${featureName(seq.features[row]!)}: activation ${fmt(value)}`)
+    const here = windows.length ? context[at] : undefined
+    if (onLane) {
+      const held = windowsAt(windows, at)
+      lines.push(...held.map((i) => `window ${pos(i + 1)} of ${pos(windows.length)}: positions ${pos(windows[i]![0] + 1)}–${pos(windows[i]![1])}`))
+      if (here) lines.push(`context: ${pos(here[0])} left, ${pos(here[1])} right`)
+    }
+    if (here) {
+      const [left, right] = edgeSides(here, at, n, seq.plan!.overlap)
+      // Short: the tip is a few words wide.
+      const sides = left && right ? 'both sides' : left ? 'left' : right ? 'right' : ''
+      if (sides) lines.push(`edge-affected: ${sides}, < ${fmt(seq.plan!.overlap / 2, 1)} context`)
+    }
     if (to - from > 1) lines.push(onTrack ? `the largest of positions ${pos(from + 1)}–${pos(to)}, one pixel wide here` : `this pixel: positions ${pos(from + 1)}–${pos(to)}`)
     root.dataset.hoverPosition = String(at + 1)
     showTip(lines, hover.clientX, hover.clientY)
@@ -387,11 +489,20 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
     n = seq.tokens.length
     maxError = argmaxIn(seq.relative_error, 0, n)[1] || 0
     sharedMax = Math.max(0, ...seq.features.map((f) => f.max))
+    const plan = seq.plan
+    // The generated types cannot say what the windows and context hold: [start, end) and [left, right] pairs.
+    windows = plan && plan.windows.length > 1 ? (plan.windows as unknown as Window[]) : []
+    context = windows.length && Array.isArray(seq.context) && seq.context.length === n ? (seq.context as unknown as Context[]) : []
+    stack = stackWindows(windows, LANE_ROWS)
+    stretches = context.length ? edgeStretches(context, plan!.overlap) : []
+    edgeCount = stretches.reduce((sum, [a, b]) => sum + b - a, 0)
     number.value = String(index + 1)
     prev.disabled = index === 0
     next.disabled = index === sequences.length - 1
     root.dataset.sequence = String(index)
     root.dataset.positions = String(n)
+    if (windows.length) root.dataset.windows = String(windows.length)
+    else delete root.dataset.windows
     body.hidden = !n
     empty.hidden = !!n
     drawLabels()
