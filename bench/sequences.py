@@ -7,8 +7,8 @@ Two cases, each on its own `streamgate serve`:
    `--tokens` tokens: 2,048; --quick 300) that the model takes whole. The full pass is `embed`
    (pooling per_token, the last layer) and `logprobs` without a window; then for each window
    (256 and 512; --quick 64), overlap (0, an eighth, a quarter, a half of the window; --quick 0
-   and a quarter) and rule
-   (center, mean) the same with `window`, `overlap` and `stitch`: per position the max abs
+   and a quarter) and rule (center, left, mean)
+   the same with `window`, `overlap` and `stitch`: per position the max abs
    difference of the states and their cosine (mean, least, and the share of positions at 0.99 or
    more), the cosine of the mean-pooled vectors (`pooling: mean`, computed over the stitched
    states), and the perplexity (exp of the mean negative log-probability of every token after the
@@ -104,8 +104,9 @@ async def parity(bench: common.Bench, report: common.Report) -> list[str]:
         for overlap in (0, window // 4) if bench.quick else (0, window // 8, window // 4, window // 2):
             common.step(f"parity: window {window}, overlap {overlap}")
             scored = await answer(port, "logprobs", {"prompts": [text], "window": window, "overlap": overlap})
-            ppl = perplexity(scored) if isinstance(scored, dict) else float("nan")
-            for stitch in ("center", "mean"):
+            ppl_text = f"{perplexity(scored):.3f}" if isinstance(scored, dict) else f"{scored[0]} {scored[1]}"
+            ratio_text = f"{perplexity(scored) / whole_ppl:.4f}" if isinstance(scored, dict) else "-"
+            for stitch in ("center", "left", "mean"):
                 params = {"texts": [text], "window": window, "overlap": overlap, "stitch": stitch}
                 got = await answer(port, "embed", {**params, "pooling": "per_token"})
                 if not isinstance(got, dict):
@@ -126,7 +127,7 @@ async def parity(bench: common.Bench, report: common.Report) -> list[str]:
                     window, overlap, stitch, len(got["plans"][0]["windows"]),
                     f"{np.abs(windowed - states).max():.3g}", f"{cos.mean():.5f}", f"{cos.min():.4f}",
                     f"{np.mean(cos >= 0.99) * 100:.1f}", f"{np.mean(short) * 100:.1f}", least,
-                    f"{cosines(mean[None], pooled[None])[0]:.6f}", f"{ppl:.3f}", f"{ppl / whole_ppl:.4f}",
+                    f"{cosines(mean[None], pooled[None])[0]:.6f}", ppl_text, ratio_text,
                 ])
     report.table(
         ["window", "overlap", "stitch", "windows", "max abs diff", "cos mean", "cos least", "% cos>=0.99",

@@ -206,7 +206,7 @@ def test_annotate_sequences_gives_tracks_equal_to_a_direct_encode(model: Any) ->
     assert [s.id for s in top.features] == [i for i in peaks.topk(3).indices.tolist() if peaks[i] > 0]
 
 
-@pytest.mark.parametrize("stitch", ["center", "mean"])
+@pytest.mark.parametrize("stitch", ["center", "left", "mean"])
 def test_annotate_a_sequence_longer_than_the_context_in_windows(model: Any, stitch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 1,000-letter sequence on a 256-token model, windows of 100 overlapping by 30: its residual
     stream stitched from the windows (each run here with the BOS before it) and encoded here gives
@@ -229,7 +229,12 @@ def test_annotate_a_sequence_longer_than_the_context_in_windows(model: Any, stit
         ]
     for p in range(len(own)):
         seen = [(min(p - a, b - 1 - p), h[p - a]) for (a, b), h in zip(cut, states) if a <= p < b]
-        x[p] = max(seen, key=lambda v: v[0])[1] if stitch == "center" else torch.stack([h for _, h in seen]).mean(0)
+        if stitch == "center":  # the window where it is farthest from an edge
+            x[p] = max(seen, key=lambda v: v[0])[1]
+        elif stitch == "left":  # the first window holding it
+            x[p] = seen[0][1]
+        else:
+            x[p] = torch.stack([h for _, h in seen]).mean(0)
     t = sae_tensors()
     f = torch.relu(x @ t["W_enc"] + t["b_enc"])
     picked = [0, 1, 2, DEAD]
@@ -467,7 +472,8 @@ def test_annotate_windows_through_the_gateway(serve: Any, sae_path: Path) -> Non
     out = run_stream(server.url, "sae_annotate", params, timeout=120)
     assert out.terminal["event"] == "data", out.raw[-300:]
     (seq,) = out.terminal["data"]["sequences"]
-    assert seq["plan"] == {"windows": [[0, 255], [191, 446], [345, 600]], "stitch": "center", "window": 255, "overlap": 64}
+    # A causal model's default rule: each position from the first window holding it.
+    assert seq["plan"] == {"windows": [[0, 255], [191, 446], [345, 600]], "stitch": "left", "window": 255, "overlap": 64}
     assert len(seq["context"]) == 600 and seq["context"][0] == [0, 254] and len(seq["tracks"][0]) == 600
     refused = httpx.post(server.url + "/sae_annotate/run", json={"sequences": [sequence]})
     assert refused.status_code == 413 and "give window" in refused.json()["error"]["message"]

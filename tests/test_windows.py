@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForMaskedLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
 from gateway.tools import windows
 from gateway.tools.windows import Sizes, Stitch
@@ -49,6 +49,17 @@ def test_center_takes_each_position_from_the_window_it_is_farthest_inside() -> N
         assert min(context[p]) == best, p
     # Inside the sequence every position keeps at least half the overlap on each side.
     assert context[100:900].min() >= 14
+
+
+def test_left_takes_each_position_from_the_first_window_holding_it() -> None:
+    cut = windows.plan(1000, Sizes(100, 30, Stitch.LEFT))
+    context = windows.context(cut, Stitch.LEFT)
+    for p in range(1000):
+        first = next(s for s, e in cut if s <= p < e)
+        assert context[p][0] == p - first, p
+    # Every position keeps the whole overlap before it, where a causal model's state looks; center keeps half.
+    assert context[100:, 0].min() >= 30
+    assert windows.context(cut, Stitch.CENTER)[100:, 0].min() == 15
 
 
 def test_mean_reports_each_sides_least_context_over_the_windows_averaged() -> None:
@@ -142,11 +153,24 @@ def test_one_window_as_long_as_the_sequence_is_the_whole_pass_exactly(server) ->
 
 def test_a_causal_models_windows_keep_its_bos_in_each(server, tiny_model_path: Path) -> None:
     """A text model's windows are its own tokens with its special tokens around each (the tiny
-    Llama's BOS), stitched as any other: a long text runs, its tokens back in order."""
+    Llama's BOS), stitched by default as a causal model's are (`left`: each position from the first
+    window holding it): equal (1e-5) to the windows run here in transformers, their tokens in order."""
     text = "the quick brown fox jumps over the lazy dog. " * 40  # 1,800 bytes on a 256-token model
-    out = result(server.url, "embed", {"model": "text", "texts": [text], "window": 0, "pooling": "per_token"})
+    out = result(server.url, "embed", {"model": "text", "texts": [text], "window": 100, "overlap": 30, "pooling": "per_token"})
     assert "".join(out["tokens"][0]) == text
-    assert len(out["embeddings"][0]) == len(text) and out["plans"][0]["window"] == 255
+    assert len(out["embeddings"][0]) == len(text) and out["plans"][0]["stitch"] == "left"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    ids = tokenizer(text)["input_ids"]
+    bos, own = ids[:1], ids[1:]
+    want = np.zeros((len(own), model.config.hidden_size))
+    done = 0
+    with torch.no_grad():
+        for start, end in out["plans"][0]["windows"]:
+            hidden = model(input_ids=torch.tensor([bos + own[start:end]]), output_hidden_states=True).hidden_states[-1][0, 1:]
+            want[done:end] = hidden[done - start :].numpy()  # from where the window before ended
+            done = end
+    assert np.abs(np.array(out["embeddings"][0]) - want).max() <= 1e-5
 
 
 def test_over_the_context_without_a_window_the_413_names_the_window_param(server) -> None:

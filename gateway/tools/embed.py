@@ -124,7 +124,7 @@ def _framed(model: Model, text: str, field: str) -> Framed:
 
 
 def _sizes(model: Model, params: EmbedParams, framed: Framed) -> Sizes | None:
-    return windows.resolve(params, model.context_length - framed.around)
+    return windows.resolve(params, model.context_length - framed.around, causal=not model.bidirectional)
 
 
 def check(model: Model, params: EmbedParams) -> None:

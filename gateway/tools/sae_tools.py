@@ -204,7 +204,15 @@ class SequenceAnnotation(msgspec.Struct, omit_defaults=True):
     relative_error: _PerPosition  # |x - decode(encode(x))| / |x| at each position
     plan: WindowPlan | None = None
     """With window: how the sequence was cut; its residual stream stitched before it is encoded."""
-    context: Annotated[Any, msgspec.Meta(description="With window: per position, [left, right], its least context on each side.")] = None
+    context: Annotated[
+        Any,
+        msgspec.Meta(
+            description="With window: per position, [left, right], its least context on each side.",
+            extra_json_schema={
+                "anyOf": [{"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}}, {"type": "null"}]
+            },
+        ),
+    ] = None
 
 
 class AnnotateResult(msgspec.Struct, omit_defaults=True):

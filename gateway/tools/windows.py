@@ -6,10 +6,16 @@ sees (the model's context less the special tokens the tokenizer adds and any
 tag); `overlap`, the tokens two neighbouring windows share; and `stitch`, how a
 position seen by two windows gets its value:
 
-- `center` (the default): from the window where it is farthest from an edge,
-  so each position's state is one the model computed, with the most context on
-  its nearer side the plan gives it; the stretch where two windows overlap is
-  split at its middle.
+- `center` (the default on a model that reads both ways: ESM-2, BERT): from
+  the window where it is farthest from an edge, so each position's state is one
+  the model computed, with the most context on its nearer side the plan gives
+  it; the stretch where two windows overlap is split at its middle.
+- `left` (the default on a causal model: Llama, an Evo2-style DNA model): from
+  the first window that holds it, where it has the most context on its left,
+  which is all a causal model's state sees; every position keeps at least
+  `overlap` tokens before it, as a strided perplexity's tokens do. `center`
+  would give the second half of each overlap to the later window, where it has
+  less (bench/sequences.py measures both).
 - `mean`: the average of every window that saw it. Smoother across window
   edges, but a position in an overlap gets a mix of two passes' states, which
   no single pass computed.
@@ -42,6 +48,7 @@ from gateway.protocol import Code
 
 class Stitch(str, enum.Enum):
     CENTER = "center"
+    LEFT = "left"
     MEAN = "mean"
 
 
@@ -52,8 +59,10 @@ WINDOW_DOC = (
 )
 OVERLAP_DOC = "Tokens two neighbouring windows share. Default: a quarter of the window."
 STITCH_DOC = (
-    "How a position two windows saw gets its value: center (the default) takes it from the window where it is "
-    "farthest from an edge, a state one pass computed; mean averages every window that saw it."
+    "How a position two windows saw gets its value: center takes it from the window where it is farthest from an "
+    "edge, a state one pass computed; left from the first window that holds it, where it has the most context on its "
+    "left (all a causal model's state sees); mean averages every window that saw it. Default: left on a causal model, "
+    "center on one that reads both ways."
 )
 
 
@@ -62,7 +71,7 @@ class WindowParams(msgspec.Struct, kw_only=True):
 
     window: Annotated[int, msgspec.Meta(ge=0, description=WINDOW_DOC)] | None = None
     overlap: Annotated[int, msgspec.Meta(ge=0, description=OVERLAP_DOC)] | None = None
-    stitch: Annotated[Stitch, msgspec.Meta(description=STITCH_DOC)] = Stitch.CENTER
+    stitch: Annotated[Stitch, msgspec.Meta(description=STITCH_DOC)] | None = None
 
 
 class WindowPlan(msgspec.Struct, omit_defaults=True):
@@ -88,12 +97,14 @@ class Sizes:
         return self.window - self.overlap
 
 
-def resolve(params: WindowParams, most: int) -> Sizes | None:
-    """The window sizes `params` ask for, `most` own tokens being the most a pass takes; None
-    when no window was asked for. Raises `ParamError` naming the param at fault."""
+def resolve(params: WindowParams, most: int, causal: bool = False) -> Sizes | None:
+    """The window sizes `params` ask for, `most` own tokens being the most a pass takes (`causal`: on
+    a causal model, whose default rule is `left`); None when no window was asked for. Raises
+    `ParamError` naming the param at fault."""
     if params.window is None:
-        if params.overlap is not None:
-            raise ParamError("overlap", "only with window")
+        for name in ("overlap", "stitch"):
+            if getattr(params, name) is not None:
+                raise ParamError(name, "only with window")
         return None
     window = params.window or most
     if window > most:
@@ -101,7 +112,8 @@ def resolve(params: WindowParams, most: int) -> Sizes | None:
     overlap = params.overlap if params.overlap is not None else window // 4
     if overlap >= window:
         raise ParamError("overlap", f"must be less than the window ({window})")
-    return Sizes(window, overlap, Stitch(params.stitch))
+    stitch = Stitch(params.stitch) if params.stitch is not None else Stitch.LEFT if causal else Stitch.CENTER
+    return Sizes(window, overlap, stitch)
 
 
 WINDOW_HINT = "; give window (0: as much as the model takes) to run it as overlapping windows"
@@ -188,6 +200,10 @@ def shares(windows: list[tuple[int, int]], stitch: Stitch) -> list[Share]:
             cuts.append((start + end + 1) // 2)
         cuts.append(windows[-1][1])
         return [Share(a, b, a - w[0], None) for w, a, b in zip(windows, cuts, cuts[1:])]
+    if stitch is Stitch.LEFT:
+        # Each position goes to the first window holding it: each window takes from where the one before ends.
+        cuts = [0, *(end for _, end in windows)]
+        return [Share(a, b, a - w[0], None) for w, a, b in zip(windows, cuts, cuts[1:])]
     n = windows[-1][1]
     cover = np.zeros(n, dtype=np.float32)
     for start, end in windows:
@@ -200,7 +216,7 @@ def context(windows: list[tuple[int, int]], stitch: Stitch) -> np.ndarray:
     the windows its value came from: a position at the sequence's own end has what the sequence has."""
     n = windows[-1][1]
     least = np.full((n, 2), np.iinfo(np.int64).max, dtype=np.int64)
-    if stitch is Stitch.CENTER:
+    if stitch is not Stitch.MEAN:  # each position from one window
         for share, (start, end) in zip(shares(windows, stitch), windows):
             at = np.arange(share.start, share.end)
             least[share.start : share.end, 0] = at - start
@@ -233,7 +249,7 @@ class Strided:
 
     def __init__(self, model: Any, params: WindowParams, ids: list[int], own: list[int], field: str) -> None:
         framed = Framed.of(ids, own, field)
-        sizes = resolve(params, model.context_length - framed.around)
+        sizes = resolve(params, model.context_length - framed.around, causal=not model.bidirectional)
         assert sizes is not None
         if sizes.overlap < 1 and not framed.head:
             raise ParamError("overlap", "at least 1: a token is scored from the one before it in its window")
@@ -260,7 +276,7 @@ def cut(model: Any, params: WindowParams, text: str, field: str) -> tuple[Framed
     """A text to run in windows: its tokens framed, its window sizes and its plan (`params.window` given)."""
     ids = model.encode(text, field, bounded=False)
     framed = Framed.of(ids, model.own(ids), field)
-    sizes = resolve(params, model.context_length - framed.around)
+    sizes = resolve(params, model.context_length - framed.around, causal=not model.bidirectional)
     assert sizes is not None
     return framed, sizes, plan(len(framed.own), sizes)
 

@@ -73,6 +73,11 @@ function tidy(node: unknown): unknown {
     const {$ref, default: _default, ...rest} = obj
     return {...rest, allOf: [{$ref}]}
   }
+  if (Array.isArray(obj.prefixItems) && obj.items === false) {
+    // A tuple (msgspec writes 2020-12's prefixItems, which the compiler reads as nothing at all): as items.
+    const {prefixItems, items: _items, ...rest} = obj
+    return {...rest, items: prefixItems, additionalItems: false}
+  }
   if (obj.type === 'object' && !('properties' in obj) && !('additionalProperties' in obj)) {
     return {...obj, additionalProperties: {}}
   }

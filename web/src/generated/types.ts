@@ -206,7 +206,7 @@ export interface JobSnapshot {
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
  * via the `definition` "Stitch".
  */
-export type Stitch = 'center' | 'mean'
+export type Stitch = 'center' | 'left' | 'mean'
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
  * via the `definition` "Stat".
@@ -367,10 +367,7 @@ export interface LoglikelihoodParams {
   tag?: string | null
   window?: number | null
   overlap?: number | null
-  /**
-   * How a position two windows saw gets its value: center (the default) takes it from the window where it is farthest from an edge, a state one pass computed; mean averages every window that saw it.
-   */
-  stitch?: Stitch
+  stitch?: Stitch | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -388,7 +385,7 @@ export interface LoglikelihoodResult {
  * via the `definition` "WindowPlan".
  */
 export interface WindowPlan {
-  windows: never[][]
+  windows: [number, number][]
   stitch: Stitch
   window: number
   overlap: number
@@ -412,10 +409,7 @@ export interface LogprobsParams {
   tag?: string | null
   window?: number | null
   overlap?: number | null
-  /**
-   * How a position two windows saw gets its value: center (the default) takes it from the window where it is farthest from an edge, a state one pass computed; mean averages every window that saw it.
-   */
-  stitch?: Stitch
+  stitch?: Stitch | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -628,10 +622,7 @@ export interface EmbedParams {
   tag?: string | null
   window?: number | null
   overlap?: number | null
-  /**
-   * How a position two windows saw gets its value: center (the default) takes it from the window where it is farthest from an edge, a state one pass computed; mean averages every window that saw it.
-   */
-  stitch?: Stitch
+  stitch?: Stitch | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -666,10 +657,7 @@ export interface FillMaskParams {
   tag?: string | null
   window?: number | null
   overlap?: number | null
-  /**
-   * How a position two windows saw gets its value: center (the default) takes it from the window where it is farthest from an edge, a state one pass computed; mean averages every window that saw it.
-   */
-  stitch?: Stitch
+  stitch?: Stitch | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -708,10 +696,7 @@ export interface PseudoLoglikelihoodParams {
   tag?: string | null
   window?: number | null
   overlap?: number | null
-  /**
-   * How a position two windows saw gets its value: center (the default) takes it from the window where it is farthest from an edge, a state one pass computed; mean averages every window that saw it.
-   */
-  stitch?: Stitch
+  stitch?: Stitch | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -780,10 +765,7 @@ export interface AnnotateParams {
   tag?: string | null
   window?: number | null
   overlap?: number | null
-  /**
-   * How a position two windows saw gets its value: center (the default) takes it from the window where it is farthest from an edge, a state one pass computed; mean averages every window that saw it.
-   */
-  stitch?: Stitch
+  stitch?: Stitch | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -826,9 +808,7 @@ export interface SequenceAnnotation {
   /**
    * With window: per position, [left, right], its least context on each side.
    */
-  context?: {
-    [k: string]: unknown | undefined
-  }
+  context?: number[][] | null
 }
 /**
  * One feature over one sequence: its largest and mean activation, where the largest is, and where it is above the threshold.
