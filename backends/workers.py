@@ -153,6 +153,8 @@ def step(
             ended.extend(batch.step())
             if traced:
                 traced.stepped(began, size)
+            if not batch.continuous:  # a chunked job's next chunk (a continuous batch's steps hold what they grow)
+                memory.trim_heap()
     if traced:
         traced.leave(ctx for ctx, _ in ended)
     return [(ctx, outcome if isinstance(outcome, BaseException) else encoded(ctx, outcome, encode)) for ctx, outcome in ended]

@@ -119,6 +119,19 @@ def give_back(device: torch.device | str) -> None:
         log.debug("gave back %d MiB in %.1f ms", (before - _process.floor) >> 20, (time.perf_counter() - started) * 1000)
 
 
+def trim_heap() -> None:
+    """Between the steps of long work (a chunked job's chunks): the heap's freed pages back, by the
+    same rule as `give_back` (grown by GIVE_BACK_MIB since the last time), the device's cache left
+    alone. A small output kept step after step (a window's pooled vector) is allocated among the
+    step's freed activations and keeps them from being taken whole again: a job of 5,208 windows
+    grew by 2 MB a step, 760 MB in all, where this holds it within GIVE_BACK_MIB."""
+    if _process.trim is None or not _process.grew():
+        return
+    with _process.lock:
+        _process.trim(0)
+        _process.gave_back()
+
+
 # Blocks this size or more are mapped and unmapped on their own (see `bound_heap`).
 MMAP_THRESHOLD = 1 << 20
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
