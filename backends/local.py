@@ -16,6 +16,8 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ from backends.queue import JobQueue
 from backends.served import ServedModel
 from gateway.models import sae as sae_files
 from gateway.config import Settings
-from gateway.cost import DEFAULT_RESULT_BYTES, Budget, Cost, default_job_memory
+from gateway.cost import DEFAULT_FILE_BYTES, DEFAULT_RESULT_BYTES, FILE_FIELD, Budget, Cost, default_job_memory
 from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
@@ -70,6 +72,8 @@ class LocalBackend(Backend):
         torch_threads: int | None = None,
         max_job_memory: int | None = None,
         max_result_bytes: int = DEFAULT_RESULT_BYTES,
+        max_result_file_bytes: int = DEFAULT_FILE_BYTES,
+        result_files: str | None = None,
     ) -> None:
         if device and devices:
             raise ValueError("give --device or --devices, not both")
@@ -90,7 +94,13 @@ class LocalBackend(Backend):
             raise ValueError(f"the model(s) {', '.join(served)} on an inference server need --engine process (the default) on a gateway")
         self.max_batch_size = max_batch_size
         self.max_decoding_jobs = max_decoding_jobs
-        self.budget = Budget(memory=max_job_memory or default_job_memory(devices or ([device] if device else None)), result=max_result_bytes)
+        # Where jobs write their result files (a folder of this process's, gone with it), if anywhere.
+        self.files_folder = tempfile.mkdtemp(prefix="streamgate-files-", dir=result_files) if result_files is not None and max_result_file_bytes else None
+        self.budget = Budget(
+            memory=max_job_memory or default_job_memory(devices or ([device] if device else None)),
+            result=max_result_bytes,
+            files=max_result_file_bytes if self.files_folder else 0,
+        )
         self.exit_on_device_failure = exit_on_device_failure
         # An engine process (backends/engines.py): its gateway queues the jobs that had not started again.
         self.supervised = supervised
@@ -218,6 +228,8 @@ class LocalBackend(Backend):
         for served in self.served.values():
             await served.stop()
         self._checks.shutdown(wait=False, cancel_futures=True)
+        if self.files_folder is not None:  # the files of jobs not yet taken by their store
+            shutil.rmtree(self.files_folder, ignore_errors=True)
 
     def model_names(self) -> list[str]:
         return list(self.served)
@@ -252,6 +264,7 @@ class LocalBackend(Backend):
         served = self._served(job.model)
         if not self.ready_for(job.model):
             raise self.not_ready_error(job.model)
+        job.files.folder = self.files_folder
         served.queue.put(job, retry_after=served.eta(len(served.queue) + 1))
 
     def cancel(self, job: Job) -> None:
@@ -290,7 +303,10 @@ def prepare(tool: Tool, model: Model, params: Any, budget: Budget | None = None)
         return None
     cost: Cost = tool.cost(model, params)
     if budget is not None:
-        budget.admit(cost)
+        admitted = budget.admit(cost)
+        if admitted is not cost:  # its result goes to files, as the tool writes them by default
+            setattr(params, FILE_FIELD, cost.file_format)
+            cost = admitted
     return cost
 
 
@@ -325,6 +341,8 @@ def from_settings(settings: Settings, **kwargs: Any) -> LocalBackend:
         torch_threads=settings.torch_threads,
         max_job_memory=settings.max_job_memory,
         max_result_bytes=settings.max_result_bytes,
+        max_result_file_bytes=settings.max_result_file_bytes,
+        result_files=kwargs.pop("result_files", settings.result_spool or tempfile.gettempdir()),
         exit_on_device_failure=True,
         supervised=settings.engine == "process",
         **kwargs,

@@ -138,7 +138,8 @@ class Replica:
         self.name = serve.get_replica_context().replica_tag
         # As the replica's own environment says (a local Ray's workers have the gateway's).
         tracing.configure("streamgate-replica", **{"streamgate.replica": self.name})
-        self.backend = from_settings(self.settings, encode=to_msgpack)
+        # Results come back through the replica's stream: files stay where no gateway could fetch them.
+        self.backend = from_settings(self.settings, encode=to_msgpack, result_files=None)
         self.admission = Admission(self.backend, self.limits)
         await self.backend.start()
         # Serve counts the replica as up once its constructor returns: only when the model is.

@@ -164,7 +164,7 @@ def _plan(work: Chunked, model: Model, params: list[Any], ctxs: list[JobContext]
     for ctx in ctxs:
         ctx.begin()
     with torch.inference_mode():
-        chunks = work.plan(model, params)
+        chunks = work.plan(model, params, ctxs)
     return chunks, ChunkProgress(chunks, ctxs, work.unit)
 
 

@@ -138,7 +138,7 @@ class ChunkTimer:
         with contextlib.redirect_stderr(io.StringIO()):  # transformers' progress bar while loading
             self.model = models.load(models.resolve(str(path)), device)
         self.params = embed.EmbedParams(texts=texts)
-        self.chunks = {by_length: embed._plan(self.model, [self.params], by_length=by_length) for by_length in (True, False)}
+        self.chunks = {by_length: embed._plan(self.model, [self.params], None, by_length=by_length) for by_length in (True, False)}
         self.outputs: dict[bool, np.ndarray] = {}
         with torch.inference_mode():  # warm-up: one short chunk
             embed._run(self.model, [self.params], self.chunks[True][-1])

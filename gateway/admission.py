@@ -266,7 +266,8 @@ class Admission:
                 f"answers with; make {cost.result_field} smaller, or run it with POST /{job.tool}/run",
                 field=cost.result_field,
             )
-        return self.room.hold(cost.result, cost.result_field) if self.room is not None else None
+        # Result files are kept where results are (gateway/plumbing/spool.py `adopt`): held with them.
+        return self.room.hold(cost.result + cost.files, cost.result_field) if self.room is not None else None
 
 
 def _refusal(exc: BaseException) -> tuple[Code, str]:

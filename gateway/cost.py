@@ -52,12 +52,19 @@ PY_ENTRY = 144
 PY_FLOAT = 32
 
 
+# The param by which a job asks for its per-position result as files (gateway/tools/files.py).
+FILE_FIELD = "file"
+
+
 @dataclass(frozen=True)
 class Cost:
-    """A job's price: `memory` bytes at its peak (beyond the weights), `result` bytes of JSON.
+    """A job's price: `memory` bytes at its peak (beyond the weights), `result` bytes of JSON,
+    `files` bytes of result files on disk.
 
     `memory_field` and `result_field` name the param that drives each most (what to shrink);
-    `tokens` is the most tokens one forward pass of it runs over.
+    `tokens` is the most tokens one forward pass of it runs over. `as_files` is the same job's
+    price with its result written as files of `file_format` (a tool that can, asked for none):
+    admission takes it, and sets the job's `file` param, when the result is over the bound.
     """
 
     memory: int
@@ -65,6 +72,9 @@ class Cost:
     memory_field: str
     result_field: str
     tokens: int = 0
+    files: int = 0
+    as_files: Cost | None = None
+    file_format: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,18 +167,28 @@ def _itemsize(dtype: Any) -> int:
 
 @dataclass(frozen=True)
 class Budget:
-    """The bounds every job is priced against (`--max-job-memory`, `--max-result-bytes`)."""
+    """The bounds every job is priced against (`--max-job-memory`, `--max-result-bytes`,
+    `--max-result-file-bytes`; `files` 0 where the backend keeps no result files)."""
 
     memory: int
     result: int
+    files: int = 0
 
-    def admit(self, cost: Cost) -> None:
-        """413 `too_large` for a job over either bound: the bound, the estimate, and what to shrink."""
+    def admit(self, cost: Cost) -> Cost:
+        """The price admitted (`cost.as_files` for a result over the bound that can be files), or 413
+        `too_large` for a job over a bound: the bound, the estimate, and what to shrink."""
+        if cost.result > self.result and cost.as_files is not None and self.files:
+            cost = cost.as_files
         # The result first: where it is over, it is also what makes the memory (the result is held).
         if cost.result > self.result:
             _refuse(f"this job's result would be about {_size(cost.result)}", self.result, "--max-result-bytes", cost.result_field)
+        if cost.files > self.files:
+            if not self.files:
+                raise ApiError(Code.TOO_LARGE, "this backend keeps no result files: leave out file", field=FILE_FIELD)
+            _refuse(f"this job's result files would be about {_size(cost.files)}", self.files, "--max-result-file-bytes", cost.result_field)
         if cost.memory > self.memory:
             _refuse(f"this job needs about {_size(cost.memory)} of memory at its peak", self.memory, "--max-job-memory", cost.memory_field)
+        return cost
 
 
 def _refuse(what: str, bound: int, flag: str, field: str) -> None:
@@ -181,6 +201,9 @@ def _size(n: int) -> str:
     if n >= MIB:
         return f"{n / MIB:.1f} MiB"
     return f"{n / 1024:.0f} KiB"
+
+
+DEFAULT_FILE_BYTES = 4 * GIB
 
 
 def default_job_memory(devices: list[str] | None = None) -> int:

@@ -21,10 +21,12 @@ import bisect
 import contextlib
 import itertools
 import logging
+import os
+import re
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
 import msgspec
 from opentelemetry import trace
@@ -102,6 +104,7 @@ class Job:
         # Called with each event as it is appended, on the loop: a follower of many jobs (an executor's
         # session) takes their events in one pass, where a waiting task per job woke once per event.
         self.listeners: list[Callable[[Event], None]] = []
+        self.files = ResultFiles(self.id)
         self._pending_progress: Progress | None = None
         self._progress_timer: asyncio.TimerHandle | None = None
         self._last_progress = 0.0
@@ -209,6 +212,7 @@ class Job:
         info = ErrorInfo(code=code, message=message, retryable=code in RETRYABLE)
         self._flush_progress()
         if self._append(EventType.ERROR, encode(ErrorFrame(self.id, self.next_seq(), info))) is not None:
+            self.files.discard()
             end_span(self.span, code, message)
 
     def cancel(self) -> None:
@@ -347,6 +351,70 @@ class KeptLog:
         return events
 
 
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# The files one job may write: a bigWig per feature of a sparse autoencoder's annotation stays well below.
+MAX_FILES = 256
+
+
+class ResultFiles:
+    """The files a job's run writes beside its result (a per-position array, a feature track).
+
+    The backend that runs the job names the `folder` (none: this backend keeps no files, and a
+    tool asked for one is refused at admission). The run opens each through its `Context.file`;
+    a file is `{folder}/{job id}.{name}`. If the job does not succeed they are deleted with its
+    terminal event, even one a run still writes to (its descriptor writes into an unlinked file);
+    if it does, whatever keeps its result `take`s them (a gateway's spool, an executor until its
+    gateway has fetched them) and `kept` holds them as the store keeps them, each read a piece at
+    a time, until `discard`.
+    """
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.folder: str | None = None
+        self.paths: dict[str, str] = {}
+        self.kept: dict[str, Kept] = {}
+        self._lock = threading.Lock()  # runs open files on their threads; the loop ends the job
+        self._closed = False
+
+    def open(self, name: str) -> IO[bytes]:
+        """A new file `name` of the job's result, open for writing and reading (the run's thread)."""
+        if not _FILE_NAME.fullmatch(name):
+            raise ValueError(f"result file name {name!r}: letters, digits, '.', '_' and '-', at most 128")
+        with self._lock:
+            if self._closed:
+                raise Cancelled()  # the job ended meanwhile
+            if self.folder is None:
+                raise RuntimeError("this backend keeps no result files")
+            if name not in self.paths and len(self.paths) >= MAX_FILES:
+                raise RuntimeError(f"result file {name!r}: a job writes at most {MAX_FILES} files")
+            # Written again when a job's work is run again alone after its batch failed: from the start.
+            path = os.path.join(self.folder, f"{self.job_id}.{name}")
+            self.paths[name] = path
+            return open(path, "w+b")
+
+    def __bool__(self) -> bool:
+        return bool(self.paths or self.kept)
+
+    def take(self) -> dict[str, str]:
+        """The files written (name → path), for the caller to keep: the job succeeded."""
+        with self._lock:
+            self._closed = True
+            paths, self.paths = self.paths, {}
+        return paths
+
+    def discard(self) -> None:
+        """Delete the files written and release those kept: the job failed, or is forgotten."""
+        with self._lock:
+            self._closed = True
+            paths, self.paths = self.paths, {}
+        for path in paths.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        kept, self.kept = self.kept, {}
+        for record in kept.values():
+            record.release()
+
+
 def terminal_event(event: Event, kept: list[Kept] | None = None) -> TerminalEvent:
     """A snapshot's `terminal`: its data whole, or (`kept`) a marker for a result in the spool."""
     if event.kept is not None and kept is not None:
@@ -403,3 +471,6 @@ class JobContext:
     def raise_if_cancelled(self) -> None:
         if self.cancelled:
             raise Cancelled()
+
+    def file(self, name: str) -> IO[bytes]:
+        return self._job.files.open(name)

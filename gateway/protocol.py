@@ -200,6 +200,18 @@ class JobSnapshot(msgspec.Struct, omit_defaults=True):
     owner: str | None = None
 
 
+class ResultFile(msgspec.Struct, omit_defaults=True):
+    """A file a job wrote beside its result (a per-position array, a feature track), served at
+    `GET /jobs/{id}/files/{name}` (Range, resumable) for as long as the job is kept."""
+
+    name: str
+    format: str
+    """What opens it: safetensors, npy, bigwig, bed, tsv."""
+    size: int
+    """Its length in bytes."""
+    description: str = ""
+
+
 class JobList(msgspec.Struct):
     """`GET /jobs`: the caller's jobs (an admin's: everyone's), newest first; `next` is the cursor of the next page."""
 
@@ -352,13 +364,16 @@ class RemoteFrame(msgspec.Struct):
     `seq` is the executor's sequence number for the job (what `resume` counts
     from); `data` is the event's JSON (a status, log, partial or error frame).
     `completed` carries `null`, the result to be fetched from `GET /jobs/{id}/result`,
-    or, from an executor whose results are JSON (an engine), the result itself.
+    or, from an executor whose results are JSON (an engine), the result itself; `files`
+    names the result files the job wrote beside it, each fetched from `GET /jobs/{id}/files/{name}`
+    before the gateway ends the job.
     """
 
     job_id: str
     seq: int
     kind: RemoteKind
     data: msgspec.Raw
+    files: list[str] | None = None
 
 
 class Resume(msgspec.Struct, tag_field="op", tag="resume"):
@@ -432,9 +447,10 @@ REMOTE_KIND = {
 }
 
 
-def remote_frame(event: Event, inline: bool = False) -> RemoteFrame:
+def remote_frame(event: Event, inline: bool = False, files: list[str] | None = None) -> RemoteFrame:
     """An executor job's event as a session frame; its result stays behind to be fetched, unless
-    `inline` (the result is JSON, and the gateway is an engine's, on the same machine)."""
+    `inline` (the result is JSON, and the gateway is an engine's, on the same machine); `files`:
+    the result files a `completed` job wrote."""
     kind = REMOTE_KIND[event.type]
     data = msgspec.Raw(b"null" if kind is RemoteKind.COMPLETED and not inline else event.data)
-    return RemoteFrame(event.job_id, event.seq, kind, data)
+    return RemoteFrame(event.job_id, event.seq, kind, data, files if kind is RemoteKind.COMPLETED and files else None)

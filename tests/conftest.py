@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -154,6 +155,8 @@ def make_server(
         sae=settings_obj.sae,
         max_job_memory=settings_obj.max_job_memory,
         max_result_bytes=settings_obj.max_result_bytes,
+        max_result_file_bytes=settings_obj.max_result_file_bytes,
+        result_files=settings_obj.result_spool or tempfile.gettempdir(),
     )
     server = Server(create_app(backend, settings_obj)).start()
     return server.wait_ready() if ready else server

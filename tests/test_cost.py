@@ -129,6 +129,20 @@ def test_a_budget_refuses_the_bound_it_passes_naming_the_field() -> None:
     assert result.value.field == "top_k" and "--max-result-bytes" in result.value.message
 
 
+def test_a_result_over_the_bound_that_can_be_files_is_admitted_as_files_within_their_bound() -> None:
+    written = Cost(memory=MIB, result=1024, memory_field="texts", result_field="texts", files=50 * MIB)
+    inline = Cost(memory=MIB, result=11 * MIB, memory_field="texts", result_field="pooling", as_files=written, file_format="safetensors")
+    assert Budget(memory=100 * MIB, result=10 * MIB, files=50 * MIB).admit(inline) is written
+    small = Cost(memory=MIB, result=MIB, memory_field="texts", result_field="pooling", as_files=written, file_format="safetensors")
+    assert Budget(memory=100 * MIB, result=10 * MIB, files=50 * MIB).admit(small) is small  # inline where it fits
+    with pytest.raises(ApiError) as files:
+        Budget(memory=100 * MIB, result=10 * MIB, files=49 * MIB).admit(inline)
+    assert files.value.status == 413 and "--max-result-file-bytes" in files.value.message
+    with pytest.raises(ApiError) as none:  # a backend that keeps no files: the inline bound stands
+        Budget(memory=100 * MIB, result=10 * MIB).admit(inline)
+    assert "--max-result-bytes" in none.value.message
+
+
 # -- refused before queueing, through the server ---------------------------------------------
 
 
@@ -143,7 +157,8 @@ BOMBS = [
     # 400 layer × position cells × top_k 100: a result of hundreds of MB from a 1.6 KB request.
     ("logit_lens", {"prompt": "a" * 300, "top_k": 100, "layers": [0] * 400, "positions": [0] * 400}, "top_k", "--max-result-bytes"),
     ("lens_grid", {"prompt": "a" * 300, "layers": [0, 1] * 200, "positions": list(range(300))}, "layers", "--max-result-bytes"),
-    ("embed", {"texts": ["ab" * 1000] * 8, "pooling": "per_token"}, "pooling", "--max-result-bytes"),
+    # (Without precision, it would be written as a file: tests/test_result_files.py.)
+    ("embed", {"texts": ["ab" * 1000] * 8, "pooling": "per_token", "precision": 6}, "pooling", "--max-result-bytes"),
     ("logprobs", {"prompts": ["a" * 7000] * 8}, "prompts", "--max-job-memory"),
     ("logprobs", {"prompts": ["a" * 1000] * 8, "top": 20}, "top", "--max-result-bytes"),
 ]

@@ -511,7 +511,7 @@ class SpreadParams(msgspec.Struct):
     texts: list[str]
 
 
-def _spread_plan(model: Model, jobs: list[SpreadParams]) -> list[Chunk]:
+def _spread_plan(model: Model, jobs: list[SpreadParams], ctxs: Any = None) -> list[Chunk]:
     return sorted_chunks([((j, i), model.encode(t)) for j, p in enumerate(jobs) for i, t in enumerate(p.texts)], 2)
 
 

@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from gateway.errors import ApiError
 from gateway.protocol import Code
@@ -54,9 +55,12 @@ DEFAULT_SHARE = 0.5  # of the folder's free space at start, without --result-sto
 class Segment:
     """One spool file: records appended, read with `pread`, closed once nothing refers to it."""
 
-    def __init__(self, folder: str) -> None:
-        # Unnamed where the filesystem can (O_TMPFILE), else unlinked at once: gone with its descriptor.
-        self._file = tempfile.TemporaryFile(dir=folder, prefix="streamgate-results-")
+    def __init__(self, folder: str, adopted: str | None = None) -> None:
+        if adopted is not None:  # a job's result file, taken as it is: unlinked, gone with its descriptor
+            self._file: Any = open(adopted, "rb")
+            os.unlink(adopted)
+        else:  # unnamed where the filesystem can (O_TMPFILE), else unlinked at once
+            self._file = tempfile.TemporaryFile(dir=folder, prefix="streamgate-results-")
         self.fd = self._file.fileno()
         self.size = 0
         self.live = 0  # records not released
@@ -232,6 +236,19 @@ class ResultSpool:
         self._records.add(record)
         self.written += 1
         self.stored += size
+        return record
+
+    def adopt(self, path: str) -> Spooled:
+        """Keep the file at `path` (a job's result file, written in parts by its run) as it is: a
+        segment of its own, the name gone at once (the job's files were priced and held with its result)."""
+        segment = Segment(self.folder, adopted=path)
+        segment.size = os.fstat(segment.fd).st_size
+        segment.sealed = True
+        segment.live = 1
+        self._segments.append(segment)
+        record = Spooled(self, segment, 0, segment.size)
+        self._records.add(record)
+        self.stored += segment.size
         return record
 
     def _segment_for(self, size: int) -> Segment:

@@ -42,7 +42,7 @@ from gateway.plumbing.metrics import Metrics
 from gateway.protocol import Code, Kept, encode, parse_event_id, splice
 from gateway.plumbing.sendbuffer import WholeResponse
 from gateway.plumbing.spool import ResultSpool
-from gateway.server.results import result_response
+from gateway.server.results import file_response, result_response
 from gateway.server.store import JobHandle, JobStore, MemoryStore, jobs_query
 from gateway.tools.base import Tool
 from gateway.server.stream import Slot, Streams, job_response
@@ -225,12 +225,13 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             raise ApiError(Code.BAD_REQUEST, f"Last-Event-ID {resumed[0]}:{resumed[1]} is not an event of job {job.id}")
         return _resume(job, slot, resumed[1] if resumed else 0)
 
+    # How a whole answer is sent (gateway/plumbing/sendbuffer.py): a client that stops reading is cut.
+    sending = {"send_timeout": settings.write_timeout, "on_write_timeout": lambda: metrics.client_timeout("write")}
+
     def whole(body: bytes, kept: list[Kept]) -> Response:
         """A JSON answer that may carry results (a snapshot, a page of them): big, it is sent as a
         stream's big event is, and a result in the spool is read from it a piece at a time."""
-        return WholeResponse(
-            splice(body, kept), send_timeout=settings.write_timeout, on_write_timeout=lambda: metrics.client_timeout("write")
-        )
+        return WholeResponse(splice(body, kept), **sending)
 
     async def job_snapshot(request: Request) -> Response:
         job = await _job(request.path_params["job_id"], auth.authenticate(request))
@@ -239,13 +240,12 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
 
     async def job_result(request: Request) -> Response:
         job = await _job(request.path_params["job_id"], auth.authenticate(request))
-        return result_response(
-            job,
-            request.headers.get("range"),
-            request.headers.get("if-range"),
-            send_timeout=settings.write_timeout,
-            on_write_timeout=lambda: metrics.client_timeout("write"),
-        )
+        return result_response(job, request.headers.get("range"), request.headers.get("if-range"), **sending)
+
+    async def job_file(request: Request) -> Response:
+        job = await _job(request.path_params["job_id"], auth.authenticate(request))
+        name = request.path_params["name"]
+        return file_response(job, name, request.headers.get("range"), request.headers.get("if-range"), **sending)
 
     async def cancel_job(request: Request) -> Response:
         job = await _job(request.path_params["job_id"], auth.authenticate(request))
@@ -382,6 +382,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             Route("/jobs/{job_id}", cancel_job, methods=["DELETE"]),
             Route("/jobs/{job_id}/events", job_events, methods=["GET"]),
             Route("/jobs/{job_id}/result", job_result, methods=["GET"]),
+            Route("/jobs/{job_id}/files/{name}", job_file, methods=["GET"]),
             Route("/auth/ticket", ticket, methods=["POST"]),
             *openai.routes(compatible),
             Route("/mcp", agents, methods=["POST"]),

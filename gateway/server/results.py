@@ -19,11 +19,12 @@ retention. A job still running, or one that failed, has no result: 409
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from typing import Any
 
 from gateway.errors import ApiError
 from gateway.plumbing.sendbuffer import PIECE, WholeResponse
-from gateway.protocol import Code, ErrorFrame, EventType, Kept
+from gateway.protocol import Code, ErrorFrame, Event, EventType, Kept
 from gateway.server.store import JobHandle
 
 import msgspec
@@ -72,38 +73,53 @@ class _Part:
         return self.kept.pieces(piece, self.start, self.stop)
 
 
-def result_response(
-    job: JobHandle, range_header: str | None, if_range: str | None, *, send_timeout: float, on_write_timeout: Callable[[], None]
-) -> WholeResponse:
+def result_response(job: JobHandle, range_header: str | None, if_range: str | None, **send: Any) -> WholeResponse:
+    terminal = _succeeded(job)
+    etag = f'"{job.id}-{terminal.seq}-{terminal.size}"'
+    body: Kept | bytes = terminal.kept if terminal.kept is not None else terminal.raw
+    return _ranged(body, terminal.size, etag, f"{job.id}.json", range_header, if_range, **send)
+
+
+def file_response(job: JobHandle, name: str, range_header: str | None, if_range: str | None, **send: Any) -> WholeResponse:
+    """`GET /jobs/{id}/files/{name}`: one of the files a job wrote beside its result (gateway/tools/files.py)."""
+    terminal = _succeeded(job)
+    files = getattr(job, "files", None)
+    kept = files.kept.get(name) if files is not None else None
+    if kept is None:
+        where = "" if files is not None else " (result files are served by the gateway replica that ran the job)"
+        raise ApiError(Code.NOT_FOUND, f"job {job.id} has no result file {name!r}{where}")
+    return _ranged(kept, kept.size, f'"{job.id}-{terminal.seq}-{name}-{kept.size}"', f"{job.id}.{name}", range_header, if_range, **send)
+
+
+def _succeeded(job: JobHandle) -> Event:
     terminal = job.terminal
     if terminal is None:
         raise ApiError(Code.NO_RESULT, f"job {job.id} has not finished: follow GET /jobs/{job.id}/events until it ends")
     if terminal.type is EventType.ERROR:
         error = msgspec.json.decode(terminal.data, type=ErrorFrame).error
         raise ApiError(Code.NO_RESULT, f"job {job.id} failed ({error.code.value}: {error.message}): it has no result")
-    size = terminal.size
-    etag = f'"{job.id}-{terminal.seq}-{size}"'
+    return terminal
+
+
+def _ranged(
+    body: Kept | bytes, size: int, etag: str, filename: str, range_header: str | None, if_range: str | None, **send: Any
+) -> WholeResponse:
+    """`body`, or the one range of it asked for (206), to download as `filename`."""
     headers = {
         "Accept-Ranges": "bytes",
         "ETag": etag,
-        "Content-Disposition": f'attachment; filename="{job.id}.json"',
+        "Content-Disposition": f'attachment; filename="{filename}"',
         "Cache-Control": "private, no-cache",
     }
     wanted = byte_range(range_header, size) if if_range is None or if_range.strip() == etag else None
     start, stop = wanted or (0, size)
     part: bytes | _Part
-    if terminal.kept is not None:
-        part = _Part(terminal.kept, start, stop)
+    if isinstance(body, bytes):
+        part = body[start:stop] if wanted else body
     else:
-        part = terminal.raw[start:stop] if wanted else terminal.raw
+        part = _Part(body, start, stop)
     status = 200
     if wanted is not None:
         status = 206
         headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
-    return WholeResponse(
-        [part],  # type: ignore[list-item]  # a part reads as a Kept does
-        status_code=status,
-        headers=headers,
-        send_timeout=send_timeout,
-        on_write_timeout=on_write_timeout,
-    )
+    return WholeResponse([part], status_code=status, headers=headers, **send)  # type: ignore[list-item]  # a part reads as a Kept does

@@ -138,6 +138,7 @@ class FinishedResults:
         self._held: dict[str, int] = {}  # each finished job's share of `in_memory`
         self._kept: dict[str, Job] = {}  # the jobs counted, until forgotten
         self._spooling: set[asyncio.Task[None]] = set()
+        self._files: ResultSpool | None = None
 
     def ended(self, job: Job) -> None:
         """Count `job`'s log, or move its result and its other events to the spool (on a task: the
@@ -145,6 +146,8 @@ class FinishedResults:
         if job.id in self._kept:
             return
         self._kept[job.id] = job
+        if job.files:
+            self._keep_files(job)
         terminal = job.terminal
         assert terminal is not None and isinstance(job.events, list)
         before = job.events[:-1]
@@ -168,6 +171,7 @@ class FinishedResults:
             job.terminal.kept.release()
         if isinstance(job.events, KeptLog):
             job.events.kept.release()
+        job.files.discard()
 
     def facts(self) -> dict[str, int]:
         """Where finished results are: bytes in memory, and the spool's facts (`ResultSpool.describe`)."""
@@ -176,8 +180,22 @@ class FinishedResults:
     def stop(self) -> None:
         for task in list(self._spooling):
             task.cancel()
-        if self.spool is not None:
-            self.spool.close()
+        for spool in (self.spool, self._files):
+            if spool is not None:
+                spool.close()
+
+    def _keep_files(self, job: Job) -> None:
+        """The files the job wrote beside its result, into the spool as they are (open and unlink: no
+        copy, nothing read); a file that cannot be opened is gone, and its job's `kept` lacks it."""
+        if self.spool is None and self._files is None:  # a store that keeps results in memory keeps files on disk still
+            self._files = ResultSpool(retention=0)
+        spool = self.spool or self._files
+        assert spool is not None
+        for name, path in job.files.take().items():
+            try:
+                job.files.kept[name] = spool.adopt(path)
+            except OSError as exc:
+                log.error("job %s: its result file %s could not be kept (%s)", job.id, name, exc)
 
     def _count(self, job: Job, size: int) -> None:
         self._held[job.id] = size

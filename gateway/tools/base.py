@@ -30,7 +30,7 @@ import re
 import typing
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Protocol
+from typing import IO, Annotated, Any, Protocol
 
 import msgspec
 
@@ -64,6 +64,11 @@ class Context(Protocol):
 
     def raise_if_cancelled(self) -> None:
         """Raise `Cancelled` if the job was cancelled."""
+
+    def file(self, name: str) -> IO[bytes]:
+        """A new file of the job's result, open for writing (and reading back): a result too big for
+        one event written in parts (gateway/tools/files.py). Its result names it in a `ResultFile`;
+        clients fetch it from `GET /jobs/{id}/files/{name}`."""
 
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")

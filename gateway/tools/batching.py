@@ -137,7 +137,8 @@ class Chunk:
 class Chunked:
     """A one-pass tool's work as independent chunks.
 
-    `plan(model, jobs)` lists the chunks covering every job's items;
+    `plan(model, jobs, ctxs)` lists the chunks covering every job's items (a job that
+    writes result files opens them through its ctx);
     `run(model, jobs, chunk)` computes one (its outputs moved off the device,
     since another device's worker may assemble them); `assemble(model, jobs,
     outputs)` builds each job's result from `{(job, item): output}`. `unit`
@@ -150,13 +151,16 @@ class Chunked:
     work, by which the parts are balanced.
     """
 
-    plan: Callable[[Model, list[Any]], list[Chunk]]
+    plan: Callable[[Model, list[Any], Sequence[Context]], list[Chunk]]
     run: Callable[[Model, list[Any], Chunk], list[Any]]
     assemble: Callable[[Model, list[Any], dict[tuple[int, int], Any]], list[Any]]
     unit: str
     items: str = ""
     per_item: tuple[str, ...] = ()
     weight: Callable[[str], float] = len
+    # Whether a job's result may be written as files (gateway/tools/files.py): such a job is not cut
+    # over engines, whose parts' files would have to be joined.
+    files: Callable[[Any], bool] = lambda params: False
 
     def batch(self, model: Model) -> ChunkSteps:
         """The tool's `batch`: its jobs' chunks, one a step (`ChunkSteps`)."""
@@ -164,7 +168,7 @@ class Chunked:
 
     def many(self, model: Model, jobs: list[Any], ctxs: list[Context]) -> list[Any]:
         """Every chunk in turn on this device, in one call (a job run alone, or again after a failure)."""
-        chunks = self.plan(model, jobs)
+        chunks = self.plan(model, jobs, ctxs)
         progress = ChunkProgress(chunks, ctxs, self.unit)
         outputs: dict[tuple[int, int], Any] = {}
         for chunk in chunks:
@@ -207,7 +211,7 @@ class ChunkSteps:
             return self._end([Cancelled()] * len(ctxs))
         try:
             if self._chunks is None:
-                chunks = self.work.plan(self.model, jobs)
+                chunks = self.work.plan(self.model, jobs, ctxs)
                 self._chunks, self._progress = collections.deque(chunks), ChunkProgress(chunks, ctxs, self.work.unit)
             if self._chunks:
                 chunk = self._chunks.popleft()

@@ -25,7 +25,9 @@ the attention of one layer (`cost` prices the largest before the job is queued).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import threading
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -33,9 +35,11 @@ import msgspec
 import numpy as np
 import torch
 
-from gateway.cost import JSON_FLOAT, JSON_TOKEN, Cost, Shape
+from gateway.cost import JSON_FLOAT, JSON_FRAME, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
+from gateway.protocol import ResultFile
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
+from gateway.tools.files import NPY, Array, ArrayFile, file_bytes
 from gateway.tools import windows
 from gateway.tools.batching import Chunk, Chunked, WindowItem, chunk_peak, sorted_chunks
 from gateway.tools.windows import Framed, Share, Sizes, Stitch, WindowParams, WindowPlan
@@ -50,6 +54,20 @@ class Pooling(str, enum.Enum):
     LAST = "last"
     PER_TOKEN = "per_token"
     NONE = "none"  # the older name of per_token
+
+
+class FileFormat(str, enum.Enum):
+    SAFETENSORS = "safetensors"
+    NPY = "npy"
+
+
+FILE_DOC = (
+    "Write the per-token vectors as files (pooling per_token), fetched from GET /jobs/{id}/files/{name}: "
+    "safetensors, one file of embeddings.<i> (tokens × dim, float32), token_ids.<i> and, with window, context.<i> "
+    "(per token, the fewest tokens of context on its left and right) for each text i; npy (one text), "
+    "embeddings.npy, token_ids.npy and context.npy. Default: none, or safetensors when the result as JSON "
+    "would be over the gateway's --max-result-bytes."
+)
 
 
 class EmbedParams(WindowParams, forbid_unknown_fields=True):
@@ -74,6 +92,7 @@ class EmbedParams(WindowParams, forbid_unknown_fields=True):
     precision: Annotated[
         int, msgspec.Meta(ge=0, le=10, description="Round to this many decimals. Default: float32's shortest exact form.")
     ] | None = None
+    file: Annotated[FileFormat, msgspec.Meta(description=FILE_DOC)] | None = None
 
 
 class EmbedResult(msgspec.Struct, omit_defaults=True):
@@ -84,7 +103,7 @@ class EmbedResult(msgspec.Struct, omit_defaults=True):
     embeddings: Annotated[
         list[Any],
         msgspec.Meta(
-            description="Per text: a vector (mean, cls, last) or a list of per-token vectors (per_token).",
+            description="Per text: a vector (mean, cls, last) or a list of per-token vectors (per_token); none when they are in files.",
             extra_json_schema={
                 "items": {
                     "anyOf": [
@@ -94,7 +113,7 @@ class EmbedResult(msgspec.Struct, omit_defaults=True):
                 }
             },
         ),
-    ]
+    ] | None = None
     tokens: list[list[str]] | None = None
     """With pooling per_token: each text's own tokens, one per vector."""
     plans: list[WindowPlan] | None = None
@@ -102,6 +121,8 @@ class EmbedResult(msgspec.Struct, omit_defaults=True):
     context: list[Any] | None = None
     """With window and pooling per_token: per text, per own token, the fewest tokens of context it had
     on its left and on its right, [left, right]."""
+    files: list[ResultFile] | None = None
+    """With file: the files holding the vectors, their tokens' ids and context."""
 
 
 def _array(t: torch.Tensor, precision: int | None) -> np.ndarray:
@@ -128,12 +149,23 @@ def _sizes(model: Model, params: EmbedParams, framed: Framed) -> Sizes | None:
 
 
 def check(model: Model, params: EmbedParams) -> None:
+    if params.file is not None:
+        _check_file(params)
     if params.window is not None:
         _check_windows(model, params)
         return
     windows.resolve(params, model.context_length)  # window-only params without a window
     with windows.naming_window():
         _check(model, params)
+
+
+def _check_file(params: EmbedParams) -> None:
+    if not _per_token(Pooling(params.pooling)):
+        raise ParamError("file", "files hold per-token vectors: use pooling per_token (a pooled result is one vector a text)")
+    if params.precision is not None:
+        raise ParamError("precision", "a file holds float32 as computed; leave out precision")
+    if params.file is FileFormat.NPY and len(params.texts) > 1:
+        raise ParamError("file", "an .npy file holds one array: npy takes one text; safetensors takes several")
 
 
 def _check_windows(model: Model, params: EmbedParams) -> None:
@@ -174,12 +206,14 @@ def _check(model: Model, params: EmbedParams) -> None:
 def cost(model: Model, params: EmbedParams) -> Cost:
     """The largest chunk's pass with every hidden state it returns, then the vectors kept and their JSON.
     With windows the passes are the windows', and a per-token result is held twice at the end (the
-    windows' rows and the stitched array) with each position's context beside it in the JSON."""
+    windows' rows and the stitched array) with each position's context beside it in the JSON.
+    Written as files (`file`), a per-token result is the files' bytes on disk, and in memory one
+    window's rows at a time: the price is the largest pass's, whatever the length."""
     shape = Shape.of(model)
     per_token = _per_token(params.pooling)
     if params.window is None:
         lengths = [len(model.encode(text)) for text in params.texts]
-        passes, positions, held = lengths, sum(lengths) if per_token else len(lengths), 1
+        passes, n_own, held = lengths, lengths, 1
     else:
         passes, n_own = [], []
         for i, text in enumerate(params.texts):
@@ -188,20 +222,45 @@ def cost(model: Model, params: EmbedParams) -> Cost:
             assert sizes is not None
             passes += [end - start + framed.around for start, end in windows.plan(len(framed.own), sizes)]
             n_own.append(len(framed.own))
-        positions, held = sum(n_own) if per_token else len(n_own), 2 if per_token else 1
+        held = 2 if per_token else 1
+    positions = sum(n_own) if per_token else len(n_own)
     n_states = _n_states(model)
     peak = chunk_peak(passes, EMBED_BATCH, EMBED_TOKENS, lambda rows, width: shape.pass_bytes(rows, width, states=n_states))
     per_vector = shape.hidden * JSON_FLOAT + (JSON_TOKEN if per_token else 0)
     if params.window is not None and per_token:
         per_vector += 2 * JSON_FLOAT  # its [left, right] context
     result = positions * per_vector
-    return Cost(
+    inline = Cost(
         memory=peak + held * positions * shape.hidden * 4 + result,
         result=result,
         memory_field="window" if params.window is not None else "texts",
         result_field="pooling" if per_token else "texts",
         tokens=max(passes),
     )
+    if not per_token or params.precision is not None:
+        return inline
+    # The plans' windows stay in the JSON (two numbers each), the rest is in the files.
+    plans = JSON_FRAME * (len(n_own) + 1) + 2 * JSON_FLOAT * (len(passes) if params.window is not None else 0)
+    arrays = [array for i, n in enumerate(n_own) for array in _arrays(i, n, shape.hidden, params.window is not None)]
+    written = Cost(
+        memory=peak + plans,
+        result=plans,
+        memory_field=inline.memory_field,
+        result_field="texts",
+        tokens=inline.tokens,
+        files=sum(file_bytes([a]) for a in arrays) if params.file is FileFormat.NPY else file_bytes(arrays),
+    )
+    if params.file is not None:
+        return written
+    return dataclasses.replace(inline, as_files=written, file_format=FileFormat.SAFETENSORS.value)
+
+
+def _arrays(i: int, n: int, width: int, windowed: bool) -> list[Array]:
+    """Text `i`'s arrays in a result file: its `n` vectors of `width`, their token ids, and their context."""
+    arrays = [Array(f"embeddings.{i}", np.dtype("<f4"), (n, width)), Array(f"token_ids.{i}", np.dtype("<i4"), (n,))]
+    if windowed:
+        arrays.append(Array(f"context.{i}", np.dtype("<i4"), (n, 2)))
+    return arrays
 
 
 @dataclass(frozen=True)
@@ -214,10 +273,81 @@ class _InWindow:
     n: int
 
 
-def _plan(model: Model, jobs: list[EmbedParams], by_length: bool = True) -> list[Chunk]:
+class _Files:
+    """A job's per-token vectors written to its result files as they are computed (`file`): each
+    window's share at its place, so that the job holds one window's rows, whatever the length.
+
+    The files are opened at the first rows, whose width is the vectors'. Shares that overlap
+    (`mean`) are added where they fall, normalized (`normalize`) once all are in; the others are
+    final as they come."""
+
+    def __init__(self, ctx: Context, params: EmbedParams, lengths: list[int]) -> None:
+        self.ctx, self.params, self.lengths = ctx, params, lengths
+        self.windowed = params.window is not None
+        self.files: dict[str, ArrayFile] = {}  # by array name
+        self.width = 0
+        self.summed = False  # some rows were added, not written: normalized at the end
+        self._lock = threading.Lock()
+
+    def _open(self, width: int) -> None:
+        with self._lock:
+            if self.files:
+                return
+            self.width = width
+            arrays = [a for i, n in enumerate(self.lengths) for a in _arrays(i, n, width, self.windowed)]
+            meta = {"layer": str(self.params.layer), "pooling": "per_token", "dim": str(width)}
+            if FileFormat(self.params.file) is FileFormat.NPY:
+                for a in arrays:
+                    name = f"{a.name.rsplit('.', 1)[0]}.npy"
+                    self.files[a.name] = ArrayFile(self.ctx.file(name), name, NPY, [a])
+            else:
+                shared = ArrayFile(self.ctx.file("embeddings.safetensors"), "embeddings.safetensors", "safetensors", arrays, meta)
+                self.files = dict.fromkeys((a.name for a in arrays), shared)
+
+    def put(self, i: int, start: int, rows: np.ndarray, ids: list[int], summed: bool, normalized: bool = False) -> None:
+        """Text `i`'s rows from position `start`; `summed`: one weighted share of positions others share too."""
+        self._open(rows.shape[-1])
+        if summed:
+            self.summed = True
+            self.files[f"embeddings.{i}"].add(f"embeddings.{i}", start, rows)
+        else:
+            if self.params.normalize and not normalized:
+                rows = _normalized(rows)
+            self.files[f"embeddings.{i}"].write(f"embeddings.{i}", start, rows)
+        self.files[f"token_ids.{i}"].write(f"token_ids.{i}", start, np.asarray(ids, dtype=np.int32))
+
+    def close(self, plans: list[WindowPlan] | None) -> list[ResultFile]:
+        """The context arrays written, summed rows normalized, the files closed: what the result names."""
+        if plans is not None:
+            for i, plan in enumerate(plans):
+                self.files[f"context.{i}"].write(f"context.{i}", 0, windows.context(plan.windows, plan.stitch))
+        if self.summed and self.params.normalize:
+            for i, n in enumerate(self.lengths):
+                for start in range(0, n, NORMALIZE_ROWS):
+                    stop = min(n, start + NORMALIZE_ROWS)
+                    self.files[f"embeddings.{i}"].write(f"embeddings.{i}", start, _normalized(self.files[f"embeddings.{i}"].read(f"embeddings.{i}", start, stop)))
+        closed: dict[int, ResultFile] = {}
+        for file in self.files.values():
+            if id(file) not in closed:
+                closed[id(file)] = file.close()
+        return list(closed.values())
+
+
+NORMALIZE_ROWS = 4096  # rows read back at once to normalize a file's summed vectors
+
+
+def _normalized(rows: np.ndarray) -> np.ndarray:
+    return torch.nn.functional.normalize(torch.from_numpy(np.ascontiguousarray(rows)), dim=-1).numpy()
+
+
+def _plan(model: Model, jobs: list[EmbedParams], ctxs: Any = None, by_length: bool = True) -> list[Chunk]:
     items: list[tuple[Any, list[int]]] = []
     placed: dict[Any, _InWindow] = {}
+    sinks: dict[int, _Files] = {}
     for job, params in enumerate(jobs):
+        if params.file is not None:
+            lengths = [len(model.own(model.encode(text, bounded=False))) for text in params.texts]
+            sinks[job] = _Files(ctxs[job], params, lengths)
         for i, text in enumerate(params.texts):
             if params.window is None:
                 items.append(((job, i), model.encode(text)))
@@ -233,6 +363,7 @@ def _plan(model: Model, jobs: list[EmbedParams], by_length: bool = True) -> list
     chunks = sorted_chunks(items, EMBED_BATCH, max_tokens=EMBED_TOKENS, by_length=by_length)
     for chunk in chunks:
         chunk.extra["windows"] = {key: placed[key] for key in chunk.items if key in placed}
+        chunk.extra["files"] = {job: sinks[job] for job, _ in chunk.items if job in sinks}
     return chunks
 
 
@@ -256,10 +387,17 @@ def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
     out: list[Any] = [None] * len(chunk.items)
     owns: dict[int, list[int]] = {}  # each pooled row's own token positions (CLS reads none)
     in_windows = chunk.extra.get("windows", {})
+    sinks: dict[int, _Files] = chunk.extra.get("files", {})
     for row, key in enumerate(chunk.items):
         if key in in_windows:
             params = jobs[key[0]]
-            out[row] = _window_share(states[params.layer % n_states][row], chunk.data[row], in_windows[key], Pooling(params.pooling))
+            shared = _window_share(states[params.layer % n_states][row], chunk.data[row], in_windows[key], Pooling(params.pooling))
+            if key[0] in sinks:  # into the job's files now; nothing of it held
+                assert shared.rows is not None
+                sinks[key[0]].put(key[1].item, shared.start, shared.rows, shared.ids, summed=in_windows[key].share.weights is not None)
+                out[row] = sinks[key[0]]
+            else:
+                out[row] = shared
     for (layer, pooling, normalize, precision), rows in groups.items():
         rows = [row for row in rows if chunk.items[row] not in in_windows]
         if not rows:
@@ -284,7 +422,13 @@ def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
         array = _array(vectors, precision)
         if pooling is Pooling.PER_TOKEN:
             for row, part in zip(rows, np.split(array, np.cumsum(counts)[:-1])):
-                out[row] = (part, [chunk.data[row][at] for at in owns[row]])
+                ids = [chunk.data[row][at] for at in owns[row]]
+                job, i = chunk.items[row]
+                if job in sinks:  # normalized above, as whole texts are
+                    sinks[job].put(i, 0, part, ids, summed=False, normalized=True)
+                    out[row] = sinks[job]
+                else:
+                    out[row] = (part, ids)
         else:
             for row, vector in zip(rows, array):
                 out[row] = vector
@@ -341,8 +485,12 @@ def _stitched(params: EmbedParams, shared: list[_Shared], precision: int | None)
 
 
 def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any]) -> list[EmbedResult]:
+    # A job writing files has its `_Files` as every item's output: its rows are in them already.
+    sinks = {job: output for (job, _), output in outputs.items() if isinstance(output, _Files)}
     shared: dict[tuple[int, int], list[_Shared]] = {}
     for (job, item), output in outputs.items():
+        if job in sinks:
+            continue
         if isinstance(item, tuple):
             shared.setdefault((job, item[0]), []).append(output)
     for key, parts in shared.items():
@@ -352,6 +500,11 @@ def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any]) ->
     texts = model.token_texts(t for key, output in outputs.items() if not isinstance(key[1], tuple) and isinstance(output, tuple) for t in output[1])
     results = []
     for job, params in enumerate(jobs):
+        if job in sinks:
+            plans = _plans(model, params)[0] if params.window is not None else None
+            files = sinks[job].close(plans)
+            results.append(EmbedResult(dim=sinks[job].width, layer=params.layer % _n_states(model), pooling=params.pooling, plans=plans, files=files))
+            continue
         vectors = [outputs[job, i] for i in range(len(params.texts))]
         tokens = None
         if _per_token(params.pooling):
@@ -389,7 +542,13 @@ def _plans(model: Model, params: EmbedParams) -> tuple[list[WindowPlan], list[An
 
 # Per text, a pass over its tokens: its length is its share of the work.
 work = Chunked(
-    plan=_plan, run=_run, assemble=_assemble, unit="texts", items="texts", per_item=("embeddings", "tokens", "plans", "context")
+    plan=_plan,
+    run=_run,
+    assemble=_assemble,
+    unit="texts",
+    items="texts",
+    per_item=("embeddings", "tokens", "plans", "context"),
+    files=lambda params: _per_token(params.pooling),
 )
 
 

@@ -106,7 +106,7 @@ def cost(model: Model, params: PseudoLoglikelihoodParams) -> Cost:
     )
 
 
-def _plan(model: Model, jobs: list[PseudoLoglikelihoodParams], by_length: bool = True) -> list[Chunk]:
+def _plan(model: Model, jobs: list[PseudoLoglikelihoodParams], ctxs: Any = None, by_length: bool = True) -> list[Chunk]:
     # One item per masked copy: (job, (sequence, position, the true token)).
     items: list[tuple[tuple[int, Any], list[int]]] = []
     for job, params in enumerate(jobs):

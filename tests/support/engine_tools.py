@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import msgspec
 import torch
@@ -64,7 +65,7 @@ class Lengths(msgspec.Struct):
     unit: str = "characters"  # the same in every part
 
 
-def _lengths_plan(model: Model, jobs: list[LengthsParams]) -> list[Chunk]:
+def _lengths_plan(model: Model, jobs: list[LengthsParams], ctxs: Any = None) -> list[Chunk]:
     return sorted_chunks([((j, i), list(t.encode())) for j, p in enumerate(jobs) for i, t in enumerate(p.texts)], 4)
 
 

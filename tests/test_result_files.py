@@ -1,0 +1,180 @@
+"""Results bigger than one event, as files (gateway/tools/files.py): written in parts by the run,
+kept with the job, fetched from `GET /jobs/{id}/files/{name}` with Range, opened here with the
+field's own readers (the `safetensors` package, `numpy.load`) and compared with the same windows
+computed here in plain transformers."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from safetensors.numpy import load as load_safetensors
+from transformers import AutoTokenizer
+
+from gateway.tools import windows
+from gateway.tools.windows import Sizes, Stitch
+from tests.conftest import make_server, run_stream
+from tests.test_tools import result
+from tests.test_windows import protein, windowed_states
+
+
+@pytest.fixture(scope="module")
+def esm_path(tiny: Callable[..., Path]) -> Path:
+    return tiny("esm_mlm")
+
+
+@pytest.fixture(scope="module")
+def server(esm_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    # A result bound that a 3,000-residue per-token result (3,000 × 32 floats as JSON) is over.
+    s = make_server([f"esm={esm_path}"], max_result_bytes=256 * 1024, result_spool=str(tmp_path_factory.mktemp("spool")))
+    yield s
+    s.stop()
+
+
+def fetch(url: str, job_id: str, name: str, **headers: str) -> httpx.Response:
+    return httpx.get(f"{url}/jobs/{job_id}/files/{name}", headers=headers)
+
+
+def ran(url: str, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    s = run_stream(url, "embed", params)
+    assert s.terminal is not None and s.terminal["event"] == "data", s.terminal or s.body
+    return s.events[0]["data"]["job_id"], s.terminal["data"]
+
+
+@pytest.mark.parametrize("stitch", ["center", "mean"])
+def test_a_per_token_result_over_the_bound_is_a_safetensors_file_of_the_windows_computed_here(server, esm_path: Path, stitch: str) -> None:
+    """Asked for inline, a 3,000-residue per_token result over --max-result-bytes is written as
+    safetensors instead (not refused): the vectors equal (1e-5) the windows run here in transformers
+    and stitched here, the token ids are the residues', the context is the plan's."""
+    sequence = protein(3000, seed=3)
+    job_id, out = ran(server.url, {"model": "esm", "texts": [sequence], "window": 100, "overlap": 30, "stitch": stitch, "pooling": "per_token"})
+    assert "embeddings" not in out and "context" not in out
+    (file,) = out["files"]
+    assert file["name"] == "embeddings.safetensors" and file["format"] == "safetensors"
+    body = fetch(server.url, job_id, file["name"])
+    assert body.status_code == 200 and len(body.content) == file["size"]
+    arrays = load_safetensors(body.content)
+    want = windowed_states(esm_path, sequence, 100, 30, stitch)
+    got = arrays["embeddings.0"]
+    assert got.dtype == np.float32 and got.shape == want.shape == (3000, out["dim"])
+    assert np.abs(got - want).max() <= 1e-5
+    cut = windows.plan(3000, Sizes(100, 30, Stitch(stitch)))
+    assert out["plans"][0]["windows"] == [list(w) for w in cut]
+    assert (arrays["context.0"] == windows.context(cut, Stitch(stitch))).all()
+    assert arrays["token_ids.0"].tolist() == AutoTokenizer.from_pretrained(esm_path)(sequence)["input_ids"][1:-1]
+
+
+def test_npy_files_of_one_text_normalized_over_windows_averaged(server, esm_path: Path) -> None:
+    """`file: npy` on one text: three .npy files numpy.load reads; with normalize and mean, each row
+    is the unit vector of the averaged windows computed here."""
+    sequence = protein(700, seed=4)
+    job_id, out = ran(server.url, {"model": "esm", "texts": [sequence], "window": 100, "overlap": 40, "stitch": "mean", "pooling": "per_token", "normalize": True, "file": "npy"})
+    assert sorted(f["name"] for f in out["files"]) == ["context.npy", "embeddings.npy", "token_ids.npy"]
+    got = np.load(io.BytesIO(fetch(server.url, job_id, "embeddings.npy").content))
+    want = windowed_states(esm_path, sequence, 100, 40, "mean")
+    want /= np.linalg.norm(want, axis=-1, keepdims=True)
+    assert got.shape == (700, out["dim"]) and np.abs(got - want).max() <= 1e-5
+    context = np.load(io.BytesIO(fetch(server.url, job_id, "context.npy").content))
+    assert context.shape == (700, 2) and context[0].tolist() == [0, 99]
+
+
+def test_a_text_within_the_context_written_as_a_file_is_its_inline_result(server) -> None:
+    """Without windows, a file holds what the inline answer would: the same float32 vectors."""
+    texts = [protein(120, seed=5), protein(40, seed=6)]
+    inline = result(server.url, "embed", {"model": "esm", "texts": texts, "pooling": "per_token"})
+    job_id, out = ran(server.url, {"model": "esm", "texts": texts, "pooling": "per_token", "file": "safetensors"})
+    arrays = load_safetensors(fetch(server.url, job_id, "embeddings.safetensors").content)
+    for i in range(2):
+        assert arrays[f"embeddings.{i}"].tolist() == np.array(inline["embeddings"][i], dtype=np.float32).tolist()
+    assert "context.0" not in arrays and "plans" not in out
+
+
+def test_a_file_is_served_in_ranges_and_resumed(server) -> None:
+    job_id, out = ran(server.url, {"model": "esm", "texts": [protein(3000, seed=7)], "window": 0, "pooling": "per_token"})
+    (file,) = out["files"]
+    whole = fetch(server.url, job_id, file["name"])
+    etag = whole.headers["etag"]
+    part = fetch(server.url, job_id, file["name"], range="bytes=1000-")
+    assert part.status_code == 206 and part.headers["content-range"] == f"bytes 1000-{file['size'] - 1}/{file['size']}"
+    assert whole.content[:1000] + part.content == whole.content
+    stale = fetch(server.url, job_id, file["name"], range="bytes=1000-", **{"if-range": '"another"'})
+    assert stale.status_code == 200 and stale.content == whole.content
+    past = fetch(server.url, job_id, file["name"], range=f"bytes={file['size']}-")
+    assert past.status_code == 416 and past.json()["error"]["code"] == "range_not_satisfiable"
+    missing = fetch(server.url, job_id, "weights.safetensors")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found" and etag
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"pooling": "mean", "file": "safetensors"}, "file"),
+        ({"pooling": "per_token", "file": "npy", "texts": ["MKV", "MKL"]}, "file"),
+        ({"pooling": "per_token", "file": "safetensors", "precision": 3}, "precision"),
+    ],
+)
+def test_a_file_that_cannot_be_written_is_refused_naming_the_param(server, params: dict[str, Any], field: str) -> None:
+    response = httpx.post(f"{server.url}/embed/run", json={"model": "esm", "texts": ["MKV"], **params})
+    assert response.status_code == 422 and response.json()["error"]["field"] == field, response.text
+
+
+def test_files_over_their_bound_are_refused_before_queueing(esm_path: Path, tmp_path: Path) -> None:
+    s = make_server([f"esm={esm_path}"], max_result_bytes=64 * 1024, max_result_file_bytes=100_000, result_spool=str(tmp_path))
+    try:
+        response = httpx.post(f"{s.url}/embed/run", json={"model": "esm", "texts": [protein(3000)], "window": 0, "pooling": "per_token"})
+        error = response.json()["error"]
+        assert response.status_code == 413 and error["code"] == "too_large" and "--max-result-file-bytes" in error["message"]
+    finally:
+        s.stop()
+    off = make_server([f"esm={esm_path}"], max_result_bytes=64 * 1024, max_result_file_bytes=0)
+    try:  # no files: the inline result over its bound is refused as before
+        response = httpx.post(f"{off.url}/embed/run", json={"model": "esm", "texts": [protein(3000)], "window": 0, "pooling": "per_token"})
+        assert response.status_code == 413 and "--max-result-bytes" in response.json()["error"]["message"]
+    finally:
+        off.stop()
+
+
+def test_files_leave_no_name_on_disk_and_go_with_the_job(esm_path: Path, tmp_path: Path) -> None:
+    """Kept, a job's files are the spool's unnamed files (nothing named is left in the folder); a job
+    cancelled mid-way leaves none either; past the retention the route answers 404."""
+    s = make_server([f"esm={esm_path}"], max_result_bytes=64 * 1024, result_spool=str(tmp_path), retention=1)
+    try:
+        job_id, out = ran(s.url, {"model": "esm", "texts": [protein(2000)], "window": 0, "pooling": "per_token"})
+        assert fetch(s.url, job_id, out["files"][0]["name"]).status_code == 200
+        assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+        deadline = time.monotonic() + 10
+        while fetch(s.url, job_id, out["files"][0]["name"]).status_code != 404:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        s.stop()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_files_of_a_job_that_fails_are_deleted_even_while_written(tmp_path: Path) -> None:
+    import asyncio
+
+    from gateway.jobs import Job
+    from gateway.protocol import Code
+    from gateway.tools import Cancelled
+
+    async def run() -> None:
+        job = Job("embed", None)
+        job.files.folder = str(tmp_path)
+        f = job.files.open("embeddings.safetensors")
+        f.write(b"x" * 10)
+        job.fail(Code.CANCELLED, "cancelled")
+        assert list(tmp_path.iterdir()) == []  # unlinked at once; the run's descriptor writes into nothing
+        f.write(b"y")
+        f.close()
+        with pytest.raises(Cancelled):
+            job.files.open("token_ids.npy")
+        assert list(tmp_path.iterdir()) == []
+
+    asyncio.run(run())
