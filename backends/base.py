@@ -4,6 +4,8 @@ the tools and models learned from what those services publish."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -82,3 +84,15 @@ def sent(params: Any) -> dict[str, Any]:
     if isinstance(params, Relayed):
         return {"params": params.body or NULL, "query": params.query, "model": params.model}
     return {"params": msgspec.Raw(encode(params))}
+
+
+def files_folder(base: str | None) -> str:
+    """A folder of this process's own, in `base` (default: the system's temporary folder), where its
+    jobs' result files lie until their store keeps them (gateway/jobs.py `ResultFiles`)."""
+    return tempfile.mkdtemp(prefix="streamgate-files-", dir=base)
+
+
+def remove_files_folder(folder: str | None) -> None:
+    """At stop: the files of jobs no store took (a process that dies leaves its folder behind)."""
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -54,7 +54,7 @@ import websockets
 from backends import inference
 from gateway.plumbing import memory, tracing
 from backends import loading as models
-from backends.base import NULL, Relaying, sent
+from backends.base import NULL, Relaying, files_folder, sent
 from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
 from backends.spreading import Spread, cut
 from gateway.config import Settings
@@ -455,6 +455,7 @@ class EngineBackend(RemoteBackend):
         self._spreads: dict[str, Spread] = {}
         self.model_order = [spec.name for spec in specs]
         self.folder = Path(tempfile.mkdtemp(prefix="streamgate-engines-"))  # 0700: only this user reaches the sockets
+        self.files_folder = files_folder(settings.result_spool)
         token = secrets.token_urlsafe(24)
         Relaying.__init__(self, local)  # the tools' code is here: requests are decoded as with threads
         infos = params_mod.describe(local, settings.limits())
@@ -470,7 +471,8 @@ class EngineBackend(RemoteBackend):
             for device in engine_devices(settings, spec):
                 path = self.folder / f"{len(self.engines)}.sock"
                 link = EngineLink(
-                    UNIX + str(path), token=token, deadline=settings.executor_deadline, poll_interval=POLL_S, on_tools=self._learn_tools
+                    UNIX + str(path), token=token, deadline=settings.executor_deadline, poll_interval=POLL_S, on_tools=self._learn_tools,
+                    files_folder=self.files_folder,
                 )
                 link.tool_of = self.tool
                 settings_of = engine_settings(settings, spec, i == 0, token, device)

@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -70,6 +71,7 @@ from gateway.protocol import (
     Forget,
     Refusal,
     Resume,
+    ResultFile,
     SessionOp,
     Submit,
     SubmitRequest,
@@ -135,7 +137,9 @@ class Session:
         slowly lets the outbox grow by what its jobs' logs hold anyway.
         """
         inline = self.inline and event.size <= INLINE_RESULT_BYTES
-        self.outbox.append(encode(remote_frame(event, inline)))
+        job = self.jobs.get(event.job_id)
+        files = _files(job) if job is not None and event.type is EventType.DATA and job.files else None
+        self.outbox.append(encode(remote_frame(event, inline, files)))
         if event.terminal:
             self.followed.pop(event.job_id, None)
         if self.socket is not None:
@@ -324,6 +328,15 @@ class Executor:
         media_type = "application/json" if self.inline_results else None  # an engine's results are JSON
         return ResultResponse(terminal.data, await asyncio.shield(entry.digest()), media_type)
 
+    async def file(self, request: Request) -> Response:
+        """One of the files a finished job wrote beside its result, for its gateway to fetch."""
+        self.authorize(request)
+        entry = self._entry(request.path_params["job_id"])
+        path = entry.job.files.paths.get(request.path_params["name"]) if entry.job.terminal is not None else None
+        if path is None:
+            raise ApiError(Code.NOT_FOUND, f"job {entry.job.id} has no result file {request.path_params['name']!r}")
+        return FileResponse(path, media_type="application/octet-stream")
+
     async def delete(self, request: Request) -> Response:
         """Cancel the job if it still runs, and forget it and its result."""
         self.authorize(request)
@@ -352,6 +365,7 @@ class Executor:
         with contextlib.suppress(ValueError):
             entry.job.on_end.remove(entry.ended_with)
         entry.session.unfollow(entry.job.id)
+        entry.job.files.discard()
 
     async def session_socket(self, websocket: WebSocket) -> None:
         try:
@@ -454,6 +468,11 @@ class Executor:
                     del self.sessions[session.id]
 
 
+def _files(job: Job) -> list[ResultFile]:
+    """The files a job wrote, as its `completed` frame announces them (their sizes, to check the fetch)."""
+    return [ResultFile(name, "", os.path.getsize(path)) for name, path in job.files.paths.items()]
+
+
 def _lost(job_id: str) -> RemoteFrame:
     """The answer to a resume or cancel for a job this executor does not have."""
     info = ErrorInfo(Code.BACKEND_UNAVAILABLE, "the executor no longer has this job", retryable=True)
@@ -516,6 +535,7 @@ def create_executor_app(executor: Executor) -> Starlette:
             WebSocketRoute("/session", executor.session_socket),
             Route("/jobs", executor.submit, methods=["POST"]),
             Route("/jobs/{job_id}/result", executor.result, methods=["GET"]),
+            Route("/jobs/{job_id}/files/{name}", executor.file, methods=["GET"]),
             Route("/jobs/{job_id}", executor.delete, methods=["DELETE"]),
             Route("/tools", tools, methods=["GET"]),
             Route("/models", models, methods=["GET"]),

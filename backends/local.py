@@ -16,7 +16,6 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 from gateway.plumbing import memory
 from backends import loading as models
 from gateway.backend import Backend
+from backends.base import files_folder, remove_files_folder
 from backends.workers import Worker, set_torch_threads
 from backends.queue import JobQueue
 from backends.served import ServedModel
@@ -95,7 +95,7 @@ class LocalBackend(Backend):
         self.max_batch_size = max_batch_size
         self.max_decoding_jobs = max_decoding_jobs
         # Where jobs write their result files (a folder of this process's, gone with it), if anywhere.
-        self.files_folder = tempfile.mkdtemp(prefix="streamgate-files-", dir=result_files) if result_files is not None and max_result_file_bytes else None
+        self.files_folder = files_folder(result_files) if result_files is not None and max_result_file_bytes else None
         self.budget = Budget(
             memory=max_job_memory or default_job_memory(devices or ([device] if device else None)),
             result=max_result_bytes,
@@ -228,8 +228,7 @@ class LocalBackend(Backend):
         for served in self.served.values():
             await served.stop()
         self._checks.shutdown(wait=False, cancel_futures=True)
-        if self.files_folder is not None:  # the files of jobs not yet taken by their store
-            shutil.rmtree(self.files_folder, ignore_errors=True)
+        remove_files_folder(self.files_folder)
 
     def model_names(self) -> list[str]:
         return list(self.served)

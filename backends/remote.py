@@ -43,7 +43,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.asyncio.client import unix_connect as ws_unix_connect
 
-from backends.base import NULL, Relaying, sent
+from backends.base import NULL, Relaying, files_folder, remove_files_folder, sent
 from backends.download import Downloads, Retry
 from backends.frames import failure, relay
 from gateway.encoding import HASH_INLINE, from_msgpack, to_json
@@ -60,16 +60,18 @@ from gateway.protocol import (
     RemoteFrame,
     RemoteKind,
     Resume,
+    ResultFile,
     Status,
     SubmitRequest,
     ToolInfo,
     encode,
 )
-from gateway.tools.base import Tool
+from gateway.tools.base import Cancelled, Tool
 
 log = logging.getLogger("streamgate.remote")
 
 DOWNLOAD_TRIES = 4
+FILE_PIECE = 1 << 20  # of a result file written at once while it is fetched
 BACKOFF_MAX_S = 2.0
 _FRAMES = msgspec.json.Decoder(RemoteFrame | list[RemoteFrame])  # a message holds one frame, or several
 UNIX = "unix:"  # an executor URL of a Unix socket: unix:/PATH
@@ -123,8 +125,10 @@ class RemoteJob:
         if frame.kind is RemoteKind.ERROR:
             self.link.finish(self, *failure(frame, self.link.passes_codes))
         elif frame.kind is RemoteKind.COMPLETED:
+            if frame.files:  # the job's files first, then its result: the job ends with both here
+                self.link.spawn(self.link.collect(self, frame))
             # A big result stays behind (`null`), to be fetched as the other executors' are.
-            if self.link.inline_results and frame.data != NULL:
+            elif self.link.inline_results and frame.data != NULL:
                 self.link.succeed(self, frame.data)
             else:
                 self.link.spawn(self.link.deliver(self))
@@ -147,8 +151,10 @@ class Link:
         deadline: float,
         poll_interval: float,
         on_tools: Any,
+        files_folder: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self.files_folder = files_folder  # where the result files of its jobs are fetched to
         # unix:/PATH: an executor on this machine's Unix socket (an engine process, backends/engines.py).
         self.uds = self.url.removeprefix(UNIX) if self.url.startswith(UNIX) else None
         self.session_id = uuid.uuid4().hex
@@ -379,6 +385,49 @@ class Link:
             return
         self.finish(remote, Code.BACKEND_UNAVAILABLE, f"the result could not be downloaded intact: {problem}")
 
+    async def collect(self, remote: RemoteJob, frame: RemoteFrame) -> None:
+        """Fetch the files a completed job wrote (`frame.files`) into the job's own here, then end it
+        with its result as a frame without files would have."""
+        job = remote.job
+        job.files.folder = self.files_folder
+        for file in frame.files or []:
+            problem = "this gateway keeps no result files" if self.files_folder is None else ""
+            for attempt in range(DOWNLOAD_TRIES if not problem else 0):
+                if attempt:
+                    await asyncio.sleep(0.2 * 2**attempt)
+                try:
+                    await self._fetch_file(job, file)
+                    problem = ""
+                    break
+                except Cancelled:
+                    return  # the job ended meanwhile (a cancel): its end already says so
+                except (httpx.HTTPError, OSError, ValueError) as exc:
+                    problem = str(exc) or type(exc).__name__
+                    log.warning("job %s: result file %s download failed (%s), try %d", job.id, file.name, problem, attempt + 1)
+            if problem:
+                self.finish(remote, Code.BACKEND_UNAVAILABLE, f"the result file {file.name} could not be downloaded: {problem}")
+                return
+        if self.inline_results and frame.data != NULL:
+            self.succeed(remote, frame.data)
+        else:
+            await self.deliver(remote)
+
+    async def _fetch_file(self, job: Job, file: ResultFile) -> None:
+        """One result file, a piece at a time onto disk (each write on a thread), checked for its length."""
+        async with self.http.stream("GET", f"/jobs/{job.id}/files/{file.name}") as response:
+            if response.status_code != 200:
+                raise ValueError(f"the executor answered {response.status_code}")
+            out = await asyncio.to_thread(job.files.open, file.name)
+            try:
+                got = 0
+                async for piece in response.aiter_raw(FILE_PIECE):
+                    await asyncio.to_thread(out.write, piece)
+                    got += len(piece)
+            finally:
+                out.close()
+        if got != file.size:
+            raise ValueError(f"{got} bytes of {file.size}")
+
     def finish(self, remote: RemoteJob, code: Code, message: str) -> None:
         """End a job here with an error; the executor is told to forget it."""
         if self.jobs.pop(remote.job.id, None) is None:
@@ -451,12 +500,16 @@ class RemoteBackend(Relaying):
         token: str | None = None,
         deadline: float = 30.0,
         poll_interval: float = 1.0,
+        result_files: str | None = None,
     ) -> None:
         if not executors:
             raise ValueError("the remote backend needs at least one --executor URL")
         super().__init__()
+        self.files_folder = files_folder(result_files)
         self.links = [
-            self.link_class(url, token=token, deadline=deadline, poll_interval=poll_interval, on_tools=self._learn_tools)
+            self.link_class(
+                url, token=token, deadline=deadline, poll_interval=poll_interval, on_tools=self._learn_tools, files_folder=self.files_folder
+            )
             for url in executors
         ]
 
@@ -512,6 +565,7 @@ class RemoteBackend(Relaying):
 
     async def stop(self) -> None:
         await asyncio.gather(*(link.stop() for link in self.links))
+        remove_files_folder(self.files_folder)
 
     async def submit(self, job: Job) -> None:
         tool = self.tool(job.tool)

@@ -373,7 +373,7 @@ class RemoteFrame(msgspec.Struct):
     seq: int
     kind: RemoteKind
     data: msgspec.Raw
-    files: list[str] | None = None
+    files: list[ResultFile] | None = None
 
 
 class Resume(msgspec.Struct, tag_field="op", tag="resume"):
@@ -447,7 +447,7 @@ REMOTE_KIND = {
 }
 
 
-def remote_frame(event: Event, inline: bool = False, files: list[str] | None = None) -> RemoteFrame:
+def remote_frame(event: Event, inline: bool = False, files: list[ResultFile] | None = None) -> RemoteFrame:
     """An executor job's event as a session frame; its result stays behind to be fetched, unless
     `inline` (the result is JSON, and the gateway is an engine's, on the same machine); `files`:
     the result files a `completed` job wrote."""

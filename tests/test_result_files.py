@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from gateway.tools import windows
 from gateway.tools.windows import Sizes, Stitch
 from tests.conftest import make_server, run_stream
+from tests.test_engines import start_gateway
 from tests.test_tools import result
 from tests.test_windows import protein, windowed_states
 
@@ -155,6 +156,30 @@ def test_files_leave_no_name_on_disk_and_go_with_the_job(esm_path: Path, tmp_pat
     finally:
         s.stop()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_executor_and_an_engine_write_the_same_file_the_gateway_serves(server, serve_any, esm_path: Path, tmp_path: Path) -> None:
+    """Through an executor process (asked for a file) and an engine process (over its result bound,
+    written as a file by default), the gateway fetches the file from where it was written and serves
+    the same bytes as the in-process run; the engines' and the gateway's folders keep no name."""
+    params = {"texts": [protein(3000, seed=8)], "window": 200, "overlap": 50, "pooling": "per_token"}
+    job_id, out = ran(server.url, {**params, "model": "esm"})
+    here = fetch(server.url, job_id, "embeddings.safetensors").content
+    remote = serve_any("remote", model_path=esm_path)
+    job_id, there = ran(remote.url, {**params, "file": "safetensors"})
+    assert there == out and fetch(remote.url, job_id, "embeddings.safetensors").content == here
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    gateway = start_gateway(tmp_path, f"esm={esm_path}", extra=("--max-result-bytes", str(256 * 1024), "--result-spool", str(spool)))
+    try:
+        job_id, engine = ran(gateway.url, {**params, "model": "esm"})
+        assert engine == out and fetch(gateway.url, job_id, "embeddings.safetensors").content == here
+        deadline = time.monotonic() + 10  # the engine drops its copy when the gateway's `forget` reaches it
+        while [p for p in spool.rglob("*") if p.is_file()]:
+            assert time.monotonic() < deadline, list(spool.rglob("*"))
+            time.sleep(0.1)
+    finally:
+        gateway.stop()
 
 
 def test_the_files_of_a_job_that_fails_are_deleted_even_while_written(tmp_path: Path) -> None:

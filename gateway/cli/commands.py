@@ -202,7 +202,7 @@ def serve(**options: Any) -> None:
         from backends.remote import RemoteBackend
 
         backend = RemoteBackend(
-            settings.executors, token=settings.executor_token, deadline=settings.executor_deadline
+            settings.executors, token=settings.executor_token, deadline=settings.executor_deadline, result_files=settings.result_spool
         )
     elif settings.engine == "process" and not dry_run:
         from backends.engines import EngineBackend
