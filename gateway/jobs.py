@@ -52,6 +52,7 @@ from gateway.protocol import (
 )
 from gateway.encoding import to_json
 from gateway.tools.base import Cancelled
+from gateway.tools.files import MAX_FILES
 
 log = logging.getLogger("streamgate.jobs")
 
@@ -352,8 +353,6 @@ class KeptLog:
 
 
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-# The files one job may write: a bigWig per feature of a sparse autoencoder's annotation stays well below.
-MAX_FILES = 256
 
 
 class ResultFiles:

@@ -477,3 +477,102 @@ def test_annotate_windows_through_the_gateway(serve: Any, sae_path: Path) -> Non
     assert len(seq["context"]) == 600 and seq["context"][0] == [0, 254] and len(seq["tracks"][0]) == 600
     refused = httpx.post(server.url + "/sae_annotate/run", json={"sequences": [sequence]})
     assert refused.status_code == 413 and "give window" in refused.json()["error"]["message"]
+
+
+def test_annotate_tracks_as_bigwig_and_bed_files_through_the_gateway(serve: Any, sae_path: Path, tmp_path: Path) -> None:
+    """With file bigwig, the tracks the inline answer gives are in one bigWig per feature (each
+    sequence a chromosome by its name) that pyBigWig reads back equal, with the relative error; the
+    BED lists each stretch above the threshold; the JSON keeps the summaries and the plan."""
+    import pyBigWig
+
+    server = serve(sae=[str(sae_path)])
+    sequences = ["ACGT" * 150, "".join("ACGT"[(i * 7 + i // 3) % 4] for i in range(300))]
+    params = {"sequences": sequences, "k": 3, "window": 100, "overlap": 30, "threshold": 0.1}
+    inline = run_stream(server.url, "sae_annotate", params, timeout=120).terminal["data"]
+    out = run_stream(server.url, "sae_annotate", {**params, "file": "bigwig", "names": ["chr1", "chr2"]}, timeout=120)
+    assert out.terminal["event"] == "data", out.raw[-300:]
+    result, job_id = out.terminal["data"], out.events[0]["data"]["job_id"]
+    chosen = {f["id"] for seq in inline["sequences"] for f in seq["features"]}
+    assert sorted(f["name"] for f in result["files"]) == sorted([*(f"f{i}.bw" for i in chosen), "features.bed", "relative_error.bw"])
+
+    def fetched(name: str) -> Path:
+        path = tmp_path / name
+        path.write_bytes(httpx.get(f"{server.url}/jobs/{job_id}/files/{name}").content)
+        return path
+
+    bed = [line.split("\t") for line in fetched("features.bed").read_text().splitlines()]
+    for i, (chrom, want) in enumerate(zip(["chr1", "chr2"], inline["sequences"])):
+        got = result["sequences"][i]
+        assert got["name"] == chrom and got["length"] == len(sequences[i]) and got["plan"] == want["plan"]
+        assert [f["id"] for f in got["features"]] == [f["id"] for f in want["features"]]
+        for k, fid in enumerate(f["id"] for f in want["features"]):
+            assert any(want["features"][k]["above"])  # each fires somewhere: the BED has lines of it
+            track = np.array(want["tracks"][k], dtype=np.float32)
+            with pyBigWig.open(str(fetched(f"f{fid}.bw"))) as bw:
+                assert bw.chroms() == {"chr1": 600, "chr2": 300}
+                assert np.allclose(np.array(bw.values(chrom, 0, len(track))), track, atol=1e-6)
+            summary = got["features"][k]
+            assert summary["max"] == pytest.approx(want["features"][k]["max"], abs=1e-6) and summary["argmax"] == want["features"][k]["argmax"]
+            assert summary["mean"] == pytest.approx(want["features"][k]["mean"], abs=1e-5) and "above" not in summary
+            # Its stretches above the threshold, as the inline answer's positions above it make them.
+            above = want["features"][k]["above"]
+            runs = [[p, p + 1] for p in above]
+            merged: list[list[int]] = []
+            for run in runs:
+                if merged and merged[-1][1] == run[0]:
+                    merged[-1][1] = run[1]
+                else:
+                    merged.append(run)
+            assert [[int(a), int(b)] for c, a, b, name, _ in bed if c == chrom and name == f"f{fid}"] == merged
+        with pyBigWig.open(str(fetched("relative_error.bw"))) as bw:
+            assert np.allclose(np.array(bw.values(chrom, 0, len(sequences[i]))), want["relative_error"], atol=1e-6)
+    starts = [(c, int(a)) for c, a, *_ in bed]
+    assert starts == sorted(starts, key=lambda s: (["chr1", "chr2"].index(s[0]), s[1]))  # sorted, as browsers read it
+
+
+def test_track_files_join_stretches_that_run_on_across_writes(tmp_path: Path) -> None:
+    """Written 37 positions at a time, a track's stretches above the threshold come out whole, each
+    scored by its largest value against the track's peak."""
+    import pyBigWig
+
+    from gateway.tools.files import TrackFiles
+
+    rng = np.random.default_rng(0)
+    values = np.where(rng.random(500) < 0.6, rng.random(500) + 0.5, 0.0).astype(np.float32)
+    opened: dict[str, Any] = {}
+
+    def open_file(name: str) -> Any:
+        opened[name] = (tmp_path / name).open("w+b")
+        return opened[name]
+
+    files = TrackFiles(open_file, [("s", 500)], threshold=0.4)
+    for a in range(0, 500, 37):
+        files.write("s", "f3", a, values[a : a + 37], peak=float(values.max()))
+    files.end_chrom("s", 500, {"f3": float(values.max())})
+    written = files.close()
+    assert sorted(f.name for f in written) == ["f3.bw", "features.bed"]
+    want, start = [], None
+    for p in range(501):
+        on = p < 500 and values[p] > 0.4
+        if on and start is None:
+            start = p
+        elif not on and start is not None:
+            want.append((start, p, round(1000 * float(values[start:p].max()) / float(values.max()))))
+            start = None
+    lines = [line.split("\t") for line in (tmp_path / "features.bed").read_text().splitlines()]
+    assert [(int(a), int(b), int(score)) for _, a, b, _, score in lines] == want
+    with pyBigWig.open(str(tmp_path / "f3.bw")) as bw:
+        assert np.allclose(bw.values("s", 0, 500), values)
+
+
+def test_tracks_over_the_result_bound_are_written_as_files_not_refused(serve: Any, sae_path: Path) -> None:
+    server = serve(sae=[str(sae_path)], max_result_bytes=64 * 1024)
+    sequence = "".join("ACGT"[(i * 7 + i // 3) % 4] for i in range(3000))
+    out = run_stream(server.url, "sae_annotate", {"sequences": [sequence], "k": 3, "window": 0}, timeout=120)
+    assert out.terminal["event"] == "data", out.raw[-300:]
+    result = out.terminal["data"]
+    assert {f["format"] for f in result["files"]} == {"bigwig", "bed"}
+    assert result["sequences"][0]["name"] == "seq1" and result["sequences"][0]["length"] == 3000
+    assert "tracks" not in result["sequences"][0]
+    refused = httpx.post(server.url + "/sae_annotate/run", json={"prompt": "ab", "file": "bigwig"})
+    assert refused.status_code == 422 and refused.json()["error"]["field"] == "file"

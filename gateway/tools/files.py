@@ -25,15 +25,20 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from typing import IO
+from collections.abc import Callable
+from typing import IO, Any
 
 import numpy as np
 from numpy.lib import format as npy
 
 from gateway.protocol import ResultFile
 
+# The files one job may write: a bigWig for each feature of an annotation, and two more.
+MAX_FILES = 256
 SAFETENSORS = "safetensors"
 NPY = "npy"
+BIGWIG = "bigwig"
+BED = "bed"
 _DTYPES = {np.dtype("<f4"): "F32", np.dtype("<i4"): "I32", np.dtype("<i8"): "I64"}
 # Header bytes a safetensors file of this many arrays takes at most (names, dtypes, shapes, offsets).
 HEADER_PER_ARRAY = 128
@@ -137,3 +142,92 @@ def _pwrite(fd: int, data: bytes, offset: int) -> None:
         written = os.pwrite(fd, view, offset)
         view = view[written:]
         offset += written
+
+
+class TrackFiles:
+    """Per-position tracks of several sequences, a bigWig file each (every sequence a chromosome of
+    it), and the stretches where a track is above `threshold` in one BED file, written a stretch of
+    positions at a time, sequence after sequence, in order (as bigWig and BED are read: sorted).
+
+    `open_file` is the job's `Context.file`. A bigWig is written by its C library (pyBigWig), which
+    opens a path: it is given the job's open file's own (`/proc/self/fd/N`), so a job that ends
+    meanwhile leaves nothing behind. A sequence's BED lines are held until it ends, to be sorted:
+    as many as its tracks' stretches above the threshold."""
+
+    def __init__(self, open_file: Callable[[str], IO[bytes]], chroms: list[tuple[str, int]], threshold: float) -> None:
+        self.open_file = open_file
+        self.chroms = chroms
+        self.threshold = threshold
+        self._bigwigs: dict[str, tuple[IO[bytes], Any]] = {}
+        self._bed: IO[bytes] | None = None
+        self._runs: dict[str, tuple[int, float]] = {}  # a track's stretch above the threshold not yet ended: start, most
+        self._intervals: list[tuple[int, int, str, int]] = []  # the sequence's: start, end, track, score
+
+    def write(self, chrom: str, track: str, start: int, values: np.ndarray, peak: float | None = None) -> None:
+        """Positions `start`.. of `track` on `chrom`; with `peak` (the track's largest value on `chrom`,
+        the BED's score's 1000), its stretches above the threshold go to the BED too."""
+        if not len(values):
+            return
+        bigwig = self._bigwig(track)
+        bigwig.addEntries(chrom, start, values=np.ascontiguousarray(values, dtype=np.float64), span=1, step=1)
+        if peak is not None:
+            self._fires(track, start, values, peak)
+
+    def _bigwig(self, track: str) -> Any:
+        if track not in self._bigwigs:
+            import pyBigWig
+
+            file = self.open_file(f"{track}.bw")
+            bigwig = pyBigWig.open(_own_path(file), "w")
+            bigwig.addHeader(self.chroms, maxZooms=10)
+            self._bigwigs[track] = (file, bigwig)
+        return self._bigwigs[track][1]
+
+    def _fires(self, track: str, start: int, values: np.ndarray, peak: float) -> None:
+        above = np.concatenate(([False], values > self.threshold, [False]))
+        edges = np.flatnonzero(above[1:] != above[:-1])  # where runs above it start and end, alternating
+        going = self._runs.pop(track, None)  # a run the stretch before ended in
+        for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
+            first, most = start + a, float(values[a:b].max())
+            if a == 0 and going is not None:  # it goes on here
+                first, most, going = going[0], max(going[1], most), None
+            if b == len(values):
+                self._runs[track] = (first, most)  # and maybe into the next stretch
+            else:
+                self._add_interval(first, start + b, track, most, peak)
+        if going is not None:  # it ended where this stretch begins
+            self._add_interval(going[0], start, track, going[1], peak)
+
+    def _add_interval(self, start: int, end: int, track: str, most: float, peak: float) -> None:
+        score = int(round(1000 * most / peak)) if peak > 0 else 0
+        self._intervals.append((start, end, track, max(0, min(1000, score))))
+
+    def end_chrom(self, chrom: str, length: int, peaks: dict[str, float]) -> None:
+        """`chrom` is done: its stretches still above the threshold end at its end; its BED lines, sorted."""
+        for track, run in self._runs.items():
+            self._add_interval(run[0], length, track, run[1], peaks.get(track, 0.0))
+        self._runs = {}
+        if not self._intervals:
+            return
+        if self._bed is None:
+            self._bed = self.open_file("features.bed")
+        self._intervals.sort()
+        self._bed.write("".join(f"{chrom}\t{a}\t{b}\t{track}\t{score}\n" for a, b, track, score in self._intervals).encode())
+        self._intervals = []
+
+    def close(self) -> list[ResultFile]:
+        files = []
+        for track, (file, bigwig) in self._bigwigs.items():
+            bigwig.close()
+            files.append(ResultFile(f"{track}.bw", BIGWIG, os.fstat(file.fileno()).st_size))
+            file.close()
+        if self._bed is not None:
+            self._bed.flush()
+            files.append(ResultFile("features.bed", BED, os.fstat(self._bed.fileno()).st_size))
+            self._bed.close()
+        return files
+
+
+def _own_path(file: IO[bytes]) -> str:
+    """A path that opens `file`'s own inode, named or not (a library that opens paths writes into it)."""
+    return f"/proc/self/fd/{file.fileno()}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{file.fileno()}"

@@ -23,14 +23,17 @@ from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal
 
 import msgspec
+import numpy as np
 import torch
 
-from gateway.cost import JSON_ENTRY, JSON_FLOAT, JSON_TOKEN, Cost, Shape
+from gateway.cost import JSON_ENTRY, JSON_FLOAT, JSON_FRAME, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
 from gateway.models.anatomy import anatomy
 from gateway.models.decoders import ModelState, Recompute
 from gateway.models.sae import SAE
+from gateway.protocol import ResultFile
 from gateway.tools.base import Capability, Context, Model, Tool, right_padded, tool
+from gateway.tools.files import MAX_FILES, TrackFiles
 from gateway.tools.batching import one_pass, run_alone
 from gateway.tools import windows
 from gateway.tools.numbers import floats
@@ -154,6 +157,20 @@ class AnnotateParams(WindowParams, forbid_unknown_fields=True):
     threshold: Annotated[
         float, msgspec.Meta(description="Per sequence: a feature's positions with an activation above this are listed.")
     ] = 0.0
+    file: Annotated[
+        Literal["bigwig"],
+        msgspec.Meta(
+            description="With sequences: the tracks as files, fetched from GET /jobs/{id}/files/{name}: a bigWig per "
+            "feature (f<id>.bw) and relative_error.bw, each sequence a chromosome of it (named by names, its "
+            "positions its own tokens), and features.bed, the stretches where a feature is above threshold (name "
+            "f<id>, score 0-1000 of its largest value in the sequence). Genome browsers (IGV, JBrowse) open them. "
+            "Default: none, or bigwig when the tracks as JSON would be over the gateway's --max-result-bytes."
+        ),
+    ] | None = None
+    names: Annotated[
+        list[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:|-]{1,128}$")]],
+        msgspec.Meta(description="With file: each sequence's name in the files (a chromosome's). Default: seq1, seq2, ..."),
+    ] | None = None
 
 
 class Activation(msgspec.Struct):
@@ -170,15 +187,16 @@ class TokenAnnotation(msgspec.Struct):
     relative_error: float  # error / |x|
 
 
-class FeatureTrack(msgspec.Struct):
-    """One feature over one sequence: its largest and mean activation, where the largest is, and where it is above the threshold."""
+class FeatureTrack(msgspec.Struct, omit_defaults=True):
+    """One feature over one sequence: its largest and mean activation, where the largest is, and where it
+    is above the threshold (with file: in features.bed instead)."""
 
     id: int
     label: str | None
     max: float
     mean: float
     argmax: int
-    above: list[int]
+    above: list[int] | None = None
 
 
 # float32 arrays: raw buffers between services (gateway/encoding.py), JSON numbers for clients.
@@ -196,12 +214,17 @@ _PerPosition = Annotated[
 
 
 class SequenceAnnotation(msgspec.Struct, omit_defaults=True):
-    """One sequence: its own tokens (special tokens left out), aligned with every per-position array."""
+    """One sequence: its own tokens (special tokens left out), aligned with every per-position array;
+    with file, its features' summaries, the arrays being in the files."""
 
-    tokens: list[str]
     features: list[FeatureTrack]
-    tracks: _Tracks
-    relative_error: _PerPosition  # |x - decode(encode(x))| / |x| at each position
+    tokens: list[str] | None = None
+    tracks: _Tracks = None
+    relative_error: _PerPosition = None  # |x - decode(encode(x))| / |x| at each position
+    name: str | None = None
+    """With file: its name (a chromosome's) in the files."""
+    length: int | None = None
+    """With file: its positions (own tokens)."""
     plan: WindowPlan | None = None
     """With window: how the sequence was cut; its residual stream stitched before it is encoded."""
     context: Annotated[
@@ -220,6 +243,8 @@ class AnnotateResult(msgspec.Struct, omit_defaults=True):
     layer: int
     tokens: list[TokenAnnotation] | None = None
     sequences: list[SequenceAnnotation] | None = None
+    files: list[ResultFile] | None = None
+    """With file: the bigWig tracks and the BED of where features fire."""
 
 
 def _check_annotate(model: Model, params: AnnotateParams) -> None:
@@ -236,6 +261,7 @@ def _check_annotate(model: Model, params: AnnotateParams) -> None:
         with windows.naming_window():
             model.fit(len(model.encode(params.prompt, "prompt")), "prompt")
     windows.resolve(params, model.context_length)  # window-only params without a window
+    _check_files(sae, params)
     if params.window is not None and params.sequences is None:
         raise ParamError("window", "with sequences: a prompt's tokens are annotated one by one, within the context")
     for i, sequence in enumerate(params.sequences or []):
@@ -244,6 +270,26 @@ def _check_annotate(model: Model, params: AnnotateParams) -> None:
             continue
         with windows.naming_window():
             model.fit(len(model.encode(sequence, f"sequences[{i}]")), f"sequences[{i}]")
+
+
+def _check_files(sae: SAE, params: AnnotateParams) -> None:
+    if params.file is None:
+        if params.names is not None:
+            raise ParamError("names", "only with file")
+        return
+    if params.sequences is None:
+        raise ParamError("file", "with sequences: a prompt's annotation is token by token, within the context")
+    if params.names is not None:
+        if len(params.names) != len(params.sequences):
+            raise ParamError("names", f"one per sequence: {len(params.sequences)} sequences, {len(params.names)} names")
+        if len(set(params.names)) != len(params.names):
+            raise ParamError("names", "each name once: they are the files' chromosomes")
+    tracks = len(params.feature_ids or []) if params.mode == "pick" else min(params.k, sae.n_features) * len(params.sequences)
+    if tracks + 2 > MAX_FILES:
+        raise ParamError(
+            "file" if params.mode == "pick" else "k",
+            f"{tracks} feature tracks, a bigWig each: at most {MAX_FILES - 2} (fewer features, or fewer sequences a job)",
+        )
 
 
 def _windowed(model: Model, params: AnnotateParams, i: int) -> tuple[Framed, WindowPlan, list[Share]]:
@@ -298,10 +344,13 @@ def _annotate_sequence(model: Model, sae: SAE, params: AnnotateParams, x: torch.
     return _annotate_own(model, sae, params, x[own], [ids[i] for i in own])
 
 
-def _annotate_own(model: Model, sae: SAE, params: AnnotateParams, x: torch.Tensor, ids: list[int]) -> SequenceAnnotation:
+def _annotate_own(
+    model: Model, sae: SAE, params: AnnotateParams, x: torch.Tensor, ids: list[int], files: tuple[TrackFiles, str] | None = None
+) -> SequenceAnnotation:
     """A sequence's annotation from its own positions' residual stream `x` (positions × d_model),
     encoded a stretch of positions at a time: every feature's activation at every position of a
-    long sequence is never held at once (a second pass reads the chosen features' tracks)."""
+    long sequence is never held at once (a second pass reads the chosen features' tracks). With
+    `files` (and the sequence's name in them), the tracks go there a stretch at a time."""
     n = x.shape[0]
     step = max(1, ENCODE_FLOATS // sae.n_features)
     stretches = [(a, min(a + step, n)) for a in range(0, n, step)]
@@ -317,6 +366,8 @@ def _annotate_own(model: Model, sae: SAE, params: AnnotateParams, x: torch.Tenso
     else:  # the k features with the largest activation anywhere in the sequence, largest first
         top = torch.topk(peaks, min(params.k, sae.n_features))
         chosen = [i for i, v in zip(top.indices.tolist(), top.values.tolist()) if v > 0]
+    if files is not None:
+        return _annotate_into(sae, x, stretches, chosen, peaks, relative, *files)
     tracks = x.new_empty((len(chosen), n))  # features × positions
     index = torch.tensor(chosen, dtype=torch.long, device=x.device)
     for a, b in stretches if chosen else ():
@@ -338,11 +389,39 @@ def _annotate_own(model: Model, sae: SAE, params: AnnotateParams, x: torch.Tenso
     ]
     texts = model.token_texts(ids)
     return SequenceAnnotation(
-        tokens=[texts[i] for i in ids],
         features=summary,
+        tokens=[texts[i] for i in ids],
         tracks=tracks.cpu().numpy(),
         relative_error=relative.cpu().numpy(),
     )
+
+
+def _annotate_into(
+    sae: SAE, x: torch.Tensor, stretches: list[tuple[int, int]], chosen: list[int], peaks: torch.Tensor,
+    relative: torch.Tensor, files: TrackFiles, name: str,
+) -> SequenceAnnotation:
+    """The chosen features' tracks and the relative error into `files`, a stretch at a time; the
+    summary of each (largest, where, mean) gathered as they go."""
+    n = x.shape[0]
+    index = torch.tensor(chosen, dtype=torch.long, device=x.device)
+    most = {fid: float(v) for fid, v in zip(chosen, peaks[index].tolist())} if chosen else {}
+    best = [float("-inf")] * len(chosen)
+    at, sums = [0] * len(chosen), [0.0] * len(chosen)
+    for a, b in stretches if chosen else ():
+        part = sae.encode(x[a:b]).index_select(1, index).T.float().cpu().numpy()  # chosen × stretch
+        for k, fid in enumerate(chosen):
+            row = part[k]
+            files.write(name, f"f{fid}", a, row, peak=most[fid])
+            top = int(row.argmax())
+            if row[top] > best[k]:
+                best[k], at[k] = float(row[top]), a + top
+            sums[k] += float(row.astype(np.float64).sum())
+    for a, b in stretches:
+        files.write(name, "relative_error", a, relative[a:b].cpu().numpy())
+    files.end_chrom(name, n, {f"f{fid}": most[fid] for fid in chosen})
+    labels = sae.spec.labels
+    summary = [FeatureTrack(fid, labels.get(fid), best[k], sums[k] / n, at[k]) for k, fid in enumerate(chosen)]
+    return SequenceAnnotation(features=summary, name=name, length=n)
 
 
 # Tokens in one forward pass of `sae_annotate`: thousands of long sequences go through in passes of this size.
@@ -351,7 +430,9 @@ PASS_TOKENS = 16384
 
 def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
     """A pass's residuals at the SAE's layer encoded into every feature, then what is kept per token:
-    a prompt's k features each, or each sequence's tracks (a float per chosen feature and position)."""
+    a prompt's k features each, or each sequence's tracks (a float per chosen feature and position).
+    Windowed sequences' residual streams are held stitched until all are in, and with files every
+    sequence's is (they are written in order); the tracks are then the files' bytes on disk."""
     shape = Shape.of(model)
     sae = resolve_sae(model, params.sae)
     chosen = len(params.feature_ids) if params.mode == "pick" and params.feature_ids else min(params.k, sae.n_features)
@@ -359,11 +440,13 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
     if params.window is None:
         lengths = [len(model.encode(t)) for t in ([params.prompt] if params.prompt is not None else params.sequences or [])]
         passes = lengths
+        windows_count = 0
     else:  # each window a pass's row; each sequence's residual stream stitched whole before it is encoded
         cut = [_windowed(model, params, i) for i in range(len(params.sequences or []))]
         lengths = [len(framed.own) for framed, _, _ in cut]
         passes = [end - start + framed.around for framed, plan, _ in cut for start, end in plan.windows]
-        stitched = max(lengths) * shape.hidden * 4
+        windows_count = len(passes)
+        stitched = sum(lengths) * shape.hidden * 4
     if params.prompt is not None:
         result = lengths[0] * (JSON_TOKEN + 16 + 2 * JSON_FLOAT + chosen * (JSON_ENTRY + 16))
     else:
@@ -373,13 +456,34 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
     rows = max(1, min(len(passes), PASS_TOKENS // widest))
     # A pass's features (its top-k or chosen rows beside them), or a stretch's when encoded a stretch at a time.
     encoded = min(rows * widest * sae.n_features, max(ENCODE_FLOATS, sae.n_features)) * 4 * 2
-    return Cost(
-        memory=shape.pass_bytes(rows, widest, states=1) + encoded + stitched + sum(lengths) * chosen * 4 + result,
+    working = shape.pass_bytes(rows, widest, states=1) + encoded
+    inline = Cost(
+        memory=working + stitched + sum(lengths) * chosen * 4 + result,
         result=result,
         memory_field="window" if params.window is not None else ("sequences" if params.sequences is not None else "prompt"),
         result_field="k" if params.mode == "top" else "feature_ids",
         tokens=widest,
     )
+    if params.sequences is None:
+        return inline
+    summary = JSON_FRAME * (len(lengths) + 1) + sum(chosen * 96 for _ in lengths) + 2 * JSON_FLOAT * windows_count
+    tracks = (chosen if params.mode == "pick" else chosen * len(lengths)) + 1  # files: one per feature, and the error's
+    written = dataclasses.replace(
+        inline,
+        memory=working + sum(lengths) * shape.hidden * 4 + summary,
+        result=summary,
+        result_field="sequences",
+        files=sum(lengths) * (chosen + 1) * TRACK_BYTES + tracks * FILE_OVERHEAD,
+    )
+    if params.file is not None:
+        return written
+    return dataclasses.replace(inline, as_files=written, file_format="bigwig")
+
+
+# A position of a track on disk at most: its value in the bigWig and its zoom levels' summaries
+# (uncompressed, as the bound), and its share of a BED line where a feature fires in every other.
+TRACK_BYTES = 40
+FILE_OVERHEAD = 64 * 1024  # a bigWig's header, index and zoom headers
 
 
 def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]) -> list[AnnotateResult]:
@@ -389,7 +493,7 @@ def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]
     # One entry per pass row: (job, its sequence, token ids, and for a window, (its share, where the
     # sequence's own tokens begin in it)).
     flat: list[tuple[int, int, list[int], tuple[Share, int] | None]] = []
-    stitched: dict[tuple[int, int], tuple[torch.Tensor, Framed, WindowPlan]] = {}
+    stitched: dict[tuple[int, int], tuple[torch.Tensor, Framed, WindowPlan | None]] = {}
     for j, p in enumerate(jobs):
         if p.window is not None:
             for s in range(len(p.sequences or [])):
@@ -427,14 +531,24 @@ def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]
                 stitched[j, s][0][share.start : share.end] += rows
             elif params.prompt is not None:
                 outputs[j, s] = _annotate_prompt(model, sae, params, x, ids)
+            elif params.file is not None:  # written in the sequences' order, once all are computed
+                own = model.own(ids)
+                stitched[j, s] = (x[own], Framed([], [ids[i] for i in own], []), None)
             else:
                 outputs[j, s] = _annotate_sequence(model, sae, params, x, ids)
         for j in {flat[i][0] for i in chunk}:
             ctxs[j].progress(finished[j], totals[j], "windows" if jobs[j].window is not None else "sequences")
         start = end
-    for (j, s), (x, framed, plan) in stitched.items():
-        annotation = _annotate_own(model, saes[j], jobs[j], x, framed.own)
-        annotation.plan, annotation.context = plan, windows.context(plan.windows, plan.stitch)
+    tracks = {j: _track_files(model, p, ctxs[j]) for j, p in enumerate(jobs) if p.file is not None}
+    for j, s in sorted(stitched):
+        x, framed, plan = stitched.pop((j, s))
+        files = (tracks[j], _names(jobs[j])[s]) if j in tracks else None
+        annotation = _annotate_own(model, saes[j], jobs[j], x, framed.own, files)
+        del x
+        if plan is not None:
+            annotation.plan = plan
+            if files is None:
+                annotation.context = windows.context(plan.windows, plan.stitch)
         outputs[j, s] = annotation
     done: dict[int, list[Any]] = {j: [] for j in range(len(jobs))}
     for j, params in enumerate(jobs):
@@ -444,8 +558,19 @@ def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]
         if params.prompt is not None:
             results.append(AnnotateResult(sae=sae.name, layer=sae.spec.layer, tokens=done[j][0]))
         else:
-            results.append(AnnotateResult(sae=sae.name, layer=sae.spec.layer, sequences=done[j]))
+            files = tracks[j].close() if j in tracks else None
+            results.append(AnnotateResult(sae=sae.name, layer=sae.spec.layer, sequences=done[j], files=files))
     return results
+
+
+def _names(params: AnnotateParams) -> list[str]:
+    return params.names or [f"seq{i + 1}" for i in range(len(params.sequences or []))]
+
+
+def _track_files(model: Model, params: AnnotateParams, ctx: Context) -> TrackFiles:
+    """A file job's tracks: its sequences, by name, each as long as its own tokens."""
+    lengths = [len(model.own(model.encode(sequence, bounded=False))) for sequence in params.sequences or []]
+    return TrackFiles(ctx.file, list(zip(_names(params), lengths)), params.threshold)
 
 
 @tool(
