@@ -118,7 +118,7 @@ class EngineLink(Link):
         answer = self.answers[job.id] = asyncio.get_running_loop().create_future()
         op = Submit(
             tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, request_id=request_id.get(),
-            traceparent=tracing.traceparent(job.span), **sent(job.params),
+            traceparent=tracing.traceparent(job.span), files=not getattr(job, "inline_only", False), **sent(job.params),
         )
         try:
             await socket.send(encode(op).decode())
@@ -555,7 +555,7 @@ class EngineBackend(RemoteBackend):
         """Submit `job` as parts, one to each of `links`; False (nothing submitted) when it does not split
         or an engine refused its part."""
         entries = getattr(job.params, work.items, None)
-        if not isinstance(entries, list) or len(entries) < 2 or work.files(job.params):
+        if not isinstance(entries, list) or len(entries) < 2:
             return False
         runs = cut(entries, len(links), work.weight)
         spread = Spread(job, work, runs, self._cancel_one)

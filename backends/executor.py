@@ -53,6 +53,7 @@ from backends.local import LocalBackend
 from gateway import params as params_mod
 from gateway.admission import Admission, Applicant
 from gateway.config import Settings
+from gateway.cost import inline_only
 from gateway.plumbing import tracing
 from gateway.plumbing.drain import Drain, on_sigterm
 from gateway.encoding import HASH_INLINE, HASHING
@@ -301,8 +302,12 @@ class Executor:
         params = await params_mod.decode_relayed(tool, bytes(submitted.params), submitted.query, submitted.model, "params")
         # The gateway's tenant, as its own queue would count it; a gateway that sends none is one tenant.
         tenant = submitted.tenant if submitted.tenant is not None else SESSION + session_id
-        with tracing.continued(submitted.traceparent):  # the job's spans here are of the gateway's job's trace
-            job = await self.admission.admit(tool, params, Applicant(tenant, submitted.weight), job_id=submitted.job_id)
+        inline = inline_only.set(not submitted.files)
+        try:
+            with tracing.continued(submitted.traceparent):  # the job's spans here are of the gateway's job's trace
+                job = await self.admission.admit(tool, params, Applicant(tenant, submitted.weight), job_id=submitted.job_id)
+        finally:
+            inline_only.reset(inline)
         # Held from here on, with no await between: the job cannot have ended yet (the executor keeps no store).
         session = self.session(session_id)
         entry = Entry(job, session)

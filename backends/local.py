@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import tempfile
@@ -30,7 +31,7 @@ from backends.queue import JobQueue
 from backends.served import ServedModel
 from gateway.models import sae as sae_files
 from gateway.config import Settings
-from gateway.cost import DEFAULT_FILE_BYTES, DEFAULT_RESULT_BYTES, FILE_FIELD, Budget, Cost, default_job_memory
+from gateway.cost import DEFAULT_FILE_BYTES, DEFAULT_RESULT_BYTES, FILE_FIELD, Budget, Cost, default_job_memory, inline_only
 from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
@@ -254,7 +255,8 @@ class LocalBackend(Backend):
         if model is None:
             raise self.not_ready_error(name)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._checks, prepare, tool, model, params, self.budget)
+        budget = dataclasses.replace(self.budget, files=0) if inline_only.get() else self.budget
+        return await loop.run_in_executor(self._checks, prepare, tool, model, params, budget)
 
     def ready_for(self, model: str | None) -> bool:
         return self._served(model).ready and self.device_failed is None

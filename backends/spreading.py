@@ -98,7 +98,10 @@ def merge(results: Sequence[bytes], runs: Sequence[Sequence[int]], per_item: Seq
 
 class Part(Job):
     """One engine's share of a spread job: an ordinary job to its engine and link, whose events
-    the spread reads as they are emitted."""
+    the spread reads as they are emitted. Its result is merged with the others': it must come
+    whole, never as files (`inline_only`: an engine refuses it, and the job runs whole)."""
+
+    inline_only = True
 
     def __init__(self, spread: Spread, index: int, params: Any) -> None:
         self.spread, self.index = spread, index  # before Job's own first status

@@ -28,6 +28,7 @@ holds each estimate to at least 3/4 of what was measured.
 
 from __future__ import annotations
 
+import contextvars
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -204,6 +205,9 @@ def _size(n: int) -> str:
 
 
 DEFAULT_FILE_BYTES = 4 * GIB
+# Set while a job whose result must come whole in its event is admitted (a part of a job cut over
+# engines, merged with the others'): its price may not be `as_files` (backends/local.py `check`).
+inline_only: contextvars.ContextVar[bool] = contextvars.ContextVar("inline_only", default=False)
 
 
 def default_job_memory(devices: list[str] | None = None) -> int:

@@ -414,6 +414,9 @@ class SubmitRequest(msgspec.Struct):
     query: list[tuple[str, str]] | None = None
     model: str | None = None
     traceparent: str | None = None
+    # False: a part of a job cut over engines (backends/spreading.py), whose result is merged with the
+    # others': refused (413) rather than written as files, so that the gateway runs the job whole.
+    files: bool = True
 
 
 class Submit(SubmitRequest, tag_field="op", tag="submit"):

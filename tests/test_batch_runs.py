@@ -699,3 +699,30 @@ async def test_the_async_client_resumes_a_dropped_stream(serve):
     assert [e.id for e in events] == [f"{job_id}:{n}" for n in range(1, len(events) + 1)]  # each event once
     assert [(m, p) for m, p, _ in transport.requests] == [("POST", "/echo/run"), ("GET", f"/jobs/{job_id}/events")]
     assert transport.requests[0][2]  # the POST carried an Idempotency-Key
+
+
+def test_a_fasta_runs_result_files_are_fetched_into_out_one_folder_per_record(esm, tmp_path):
+    """Long proteins embedded per token as files (windows, `file`): each record's safetensors is
+    fetched into OUT/<id>/ and named in its line; a single run's into OUT; every file is the one
+    the gateway serves, and its vectors are the record's."""
+    from safetensors.numpy import load_file
+
+    records = [("P1", "".join(random.Random(3).choice(ESM_ALPHABET) for _ in range(900))), ("P/2", "MKTAYIAK")]
+    fasta = write_fasta(tmp_path / "long.fasta", records)
+    out, files = tmp_path / "out.jsonl", tmp_path / "files"
+    params = json.dumps({"pooling": "per_token", "window": 0, "file": "safetensors"})
+    proc = cli("run", "embed", "--json", params, "--input", str(fasta), "--output", str(out), "--out", str(files), "--url", esm.url)
+    assert proc.returncode == 0, proc.stderr
+    lines = {line["id"]: line for line in outcomes_of(out)}
+    for name, sequence in records:
+        path = Path(lines[name]["files"]["embeddings.safetensors"])
+        assert path.parent == files / name.replace("/", "_")
+        arrays = load_file(str(path))
+        assert arrays["embeddings.0"].shape == (len(sequence), 32) and arrays["token_ids.0"].shape == (len(sequence),)
+    with Client(esm.url) as client:
+        alone = client.run("embed", {"texts": [records[1][1]], "pooling": "per_token"})
+    np.testing.assert_allclose(load_file(lines["P/2"]["files"]["embeddings.safetensors"])["embeddings.0"], np.array(alone["embeddings"][0]), atol=2e-6)
+    single = cli("run", "embed", "--json", json.dumps({"texts": [records[0][1]], **json.loads(params)}), "--out", str(tmp_path / "one"), "--url", esm.url)
+    assert single.returncode == 0, single.stderr
+    assert json.loads(single.stdout)["files"][0]["name"] == "embeddings.safetensors" and "wrote " in single.stderr
+    assert (tmp_path / "one" / "embeddings.safetensors").read_bytes() == Path(lines["P1"]["files"]["embeddings.safetensors"]).read_bytes()

@@ -182,6 +182,23 @@ def test_an_executor_and_an_engine_write_the_same_file_the_gateway_serves(server
         gateway.stop()
 
 
+def test_a_job_over_two_engines_that_needs_files_runs_whole_on_one(server, esm_path: Path, tmp_path: Path) -> None:
+    """A model on two devices cuts a job of several texts over both engines, whose parts' results are
+    merged: a part may not be written as files, so a job whose parts would need them runs whole,
+    its result in one file as on one device."""
+    params = {"texts": [protein(3000, seed=9), protein(2500, seed=10)], "window": 0, "pooling": "per_token"}
+    job_id, out = ran(server.url, {**params, "model": "esm"})
+    here = load_safetensors(fetch(server.url, job_id, "embeddings.safetensors").content)
+    gateway = start_gateway(tmp_path, f"esm={esm_path}", extra=("--model-devices", "esm=cpu,cpu", "--max-result-bytes", str(256 * 1024)))
+    try:
+        job_id, there = ran(gateway.url, {**params, "model": "esm"})
+        assert there == out
+        arrays = load_safetensors(fetch(gateway.url, job_id, "embeddings.safetensors").content)
+        assert arrays.keys() == here.keys() and all(np.abs(arrays[k] - here[k]).max() <= 1e-5 for k in here)
+    finally:
+        gateway.stop()
+
+
 def test_the_files_of_a_job_that_fails_are_deleted_even_while_written(tmp_path: Path) -> None:
     import asyncio
 

@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 from httpx_sse import ServerSentEvent, aconnect_sse
@@ -111,6 +112,7 @@ class Outcome:
     params: Mapping[str, Any] | None
     result: Any = None
     error: BaseException | None = None
+    job_id: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -185,11 +187,12 @@ class Client:
         """Cancel a job (by default the one this client ran last); `{"job_id", "cancelled", "status"}`."""
         return self._loop.call(self._async.cancel(job_id))
 
-    def download(self, path: str | os.PathLike[str], job_id: str | None = None) -> int:
+    def download(self, path: str | os.PathLike[str], job_id: str | None = None, file: str | None = None) -> int:
         """Write a finished job's result (by default the last one's) to `path` from `GET /jobs/{id}/result`,
+        or with `file` one of its result files (its result's `files`) from `GET /jobs/{id}/files/{file}`,
         never holding it whole: a connection that drops is resumed from the bytes written (`Range`,
         `If-Range`), up to `resume_tries` times. Its size in bytes."""
-        return self._loop.call(self._async.download(path, job_id))
+        return self._loop.call(self._async.download(path, job_id, file))
 
     def stream(
         self,
@@ -295,9 +298,9 @@ class AsyncClient:
         """Cancel a job (by default the one this client ran last), as `Client.cancel`."""
         return _json_of(await self._http.delete(_cancel_path(job_id or self.job_id)))
 
-    async def download(self, path: str | os.PathLike[str], job_id: str | None = None) -> int:
-        """Write a finished job's result to `path`, resuming a dropped connection; as `Client.download`."""
-        url = _cancel_path(job_id or self.job_id) + "/result"
+    async def download(self, path: str | os.PathLike[str], job_id: str | None = None, file: str | None = None) -> int:
+        """Write a finished job's result (or its result `file`) to `path`, resuming a dropped connection; as `Client.download`."""
+        url = _cancel_path(job_id or self.job_id) + ("/result" if file is None else f"/files/{quote(file, safe='')}")
         partial = f"{os.fspath(path)}.part"
         etag: str | None = None
         written = 0
@@ -408,9 +411,9 @@ class AsyncClient:
                         if delay is None:
                             raise
                         await asyncio.sleep(delay)
-                outcome = Outcome(index, params, result)
+                outcome = Outcome(index, params, result, job_id=window.running.get(index))
             except Exception as exc:  # noqa: BLE001 (any failure is this record's outcome)
-                outcome = Outcome(index, params, None, exc)
+                outcome = Outcome(index, params, None, exc, job_id=window.running.get(index))
             window.running.pop(index, None)
             finished.put_nowait(outcome)
 

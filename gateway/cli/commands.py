@@ -564,6 +564,26 @@ def _terminal_width(stream: Any = None) -> int:
         return shutil.get_terminal_size((100, 24)).columns
 
 
+def _fetch_files(client: Any, result: Any, out_dir: str | None, quiet: bool) -> None:
+    """A single run's result files into `out_dir` (`--out`); without it, where they are on the gateway."""
+    from gateway.cli.fileruns import files_of, safe_name
+
+    files = files_of(result)
+    if not files:
+        return
+    if out_dir is None:
+        if not quiet:
+            names = ", ".join(f["name"] for f in files)
+            click.echo(f"result files ({names}) at GET /jobs/{client.job_id}/files/NAME; --out DIR fetches them", err=True)
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    for file in files:
+        path = os.path.join(out_dir, safe_name(file["name"]))
+        client.download(path, client.job_id, file["name"])
+        if not quiet:
+            click.echo(f"wrote {path} ({file['size']} bytes)", err=True)
+
+
 @main.command()
 @click.argument("tool")
 @click.argument("pairs", nargs=-1, metavar="[KEY=VALUE]...")
@@ -573,11 +593,12 @@ def _terminal_width(stream: Any = None) -> int:
 @click.option("--input-format", default=None, type=click.Choice(["fasta", "jsonl"]), help="The --input file's format, when its name does not say.")
 @click.option("--field", default=None, help="With FASTA input: the param each sequence fills (a list param gets [sequence]). Default: the tool's one required text or list-of-text param.")
 @click.option("--concurrency", default=None, type=click.IntRange(min=1), help="With --input: the most jobs at once. Default: the gateway's max batch size (GET /readyz), else 8.")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="Where a result's files go (a per-position result too big for one event: safetensors, npy, bigWig and BED): OUT/NAME, and with --input OUT/<record id>/NAME, each fetched whole and resumed if cut. Without it they stay on the gateway for its --retention, at GET /jobs/{id}/files/{name}.")
 @_client_options
 @click.option("--quiet", "-q", is_flag=True, help="Print only the result (with --input: no progress bar, failures or summary; only what stops the run).")
 def run(
     tool: str, pairs: tuple[str, ...], params_json: str | None, input_path: str | None, output_path: str | None,
-    input_format: str | None, field: str | None, concurrency: int | None,
+    input_format: str | None, field: str | None, concurrency: int | None, out_dir: str | None,
     model: str | None, url: str, token: str | None, quiet: bool,
 ) -> None:
     """Run TOOL and print its result as JSON (and, on stderr, a view of it).
@@ -604,7 +625,7 @@ def run(
     if input_path is not None or output_path is not None:
         from gateway.cli.fileruns import FileRun
 
-        batch = FileRun(tool, params, query, model, url, token, quiet, concurrency)
+        batch = FileRun(tool, params, query, model, url, token, quiet, concurrency, out_dir)
         sys.exit(batch.run(input_path, output_path, input_format, field))
     for name, value in (("--input-format", input_format), ("--field", field), ("--concurrency", concurrency)):
         if value is not None:
@@ -622,6 +643,7 @@ def run(
                 result = client.run(
                     tool, params, query=query, on_status=shown.status, on_log=shown.log, on_partial=shown.partial
                 )
+                _fetch_files(client, result, out_dir, quiet)
             except KeyboardInterrupt:
                 shown.finish()
                 _cancel(client)

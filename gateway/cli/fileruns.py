@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -36,10 +37,11 @@ class FileRun:
 
     def __init__(
         self, tool: str, params: dict[str, Any] | None, query: list[tuple[str, str]] | None, model: str | None,
-        url: str, token: str | None, quiet: bool, concurrency: int | None,
+        url: str, token: str | None, quiet: bool, concurrency: int | None, out: str | None = None,
     ) -> None:
         self.tool, self.given, self.query, self.model = tool, params, query, model
         self.url, self.token, self.quiet, self.concurrency = url, token, quiet, concurrency
+        self.out = out  # where a record's result files go: OUT/<record id>/<name>
 
     def run(self, input_path: str | None, output_path: str | None, input_format: str | None, field: str | None) -> int:
         """Run the batch; the exit code."""
@@ -96,16 +98,21 @@ class FileRun:
             if not recs and not self.quiet:
                 click.echo(f"warning: {input_path} holds no records", err=True)
 
+            named = fill is not None and fill[1] and "names" in properties and "names" not in base
+
             def params_of(record: records.Record) -> dict[str, Any]:
                 if fill is not None:
                     name, as_list = fill
-                    return {**base, name: [record.sequence] if as_list else record.sequence}
+                    params = {**base, name: [record.sequence] if as_list else record.sequence}
+                    if named and TRACK_NAME.fullmatch(record.id):  # the record's id names its tracks in result files
+                        params["names"] = [record.id]
+                    return params
                 return {**base, **record.params}
 
             outcomes = client.run_many(self.tool, map(params_of, todo), concurrency=concurrency, ordered=False)
-            return self._drive(outcomes, todo, skipped, results)
+            return self._drive(client, outcomes, todo, skipped, results)
 
-    def _drive(self, outcomes: Any, todo: list[Any], skipped: int, results: _Results) -> int:
+    def _drive(self, client: Client, outcomes: Any, todo: list[Any], skipped: int, results: _Results) -> int:
         """Write each outcome as it comes, with the progress bar; the exit code."""
         try:
             results.begin()
@@ -124,9 +131,12 @@ class FileRun:
                         code, message = stop
                         click.echo(f"error: {message}", err=True)
                         break
-                    if outcome.ok:
+                    line = {"id": record.id, "result": outcome.result} if outcome.ok else None
+                    if line is not None and files_of(outcome.result):
+                        line = self._fetch_files(client, record.id, outcome, line)
+                    if line is not None:
                         succeeded += 1
-                        results.add(record.id, {"id": record.id, "result": outcome.result})
+                        results.add(record.id, line)
                     else:
                         failed += 1
                         error = _error_fields(outcome.error)
@@ -151,6 +161,25 @@ class FileRun:
             before = f", {skipped} done before" if skipped else ""
             click.echo(f"{succeeded} succeeded, {failed} failed{before}: {results.path}", err=True)
         return 1 if failed else 0
+
+    def _fetch_files(self, client: Client, record_id: str, outcome: Any, line: dict[str, Any]) -> dict[str, Any] | None:
+        """The record's result files into OUT/<record id>/ (`--out`), the line naming where each went;
+        None (the record failed, to run again) if one could not be fetched, `outcome.error` saying why.
+        Without --out the line keeps the result alone: its files stay on the gateway for its retention."""
+        if self.out is None:
+            return line
+        folder = os.path.join(self.out, safe_name(record_id))
+        paths = {}
+        try:
+            os.makedirs(folder, exist_ok=True)
+            for file in files_of(outcome.result):
+                path = os.path.join(folder, safe_name(file["name"]))
+                client.download(path, outcome.job_id, file["name"])
+                paths[file["name"]] = path
+        except Exception as exc:  # noqa: BLE001 (this record's outcome: it runs again next time)
+            outcome.error = exc
+            return None
+        return {**line, "files": paths}
 
     def _fatal(self, error: BaseException | None) -> tuple[int, str] | None:
         """An error that no record of this run would escape (unauthorized, forbidden, unknown tool or
@@ -192,6 +221,21 @@ class FileRun:
 
 class _BatchError(Exception):
     """A batch run that cannot start: exit 2 with the message."""
+
+
+# What a tool's `names` takes (a chromosome's name in a bigWig: gateway/tools/sae_tools.py).
+TRACK_NAME = re.compile(r"[A-Za-z0-9_.:|-]{1,128}")
+
+
+def files_of(result: Any) -> list[dict[str, Any]]:
+    files = result.get("files") if isinstance(result, dict) else None
+    return files if isinstance(files, list) else []
+
+
+def safe_name(name: str) -> str:
+    """`name` as one path component: what is not a letter, digit, '.', '_' or '-' becomes '_'."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")
+    return safe or "_"
 
 
 def _fail(message: str, code: int = 2) -> int:

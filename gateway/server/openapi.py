@@ -334,6 +334,12 @@ def _other_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
         return {str(s): {"$ref": f"#/components/responses/{s}"} for s in statuses}
 
     job_id = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string", "pattern": JOB_ID}}
+    ranges = [
+        {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"},
+         "description": "`bytes=a-b`, `bytes=a-` or `bytes=-n`: one range (several are answered whole)."},
+        {"name": "If-Range", "in": "header", "required": False, "schema": {"type": "string"},
+         "description": "The `ETag` of the copy being resumed: the range is sent only if it still matches."},
+    ]
     last_event_id = {
         "name": "Last-Event-ID",
         "in": "header",
@@ -377,11 +383,21 @@ def _other_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
                         "headers": {"Content-Range": {"schema": {"type": "string"}}, "ETag": {"schema": {"type": "string"}}},
                         "content": {"application/json": {"schema": {"type": "string", "format": "binary"}}}},
                 **errors(401, 404, 409, 416, 503),
+            }, parameters=[job_id, *ranges], tags=["jobs"]),
+        },
+        "/jobs/{job_id}/files/{name}": {
+            "get": op("file", "One of the files a finished job wrote beside its result (its result's `files`); Range requests resume a cut download", {
+                "200": {"description": "The file as written (safetensors, npy, bigWig, BED).",
+                        "headers": {"ETag": {"schema": {"type": "string"}}, "Accept-Ranges": {"schema": {"type": "string"}}},
+                        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+                "206": {"description": "The bytes the `Range` asked for.",
+                        "headers": {"Content-Range": {"schema": {"type": "string"}}, "ETag": {"schema": {"type": "string"}}},
+                        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+                **errors(401, 404, 409, 416, 503),
             }, parameters=[job_id,
-                           {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"},
-                            "description": "`bytes=a-b`, `bytes=a-` or `bytes=-n`: one range (several are answered whole)."},
-                           {"name": "If-Range", "in": "header", "required": False, "schema": {"type": "string"},
-                            "description": "The `ETag` of the copy being resumed: the range is sent only if it still matches."}],
+                           {"name": "name", "in": "path", "required": True, "schema": {"type": "string"},
+                            "description": "A name from the result's `files`."},
+                           *ranges],
                tags=["jobs"]),
         },
         "/tools": {

@@ -158,9 +158,6 @@ class Chunked:
     items: str = ""
     per_item: tuple[str, ...] = ()
     weight: Callable[[str], float] = len
-    # Whether a job's result may be written as files (gateway/tools/files.py): such a job is not cut
-    # over engines, whose parts' files would have to be joined.
-    files: Callable[[Any], bool] = lambda params: False
 
     def batch(self, model: Model) -> ChunkSteps:
         """The tool's `batch`: its jobs' chunks, one a step (`ChunkSteps`)."""

@@ -548,7 +548,6 @@ work = Chunked(
     unit="texts",
     items="texts",
     per_item=("embeddings", "tokens", "plans", "context"),
-    files=lambda params: _per_token(params.pooling),
 )
 
 

@@ -169,7 +169,7 @@ class AnnotateParams(WindowParams, forbid_unknown_fields=True):
     ] | None = None
     names: Annotated[
         list[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:|-]{1,128}$")]],
-        msgspec.Meta(description="With file: each sequence's name in the files (a chromosome's). Default: seq1, seq2, ..."),
+        msgspec.Meta(description="Each sequence's name (a chromosome's) in the files, when the tracks are written as files. Default: seq1, seq2, ..."),
     ] | None = None
 
 
@@ -273,17 +273,16 @@ def _check_annotate(model: Model, params: AnnotateParams) -> None:
 
 
 def _check_files(sae: SAE, params: AnnotateParams) -> None:
+    if params.names is not None and params.sequences is None:
+        raise ParamError("names", "with sequences: the names of the files' chromosomes")
+    if params.names is not None and len(params.names) != len(params.sequences or []):
+        raise ParamError("names", f"one per sequence: {len(params.sequences or [])} sequences, {len(params.names)} names")
+    if params.names is not None and len(set(params.names)) != len(params.names):
+        raise ParamError("names", "each name once: they are the files' chromosomes")
     if params.file is None:
-        if params.names is not None:
-            raise ParamError("names", "only with file")
         return
     if params.sequences is None:
         raise ParamError("file", "with sequences: a prompt's annotation is token by token, within the context")
-    if params.names is not None:
-        if len(params.names) != len(params.sequences):
-            raise ParamError("names", f"one per sequence: {len(params.sequences)} sequences, {len(params.names)} names")
-        if len(set(params.names)) != len(params.names):
-            raise ParamError("names", "each name once: they are the files' chromosomes")
     tracks = len(params.feature_ids or []) if params.mode == "pick" else min(params.k, sae.n_features) * len(params.sequences)
     if tracks + 2 > MAX_FILES:
         raise ParamError(
