@@ -1,8 +1,8 @@
 /**
  * The dashboard against a gateway with client tokens, in headless Chromium (Debian's, driven
  * by playwright-core; no browser is downloaded): the token field after the first 401, tickets
- * for every EventSource, a stream resumed with a fresh ticket after its own expired, a result
- * downloaded with a ticket of its own, and the token never in a URL.
+ * for every EventSource, a stream resumed with a fresh ticket after its own expired, a result and
+ * a result file downloaded with a ticket of their own, and the token never in a URL.
  */
 import assert from 'node:assert/strict'
 import {randomBytes} from 'node:crypto'
@@ -216,6 +216,39 @@ describe('the dashboard on a gateway with tokens', () => {
     }
     assert.notEqual(tickets[0], tickets[1])
     assert.deepEqual(watched.refused.filter((url) => url.includes('/result')), [])
+    await tokenOnlyInHeaders(watched)
+    assert.deepEqual(watched.errors, [])
+    await page.close()
+  })
+
+  test('a file the result names downloads with a ticket of its own, as the result does', async () => {
+    const watched = await open()
+    const {page} = watched
+    await page.selectOption('#tool', 'embed')
+    await page.waitForSelector('#form [data-field=file]')
+    await page.fill('[data-field=texts] textarea', 'Vectors in a file')
+    await page.selectOption('[data-field=pooling] select', 'per_token')
+    await page.selectOption('[data-field=file] select', 'npy')
+    const job = await run(page)
+    await page.locator('#login').waitFor({state: 'visible'})
+    await page.fill('#login input', TOKEN)
+    await page.click('#login button[type=submit]')
+    await finished(job)
+    const result = JSON.parse((await job.locator('.raw pre').textContent()) ?? '{}') as {files?: {name: string; size: number}[]}
+    const file = result.files?.find((f) => f.name === 'embeddings.npy') ?? assert.fail(`no embeddings.npy in ${JSON.stringify(result.files)}`)
+    const jobId = (await job.locator('.job-id').getAttribute('title'))!
+    const plain = `${gateway.url}/jobs/${jobId}/files/embeddings.npy`
+    const link = job.locator('header .result-files a.download-file[data-file="embeddings.npy"]')
+    assert.equal(await link.getAttribute('href'), plain)
+    const [download] = await Promise.all([page.waitForEvent('download'), link.click()])
+    const url = new URL(download.url())
+    assert.equal(`${url.origin}${url.pathname}`, plain)
+    assert.ok(url.searchParams.get('ticket'), `the download has no ticket: ${download.url()}`)
+    assert.equal(await download.failure(), null)
+    const bytes = readFileSync((await download.path())!)
+    assert.equal(bytes.length, file.size)
+    assert.equal(bytes.subarray(0, 6).toString('latin1'), '\x93NUMPY')
+    assert.deepEqual(watched.refused.filter((url) => url.includes('/files/')), [])
     await tokenOnlyInHeaders(watched)
     assert.deepEqual(watched.errors, [])
     await page.close()

@@ -2,12 +2,12 @@
  * The dashboard in headless Chromium against a gateway serving a tiny ESM-2 masked LM
  * (tests/support/tiny_models.py): the tools it cannot run (generate and the other next-token tools)
  * are not offered but listed with the gateway's reasons; `fill_mask`, `pseudo_loglikelihood`
- * and `embed` (per token: one point per residue) run from the page and draw their results; a page
- * opened while the model loads lists the tools again once it is ready.
+ * and `embed` (per token: one point per residue; written to a file: the file linked) run from the
+ * page and draw their results; a page opened while the model loads lists the tools again once it is ready.
  * Screenshots go to test-artifacts/.
  */
 import assert from 'node:assert/strict'
-import {mkdtempSync, rmSync} from 'node:fs'
+import {mkdtempSync, readFileSync, rmSync} from 'node:fs'
 import {tmpdir} from 'node:os'
 import {join} from 'node:path'
 import {after, before, describe, test} from 'node:test'
@@ -195,6 +195,46 @@ describe('the dashboard on a masked LM (ESM-2)', () => {
     await tip.waitFor({state: 'visible'})
     assert.equal(await tip.innerText(), 'G\ntext 2: GG')
     await page.screenshot({path: join(ARTIFACTS, 'embed-per-token.png'), fullPage: true})
+    assert.deepEqual(page.errors, [])
+    await page.close()
+  })
+
+  test('embed, per_token as a file: what the vectors are, each text’s windows, and the file linked in place of a plot', async () => {
+    const page = await open('embed')
+    const texts = ['MKTAYIAKQRQISFVKSHFSRQ', 'GG']
+    await page.fill('[data-field=texts] textarea', texts.join('\n'))
+    await page.selectOption('[data-field=pooling] select', 'per_token')
+    await page.selectOption('[data-field=file] select', 'safetensors')
+    await page.fill('[data-field=window] input', '12')
+    await page.fill('[data-field=overlap] input', '4')
+    const job = await run(page)
+    await finished(job)
+    const result = await rawResult<EmbedResult>(job)
+    assert.equal(result.embeddings, undefined)
+    const [file] = result.files ?? assert.fail('no files in the result')
+    assert.equal(file!.name, 'embeddings.safetensors')
+    const plans = result.plans ?? assert.fail('no plans in a windowed result')
+    const jobId = (await job.locator('.job-id').getAttribute('title')) ?? assert.fail('no job id')
+    const url = `${gateway.url}/jobs/${jobId}/files/embeddings.safetensors`
+
+    const view = job.locator('.result .embed-files')
+    assert.match(await view.locator('p').first().innerText(), new RegExp(`^2 texts: a vector per token of ${result.dim} dimensions \\(layer ${result.layer}, per_token pooling\\), written to a file`))
+    assert.equal(await job.locator('.result svg').count(), 0)
+    const planned = await view.locator('.embed-plans li').allInnerTexts()
+    assert.equal(planned.length, plans.length)
+    assert.match(planned[0]!, new RegExp(`^text 1: ${plans[0]!.windows.length} windows of 12 positions overlapping by 4, stitched by \\w+$`))
+    const link = view.locator('a.download-file')
+    assert.equal(await link.innerText(), 'embeddings.safetensors')
+    assert.equal(await link.getAttribute('href'), url)
+    assert.equal(await job.locator('header .result-files a.download-file').getAttribute('href'), url)
+
+    // What the link fetches is the file the result names: safetensors, with each text's vectors.
+    const [download] = await Promise.all([page.waitForEvent('download'), link.click()])
+    const bytes = readFileSync((await download.path())!)
+    assert.equal(bytes.length, file!.size)
+    const header = JSON.parse(bytes.subarray(8, 8 + Number(bytes.readBigUInt64LE(0))).toString('utf8')) as Record<string, {shape: number[]}>
+    assert.deepEqual(header['embeddings.1']?.shape, [2, result.dim])
+    await page.screenshot({path: join(ARTIFACTS, 'embed-files.png'), fullPage: true})
     assert.deepEqual(page.errors, [])
     await page.close()
   })

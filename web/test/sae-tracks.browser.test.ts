@@ -5,9 +5,11 @@
  * as 16 tracks within a time budget stated against the sentence view, hovered, zoomed to its letters
  * and scrolled; several sequences get a stepper, and a sequence pasted with line breaks goes as typed.
  * Run in windows, it gets a lane of its windows and its edge-affected stretches shaded (one window:
- * neither), and the card's link downloads the result the stream brought.
+ * neither), and the card's link downloads the result the stream brought. With its tracks as files
+ * (bigWig), each sequence's features are listed with their files, its windows still drawn, and the
+ * card links every file.
  * Screenshots go to test-artifacts/ (sae-tracks.png, sae-tracks-zoomed.png, sae-tracks-several.png,
- * sae-tracks-windows.png).
+ * sae-tracks-windows.png, sae-tracks-files.png).
  */
 import assert from 'node:assert/strict'
 import {execFileSync} from 'node:child_process'
@@ -59,6 +61,14 @@ function dna(n: number, seed = 20240607): string {
     out += gcRich ? (r < 0.35 ? 'G' : r < 0.7 ? 'C' : r < 0.85 ? 'A' : 'T') : r < 0.35 ? 'A' : r < 0.7 ? 'T' : r < 0.85 ? 'G' : 'C'
   }
   return out
+}
+
+/** A sequence annotated in the result itself, not in files: its tokens and tracks are there. */
+type Inline = SequenceAnnotation & {tokens: string[]; tracks: number[][]; relative_error: number[]}
+function inline(s: SequenceAnnotation | undefined): Inline {
+  if (!s) assert.fail('no sequences in the result')
+  if (!s.tokens || !s.tracks || !s.relative_error) assert.fail(`a sequence without its tokens and tracks in the result: ${JSON.stringify(s).slice(0, 200)}`)
+  return s as Inline
 }
 
 const median = (values: number[]) => {
@@ -229,7 +239,7 @@ describe('the SAE feature-track view', () => {
     // What is drawn: the sequence as the gateway read it, a labelled row per feature, bars where it is active.
     const job = await annotate(page, {sequence})
     const result = await rawResult<AnnotateResult>(job)
-    const seq = result.sequences?.[0] ?? assert.fail('no sequences in the result')
+    const seq = inline(result.sequences?.[0])
     assert.equal(seq.tokens.join(''), sequence)
     assert.deepEqual(seq.features.map((f) => f.id), FEATURES)
     const view = job.locator('.result .sae-tracks')
@@ -268,7 +278,7 @@ describe('the SAE feature-track view', () => {
     const page = await open()
     const sequence = dna(LENGTH)
     const job = await annotate(page, {sequence})
-    const seq: SequenceAnnotation = (await rawResult<AnnotateResult>(job)).sequences![0]!
+    const seq = inline((await rawResult<AnnotateResult>(job)).sequences?.[0])
     const view = job.locator('.result .sae-tracks')
     const overlay = view.locator('canvas.track-overlay')
     const row = seq.features.reduce((best, f, i) => (f.max > seq.features[best]!.max ? i : best), 0)
@@ -372,7 +382,7 @@ describe('the SAE feature-track view', () => {
     const sent = JSON.parse(request.slice(request.indexOf('\n') + 1)) as {sequences: string[]}
     assert.deepEqual(sent.sequences, typed, 'the sequences were not sent as typed')
     const result = await rawResult<AnnotateResult>(job)
-    const sequences = result.sequences ?? assert.fail('no sequences in the result')
+    const sequences = (result.sequences ?? assert.fail('no sequences in the result')).map(inline)
     assert.deepEqual(
       sequences.map((s) => s.tokens.join('')),
       typed,
@@ -489,6 +499,88 @@ describe('the SAE feature-track view', () => {
     const height = await plain.locator('canvas.track-canvas').evaluate((c) => (c as HTMLCanvasElement).clientHeight)
     assert.equal(height, LAYOUT.ruler + LAYOUT.letters + (one.features.length + 1) * LAYOUT.pitch + LAYOUT.bottom)
     assert.equal(await short.locator('a.download-result').getAttribute('href'), `${gateway.url}/jobs/${(await short.locator('.job-id').getAttribute('title'))!}/result`)
+    assert.deepEqual(page.errors, [])
+    await page.close()
+  })
+
+  test('tracks as files: each sequence’s features summed up, each with its bigWig; its windows drawn; every file linked', async () => {
+    const page = await open()
+    await page.selectOption('[data-field=mode] select', 'pick')
+    await page.fill('[data-field=feature_ids] input', FEATURES.join(', '))
+    await page.fill('[data-field=prompt] textarea', '')
+    await page.fill('[data-field=window] input', '1000')
+    await page.fill('[data-field=overlap] input', '200')
+    await page.selectOption('[data-field=file] select', 'bigwig')
+    await page.fill('[data-field=names] textarea', 'first\nsecond')
+    await page.fill('[data-field=sequences] textarea', dna(2400))
+    await page.click('[data-field=sequences] .block-add')
+    await page.locator('[data-field=sequences] textarea').nth(1).fill(dna(300, 7))
+    const job = await run(page)
+    await finished(job)
+    const result = await rawResult<AnnotateResult>(job)
+    const files = result.files ?? assert.fail('no files in the result')
+    assert.deepEqual(files.map((f) => f.name).sort(), [...FEATURES.map((id) => `f${id}.bw`), 'features.bed', 'relative_error.bw'].sort())
+    const sequences = result.sequences ?? assert.fail('no sequences in the result')
+    assert.deepEqual(sequences.map((s) => [s.name, s.length, s.tokens, s.tracks]), [['first', 2400, undefined, undefined], ['second', 300, undefined, undefined]])
+    const jobId = (await job.locator('.job-id').getAttribute('title')) ?? assert.fail('no job id')
+    const fileUrl = (name: string) => `${gateway.url}/jobs/${jobId}/files/${name}`
+
+    // The card lists every file by the result's own link, each with its format and size.
+    const listed = job.locator('header .result-files li')
+    assert.equal(await listed.count(), files.length)
+    for (const [i, f] of files.entries()) {
+      const link = listed.nth(i).locator('a.download-file')
+      assert.equal(await link.innerText(), f.name)
+      assert.equal(await link.getAttribute('href'), fileUrl(f.name))
+      assert.equal(await link.getAttribute('download'), `${jobId}.${f.name}`)
+      assert.match(await listed.nth(i).locator('.file-meta').innerText(), new RegExp(`^${f.format}, [\\d.]+ (B|KiB|MiB)$`))
+    }
+
+    // Windowed: the ruler and the windows lane, no track; the features in a table, each with its file.
+    const view = job.locator('.result .sae-tracks')
+    const [seq] = sequences
+    const plan = seq!.plan ?? assert.fail('no plan in a windowed result')
+    assert.ok(plan.windows.length > 1, JSON.stringify(plan))
+    const shown = await dataset(view)
+    assert.deepEqual([shown.sequence, shown.positions, shown.windows, shown.letters], ['0', '2400', String(plan.windows.length), 'hidden'])
+    assert.equal(await view.locator('.track-label[data-feature]').count(), 0)
+    assert.equal(await view.locator('canvas.track-canvas').evaluate((c) => (c as HTMLCanvasElement).clientHeight), LAYOUT.ruler + LAYOUT.windows + LAYOUT.bottom)
+    const summary = await view.locator('.track-summary').innerText()
+    assert.match(summary, new RegExp(`^first: 2,400 positions; 16 features, \\d+ active somewhere\\. Run in ${plan.windows.length} windows of 1,000 positions overlapping by 200`))
+    assert.match(summary, /context is not in the result/)
+    const rows = view.locator('.track-files table tbody tr')
+    assert.deepEqual(await rows.evaluateAll((items) => items.map((r) => Number(r.getAttribute('data-feature')))), seq!.features.map((f) => f.id))
+    for (const [i, f] of seq!.features.entries()) {
+      const cells = await rows.nth(i).locator('td').allInnerTexts()
+      assert.deepEqual(cells.slice(1, 4), f.max > 0 ? [fmt(f.max), fmt(f.mean), (f.argmax + 1).toLocaleString('en-US')] : ['never active', fmt(f.mean), '–'])
+      assert.equal(await rows.nth(i).locator('a.download-file').getAttribute('href'), fileUrl(`f${f.id}.bw`))
+    }
+    assert.deepEqual(await view.locator('.track-files .file-list a.download-file').allInnerTexts(), files.map((f) => f.name).filter((name) => !/^f\d+\.bw$/.test(name)))
+    assert.match(await view.locator('.track-files').innerText(), /IGV or JBrowse/)
+    // The lane's tip: the position (no letter to show) and its windows.
+    await job.scrollIntoViewIfNeeded()
+    const box = (await view.locator('canvas.track-overlay').boundingBox())!
+    await page.mouse.move(box.x + 5, box.y + LAYOUT.ruler + 5)
+    const tipText = await page.locator('#tip').innerText()
+    assert.match(tipText, /^position [\d,]+ of 2,400$/m)
+    assert.match(tipText, /^window 1 of \d+: positions 1–1,000$/m)
+    await page.screenshot({path: join(ARTIFACTS, 'sae-tracks-files.png'), fullPage: true})
+
+    // One window: nothing to draw, the table alone.
+    await view.locator('.track-next').click()
+    assert.equal((await dataset(view)).sequence, '1')
+    assert.ok(await view.locator('.track-body').isHidden())
+    assert.ok(await view.locator('.track-toolbar').isHidden())
+    assert.match(await view.locator('.track-summary').innerText(), /^second: 300 positions; 16 features/)
+    assert.equal(await view.locator('.track-files table tbody tr').count(), sequences[1]!.features.length)
+
+    // A file downloads whole: a bigWig, by its magic number.
+    const bigwig = files.find((f) => f.name === 'relative_error.bw')!
+    const [download] = await Promise.all([page.waitForEvent('download'), job.locator('header a.download-file[data-file="relative_error.bw"]').click()])
+    assert.equal(download.url(), fileUrl(bigwig.name))
+    const bytes = readFileSync((await download.path())!)
+    assert.equal(bytes.length, bigwig.size)
+    assert.equal(bytes.readUInt32LE(0), 0x888ffc26)
     assert.deepEqual(page.errors, [])
     await page.close()
   })

@@ -47,6 +47,22 @@ export function fmt(value: number, digits = 3): string {
   return value.toFixed(digits)
 }
 
+/** A position or a count as people read it: 12,345. */
+export const pos = (p: number) => String(p).replace(/\B(?=(\d{3})+(?!\d))/g, ',')
+
 export function percent(p: number): string {
   return p >= 0.1 ? `${(p * 100).toFixed(1)}%` : `${(p * 100).toFixed(2)}%`
+}
+
+/** A size in bytes as people read it: 512 B, 1.5 KiB, 15.7 MiB, 240 MiB (powers of 1024, as the gateway's limits are written). */
+export function bytes(n: number): string {
+  if (!(n >= 1024)) return `${n} B`
+  const units = ['KiB', 'MiB', 'GiB', 'TiB']
+  let value = n / 1024
+  let unit = 0
+  while (value >= 1024 && unit < units.length - 1) {
+    value /= 1024
+    unit++
+  }
+  return `${value.toFixed(value < 100 ? 1 : 0)} ${units[unit]}`
 }

@@ -17,14 +17,15 @@
  * the EventSource for good, so the job is picked up again with a fresh ticket on
  * `GET /jobs/{id}/events?last_event_id=…`, from the event after the last one seen.
  *
- * A finished job's card links its result as a file (`GET /jobs/{id}/result`), with a ticket of its
- * own on a gateway with tokens.
+ * A finished job's card links its result as a file (`GET /jobs/{id}/result`), and each file the
+ * result names (`GET /jobs/{id}/files/{name}`), each link with a ticket of its own on a gateway with tokens.
  */
 import {HttpError, ProtocolError} from '../errors.ts'
-import type {ErrorInfo, GeneratePartial, ToolInfo} from '../generated/types.ts'
+import type {ErrorInfo, GeneratePartial, ResultFile, ToolInfo} from '../generated/types.ts'
 import {JobTracker, type JobEvent} from '../job.ts'
-import {fmt, h} from './dom.ts'
+import {bytes, fmt, h} from './dom.ts'
 import {stringifyExact} from './exact.ts'
+import {fileList, resultFiles} from './files.ts'
 import type {Login} from './login.ts'
 import {mounted, renderResult, streamHeader} from './views.ts'
 
@@ -67,6 +68,7 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
   const jobId = h('code', {class: 'job-id', title: 'job id'})
   const cancel = h('button', {type: 'button', class: 'secondary', onclick: () => void stop()}, 'Cancel')
   const download = h('span', {class: 'download'})
+  const files = h('div', {class: 'result-files', hidden: true})
   const remove = h('button', {type: 'button', class: 'icon', title: 'Remove', 'aria-label': 'Remove', hidden: true, onclick: () => card.remove()}, '×')
   const timeline = h('ol', {class: 'timeline'})
   const queue = h('div', {class: 'queue muted', hidden: true})
@@ -98,6 +100,7 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
       download,
       cancel,
       remove,
+      files,
     ),
     timeline,
     queue,
@@ -181,7 +184,9 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
           // out and its canvases drawn: on the card (data-render-ms) and in the browser's
           // performance timeline.
           const drawing = performance.now()
-          const view = renderResult(tool.name, event.result, params)
+          const id = state.jobId
+          const fileLink = id ? (file: ResultFile) => fileAnchor(base, login, id, file) : undefined
+          const view = renderResult(tool.name, event.result, params, fileLink)
           result.replaceChildren(view)
           result.hidden = false
           tokens.hidden = true
@@ -197,7 +202,15 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
         }
         raw.textContent = JSON.stringify(event.result, null, 2)
         rawBox.hidden = false
-        if (state.jobId) download.replaceChildren(resultLink(base, login, state.jobId))
+        if (state.jobId) {
+          const id = state.jobId
+          download.replaceChildren(resultLink(base, login, id))
+          const listed = resultFiles(event.result)
+          if (listed.length) {
+            files.replaceChildren(h('span', {class: 'muted'}, 'Files:'), fileList(listed, (file) => fileAnchor(base, login, id, file)))
+            files.hidden = false
+          }
+        }
         finish('done')
         hooks.onDone?.(event.result)
         break
@@ -375,15 +388,29 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
   return card
 }
 
-/**
- * A link to `GET /jobs/{id}/result`: the result alone, as a file. With a token it carries a ticket,
- * got when the link is pointed at, focused or followed rather than with the result: a ticket lives a
- * minute at most, and the link may be followed long after. A click waits for a fresh one, then
- * follows the link itself.
- */
+/** A link to `GET /jobs/{id}/result`: the result alone, as a file. */
 function resultLink(base: URL, login: Login, jobId: string): HTMLAnchorElement {
   const plain = new URL(`jobs/${encodeURIComponent(jobId)}/result`, base)
-  const link = h('a', {class: 'download-result', href: plain.href, download: `${jobId}.json`}, 'Download result')
+  return ticketed(h('a', {class: 'download-result', href: plain.href, download: `${jobId}.json`}, 'Download result'), plain, login)
+}
+
+/**
+ * A link to `GET /jobs/{id}/files/{name}`, one of the files the job wrote beside its result; saved
+ * as the gateway names it (`<id>.<name>`), so that the files of several jobs do not overwrite each other.
+ */
+function fileAnchor(base: URL, login: Login, jobId: string, file: ResultFile): HTMLAnchorElement {
+  const plain = new URL(`jobs/${encodeURIComponent(jobId)}/files/${encodeURIComponent(file.name)}`, base)
+  const title = `${file.description ? `${file.description}\n` : ''}${file.format}, ${bytes(file.size)}`
+  const link = h('a', {class: 'download-file', href: plain.href, download: `${jobId}.${file.name}`, title, 'data-file': file.name}, file.name)
+  return ticketed(link, plain, login)
+}
+
+/**
+ * `link` to `plain`, with a ticket on a gateway with tokens: got when the link is pointed at, focused
+ * or followed rather than with the result, as a ticket lives a minute at most and the link may be
+ * followed long after. A click waits for a fresh one, then follows the link itself.
+ */
+function ticketed(link: HTMLAnchorElement, plain: URL, login: Login): HTMLAnchorElement {
   let arming: Promise<void> | undefined
   let followed = false
   const arm = (): Promise<void> => {

@@ -2,6 +2,7 @@
 import type {AnnotateParams, AnnotateResult, Clamp, FeaturesResult, GenerateResult, SteerParams, TokenAnnotation} from '../generated/types.ts'
 import {css, heatmap, ink, legend, sequential} from './charts.ts'
 import {fmt, h, percent, showToken} from './dom.ts'
+import type {FileLink} from './files.ts'
 import {tracksView} from './trackview.ts'
 
 const featureName = (id: number, label: string | null | undefined) => (label ? `#${id} ${label}` : `#${id}`)
@@ -28,8 +29,8 @@ function chip(id: number, label: string | null, value: number, max: number): HTM
  * Each prompt token over its features (`top`: the most active; `pick`: the chosen), with its
  * reconstruction error; for `sequences`, each sequence's feature tracks (trackview.ts).
  */
-export function annotateView(result: AnnotateResult, params: AnnotateParams): Node {
-  if (result.sequences) return tracksView(result, params)
+export function annotateView(result: AnnotateResult, params: AnnotateParams, fileLink?: FileLink): Node {
+  if (result.sequences) return tracksView(result, params, fileLink)
   return tokensView(result.tokens ?? [], result, params)
 }
 

@@ -12,10 +12,15 @@
  * A sequence run in several windows (`plan`) gets a lane under the ruler with its windows, and its
  * edge-affected positions (tracks.ts, `edgeSides`) shaded in every track: so that a peak or a dip at
  * a window's edge is seen for what it may be.
+ *
+ * Tracks written to files (`file`, or too big for the result) leave each sequence its features'
+ * summaries: those are listed, with each feature's file, and only the ruler and the windows lane are
+ * drawn (the plan is still in the result; the per-position context, and so the shading, is not).
  */
 import type {AnnotateParams, AnnotateResult, FeatureTrack, SequenceAnnotation} from '../generated/types.ts'
 import {hideTip, showTip} from './charts.ts'
-import {fmt, h, percent, showToken} from './dom.ts'
+import {fmt, h, percent, pos, showToken} from './dom.ts'
+import {fileList, resultFiles, type FileLink} from './files.ts'
 import {
   argmaxIn,
   barHeights,
@@ -43,8 +48,8 @@ const LANE_ROWS = 3
 const MAX_SCROLL_W = 8_000_000
 
 const featureName = (f: FeatureTrack) => (f.label ? `#${f.id} ${f.label}` : `#${f.id}`)
-/** A position as people read it: 12,345. */
-const pos = (p: number) => String(p).replace(/\B(?=(\d{3})+(?!\d))/g, ',')
+/** A sequence's positions: its tokens, or with its tracks in files, its length. */
+const positions = (s: SequenceAnnotation | undefined) => s?.tokens?.length ?? s?.length ?? 0
 
 /**
  * A CSS colour as one pixel of ImageData's buffer (read as 32-bit words in the platform's byte order);
@@ -90,15 +95,17 @@ export function mounted(root: Node): void {
   }
 }
 
-export function tracksView(result: AnnotateResult, params: AnnotateParams): HTMLElement {
+export function tracksView(result: AnnotateResult, params: AnnotateParams, fileLink?: FileLink): HTMLElement {
   const sequences = result.sequences ?? []
   const pick = params.mode === 'pick'
   const threshold = params.threshold ?? 0
+  const files = resultFiles(result)
+  const filed = sequences.some((s) => !s.tracks)
 
   // -- state ---------------------------------------------------------------------------------
   let index = 0
   let seq: SequenceAnnotation = sequences[0]!
-  let n = seq?.tokens.length ?? 0
+  let n = positions(seq)
   let maxError = 0
   let sharedMax = 0
   let ppp = 1 // CSS pixels per position
@@ -122,8 +129,9 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
     {class: 'muted'},
     `${result.sae}, layer ${result.layer}: `,
     pick ? 'the chosen features’' : `each sequence’s ${params.k ?? 5} most active features’`,
-    ' activations at every position',
-    threshold ? `; a dashed line marks the threshold ${fmt(threshold)}` : '',
+    filed
+      ? [' largest and mean activations; their activations at every position are in the files', threshold ? ` (features.bed: where each is above ${fmt(threshold)})` : '']
+      : [' activations at every position', threshold ? `; a dashed line marks the threshold ${fmt(threshold)}` : ''],
     '. Positions count from 1.',
   )
   const number = h('input', {type: 'number', min: 1, max: sequences.length, step: 1, value: 1, class: 'track-index', 'aria-label': 'sequence number'})
@@ -137,6 +145,7 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
   const zoomIn = h('button', {type: 'button', class: 'track-zoom-in', title: 'zoom in (+)', 'aria-label': 'zoom in'}, '+')
   const fitButton = h('button', {type: 'button', class: 'track-fit', title: 'the whole sequence (0)'}, 'fit')
   const sharedBox = h('input', {type: 'checkbox', class: 'track-shared'})
+  const sharedLabel = h('label', {class: 'inline', title: 'every track on the scale of the largest activation, not each on its own'}, sharedBox, 'one scale')
   const status = h('span', {class: 'track-status muted'})
   const toolbar = h(
     'div',
@@ -144,10 +153,12 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
     zoomOut,
     zoomIn,
     fitButton,
-    h('label', {class: 'inline', title: 'every track on the scale of the largest activation, not each on its own'}, sharedBox, 'one scale'),
+    sharedLabel,
     status,
   )
   const summary = h('p', {class: 'track-summary muted'})
+  // A sequence whose tracks are in files: its features' summaries, each with its track's file.
+  const filedBox = h('div', {class: 'track-files', hidden: true})
   const labels = h('div', {class: 'track-labels', style: `padding-top: ${RULER_H}px`})
   const canvas = h('canvas', {class: 'track-canvas', role: 'img'})
   const overlay = h('canvas', {class: 'track-overlay', 'aria-hidden': 'true'})
@@ -164,14 +175,16 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
   )
   const body = h('div', {class: 'track-body'}, labels, scroller)
   const empty = h('p', {class: 'muted track-empty', hidden: true}, 'This sequence has no positions.')
-  const hint = h('p', {class: 'muted track-hint'}, 'Zoom with + and −, ctrl + wheel or a pinch; move with the scrollbar, a drag, or the arrow keys; hover for a position’s activation.')
-  root.append(caption, picker ?? '', toolbar, summary, body, empty, hint)
+  const hint = h('p', {class: 'muted track-hint'})
+  root.append(caption, picker ?? '', toolbar, summary, body, empty, hint, filedBox)
 
   // -- geometry ------------------------------------------------------------------------------
-  const rows = () => seq.features.length + 1 // the features, then the reconstruction error
+  const rows = () => (seq.tracks ? seq.features.length + 1 : 0) // the features, then the reconstruction error
   const lane = () => (windows.length ? LANE_H : 0)
+  /** The letters' row: none for a sequence whose tokens are not in the result. */
+  const lettersH = () => (seq.tokens ? LETTERS_H : 0)
   /** Where the first track's band begins, CSS px from the top. */
-  const tracksTop = () => RULER_H + lane() + LETTERS_H
+  const tracksTop = () => RULER_H + lane() + lettersH()
   const height = () => tracksTop() + rows() * PITCH + BOTTOM
   const visible = () => width / ppp // positions in view
   const contentWidth = () => Math.max(width, Math.min(MAX_SCROLL_W, n * ppp))
@@ -216,13 +229,13 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
             {
               class: 'track-label track-windows-label',
               style: `height: ${LANE_H}px`,
-              title: `the windows the sequence ran in (${planText()}), stacked where they overlap; under them, the edge-affected positions: ${edgeRule()}`,
+              title: `the windows the sequence ran in (${planText()}), stacked where they overlap${context.length ? `; under them, the edge-affected positions: ${edgeRule()}` : ''}`,
             },
             h('span', {class: 'track-name'}, 'windows'),
           )
         : '',
-      h('div', {style: `height: ${LETTERS_H}px`}),
-      ...seq.features.map((f, i) =>
+      h('div', {style: `height: ${lettersH()}px`}),
+      ...(seq.tracks ? seq.features : []).map((f, i) =>
         h(
           'div',
           {
@@ -230,30 +243,79 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
             'data-feature': f.id,
             'data-row': i,
             style: `height: ${PITCH}px`,
-            title: `${featureName(f)}: max ${fmt(f.max)} at position ${pos(f.argmax + 1)}, mean ${fmt(f.mean)}; ${pos(f.above.length)} of ${pos(n)} positions above ${fmt(threshold)}`,
+            title: `${featureName(f)}: max ${fmt(f.max)} at position ${pos(f.argmax + 1)}, mean ${fmt(f.mean)}${f.above ? `; ${pos(f.above.length)} of ${pos(n)} positions above ${fmt(threshold)}` : ''}`,
           },
           h('span', {class: 'track-name'}, h('span', {class: 'sae-id'}, `#${f.id}`), f.label ? ` ${f.label}` : ''),
           h('span', {class: 'track-max'}, f.max > 0 ? `max ${fmt(f.max, 2)}` : 'never active'),
         ),
       ),
-      h(
-        'div',
-        {class: 'track-label track-error-label', 'data-row': seq.features.length, style: `height: ${PITCH}px`, title: 'relative reconstruction error, |x − x̂| / |x|, at each position'},
-        h('span', {class: 'track-name'}, 'rel. error'),
-        h('span', {class: 'track-max'}, `max ${percent(maxError)}`),
-      ),
+      seq.tracks
+        ? h(
+            'div',
+            {class: 'track-label track-error-label', 'data-row': seq.features.length, style: `height: ${PITCH}px`, title: 'relative reconstruction error, |x − x̂| / |x|, at each position'},
+            h('span', {class: 'track-name'}, 'rel. error'),
+            h('span', {class: 'track-max'}, `max ${percent(maxError)}`),
+          )
+        : '',
     )
     const active = seq.features.filter((f) => f.max > 0).length
-    summary.textContent = `${pos(n)} positions; ${seq.features.length} feature${seq.features.length === 1 ? '' : 's'}${
+    summary.textContent = `${seq.name ? `${seq.name}: ` : ''}${pos(n)} positions; ${seq.features.length} feature${seq.features.length === 1 ? '' : 's'}${
       seq.features.length ? `, ${active} active somewhere` : pick ? '' : ' (none is active anywhere)'
     }.${windows.length ? ` Run in ${planText()}. ${edgeText()}.` : ''}`
+    drawFiled()
   }
   const edgeText = () =>
-    edgeCount
-      ? `Shaded: ${pos(edgeCount)} edge-affected position${edgeCount === 1 ? '' : 's'} in ${pos(stretches.length)} stretch${stretches.length === 1 ? '' : 'es'}, with ${edgeRule()}`
-      : `No position is edge-affected (${edgeRule()})`
+    !context.length
+      ? 'Its per-position context is not in the result, so no position is marked edge-affected'
+      : edgeCount
+        ? `Shaded: ${pos(edgeCount)} edge-affected position${edgeCount === 1 ? '' : 's'} in ${pos(stretches.length)} stretch${stretches.length === 1 ? '' : 'es'}, with ${edgeRule()}`
+        : `No position is edge-affected (${edgeRule()})`
+
+  /** The sequence's features in a table, each with its bigWig, and where the rest of its tracks are. */
+  const drawFiled = () => {
+    filedBox.hidden = !!seq.tracks
+    if (seq.tracks) return filedBox.replaceChildren()
+    const byName = new Map(files.map((f) => [f.name, f]))
+    const link = (name: string) => {
+      const file = byName.get(name)
+      return file && fileLink ? fileLink(file) : h('code', {}, name)
+    }
+    const others = files.filter((f) => !/^f\d+\.bw$/.test(f.name))
+    filedBox.replaceChildren(
+      h(
+        'p',
+        {class: 'muted'},
+        `Its tracks are in the job’s files: a bigWig per feature and one of the relative reconstruction error, and a BED of where each feature is above the threshold, `,
+        `each sequence a chromosome${seq.name ? ` (this one ${seq.name})` : ''}. They open in a genome browser such as IGV or JBrowse.`,
+      ),
+      h(
+        'table',
+        {class: 'table track-features'},
+        h('thead', {}, h('tr', {}, h('th', {}, 'feature'), h('th', {}, 'max'), h('th', {}, 'mean'), h('th', {}, 'at position'), h('th', {}, 'track'))),
+        h(
+          'tbody',
+          {},
+          seq.features.map((f) =>
+            h(
+              'tr',
+              {'data-feature': f.id, class: f.max > 0 ? null : 'inactive'},
+              h('td', {}, h('span', {class: 'sae-id'}, `#${f.id}`), f.label ? ` ${f.label}` : ''),
+              h('td', {class: 'num'}, f.max > 0 ? fmt(f.max) : 'never active'),
+              h('td', {class: 'num'}, fmt(f.mean)),
+              h('td', {class: 'num'}, f.max > 0 ? pos(f.argmax + 1) : '–'),
+              h('td', {}, link(`f${f.id}.bw`)),
+            ),
+          ),
+        ),
+      ),
+      others.length ? fileList(others, fileLink) : '',
+    )
+  }
 
   const describe = (first: number, last: number) => {
+    if (!seq.tracks) {
+      return `Windows of sequence ${index + 1}${seq.name ? ` (${seq.name})` : ''}: ${pos(n)} positions, ${pos(first)} to ${pos(last)} shown; run in ${planText()}. Its tracks are in files.`
+    }
     const ranked = [...seq.features].sort((a, b) => b.max - a.max).filter((f) => f.max > 0)
     const shown = ranked.slice(0, 6).map((f) => `${featureName(f)} peaks at ${fmt(f.max)} at position ${pos(f.argmax + 1)}`)
     return (
@@ -333,7 +395,7 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
       const strip = pack(c.error)
       for (const [left, right] of shaded) fillPixels(pixels, left, dev(RULER_H + LANE_H - STRIP_H - 1), right, dev(RULER_H + LANE_H - 1), strip)
     }
-    if (!letters) {
+    if (!letters && seq.tokens) {
       const lettersY = RULER_H + lane() + LETTERS_H / 2
       fillPixels(pixels, dev(Math.max(0, x(0))), dev(lettersY - 1.5), dev(Math.min(width, x(n))), dev(lettersY + 1.5), line)
     }
@@ -341,7 +403,7 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
     const edgeBand = pack(c.error, c.band, 0.22)
     for (let r = 0; r < rows(); r++) {
       const isError = r === seq.features.length
-      const values: ArrayLike<number> = isError ? seq.relative_error : (seq.tracks[r] ?? [])
+      const values: ArrayLike<number> = (isError ? seq.relative_error : seq.tracks?.[r]) ?? []
       const top = isError ? maxError : sharedBox.checked ? sharedMax : (seq.features[r]?.max ?? 0)
       const y0 = dev(tracksTop() + r * PITCH)
       const base = dev(tracksTop() + r * PITCH + TRACK_H)
@@ -378,25 +440,26 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
     }
 
     // The letters, where there is room: one per position, a longer token cut short.
-    if (letters) {
+    const tokens = seq.tokens
+    if (letters && tokens) {
       ctx.font = '12px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace'
       ctx.textAlign = 'center'
       ctx.textBaseline = 'middle'
       ctx.fillStyle = c.text
       const fits = Math.max(1, Math.floor(ppp / ctx.measureText('M').width))
       for (let p = first; p < last; p++) {
-        const token = showToken(seq.tokens[p] ?? '')
+        const token = showToken(tokens[p] ?? '')
         const text = token.length <= fits ? token : fits > 1 ? `${token.slice(0, fits - 1)}…` : token.slice(0, 1)
         ctx.fillText(text, x(p) + ppp / 2, RULER_H + lane() + LETTERS_H / 2)
       }
     }
 
-    root.dataset.letters = letters ? 'shown' : 'hidden'
+    root.dataset.letters = letters && tokens ? 'shown' : 'hidden'
     root.dataset.pxPerPosition = String(ppp)
     root.dataset.start = String(start)
     root.dataset.first = String(first + 1)
     root.dataset.last = String(last)
-    status.textContent = `positions ${pos(first + 1)}–${pos(last)} of ${pos(n)}${letters ? '' : ` · letters from ${LETTER_PX} px per position`}${
+    status.textContent = `positions ${pos(first + 1)}–${pos(last)} of ${pos(n)}${letters || !tokens ? '' : ` · letters from ${LETTER_PX} px per position`}${
       sharedBox.checked ? ` · one scale, 0 to ${fmt(sharedMax, 2)}` : ''
     }`
     canvas.setAttribute('aria-label', describe(first + 1, last))
@@ -426,7 +489,7 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
     const onTrack = row >= 0 && row < rows() && hover.y - tracksTop() - row * PITCH <= TRACK_H
     const onLane = windows.length > 0 && hover.y >= RULER_H && hover.y < RULER_H + lane()
     const isError = row === seq.features.length
-    const values: ArrayLike<number> | undefined = !onTrack ? undefined : isError ? seq.relative_error : seq.tracks[row]
+    const values: ArrayLike<number> | undefined = !onTrack ? undefined : isError ? seq.relative_error : seq.tracks?.[row]
     const [at, value] = values ? argmaxIn(values, from, to) : [from, NaN]
     const guide = per() > 1 ? (column + 0.5) / dpr : (at - start + 0.5) * ppp
     ctx.fillStyle = colors().text
@@ -438,7 +501,7 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
       ctx.lineWidth = 1
       ctx.strokeRect(0.5, tracksTop() + row * PITCH - 0.5, width - 1, TRACK_H + 1)
     }
-    const lines = [`position ${pos(at + 1)} of ${pos(n)}: ${showToken(seq.tokens[at] ?? '')}`]
+    const lines = [`position ${pos(at + 1)} of ${pos(n)}${seq.tokens ? `: ${showToken(seq.tokens[at] ?? '')}` : ''}`]
     if (onTrack && isError) lines.push(`relative error ${percent(value)}`)
     else if (onTrack) lines.push(`${featureName(seq.features[row]!)}: activation ${fmt(value)}`)
     const here = windows.length ? context[at] : undefined
@@ -486,8 +549,8 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
   const show = (i: number) => {
     index = clamp(Math.round(i), 0, sequences.length - 1)
     seq = sequences[index]!
-    n = seq.tokens.length
-    maxError = argmaxIn(seq.relative_error, 0, n)[1] || 0
+    n = positions(seq)
+    maxError = seq.relative_error ? argmaxIn(seq.relative_error, 0, n)[1] || 0 : 0
     sharedMax = Math.max(0, ...seq.features.map((f) => f.max))
     const plan = seq.plan
     // The generated types cannot say what the windows and context hold: [start, end) and [left, right] pairs.
@@ -503,7 +566,14 @@ export function tracksView(result: AnnotateResult, params: AnnotateParams): HTML
     root.dataset.positions = String(n)
     if (windows.length) root.dataset.windows = String(windows.length)
     else delete root.dataset.windows
-    body.hidden = !n
+    // Tracks in files: the canvas would hold the ruler alone, unless there are windows to show.
+    body.hidden = !n || (!seq.tracks && !windows.length)
+    toolbar.hidden = body.hidden
+    hint.hidden = body.hidden
+    sharedLabel.hidden = !seq.tracks
+    hint.textContent = `Zoom with + and −, ctrl + wheel or a pinch; move with the scrollbar, a drag, or the arrow keys; hover for ${
+      seq.tracks ? 'a position’s activation' : 'the windows that hold a position'
+    }.`
     empty.hidden = !!n
     drawLabels()
     fitting = true

@@ -19,16 +19,18 @@ import type {
   SaeTools,
   TokenLogprob,
   TokenProb,
+  WindowPlan,
 } from '../generated/types.ts'
 import {bars, css, diverging, heatmap, ink, legend, lineChart, scatter, sequential} from './charts.ts'
-import {fmt, h, percent, showToken} from './dom.ts'
+import {fmt, h, percent, pos, showToken} from './dom.ts'
+import {fileList, resultFiles, type FileLink} from './files.ts'
 import {cosines, pca2} from './project.ts'
 import {annotateView, clampsLine, featuresView, steerView} from './sae.ts'
 
 export {mounted} from './trackview.ts'
 
 type Tools = BuiltinTools & SaeTools
-type Views = {[K in keyof Tools]: (result: Tools[K]['result'], params: Tools[K]['params']) => Node}
+type Views = {[K in keyof Tools]: (result: Tools[K]['result'], params: Tools[K]['params'], fileLink: FileLink | undefined) => Node}
 
 const VIEWS: Views = {
   generate: generateView,
@@ -52,11 +54,12 @@ export function streamHeader(tool: string, params: Record<string, unknown>): Nod
   return tool === 'sae_steer' ? clampsLine(params.clamps as Tools['sae_steer']['params']['clamps']) : null
 }
 
-export function renderResult(tool: string, result: unknown, params: unknown): Node {
-  const view = (VIEWS as Record<string, ((r: unknown, p: unknown) => Node) | undefined>)[tool]
+/** `tool`'s result drawn; `fileLink` links the files it names, where a view shows them in place of what they hold. */
+export function renderResult(tool: string, result: unknown, params: unknown, fileLink?: FileLink): Node {
+  const view = (VIEWS as Record<string, ((r: unknown, p: unknown, f: FileLink | undefined) => Node) | undefined>)[tool]
   if (view && result && typeof result === 'object') {
     try {
-      return view(result, params)
+      return view(result, params, fileLink)
     } catch (error) {
       console.error(`could not draw the ${tool} result`, error)
     }
@@ -437,9 +440,10 @@ function pllView(result: PseudoLoglikelihoodResult, params: PseudoLoglikelihoodP
 
 // -- embeddings --------------------------------------------------------------
 
-function embedView(result: EmbedResult, params: {texts: string[]}): Node {
+function embedView(result: EmbedResult, params: {texts: string[]}, fileLink: FileLink | undefined): Node {
   // `none` is the older name of `per_token`: one vector per token, with the tokens.
   const perToken = result.pooling === 'per_token' || result.pooling === 'none'
+  if (!result.embeddings) return embedFilesView(result, params, perToken, fileLink)
   const vectors: number[][] = []
   const labels: string[] = []
   const groups: number[] = []
@@ -487,4 +491,52 @@ function embedView(result: EmbedResult, params: {texts: string[]}): Node {
     )
   }
   return h('div', {}, parts)
+}
+
+/**
+ * Vectors written to files (asked for, or too many for one event): too many to project here, so
+ * what they are, how each text was run, and the files to fetch them from.
+ */
+function embedFilesView(result: EmbedResult, params: {texts: string[]}, perToken: boolean, fileLink: FileLink | undefined): Node {
+  const files = resultFiles(result)
+  const formats = new Set(files.map((f) => f.format))
+  const texts = params.texts.length
+  return h(
+    'div',
+    {class: 'embed-files'},
+    h(
+      'p',
+      {class: 'muted'},
+      `${texts === 1 ? 'One text' : `${texts} texts`}: ${perToken ? 'a vector per token' : 'a vector each'} of ${result.dim} dimensions `,
+      `(layer ${result.layer}, ${result.pooling} pooling), written to ${files.length === 1 ? 'a file' : 'files'} rather than sent in the result.`,
+    ),
+    result.plans?.length
+      ? h(
+          'ul',
+          {class: 'embed-plans'},
+          result.plans.map((plan, i) => h('li', {'data-text': i}, h('span', {class: 'muted'}, `text ${i + 1}: `), planText(plan))),
+        )
+      : null,
+    files.length ? fileList(files, fileLink) : h('p', {class: 'muted'}, 'The result names no file.'),
+    // How to read them, for the formats there are: the vectors cannot be looked at here.
+    formats.has('safetensors')
+      ? h(
+          'p',
+          {class: 'muted file-hint'},
+          'The .safetensors file holds text i’s vectors as embeddings.i (tokens × dimensions, float32) and their token ids as token_ids.i: ',
+          h('code', {}, 'safetensors.numpy.load_file(path)'),
+          '.',
+        )
+      : null,
+    formats.has('npy')
+      ? h('p', {class: 'muted file-hint'}, 'Each .npy file holds one array (tokens × dimensions for the vectors): ', h('code', {}, "numpy.load(path, mmap_mode='r')"), '.')
+      : null,
+  )
+}
+
+/** A text's windows in words: how many, how long, their overlap and how they were stitched. */
+function planText(plan: WindowPlan): string {
+  const n = plan.windows.length
+  if (n <= 1) return `one window of ${pos(plan.window)} positions`
+  return `${pos(n)} windows of ${pos(plan.window)} positions overlapping by ${pos(plan.overlap)}, stitched by ${plan.stitch}`
 }

@@ -217,6 +217,11 @@ export type Stat = 'entropy' | 'probability' | 'rank'
  * via the `definition` "Pooling".
  */
 export type Pooling = 'cls' | 'last' | 'mean' | 'none' | 'per_token'
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "FileFormat".
+ */
+export type FileFormat = 'npy' | 'safetensors'
 
 /**
  * Each built-in tool's params, result and partial (null: the tool streams none), by tool name.
@@ -618,6 +623,7 @@ export interface EmbedParams {
    */
   normalize?: boolean
   precision?: number | null
+  file?: FileFormat | null
   model?: string | null
   tag?: string | null
   window?: number | null
@@ -632,13 +638,24 @@ export interface EmbedResult {
   dim: number
   layer: number
   pooling: Pooling
-  /**
-   * Per text: a vector (mean, cls, last) or a list of per-token vectors (per_token).
-   */
-  embeddings: (number[] | number[][])[]
+  embeddings?: (number[] | number[][])[] | null
   tokens?: string[][] | null
   plans?: WindowPlan[] | null
   context?: unknown[] | null
+  files?: ResultFile[] | null
+}
+/**
+ * A file a job wrote beside its result (a per-position array, a feature track), served at
+ *     `GET /jobs/{id}/files/{name}` (Range, resumable) for as long as the job is kept.
+ *
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "ResultFile".
+ */
+export interface ResultFile {
+  name: string
+  format: string
+  size: number
+  description?: string
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -761,6 +778,8 @@ export interface AnnotateParams {
    * Per sequence: a feature's positions with an activation above this are listed.
    */
   threshold?: number
+  file?: 'bigwig' | null
+  names?: string[] | null
   model?: string | null
   tag?: string | null
   window?: number | null
@@ -788,22 +807,25 @@ export interface Activation {
   value: number
 }
 /**
- * One sequence: its own tokens (special tokens left out), aligned with every per-position array.
+ * One sequence: its own tokens (special tokens left out), aligned with every per-position array;
+ *     with file, its features' summaries, the arrays being in the files.
  *
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
  * via the `definition` "SequenceAnnotation".
  */
 export interface SequenceAnnotation {
-  tokens: string[]
   features: FeatureTrack[]
+  tokens?: string[] | null
   /**
    * features × positions: row i is features[i]'s activation at each position.
    */
-  tracks: number[][]
+  tracks?: number[][]
   /**
    * One number per position.
    */
-  relative_error: number[]
+  relative_error?: number[]
+  name?: string | null
+  length?: number | null
   plan?: WindowPlan | null
   /**
    * With window: per position, [left, right], its least context on each side.
@@ -811,7 +833,8 @@ export interface SequenceAnnotation {
   context?: number[][] | null
 }
 /**
- * One feature over one sequence: its largest and mean activation, where the largest is, and where it is above the threshold.
+ * One feature over one sequence: its largest and mean activation, where the largest is, and where it
+ *     is above the threshold (with file: in features.bed instead).
  *
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
  * via the `definition` "FeatureTrack".
@@ -822,7 +845,7 @@ export interface FeatureTrack {
   max: number
   mean: number
   argmax: number
-  above: number[]
+  above?: number[] | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -833,6 +856,7 @@ export interface AnnotateResult {
   layer: number
   tokens?: TokenAnnotation[] | null
   sequences?: SequenceAnnotation[] | null
+  files?: ResultFile[] | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
