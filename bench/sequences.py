@@ -175,6 +175,7 @@ async def length(bench: common.Bench, report: common.Report) -> None:
             got = await answer(port, "embed", {"texts": [protein(n)], "window": 0, "pooling": pooling, **extra})
             seconds = time.perf_counter() - started
             peak = peak_mb(pids) - idle
+            common.step("  peak MB by process (gateway, engine): " + ", ".join(f"{common.rss_kb(pid, 'VmHWM') / 1024:.0f}" for pid in pids))
             done = isinstance(got, dict) and (pooling == "mean" or got["files"][0]["size"] >= n * 32 * 4)
             windows = len(got["plans"][0]["windows"]) if isinstance(got, dict) else f"{got[0]} {got[1]}"
             figures[n] = (seconds, peak, done)

@@ -62,6 +62,14 @@ def test_left_takes_each_position_from_the_first_window_holding_it() -> None:
     assert windows.context(cut, Stitch.CENTER)[100:, 0].min() == 15
 
 
+@pytest.mark.parametrize("stitch", list(Stitch))
+def test_the_context_of_a_stretch_is_that_stretch_of_the_whole(stitch: Stitch) -> None:
+    cut = windows.plan(1000, Sizes(100, 30, stitch))
+    whole = windows.context(cut, stitch)
+    for start, stop in [(0, 1000), (0, 1), (37, 38), (150, 480), (999, 1000), (970, 1000)]:
+        assert (windows.context(cut, stitch, start, stop) == whole[start:stop]).all(), (start, stop)
+
+
 def test_mean_reports_each_sides_least_context_over_the_windows_averaged() -> None:
     cut = [(0, 10), (6, 16)]
     context = windows.context(cut, Stitch.MEAN)
@@ -318,3 +326,14 @@ def test_loglikelihood_over_windows_sums_the_strided_scores_of_the_continuation(
     assert out["plans"][0] == scored["plan"]
     with pytest.raises(AssertionError):  # the same pair without a window: over the context
         result(server.url, "loglikelihood", {"model": "text", "prompts": [prompt], "continuations": [continuation]})
+
+
+def test_a_long_sequence_tokenized_a_piece_at_a_time_is_the_whole_tokenized(esm_path: Path) -> None:
+    from backends import loading
+
+    model = loading.load(loading.resolve(str(esm_path)), "cpu", "float32")
+    assert model.alphabet is not None
+    sequence = protein(200_000, seed=11)  # over three pieces of 65,536 letters
+    want = AutoTokenizer.from_pretrained(esm_path)(sequence)["input_ids"]
+    assert model.encode(sequence, bounded=False) == want
+    assert model.memo["by_letter"] is True

@@ -42,7 +42,7 @@ from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.files import NPY, Array, ArrayFile, file_bytes
 from gateway.tools import windows
 from gateway.tools.batching import Chunk, Chunked, WindowItem, chunk_peak, sorted_chunks
-from gateway.tools.windows import Framed, Share, Sizes, Stitch, WindowParams, WindowPlan
+from gateway.tools.windows import Framed, Share, Sizes, Stitch, WindowIds, WindowParams, WindowPlan
 
 EMBED_BATCH = 16  # texts per forward pass at most
 EMBED_TOKENS = 16384  # padded tokens per forward pass at most (a longer text runs alone)
@@ -320,7 +320,9 @@ class _Files:
         """The context arrays written, summed rows normalized, the files closed: what the result names."""
         if plans is not None:
             for i, plan in enumerate(plans):
-                self.files[f"context.{i}"].write(f"context.{i}", 0, windows.context(plan.windows, plan.stitch))
+                for start in range(0, self.lengths[i], CONTEXT_ROWS):
+                    stop = min(self.lengths[i], start + CONTEXT_ROWS)
+                    self.files[f"context.{i}"].write(f"context.{i}", start, windows.context(plan.windows, plan.stitch, start, stop))
         if self.summed and self.params.normalize:
             for i, n in enumerate(self.lengths):
                 for start in range(0, n, NORMALIZE_ROWS):
@@ -334,6 +336,7 @@ class _Files:
 
 
 NORMALIZE_ROWS = 4096  # rows read back at once to normalize a file's summed vectors
+CONTEXT_ROWS = 1 << 16  # positions' context computed and written at once (1 MB)
 
 
 def _normalized(rows: np.ndarray) -> np.ndarray:
@@ -358,7 +361,7 @@ def _plan(model: Model, jobs: list[EmbedParams], ctxs: Any = None, by_length: bo
             cut = windows.plan(len(framed.own), sizes)
             for w, ((start, end), share) in enumerate(zip(cut, windows.shares(cut, sizes.stitch))):
                 key = (job, WindowItem(i, w))
-                items.append((key, framed.window(start, end)))
+                items.append((key, WindowIds(framed, start, end)))
                 placed[key] = _InWindow(len(framed.head), share, len(framed.own))
     chunks = sorted_chunks(items, EMBED_BATCH, max_tokens=EMBED_TOKENS, by_length=by_length)
     for chunk in chunks:
@@ -375,7 +378,8 @@ def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
     off the device in one copy.
     """
     n_states = _n_states(model)
-    input_ids, mask = right_padded(model, chunk.data)
+    data = [row.ids() if isinstance(row, WindowIds) else row for row in chunk.data]
+    input_ids, mask = right_padded(model, data)
     states = model.hidden_states(input_ids, mask)
     groups: dict[tuple[Any, ...], list[int]] = {}
     for row, (job, _) in enumerate(chunk.items):
@@ -391,7 +395,7 @@ def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
     for row, key in enumerate(chunk.items):
         if key in in_windows:
             params = jobs[key[0]]
-            shared = _window_share(states[params.layer % n_states][row], chunk.data[row], in_windows[key], Pooling(params.pooling))
+            shared = _window_share(states[params.layer % n_states][row], data[row], in_windows[key], Pooling(params.pooling))
             if key[0] in sinks:  # into the job's files now; nothing of it held
                 assert shared.rows is not None
                 sinks[key[0]].put(key[1].item, shared.start, shared.rows, shared.ids, summed=in_windows[key].share.weights is not None)
@@ -406,7 +410,7 @@ def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
         if pooling is Pooling.CLS:
             vectors = states[layer][torch.tensor(rows, device=device), 0].float()
         else:
-            owns.update((row, model.own(chunk.data[row])) for row in rows)
+            owns.update((row, model.own(data[row])) for row in rows)
             counts = [len(owns[row]) for row in rows]
             index = (
                 torch.tensor([row for row, n in zip(rows, counts) for _ in range(n)], device=device),
@@ -422,7 +426,7 @@ def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
         array = _array(vectors, precision)
         if pooling is Pooling.PER_TOKEN:
             for row, part in zip(rows, np.split(array, np.cumsum(counts)[:-1])):
-                ids = [chunk.data[row][at] for at in owns[row]]
+                ids = [data[row][at] for at in owns[row]]
                 job, i = chunk.items[row]
                 if job in sinks:  # normalized above, as whole texts are
                     sinks[job].put(i, 0, part, ids, summed=False, normalized=True)
@@ -501,7 +505,7 @@ def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any]) ->
     results = []
     for job, params in enumerate(jobs):
         if job in sinks:
-            plans = _plans(model, params)[0] if params.window is not None else None
+            plans = _plans(model, params, context=False)[0] if params.window is not None else None
             files = sinks[job].close(plans)
             results.append(EmbedResult(dim=sinks[job].width, layer=params.layer % _n_states(model), pooling=params.pooling, plans=plans, files=files))
             continue
@@ -512,7 +516,7 @@ def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any]) ->
             vectors = [v for v, _ in vectors]
         plans = context = None
         if params.window is not None:
-            plans, context = _plans(model, params)
+            plans, context = _plans(model, params, context=_per_token(params.pooling))
         results.append(
             EmbedResult(
                 dim=int(vectors[0].shape[-1]),
@@ -527,17 +531,18 @@ def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any]) ->
     return results
 
 
-def _plans(model: Model, params: EmbedParams) -> tuple[list[WindowPlan], list[Any]]:
-    """Each text's window plan, and each own token's least context on each side."""
-    plans, context = [], []
+def _plans(model: Model, params: EmbedParams, context: bool = True) -> tuple[list[WindowPlan], list[Any]]:
+    """Each text's window plan, and (`context`) each own token's least context on each side."""
+    plans: list[WindowPlan] = []
+    least: list[Any] = []
     for i, text in enumerate(params.texts):
         framed = _framed(model, text, f"texts[{i}]")
         sizes = _sizes(model, params, framed)
         assert sizes is not None
         cut = windows.plan(len(framed.own), sizes)
         plans.append(WindowPlan(windows=cut, stitch=sizes.stitch, window=sizes.window, overlap=sizes.overlap))
-        context.append(windows.context(cut, sizes.stitch))
-    return plans, context
+        least.append(windows.context(cut, sizes.stitch) if context else None)
+    return plans, least
 
 
 # Per text, a pass over its tokens: its length is its share of the work.
