@@ -3,7 +3,9 @@ the tools and models learned from what those services publish."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -86,10 +88,30 @@ def sent(params: Any) -> dict[str, Any]:
     return {"params": msgspec.Raw(encode(params))}
 
 
+FILES_PREFIX = "streamgate-files-"
+
+
 def files_folder(base: str | None) -> str:
     """A folder of this process's own, in `base` (default: the system's temporary folder), where its
-    jobs' result files lie until their store keeps them (gateway/jobs.py `ResultFiles`)."""
-    return tempfile.mkdtemp(prefix="streamgate-files-", dir=base)
+    jobs' result files lie while they are written and kept (gateway/jobs.py `ResultFiles`); first,
+    the folders of processes that died without removing theirs (an engine killed) are removed."""
+    base = base or tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(base):
+            pid = entry.name.removeprefix(FILES_PREFIX).split("-", 1)[0]
+            if entry.name.startswith(FILES_PREFIX) and pid.isdigit() and not _alive(int(pid)) and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{FILES_PREFIX}{os.getpid()}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def remove_files_folder(folder: str | None) -> None:

@@ -54,6 +54,7 @@ from gateway import params as params_mod
 from gateway.admission import Admission, Applicant
 from gateway.config import Settings
 from gateway.cost import inline_only
+from gateway.tools.files import format_of
 from gateway.plumbing import tracing
 from gateway.plumbing.drain import Drain, on_sigterm
 from gateway.encoding import HASH_INLINE, HASHING
@@ -475,7 +476,7 @@ class Executor:
 
 def _files(job: Job) -> list[ResultFile]:
     """The files a job wrote, as its `completed` frame announces them (their sizes, to check the fetch)."""
-    return [ResultFile(name, "", os.path.getsize(path)) for name, path in job.files.paths.items()]
+    return [ResultFile(name, format_of(name), os.path.getsize(path)) for name, path in job.files.paths.items()]
 
 
 def _lost(job_id: str) -> RemoteFrame:

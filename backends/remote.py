@@ -66,7 +66,8 @@ from gateway.protocol import (
     ToolInfo,
     encode,
 )
-from gateway.tools.base import Cancelled, Tool
+from gateway.tools.base import Tool
+from gateway.tools.files import MAX_FILES
 
 log = logging.getLogger("streamgate.remote")
 
@@ -387,27 +388,32 @@ class Link:
 
     async def collect(self, remote: RemoteJob, frame: RemoteFrame) -> None:
         """Fetch the files a completed job wrote (`frame.files`) into the job's own here, then end it
-        with its result as a frame without files would have."""
+        with its result as a frame without files would have; a file that cannot be had ends it failed."""
         job = remote.job
         job.files.folder = self.files_folder
-        for file in frame.files or []:
-            problem = "this gateway keeps no result files" if self.files_folder is None else ""
-            for attempt in range(DOWNLOAD_TRIES if not problem else 0):
+        files = frame.files or []
+        problem = "this gateway keeps no result files" if self.files_folder is None else ""
+        if len(files) > MAX_FILES:
+            problem = f"the executor names {len(files)} result files, more than {MAX_FILES}"
+        for file in files if not problem else ():
+            for attempt in range(DOWNLOAD_TRIES):
                 if attempt:
                     await asyncio.sleep(0.2 * 2**attempt)
                 try:
                     await self._fetch_file(job, file)
                     problem = ""
                     break
-                except Cancelled:
-                    return  # the job ended meanwhile (a cancel): its end already says so
                 except (httpx.HTTPError, OSError, ValueError) as exc:
                     problem = str(exc) or type(exc).__name__
                     log.warning("job %s: result file %s download failed (%s), try %d", job.id, file.name, problem, attempt + 1)
+                except Exception as exc:  # not worth a retry (a name no file may have): the job ends with it
+                    problem = f"{type(exc).__name__}: {exc}"
+                    break
             if problem:
-                self.finish(remote, Code.BACKEND_UNAVAILABLE, f"the result file {file.name} could not be downloaded: {problem}")
-                return
-        if self.inline_results and frame.data != NULL:
+                break
+        if problem:
+            self.finish(remote, Code.BACKEND_UNAVAILABLE, f"the job's result files could not be downloaded: {problem}")
+        elif self.inline_results and frame.data != NULL:
             self.succeed(remote, frame.data)
         else:
             await self.deliver(remote)

@@ -23,6 +23,7 @@ import itertools
 import logging
 import os
 import re
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable
@@ -380,16 +381,21 @@ class ResultFiles:
         if not _FILE_NAME.fullmatch(name):
             raise ValueError(f"result file name {name!r}: letters, digits, '.', '_' and '-', at most 128")
         with self._lock:
-            if self._closed:
-                raise Cancelled()  # the job ended meanwhile
-            if self.folder is None:
-                raise RuntimeError("this backend keeps no result files")
+            if self._closed or self.folder is None:
+                # The job ended meanwhile (its batch goes on for the others), or a backend that keeps
+                # none was asked anyway: its writes go to a file nobody will see.
+                if self.folder is None and not self._closed:
+                    raise RuntimeError("this backend keeps no result files")
+                return tempfile.TemporaryFile(dir=self.folder)
             if name not in self.paths and len(self.paths) >= MAX_FILES:
                 raise RuntimeError(f"result file {name!r}: a job writes at most {MAX_FILES} files")
-            # Written again when a job's work is run again alone after its batch failed: from the start.
             path = os.path.join(self.folder, f"{self.job_id}.{name}")
+            # Written again when a job's work is run again alone after its batch failed: a new file, so
+            # that what the first try still holds open (a bigWig finishing as it is freed) writes elsewhere.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
             self.paths[name] = path
-            return open(path, "w+b")
+            return open(path, "x+b")
 
     def __bool__(self) -> bool:
         return bool(self.paths or self.kept)

@@ -43,7 +43,7 @@ import threading
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -112,7 +112,7 @@ class Outcome:
     params: Mapping[str, Any] | None
     result: Any = None
     error: BaseException | None = None
-    job_id: str | None = None
+    job_id: str | None = field(default=None, compare=False)  # which job it was (its result files are fetched by it)
 
     @property
     def ok(self) -> bool:

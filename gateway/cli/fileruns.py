@@ -42,6 +42,7 @@ class FileRun:
         self.tool, self.given, self.query, self.model = tool, params, query, model
         self.url, self.token, self.quiet, self.concurrency = url, token, quiet, concurrency
         self.out = out  # where a record's result files go: OUT/<record id>/<name>
+        self._folders: dict[str, str] = {}  # each record's folder under OUT, by id: two ids never share one
 
     def run(self, input_path: str | None, output_path: str | None, input_format: str | None, field: str | None) -> int:
         """Run the batch; the exit code."""
@@ -93,6 +94,8 @@ class FileRun:
                     f"{input_path} ({shown}): they are left out of it",
                     err=True,
                 )
+            for record in recs if self.out is not None else ():  # named in input order: the same each run
+                self._folder(record.id)
             todo = [r for r in recs if r.id not in results.done]
             skipped = len(recs) - len(todo)
             if not recs and not self.quiet:
@@ -168,7 +171,7 @@ class FileRun:
         Without --out the line keeps the result alone: its files stay on the gateway for its retention."""
         if self.out is None:
             return line
-        folder = os.path.join(self.out, safe_name(record_id))
+        folder = os.path.join(self.out, self._folder(record_id))
         paths = {}
         try:
             os.makedirs(folder, exist_ok=True)
@@ -180,6 +183,19 @@ class FileRun:
             outcome.error = exc
             return None
         return {**line, "files": paths}
+
+    def _folder(self, record_id: str) -> str:
+        """The record's folder name under OUT: its id made safe, and numbered where another id made
+        the same (`a|b` and `a_b`)."""
+        if record_id not in self._folders:
+            taken = set(self._folders.values())
+            name = base = safe_name(record_id)
+            n = 1
+            while name in taken:
+                n += 1
+                name = f"{base}-{n}"
+            self._folders[record_id] = name
+        return self._folders[record_id]
 
     def _fatal(self, error: BaseException | None) -> tuple[int, str] | None:
         """An error that no record of this run would escape (unauthorized, forbidden, unknown tool or

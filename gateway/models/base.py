@@ -169,24 +169,36 @@ class Model:
 
     def _tokenize(self, text: str, special: bool) -> list[int]:
         if self.alphabet is not None and len(text) > TOKENIZE_PIECE and self._tokenizes_by_letter():
-            # A letter a token: a long sequence tokenized a piece at a time is the same ids, without
+            # A token a letter: a long sequence tokenized a piece at a time is the same ids, without
             # the tokenizer's working set for all of it at once (56 MB for 10^6 residues on ESM-2's).
+            # Pieces end between two letters of the alphabet, never inside a token typed in (`<mask>`).
+            letters = set(self.alphabet)
             ids: list[int] = []
-            for start in range(0, len(text), TOKENIZE_PIECE):
-                ids += self.tokenizer(text[start : start + TOKENIZE_PIECE], add_special_tokens=False)["input_ids"]
+            start = 0
+            while start < len(text):
+                end = min(len(text), start + TOKENIZE_PIECE)
+                while end < len(text) and end > start + 1 and not (text[end - 1] in letters and text[end] in letters):
+                    end -= 1
+                if end == start + 1 and end < len(text):  # no place to cut: the rest whole
+                    end = len(text)
+                ids += self.tokenizer(text[start:end], add_special_tokens=False)["input_ids"]
+                start = end
             return list(self.tokenizer.build_inputs_with_special_tokens(ids)) if special else ids
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
     def _tokenizes_by_letter(self) -> bool:
-        """Whether this model's tokenizer gives a sequence cut in two the ids of the whole: found once,
-        on its alphabet, for `_tokenize` to cut long ones."""
+        """Whether this model's tokenizer makes each letter of its alphabet a token of its own, as it
+        does in a sequence cut in two: found once, for `_tokenize` to cut long sequences."""
         if "by_letter" not in self.memo:
             assert self.alphabet is not None
             sample = (self.alphabet * 8)[:64]
             try:
                 whole = list(self.tokenizer(sample)["input_ids"])
+                bare = list(self.tokenizer(sample, add_special_tokens=False)["input_ids"])
                 halves = [self.tokenizer(part, add_special_tokens=False)["input_ids"] for part in (sample[:29], sample[29:])]
-                self.memo["by_letter"] = whole == list(self.tokenizer.build_inputs_with_special_tokens([*halves[0], *halves[1]]))
+                self.memo["by_letter"] = len(bare) == len(sample) and bare == [*halves[0], *halves[1]] and whole == list(
+                    self.tokenizer.build_inputs_with_special_tokens(bare)
+                )
             except Exception:  # a tokenizer without the API: whole texts, as before
                 self.memo["by_letter"] = False
         return bool(self.memo["by_letter"])

@@ -163,13 +163,15 @@ class _ResultsState:
         "memory_bytes": "Bytes of finished jobs' events held in memory (--result-memory-bytes bounds them)",
         "bytes": "Bytes of results kept in the result spool on disk",
         "results": "Results kept in the result spool on disk",
+        "files_bytes": "Bytes of jobs' result files kept (a per-position result written as files)",
         "disk_bytes": "Bytes the result spool's files take on disk",
         "promised_bytes": "Bytes of priced results promised to jobs admitted and not ended",
         "budget_bytes": "Most bytes the result spool keeps (--result-store-bytes)",
     }
     NAMES = {"memory_bytes": "streamgate_results_memory_bytes", "bytes": "streamgate_result_spool_bytes",
              "results": "streamgate_result_spool_results", "disk_bytes": "streamgate_result_spool_disk_bytes",
-             "promised_bytes": "streamgate_result_spool_promised_bytes", "budget_bytes": "streamgate_result_spool_budget_bytes"}
+             "promised_bytes": "streamgate_result_spool_promised_bytes", "budget_bytes": "streamgate_result_spool_budget_bytes",
+             "files_bytes": "streamgate_result_files_bytes"}
 
     def __init__(self, facts: Callable[[], Mapping[str, int]]) -> None:
         self.facts = facts

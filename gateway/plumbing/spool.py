@@ -18,6 +18,11 @@ its space is the kernel's to free once the segment is closed, which happens when
 its last record is released (retention) and its last reader is done, never
 before: a descriptor closed under a reader could be reused by another file.
 
+A job's result files (gateway/jobs.py `ResultFiles`: a per-position result
+written in parts) are kept where its run wrote them, by name (`KeptFile`), and
+opened for each read: thousands kept hold no descriptor. Their bytes count
+here, and they are deleted when released.
+
 The spool's bytes are bounded by `--result-store-bytes`: a job is admitted only
 if its priced result fits beside what is kept and what the jobs admitted before
 it may still write (`hold`); otherwise it is refused before it is queued, with
@@ -37,7 +42,6 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from gateway.errors import ApiError
 from gateway.protocol import Code
@@ -55,12 +59,9 @@ DEFAULT_SHARE = 0.5  # of the folder's free space at start, without --result-sto
 class Segment:
     """One spool file: records appended, read with `pread`, closed once nothing refers to it."""
 
-    def __init__(self, folder: str, adopted: str | None = None) -> None:
-        if adopted is not None:  # a job's result file, taken as it is: unlinked, gone with its descriptor
-            self._file: Any = open(adopted, "rb")
-            os.unlink(adopted)
-        else:  # unnamed where the filesystem can (O_TMPFILE), else unlinked at once
-            self._file = tempfile.TemporaryFile(dir=folder, prefix="streamgate-results-")
+    def __init__(self, folder: str) -> None:
+        # Unnamed where the filesystem can (O_TMPFILE), else unlinked at once: gone with its descriptor.
+        self._file = tempfile.TemporaryFile(dir=folder, prefix="streamgate-results-")
         self.fd = self._file.fileno()
         self.size = 0
         self.live = 0  # records not released
@@ -153,6 +154,40 @@ def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         offset += written
 
 
+class KeptFile:
+    """A job's result file kept by name where its run wrote it (`ResultSpool.adopt`; the core's `Kept`)."""
+
+    __slots__ = ("spool", "path", "size", "released")
+
+    def __init__(self, spool: ResultSpool, path: str, size: int) -> None:
+        self.spool, self.path, self.size = spool, path, size
+        self.released = False
+
+    def read(self) -> bytes:
+        return self.read_at(0, self.size)
+
+    def read_at(self, start: int, size: int) -> bytes:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            return _pread_all(fd, size, start)
+        finally:
+            os.close(fd)
+
+    async def pieces(self, piece: int = PIECE, start: int = 0, stop: int | None = None) -> AsyncIterator[bytes]:
+        fd = await asyncio.to_thread(os.open, self.path, os.O_RDONLY)  # held by this reader alone, until it is done
+        try:
+            at, end = start, self.size if stop is None else min(stop, self.size)
+            while at < end:
+                n = min(piece, end - at)
+                yield await asyncio.to_thread(_pread_all, fd, n, at)
+                at += n
+        finally:
+            os.close(fd)
+
+    def release(self) -> None:
+        self.spool.release_file(self)
+
+
 class ResultSpool:
     """Finished results on disk, within `budget` bytes (see the module docstring)."""
 
@@ -171,13 +206,14 @@ class ResultSpool:
         self.held = 0  # bytes promised to admitted jobs not ended
         self.written = 0  # results written, in all
         self.stored = 0  # bytes of the records not released
+        self.files_kept = 0  # bytes of the jobs' result files kept (`adopt`)
 
     # -- room -------------------------------------------------------------------
 
     @property
     def used(self) -> int:
-        """Bytes of the open segments: what the spool takes on disk."""
-        return sum(s.size for s in self._segments if not s.closed)
+        """Bytes of the open segments and the files kept: what the spool takes on disk."""
+        return sum(s.size for s in self._segments if not s.closed) + self.files_kept
 
     def hold(self, size: int, field: str = "") -> Callable[[], None]:
         """Promise `size` bytes to a job about to be queued, or refuse it: 413 `too_large` if it could
@@ -238,18 +274,23 @@ class ResultSpool:
         self.stored += size
         return record
 
-    def adopt(self, path: str) -> Spooled:
-        """Keep the file at `path` (a job's result file, written in parts by its run) as it is: a
-        segment of its own, the name gone at once (the job's files were priced and held with its result)."""
-        segment = Segment(self.folder, adopted=path)
-        segment.size = os.fstat(segment.fd).st_size
-        segment.sealed = True
-        segment.live = 1
-        self._segments.append(segment)
-        record = Spooled(self, segment, 0, segment.size)
-        self._records.add(record)
-        self.stored += segment.size
+    def adopt(self, path: str) -> KeptFile:
+        """Keep the file at `path` (a job's result file, written in parts by its run) where it is, by
+        name: read by opening it, so that thousands kept hold no descriptor; deleted when released.
+        Its bytes count here (the job's files were priced and held with its result)."""
+        record = KeptFile(self, path, os.stat(path).st_size)
+        self.files_kept += record.size
+        self.stored += record.size
         return record
+
+    def release_file(self, record: KeptFile) -> None:
+        if record.released:
+            return
+        record.released = True
+        self.files_kept -= record.size
+        self.stored -= record.size
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(record.path)  # a reader that has it open reads on
 
     def _segment_for(self, size: int) -> Segment:
         current = self._current
@@ -294,4 +335,7 @@ class ResultSpool:
         self._current = None
 
     def describe(self) -> dict[str, int]:
-        return {"results": len(self._records), "bytes": self.stored, "disk_bytes": self.used, "promised_bytes": self.held, "budget_bytes": self.budget}
+        return {
+            "results": len(self._records), "bytes": self.stored, "files_bytes": self.files_kept, "disk_bytes": self.used,
+            "promised_bytes": self.held, "budget_bytes": self.budget,
+        }

@@ -164,6 +164,7 @@ class FinishedResults:
             self._count(job, size)
 
     def forget(self, job: Job) -> None:
+        job.files.discard()  # kept, or never taken (a job forgotten before it was counted)
         if self._kept.pop(job.id, None) is None:
             return
         self.in_memory -= self._held.pop(job.id, 0)
@@ -171,7 +172,6 @@ class FinishedResults:
             job.terminal.kept.release()
         if isinstance(job.events, KeptLog):
             job.events.kept.release()
-        job.files.discard()
 
     def facts(self) -> dict[str, int]:
         """Where finished results are: bytes in memory, and the spool's facts (`ResultSpool.describe`)."""

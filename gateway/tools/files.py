@@ -61,6 +61,14 @@ class Array:
         return self.shape[0] * self.row_bytes
 
 
+_FORMATS = {".safetensors": SAFETENSORS, ".npy": NPY, ".bw": "bigwig", ".bed": "bed", ".tsv": "tsv", ".jsonl": "jsonl"}
+
+
+def format_of(name: str) -> str:
+    """A result file's format, by its name's extension ("" if none of these)."""
+    return next((fmt for ext, fmt in _FORMATS.items() if name.endswith(ext)), "")
+
+
 def file_bytes(arrays: list[Array]) -> int:
     """What a file of `arrays` takes at most: their bytes and a header (for a tool's price)."""
     return sum(a.nbytes for a in arrays) + HEADER_PER_ARRAY * (len(arrays) + 1)

@@ -419,7 +419,9 @@ def _annotate_into(
         files.write(name, "relative_error", a, relative[a:b].cpu().numpy())
     files.end_chrom(name, n, {f"f{fid}": most[fid] for fid in chosen})
     labels = sae.spec.labels
-    summary = [FeatureTrack(fid, labels.get(fid), best[k], sums[k] / n, at[k]) for k, fid in enumerate(chosen)]
+    summary = [
+        FeatureTrack(fid, labels.get(fid), best[k] if n else 0.0, sums[k] / n if n else 0.0, at[k]) for k, fid in enumerate(chosen)
+    ]
     return SequenceAnnotation(features=summary, name=name, length=n)
 
 
@@ -476,6 +478,8 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
     )
     if params.file is not None:
         return written
+    if tracks + 1 > MAX_FILES:  # too many features' tracks for files: the JSON's bound stands
+        return inline
     return dataclasses.replace(inline, as_files=written, file_format="bigwig")
 
 
