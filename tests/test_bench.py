@@ -281,7 +281,7 @@ def test_safety():
 
 def test_sequences():
     printed = run_bench("sequences")
-    parity, length = printed.tables
+    parity, length, in_files = printed.tables
     assert [(row["window"], row["overlap"], row["stitch"]) for row in parity.rows] == [
         ("64", overlap, stitch) for overlap in ("0", "16") for stitch in ("center", "left", "mean")
     ]
@@ -295,8 +295,10 @@ def test_sequences():
     # On a causal model, left keeps the whole overlap before each position, center half of it.
     left = [row for row in parity.rows if row["stitch"] == "left"]
     assert [int(row["least left"]) for row in left] == [0, 16] and [int(row["least left"]) for row in centered] == [0, 8]
-    assert [row["residues"] for row in length.rows] == ["1000", "10000", "100000"]
-    assert all(value is not None for value in length.numbers("peak RSS over idle MB"))
+    for table in (length, in_files):  # pooled, then per token into a file
+        assert [row["residues"] for row in table.rows] == ["1000", "10000", "100000"]
+        assert all(value is not None for value in table.numbers("peak RSS over idle MB"))
+    assert "safetensors file" in (in_files.title or "")
 
 
 def test_memory():
