@@ -44,6 +44,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from gateway.errors import ApiError
+from gateway.tools.files import read_all, write_all
 from gateway.protocol import Code
 
 log = logging.getLogger("streamgate.spool")
@@ -93,14 +94,14 @@ class Spooled:
     def read(self) -> bytes:
         """The whole result (blocking): for the few that need it whole and small enough to hold."""
         with self._reading():
-            return _pread_all(self.segment.fd, self.size, self.offset)
+            return read_all(self.segment.fd, self.size, self.offset)
 
     def read_at(self, start: int, size: int) -> bytes:
         """`size` bytes from `start` (blocking): a part of a kept log (gateway/jobs.py `KeptLog`)."""
         if start < 0 or start + size > self.size:
             raise ValueError(f"bytes {start}-{start + size} of a {self.size}-byte record")
         with self._reading():
-            return _pread_all(self.segment.fd, size, self.offset + start)
+            return read_all(self.segment.fd, size, self.offset + start)
 
     async def pieces(self, piece: int = PIECE, start: int = 0, stop: int | None = None) -> AsyncIterator[bytes]:
         """The result (bytes `start`..`stop` of it), `piece` bytes at a time, each read on a thread."""
@@ -109,7 +110,7 @@ class Spooled:
             at = self.offset + start
             while at < end:
                 n = min(piece, end - at)
-                chunk = await asyncio.to_thread(_pread_all, self.segment.fd, n, at)
+                chunk = await asyncio.to_thread(read_all, self.segment.fd, n, at)
                 at += n
                 yield chunk
 
@@ -131,29 +132,6 @@ class Spooled:
         self.spool.release(self)
 
 
-def _pread_all(fd: int, n: int, offset: int) -> bytes:
-    data = os.pread(fd, n, offset)
-    if len(data) == n:
-        return data
-    parts = [data]
-    got = len(data)
-    while got < n:
-        more = os.pread(fd, n - got, offset + got)
-        if not more:
-            raise OSError(f"the result spool ended {n - got} bytes short")
-        parts.append(more)
-        got += len(more)
-    return b"".join(parts)
-
-
-def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view = view[written:]
-        offset += written
-
-
 class KeptFile:
     """A job's result file kept by name where its run wrote it (`ResultSpool.adopt`; the core's `Kept`)."""
 
@@ -169,7 +147,7 @@ class KeptFile:
     def read_at(self, start: int, size: int) -> bytes:
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            return _pread_all(fd, size, start)
+            return read_all(fd, size, start)
         finally:
             os.close(fd)
 
@@ -179,7 +157,7 @@ class KeptFile:
             at, end = start, self.size if stop is None else min(stop, self.size)
             while at < end:
                 n = min(piece, end - at)
-                yield await asyncio.to_thread(_pread_all, fd, n, at)
+                yield await asyncio.to_thread(read_all, fd, n, at)
                 at += n
         finally:
             os.close(fd)
@@ -262,7 +240,7 @@ class ResultSpool:
             segment.size += size  # counted at once: `used` must not lag a write under way
             segment.live += 1
             try:
-                await asyncio.to_thread(_write_all, segment.fd, data, offset)
+                await asyncio.to_thread(write_all, segment.fd, data, offset)
             except BaseException:
                 segment.live -= 1  # its bytes stay counted in the segment until it closes
                 with self.lock:

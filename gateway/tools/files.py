@@ -20,6 +20,7 @@ written here, and tests/test_result_files.py opens every file with them.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -88,7 +89,7 @@ class ArrayFile:
         self.offsets: dict[str, int] = {}
         self._lock = threading.Lock()
         header = _npy_header(arrays[0]) if format == NPY else self._safetensors_header(arrays, metadata or {})
-        _pwrite(self.fd, header, 0)
+        write_all(self.fd, header, 0)
         self.size = len(header) + sum(a.nbytes for a in arrays)
         os.ftruncate(self.fd, self.size)  # laid out whole: unwritten rows read as zeros
 
@@ -109,19 +110,19 @@ class ArrayFile:
         """Rows `start`.. of `array`, as they are final."""
         a = self.arrays[array]
         data = np.ascontiguousarray(rows, dtype=a.dtype)
-        _pwrite(self.fd, data.tobytes(), self._offset(a, start, len(data)))
+        write_all(self.fd, data.tobytes(), self._offset(a, start, len(data)))
 
     def add(self, array: str, start: int, rows: np.ndarray) -> None:
         """Add `rows` to those at `start`.. (positions several windows share, each with its weight)."""
         a = self.arrays[array]
         with self._lock:  # a read, then a write: two windows of one stretch must not interleave
             at = self._offset(a, start, len(rows))
-            now = np.frombuffer(os.pread(self.fd, len(rows) * a.row_bytes, at), dtype=a.dtype).reshape(len(rows), *a.shape[1:])
-            _pwrite(self.fd, (now + rows.astype(a.dtype)).tobytes(), at)
+            now = np.frombuffer(read_all(self.fd, len(rows) * a.row_bytes, at), dtype=a.dtype).reshape(len(rows), *a.shape[1:])
+            write_all(self.fd, (now + rows.astype(a.dtype)).tobytes(), at)
 
     def read(self, array: str, start: int, stop: int) -> np.ndarray:
         a = self.arrays[array]
-        data = os.pread(self.fd, (stop - start) * a.row_bytes, self._offset(a, start, stop - start))
+        data = read_all(self.fd, (stop - start) * a.row_bytes, self._offset(a, start, stop - start))
         return np.frombuffer(data, dtype=a.dtype).reshape(stop - start, *a.shape[1:]).copy()
 
     def _offset(self, a: Array, start: int, rows: int) -> int:
@@ -137,19 +138,34 @@ class ArrayFile:
 
 
 def _npy_header(a: Array) -> bytes:
-    import io
-
     out = io.BytesIO()
     npy.write_array_header_1_0(out, {"descr": npy.dtype_to_descr(a.dtype), "fortran_order": False, "shape": a.shape})
     return out.getvalue()
 
 
-def _pwrite(fd: int, data: bytes, offset: int) -> None:
+def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """All of `data` at `offset` (a `pwrite` may write less than asked)."""
     view = memoryview(data)
     while view:
         written = os.pwrite(fd, view, offset)
         view = view[written:]
         offset += written
+
+
+def read_all(fd: int, n: int, offset: int) -> bytes:
+    """`n` bytes at `offset` (a `pread` may read less than asked); OSError if the file ends first."""
+    data = os.pread(fd, n, offset)
+    if len(data) == n:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < n:
+        more = os.pread(fd, n - got, offset + got)
+        if not more:
+            raise OSError(f"the file ended {n - got} bytes short")
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
 
 
 class TrackFiles:

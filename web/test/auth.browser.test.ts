@@ -53,6 +53,16 @@ async function open(base = gateway.url): Promise<Watched> {
   return watched
 }
 
+/** Run the form, give the token when the gateway asks for it, and wait for the job to end. */
+async function runSignedIn(page: Page): Promise<Locator> {
+  const job = await run(page)
+  await page.locator('#login').waitFor({state: 'visible'})
+  await page.fill('#login input', TOKEN)
+  await page.click('#login button[type=submit]')
+  await finished(job)
+  return job
+}
+
 const steps = (job: Locator) => job.locator('.timeline li').evaluateAll((items) => items.map((li) => li.getAttribute('data-status')))
 
 /** No URL the page asked for holds the token; the ones that needed it sent it as a header. */
@@ -191,11 +201,7 @@ describe('the dashboard on a gateway with tokens', () => {
     const {page} = watched
     await page.fill('[data-field=prompts] textarea', 'The result as a file')
     await page.fill('[data-field=max_tokens] input', '8')
-    const job = await run(page)
-    await page.locator('#login').waitFor({state: 'visible'})
-    await page.fill('#login input', TOKEN)
-    await page.click('#login button[type=submit]')
-    await finished(job)
+    const job = await runSignedIn(page)
     const result = JSON.parse((await job.locator('.raw pre').textContent()) ?? '{}') as unknown
     const jobId = (await job.locator('.job-id').getAttribute('title'))!
     const link = job.locator('a.download-result')
@@ -229,11 +235,7 @@ describe('the dashboard on a gateway with tokens', () => {
     await page.fill('[data-field=texts] textarea', 'Vectors in a file')
     await page.selectOption('[data-field=pooling] select', 'per_token')
     await page.selectOption('[data-field=file] select', 'npy')
-    const job = await run(page)
-    await page.locator('#login').waitFor({state: 'visible'})
-    await page.fill('#login input', TOKEN)
-    await page.click('#login button[type=submit]')
-    await finished(job)
+    const job = await runSignedIn(page)
     const result = JSON.parse((await job.locator('.raw pre').textContent()) ?? '{}') as {files?: {name: string; size: number}[]}
     const file = result.files?.find((f) => f.name === 'embeddings.npy') ?? assert.fail(`no embeddings.npy in ${JSON.stringify(result.files)}`)
     const jobId = (await job.locator('.job-id').getAttribute('title'))!
