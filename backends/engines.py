@@ -57,6 +57,7 @@ from backends import loading as models
 from backends.base import NULL, Relaying, files_folder, sent
 from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
 from backends.spreading import Spread, cut
+from gateway import checkpoints
 from gateway.config import Settings
 from gateway import params as params_mod
 from gateway.errors import ApiError
@@ -70,6 +71,9 @@ from gateway.tools.batching import Chunked
 log = logging.getLogger("streamgate.engines")
 
 BACKOFF_FIRST_S = 0.5
+# Times a job goes on from its checkpoint after its engine died: a job that kills its engine
+# itself (its memory) would otherwise take the next one down too, over and over.
+MAX_RESUMES = 2
 BACKOFF_MAX_S = 30.0
 HEALTHY_AFTER_S = 60.0  # an engine that lived this long starts the backoff over when it exits
 STOP_GRACE_S = 5.0  # on the gateway's stop: SIGTERM, then SIGKILL after this long
@@ -109,6 +113,28 @@ class EngineLink(Link):
         self.ready_since_start = False
         self.tool_of: Any = None  # a tool by name (the backend's), to submit the waiting jobs again
         self._requeuing: asyncio.Task[None] | None = None
+        # The jobs' checkpoints (gateway/checkpoints.py), one folder each, in the gateway's own result
+        # files folder: an engine that dies takes none of them with it.
+        self.checkpoints = os.path.join(self.files_folder, "checkpoints") if self.files_folder else None
+
+    def _checkpoint(self, job: Job, tool: Tool) -> str | None:
+        """The folder of `job`'s checkpoint, if its tool keeps one (a `Chunked` tool's), removed when it ends."""
+        if self.checkpoints is None or not isinstance(tool.spread, Chunked) or tool.spread.resumable is None:
+            return None
+        folder = os.path.join(self.checkpoints, job.id)
+        if job.resumes == 0:
+            job.on_end.append(lambda _: self.spawn(asyncio.to_thread(shutil.rmtree, folder, True)))
+        return folder
+
+    def resumable(self, job: Job) -> bool:
+        """Whether a running job of an engine that died goes on in the next from its checkpoint: it
+        has finished some pieces, was not cancelled, and has not gone on so too often already."""
+        if job.resumes >= MAX_RESUMES or job.cancel_requested.is_set() or self.checkpoints is None:
+            return False
+        try:
+            return os.path.getsize(os.path.join(self.checkpoints, job.id, checkpoints.JOURNAL)) > 0
+        except OSError:
+            return False
 
     async def _submit(self, job: Job, tool: Tool) -> None:
         """The `submit` op on the socket: returns once the engine answers `accepted`."""
@@ -119,6 +145,7 @@ class EngineLink(Link):
         op = Submit(
             tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, request_id=request_id.get(),
             traceparent=tracing.traceparent(job.span), files=not getattr(job, "inline_only", False), **sent(job.params),
+            checkpoint=self._checkpoint(job, tool), resumed=job.resumes > 0,
         )
         try:
             await socket.send(encode(op).decode())
@@ -182,18 +209,28 @@ class EngineLink(Link):
         self.abandoned.clear()  # a new engine has none of them
         self._closed()
         keep = self.ready_since_start  # an engine that never got ready is in a crash loop: nothing waits on it
+        going_on: list[Job] = []  # running ones that go on from their checkpoints, first: they started first
         for remote in list(self.jobs.values()):
-            if keep and remote.job.started is None:
-                self.jobs.pop(remote.job.id, None)
-                self.waiting.append(remote.job)
+            job = remote.job
+            if keep and (job.started is None or self.resumable(job)):
+                self.jobs.pop(job.id, None)
+                if job.started is None:
+                    self.waiting.append(job)
+                else:
+                    job.resumes += 1
+                    going_on.append(job)
             else:
                 self._end(remote, f"the engine {reason}; it is restarting: try again")
+        self.waiting[:0] = going_on
         if not keep:
             for job in self.waiting:
                 job.fail(Code.BACKEND_UNAVAILABLE, f"the engine {reason} before it was ready; try again")
             self.waiting.clear()
         for position, job in enumerate(self.waiting, 1):
-            job.set_status(Status.QUEUED, position=position, message="the engine is restarting")
+            message = "the engine is restarting"
+            if job.resumes and job.started is not None:
+                message = f"the engine {reason}; the job goes on from its last finished piece once it is back"
+            job.set_status(Status.QUEUED, position=position, message=message)
         self.ready_since_start = False
         if self.waiting and (self._requeuing is None or self._requeuing.done()):
             self._requeuing = asyncio.create_task(self._requeue())

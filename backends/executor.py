@@ -53,6 +53,7 @@ from backends.local import LocalBackend
 from gateway import params as params_mod
 from gateway.admission import Admission, Applicant
 from gateway.config import Settings
+from gateway import checkpoints
 from gateway.cost import inline_only
 from gateway.tools.files import format_of
 from gateway.plumbing import tracing
@@ -304,11 +305,16 @@ class Executor:
         # The gateway's tenant, as its own queue would count it; a gateway that sends none is one tenant.
         tenant = submitted.tenant if submitted.tenant is not None else SESSION + session_id
         inline = inline_only.set(not submitted.files)
+        # A folder only an engine's own gateway names: one on this machine, of this user.
+        given = checkpoints.given.set(
+            checkpoints.Checkpoint(submitted.checkpoint, submitted.resumed) if submitted.checkpoint and self.inline_results else None
+        )
         try:
             with tracing.continued(submitted.traceparent):  # the job's spans here are of the gateway's job's trace
                 job = await self.admission.admit(tool, params, Applicant(tenant, submitted.weight), job_id=submitted.job_id)
         finally:
             inline_only.reset(inline)
+            checkpoints.given.reset(given)
         # Held from here on, with no await between: the job cannot have ended yet (the executor keeps no store).
         session = self.session(session_id)
         entry = Entry(job, session)

@@ -31,6 +31,7 @@ from backends.queue import JobQueue
 from backends.served import ServedModel
 from gateway.models import sae as sae_files
 from gateway.config import Settings
+from gateway import checkpoints
 from gateway.cost import DEFAULT_FILE_BYTES, DEFAULT_RESULT_BYTES, FILE_FIELD, Budget, Cost, default_job_memory, inline_only
 from gateway.encoding import to_json
 from gateway.errors import ApiError
@@ -266,6 +267,11 @@ class LocalBackend(Backend):
         if not self.ready_for(job.model):
             raise self.not_ready_error(job.model)
         job.files.folder = self.files_folder
+        checkpoint = checkpoints.given.get()
+        if checkpoint is not None:  # its files with its checkpoint: a run after this one's crash finds both
+            os.makedirs(checkpoint.folder, 0o700, exist_ok=True)  # one mkdir: cheaper than a thread hop
+            job.checkpoint = checkpoint
+            job.files.folder, job.files.resumed = checkpoint.folder, checkpoint.resumed
         served.queue.put(job, retry_after=served.eta(len(served.queue) + 1))
 
     def cancel(self, job: Job) -> None:

@@ -51,6 +51,7 @@ from gateway.protocol import (
     kept_marker,
     now,
 )
+from gateway.checkpoints import Checkpoint
 from gateway.encoding import to_json
 from gateway.tools.base import Cancelled
 from gateway.tools.files import MAX_FILES
@@ -107,6 +108,10 @@ class Job:
         # session) takes their events in one pass, where a waiting task per job woke once per event.
         self.listeners: list[Callable[[Event], None]] = []
         self.files = ResultFiles(self.id)
+        # Where its run keeps what it finished, for a run after a crash to go on from (gateway/checkpoints.py),
+        # and how often it went on so.
+        self.checkpoint: Checkpoint | None = None
+        self.resumes = 0
         self._pending_progress: Progress | None = None
         self._progress_timer: asyncio.TimerHandle | None = None
         self._last_progress = 0.0
@@ -371,6 +376,9 @@ class ResultFiles:
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
         self.folder: str | None = None
+        # A run that goes on from a checkpoint (gateway/checkpoints.py): its files, in the checkpoint's
+        # folder, hold the rows the runs before it wrote, and are opened as they are.
+        self.resumed = False
         self.paths: dict[str, str] = {}
         self.kept: dict[str, Kept] = {}
         self._lock = threading.Lock()  # runs open files on their threads; the loop ends the job
@@ -390,6 +398,9 @@ class ResultFiles:
             if name not in self.paths and len(self.paths) >= MAX_FILES:
                 raise RuntimeError(f"result file {name!r}: a job writes at most {MAX_FILES} files")
             path = os.path.join(self.folder, f"{self.job_id}.{name}")
+            if self.resumed and name not in self.paths and os.path.exists(path):
+                self.paths[name] = path
+                return open(path, "r+b")
             # Written again when a job's work is run again alone after its batch failed: a new file, so
             # that what the first try still holds open (a bigWig finishing as it is freed) writes elsewhere.
             with contextlib.suppress(FileNotFoundError):
@@ -479,3 +490,7 @@ class JobContext:
 
     def file(self, name: str) -> IO[bytes]:
         return self._job.files.open(name)
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        return self._job.checkpoint

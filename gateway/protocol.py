@@ -417,6 +417,10 @@ class SubmitRequest(msgspec.Struct):
     # False: a part of a job cut over engines (backends/spreading.py), whose result is merged with the
     # others': refused (413) rather than written as files, so that the gateway runs the job whole.
     files: bool = True
+    # An engine's job only: the folder of its checkpoint (gateway/checkpoints.py), and whether a run
+    # before this one (in an engine that died) left it, to go on from.
+    checkpoint: str | None = None
+    resumed: bool = False
 
 
 class Submit(SubmitRequest, tag_field="op", tag="submit"):

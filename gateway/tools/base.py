@@ -70,6 +70,11 @@ class Context(Protocol):
         one event written in parts (gateway/tools/files.py). Its result names it in a `ResultFile`;
         clients fetch it from `GET /jobs/{id}/files/{name}`."""
 
+    @property
+    def checkpoint(self) -> Any:
+        """Where the run keeps the pieces it finished (gateway/checkpoints.py), if its job has a checkpoint:
+        a run that goes on after a crash skips them. `Chunked` tools use it (gateway/tools/batching.py)."""
+
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 

@@ -158,6 +158,10 @@ class Chunked:
     items: str = ""
     per_item: tuple[str, ...] = ()
     weight: Callable[[str], float] = len
+    # Whether a job's finished chunks may be kept in its checkpoint (gateway/checkpoints.py) and
+    # skipped when it runs again after its engine died: its outputs pickle, and a chunk run twice
+    # gives what it gave once. None: never.
+    resumable: Callable[[Any], bool] | None = None
 
     def batch(self, model: Model) -> ChunkSteps:
         """The tool's `batch`: its jobs' chunks, one a step (`ChunkSteps`)."""
@@ -165,14 +169,73 @@ class Chunked:
 
     def many(self, model: Model, jobs: list[Any], ctxs: list[Context]) -> list[Any]:
         """Every chunk in turn on this device, in one call (a job run alone, or again after a failure)."""
-        chunks = self.plan(model, jobs, ctxs)
-        progress = ChunkProgress(chunks, ctxs, self.unit)
-        outputs: dict[tuple[int, int], Any] = {}
-        for chunk in chunks:
+        run = ChunkRun(self, model, jobs, ctxs)
+        for chunk in run.chunks:
             raise_if_all_cancelled(ctxs)
-            outputs.update(zip(chunk.items, self.run(model, jobs, chunk)))
-            progress.advance(chunk)
-        return self.assemble(model, jobs, outputs)
+            run.done(chunk, self.run(model, jobs, chunk))
+        return self.assemble(model, jobs, run.outputs)
+
+
+SINKS = "sinks"  # a Chunk's extra: {job: what its outputs are written into (its result files)}, each of its items' output
+_IN_SINK = "in sink"  # what a checkpoint keeps for an output that is its job's sink: its rows are in the job's files
+
+
+class ChunkRun:
+    """A `Chunked` tool's jobs' plan, as it runs: the chunks left (`chunks`), the outputs so far
+    (`outputs`), their progress, and their checkpoints. A job with a checkpoint that a run
+    before this one left (its engine died) has its finished items' outputs back, and those
+    items leave the plan; each chunk done is kept in its jobs' checkpoints before its progress
+    is told."""
+
+    def __init__(self, work: Chunked, model: Model, jobs: list[Any], ctxs: Sequence[Context]) -> None:
+        chunks = work.plan(model, jobs, ctxs)
+        self.progress = ChunkProgress(chunks, ctxs, work.unit)
+        self.outputs: dict[tuple[int, int], Any] = {}
+        self.checkpoints = {
+            job: checkpoint
+            for job, ctx in enumerate(ctxs)
+            if (checkpoint := getattr(ctx, "checkpoint", None)) is not None and work.resumable is not None and work.resumable(jobs[job])
+        }
+        self.chunks = self._resumed(chunks) if self.checkpoints else chunks
+
+    def _resumed(self, chunks: list[Chunk]) -> list[Chunk]:
+        finished = {job: checkpoint.finished() for job, checkpoint in self.checkpoints.items()}
+        if not any(finished.values()):
+            return chunks
+        for job in finished:
+            # Its last item runs again: a run that writes files opens them with its first rows.
+            last = next((key for chunk in reversed(chunks) for key in reversed(chunk.items) if key[0] == job), None)
+            if last is not None:
+                finished[job].pop(last[1], None)
+        left: list[Chunk] = []
+        restored: list[tuple[int, int]] = []
+        for chunk in chunks:
+            keep = [at for at, (job, item) in enumerate(chunk.items) if item not in finished.get(job, ())]
+            if len(keep) == len(chunk.items) or not isinstance(chunk.data, list):
+                left.append(chunk)
+                continue
+            sinks = chunk.extra.get(SINKS, {})
+            for at, key in enumerate(chunk.items):
+                if at not in keep:
+                    output = finished[key[0]][key[1]]
+                    self.outputs[key] = sinks[key[0]] if isinstance(output, str) and output == _IN_SINK else output
+                    restored.append(key)
+            if keep:
+                data = [chunk.data[at] for at in keep]
+                left.append(Chunk([chunk.items[at] for at in keep], data, max(len(row) for row in data), chunk.extra))
+        self.progress.count(restored)
+        return left
+
+    def done(self, chunk: Chunk, outputs: list[Any]) -> None:
+        """`chunk` ran: its outputs kept, in its jobs' checkpoints too, and its progress told."""
+        self.outputs.update(zip(chunk.items, outputs))
+        sinks = chunk.extra.get(SINKS, {})
+        for job, checkpoint in self.checkpoints.items():
+            sink = sinks.get(job)
+            pieces = [(item, _IN_SINK if sink is not None and out is sink else out) for (j, item), out in zip(chunk.items, outputs) if j == job]
+            if pieces:
+                checkpoint.record(pieces)
+        self.progress.advance(chunk)
 
 
 class ChunkSteps:
@@ -191,9 +254,8 @@ class ChunkSteps:
     def __init__(self, model: Model, work: Chunked) -> None:
         self.model, self.work = model, work
         self.members: list[tuple[Any, Context]] = []
+        self._run: ChunkRun | None = None
         self._chunks: collections.deque[Chunk] | None = None
-        self._outputs: dict[tuple[int, int], Any] = {}
-        self._progress: ChunkProgress | None = None
 
     def __len__(self) -> int:
         return len(self.members)
@@ -207,17 +269,16 @@ class ChunkSteps:
         if all(ctx.cancelled for ctx in ctxs):
             return self._end([Cancelled()] * len(ctxs))
         try:
-            if self._chunks is None:
-                chunks = self.work.plan(self.model, jobs, ctxs)
-                self._chunks, self._progress = collections.deque(chunks), ChunkProgress(chunks, ctxs, self.work.unit)
+            if self._run is None:
+                self._run = ChunkRun(self.work, self.model, jobs, ctxs)
+                self._chunks = collections.deque(self._run.chunks)
+            assert self._chunks is not None
             if self._chunks:
                 chunk = self._chunks.popleft()
-                self._outputs.update(zip(chunk.items, self.work.run(self.model, jobs, chunk)))
-                assert self._progress is not None
-                self._progress.advance(chunk)
+                self._run.done(chunk, self.work.run(self.model, jobs, chunk))
             if self._chunks:
                 return []
-            results: list[Any] = self.work.assemble(self.model, jobs, self._outputs)
+            results: list[Any] = self.work.assemble(self.model, jobs, self._run.outputs)
         except Exception as exc:
             if len(jobs) == 1 or isinstance(exc, Cancelled):
                 return self._end([exc] * len(jobs))
@@ -226,7 +287,7 @@ class ChunkSteps:
 
     def _end(self, outcomes: list[Any]) -> list[tuple[Context, Any]]:
         ended = [(ctx, outcome) for (_, ctx), outcome in zip(self.members, outcomes)]
-        self.members, self._chunks, self._outputs = [], None, {}
+        self.members, self._run, self._chunks = [], None, None
         return ended
 
     def _alone(self, params: Any, ctx: Context) -> Any:
@@ -258,10 +319,13 @@ class ChunkProgress:
                     self.units[job] = "windows"
 
     def advance(self, chunk: Chunk) -> None:
-        jobs = sorted({job for job, _ in chunk.items})
-        for job, _ in chunk.items:
+        self.count(chunk.items)
+
+    def count(self, items: Sequence[tuple[int, Any]]) -> None:
+        """These items are done (a chunk ran, or a run before this one finished them)."""
+        for job, _ in items:
             self.done[job] += 1
-        for job in jobs:
+        for job in sorted({job for job, _ in items}):
             self.ctxs[job].progress(self.done[job], self.total[job], self.units[job])
 
 

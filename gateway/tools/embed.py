@@ -41,7 +41,7 @@ from gateway.protocol import ResultFile
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.files import NPY, Array, ArrayFile, file_bytes
 from gateway.tools import windows
-from gateway.tools.batching import Chunk, Chunked, WindowItem, chunk_peak, sorted_chunks
+from gateway.tools.batching import SINKS, Chunk, Chunked, WindowItem, chunk_peak, sorted_chunks
 from gateway.tools.windows import Framed, Share, Sizes, Stitch, WindowIds, WindowParams, WindowPlan
 
 EMBED_BATCH = 16  # texts per forward pass at most
@@ -366,7 +366,7 @@ def _plan(model: Model, jobs: list[EmbedParams], ctxs: Any = None, by_length: bo
     chunks = sorted_chunks(items, EMBED_BATCH, max_tokens=EMBED_TOKENS, by_length=by_length)
     for chunk in chunks:
         chunk.extra["windows"] = {key: placed[key] for key in chunk.items if key in placed}
-        chunk.extra["files"] = {job: sinks[job] for job, _ in chunk.items if job in sinks}
+        chunk.extra[SINKS] = {job: sinks[job] for job, _ in chunk.items if job in sinks}
     return chunks
 
 
@@ -391,7 +391,7 @@ def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
     out: list[Any] = [None] * len(chunk.items)
     owns: dict[int, list[int]] = {}  # each pooled row's own token positions (CLS reads none)
     in_windows = chunk.extra.get("windows", {})
-    sinks: dict[int, _Files] = chunk.extra.get("files", {})
+    sinks: dict[int, _Files] = chunk.extra.get(SINKS, {})
     for row, key in enumerate(chunk.items):
         if key in in_windows:
             params = jobs[key[0]]
@@ -545,6 +545,13 @@ def _plans(model: Model, params: EmbedParams, context: bool = True) -> tuple[lis
     return plans, least
 
 
+def _resumable(params: EmbedParams) -> bool:
+    """Rows a window adds into a file (`mean`) would be added twice by a chunk run again after its
+    run died mid-way; every other output is final as a chunk gives it (a window's share, written
+    at its place)."""
+    return not (params.file is not None and params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN)
+
+
 # Per text, a pass over its tokens: its length is its share of the work.
 work = Chunked(
     plan=_plan,
@@ -553,6 +560,7 @@ work = Chunked(
     unit="texts",
     items="texts",
     per_item=("embeddings", "tokens", "plans", "context"),
+    resumable=_resumable,
 )
 
 

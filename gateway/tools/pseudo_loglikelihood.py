@@ -192,6 +192,7 @@ def _weight(sequence: str) -> float:
 work = Chunked(
     plan=_plan, run=_run, assemble=_assemble, unit="positions",  # type: ignore[arg-type]
     items="sequences", per_item=("pll", "tokens_scored", "per_position", "tokens", "plans", "context"), weight=_weight,
+    resumable=lambda params: True,  # each masked copy's log-probability, a float
 )
 
 

@@ -3,7 +3,9 @@ a job whose texts are cut over a model's engines."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import signal
 import time
 from typing import Any
 
@@ -11,7 +13,9 @@ import msgspec
 import torch
 
 from gateway.tools import Cancelled, Context, Model, tool
-from gateway.tools.batching import Chunk, Chunked, one_pass, sorted_chunks
+from gateway.tools import embed as embed_tool
+from gateway.tools.batching import Chunk, Chunked, WindowItem, one_pass, sorted_chunks
+from gateway.tools.embed import EmbedParams
 
 
 class NapParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -93,3 +97,29 @@ _lengths = Chunked(
 def lengths(model: Model, params: LengthsParams, ctx: Context) -> Lengths:
     """Each text's length and the process that measured it: a job cut over a model's engines."""
     return _lengths.many(model, [params], [ctx])[0]
+
+
+class DyingEmbedParams(EmbedParams):
+    """`embed`'s params, and when its engine is to die: before the first chunk that holds window
+    `die_at` of a text, if the file `marker` does not exist yet (it is made then: one death)."""
+
+    die_at: int = 0
+    marker: str = ""
+
+
+def _run_or_die(model: Model, jobs: list[Any], chunk: Chunk) -> list[Any]:
+    for job, item in chunk.items:
+        params = jobs[job]
+        if isinstance(item, WindowItem) and item.window >= params.die_at and params.marker and not os.path.exists(params.marker):
+            open(params.marker, "x").close()
+            os.kill(os.getpid(), signal.SIGKILL)  # the engine, mid-job, as the out-of-memory killer would
+    return embed_tool.work.run(model, jobs, chunk)
+
+
+_dying = dataclasses.replace(embed_tool.work, run=_run_or_die, items="", per_item=())
+
+
+@tool(check=embed_tool.check, cost=embed_tool.cost, sequences=("texts",), batch=_dying.batch, spread=_dying)
+def embed_dying(model: Model, params: DyingEmbedParams, ctx: Context) -> embed_tool.EmbedResult:
+    """`embed`, whose engine is killed once mid-job: its job goes on from its checkpoint in the next one."""
+    return _dying.many(model, [params], [ctx])[0]

@@ -1,0 +1,151 @@
+"""A job that goes on from its last finished window (gateway/checkpoints.py): a chunked run keeps
+each chunk's outputs in the job's checkpoint, and a run after its engine died skips them. Tested
+on a real engine process killed mid-job, its numbers against windows computed here in plain
+transformers."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import pickle
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from safetensors.numpy import load as load_safetensors
+
+from gateway.checkpoints import Checkpoint
+from gateway.tools import embed, windows
+from gateway.tools.windows import Sizes, Stitch
+from tests.conftest import run_stream, wait_until
+from tests.test_engines import copies, start_gateway
+from tests.support.processes import ServeProcess
+from tests.test_windows import protein, windowed_states
+
+
+@pytest.fixture(scope="module")
+def esm_path(tiny: Callable[..., Path]) -> Path:
+    return tiny("esm_mlm")
+
+
+class Ctx:
+    """A run's context with a checkpoint: what an engine's job gives its run."""
+
+    job_id = "job"
+    cancelled = False
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+        self.frames: list[tuple[int, int | None, str | None]] = []
+
+    def progress(self, done: int, total: int | None = None, unit: str | None = None) -> None:
+        self.frames.append((done, total, unit))
+
+    def raise_if_cancelled(self) -> None:
+        pass
+
+
+def same(a: embed.EmbedResult, b: embed.EmbedResult) -> bool:
+    """Equal results, but for the last bits that how many rows shared a pass may move."""
+    assert a.plans == b.plans and a.embeddings is not None and b.embeddings is not None
+    return all(np.abs(np.asarray(x) - np.asarray(y)).max() <= 1e-6 for x, y in zip(a.embeddings, b.embeddings, strict=True))
+
+
+def test_a_run_given_what_a_run_before_it_finished_computes_only_the_rest_and_gives_the_same(esm_path: Path, tmp_path: Path) -> None:
+    from backends import loading
+
+    model = loading.load(loading.resolve(str(esm_path)), "cpu", "float32")
+    params = embed.EmbedParams(texts=[protein(2000, seed=1), protein(300, seed=2)], window=100, overlap=30, pooling="mean")
+    whole = embed.work.many(model, [params], [Ctx(Checkpoint(str(tmp_path / "none")))])[0]
+
+    first = Checkpoint(str(tmp_path / "cp"))
+    os.mkdir(first.folder)
+    ran: list[int] = []
+    counting = dataclasses.replace(embed.work, run=lambda m, jobs, chunk: ran.append(len(chunk.items)) or embed.work.run(m, jobs, chunk))
+    ctx = Ctx(first)
+    assert same(counting.many(model, [params], [ctx])[0], whole)
+    windows_total = ctx.frames[-1][1]
+    assert ctx.frames[-1] == (windows_total, windows_total, "windows") and sum(ran) == windows_total
+
+    # A run killed mid-way leaves its first records, and a torn one: the next run keeps the whole
+    # ones, drops the torn one, and computes the rest only.
+    data = Path(first.path).read_bytes()
+    records, at = [], 0
+    while at < len(data):
+        n = int.from_bytes(data[at : at + 8], "little")
+        records.append(data[at : at + 8 + n])
+        at += 8 + n
+    assert len(records) >= 3
+    Path(first.path).write_bytes(b"".join(records[:2]) + records[2][:20])
+    kept = sum(len(pickle.loads(r[8:])) for r in records[:2])
+
+    ran.clear()
+    again = Ctx(Checkpoint(first.folder, resumed=True))
+    assert same(counting.many(model, [params], [again])[0], whole)
+    assert sum(ran) == windows_total - kept  # the finished windows were not run again
+    assert again.frames[0] == (kept, windows_total, "windows")  # counted once: the first frame is where it was
+    assert [d for d, _, _ in again.frames] == sorted(d for d, _, _ in again.frames)
+
+
+@pytest.fixture(scope="module")
+def engine(esm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, Path]]:
+    """A gateway with the model in an engine process, its result files in `spool`."""
+    tmp = tmp_path_factory.mktemp("engine")
+    spool = tmp / "spool"
+    spool.mkdir()
+    gateway = start_gateway(tmp, f"esm={esm_path}", extra=("--result-spool", str(spool)))
+    yield gateway, spool
+    gateway.stop()
+
+
+@pytest.mark.parametrize("file", [None, "safetensors"])
+def test_a_job_whose_engine_is_killed_mid_way_goes_on_from_its_last_finished_window_in_the_next(
+    engine: tuple[ServeProcess, Path], esm_path: Path, tmp_path: Path, file: str | None
+) -> None:
+    """`embed_dying` (tests/support/engine_tools.py) is `embed` whose engine is SIGKILLed once, at
+    window 40 of 42: the job is queued again, runs on the new engine from its checkpoint, and
+    ends once with what the windows computed here give; its progress never goes back."""
+    gateway, spool = engine
+    url = gateway.url
+    before = copies(gateway)[0]
+    sequence = protein(3000, seed=3)
+    params: dict[str, Any] = {"texts": [sequence], "window": 100, "overlap": 30, "pooling": "per_token"}
+    if file:
+        params["file"] = file
+    marker = tmp_path / "died"
+    s = run_stream(url, "embed_dying", params | {"die_at": 40, "marker": str(marker)})
+    assert marker.exists() and s.terminal is not None and s.terminal["event"] == "data", s.events[-3:]
+    assert [e["event"] for e in s.events].count("data") + [e["event"] for e in s.events].count("error") == 1
+    after = copies(gateway)[0]
+    assert after["restarts"] == before["restarts"] + 1 and after["pid"] != before["pid"]
+
+    statuses = [e["data"] for e in s.of("status")]
+    told = next(i for i, f in enumerate(statuses) if "goes on from its last finished piece" in f.get("message", ""))
+    assert statuses[told]["status"] == "QUEUED" and "SIGKILL" in statuses[told]["message"]
+    frames = [f["progress"] for f in statuses if "progress" in f]
+    cut = windows.plan(3000, Sizes(100, 30, Stitch.CENTER))
+    assert frames[-1] == {"done": len(cut), "total": len(cut), "unit": "windows"}
+    assert [f["done"] for f in frames] == sorted(f["done"] for f in frames)
+    # On the new engine it went on from its checkpoint: 32 windows (two chunks of 16) were kept.
+    resumed = [f["progress"]["done"] for f in statuses[told:] if "progress" in f]
+    assert resumed[0] >= 32, resumed
+
+    want = windowed_states(esm_path, sequence, 100, 30, "center")
+    out = s.terminal["data"]
+    if file:
+        job_id = s.events[0]["data"]["job_id"]
+        arrays = load_safetensors(httpx.get(f"{url}/jobs/{job_id}/files/embeddings.safetensors").content)
+        got = arrays["embeddings.0"]
+        assert (arrays["context.0"] == windows.context(cut, Stitch.CENTER)).all()
+    else:
+        got = np.array(out["embeddings"][0], dtype=np.float32)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5
+    assert out["plans"][0]["windows"] == [list(w) for w in cut]
+
+    # The checkpoint went with the job: nothing is left of it in the gateway's folder.
+    pattern = str(spool / f"streamgate-files-{gateway.proc.pid}-*" / "checkpoints" / "*")
+    wait_until(lambda: glob.glob(pattern) == [], timeout=10, what="the checkpoint to be removed")
