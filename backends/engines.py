@@ -592,7 +592,7 @@ class EngineBackend(RemoteBackend):
         """Submit `job` as parts, one to each of `links`; False (nothing submitted) when it does not split
         or an engine refused its part."""
         entries = getattr(job.params, work.items, None)
-        if not isinstance(entries, list) or len(entries) < 2:
+        if not isinstance(entries, list) or len(entries) < 2 or (work.whole is not None and work.whole(job.params)):
             return False
         runs = cut(entries, len(links), work.weight)
         spread = Spread(job, work, runs, self._cancel_one)

@@ -460,7 +460,8 @@ class Worker:
         added = admit(joining)
         if not members:
             return
-        if tool.spread is not None and len(self.peers) > 1:
+        whole = (keep := getattr(tool.spread, "whole", None)) is not None and any(keep(p) for p, _ in added)
+        if tool.spread is not None and len(self.peers) > 1 and not whole:  # (partial events go out in order from one device)
             self.batch_sizes[len(members)] += 1
             try:
                 ended = await self._spread(tool, batch, added)

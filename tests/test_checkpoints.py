@@ -41,6 +41,10 @@ class Ctx:
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.checkpoint = checkpoint
         self.frames: list[tuple[int, int | None, str | None]] = []
+        self.partials: list[Any] = []
+
+    def partial(self, obj: Any) -> None:
+        self.partials.append(obj)
 
     def progress(self, done: int, total: int | None = None, unit: str | None = None) -> None:
         self.frames.append((done, total, unit))
@@ -116,6 +120,8 @@ def test_a_job_whose_engine_is_killed_mid_way_goes_on_from_its_last_finished_win
     params: dict[str, Any] = {"texts": [sequence], "window": 100, "overlap": 30, "pooling": "per_token"}
     if file:
         params["file"] = file
+    else:
+        params["partials"] = True
     marker = tmp_path / "died"
     s = run_stream(url, "embed_dying", params | {"die_at": 40, "marker": str(marker)})
     assert marker.exists() and s.terminal is not None and s.terminal["event"] == "data", s.events[-3:]
@@ -143,9 +149,41 @@ def test_a_job_whose_engine_is_killed_mid_way_goes_on_from_its_last_finished_win
         assert (arrays["context.0"] == windows.context(cut, Stitch.CENTER)).all()
     else:
         got = np.array(out["embeddings"][0], dtype=np.float32)
+        # Each window's rows streamed once, in order, across the engine's death: those the dead
+        # engine had sent are not sent again.
+        parts = [e["data"] for e in s.of("partial")]
+        shares = windows.shares(cut, Stitch.CENTER)
+        assert [(p["text"], p["start"], p["end"]) for p in parts] == [(0, share.start, share.end) for share in shares]
+        assert [row for p in parts for row in p["embeddings"]] == out["embeddings"][0]
     assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5
     assert out["plans"][0]["windows"] == [list(w) for w in cut]
 
     # The checkpoint went with the job: nothing is left of it in the gateway's folder.
     pattern = str(spool / f"streamgate-files-{gateway.proc.pid}-*" / "checkpoints" / "*")
     wait_until(lambda: glob.glob(pattern) == [], timeout=10, what="the checkpoint to be removed")
+
+
+def test_partials_are_each_windows_final_rows_in_order_and_a_run_that_goes_on_sends_its_finished_ones_first(
+    esm_path: Path, tmp_path: Path
+) -> None:
+    from backends import loading
+
+    model = loading.load(loading.resolve(str(esm_path)), "cpu", "float32")
+    texts = [protein(1000, seed=4), protein(500, seed=5)]
+    params = embed.EmbedParams(texts=texts, window=100, overlap=30, pooling="per_token", normalize=True, partials=True)
+    checkpoint = Checkpoint(str(tmp_path / "cp"))
+    os.mkdir(checkpoint.folder)
+    ctx = Ctx(checkpoint)
+    result = embed.work.many(model, [params], [ctx])[0]
+    for i, text in enumerate(texts):
+        parts = [p for p in ctx.partials if p.text == i]
+        # In order, each position once, and each row as the result has it.
+        assert [(p.start, p.end) for p in parts] == list(zip([0, *(p.end for p in parts[:-1])], [p.end for p in parts]))
+        assert parts[-1].end == len(text)
+        rows = np.concatenate([np.asarray(p.embeddings) for p in parts])
+        assert rows.tolist() == np.asarray(result.embeddings[i]).tolist()
+        assert [t for p in parts for t in p.tokens] == result.tokens[i]
+
+    again = Ctx(Checkpoint(checkpoint.folder, resumed=True))
+    assert same(embed.work.many(model, [params], [again])[0], result)
+    assert [(p.text, p.start, p.end) for p in again.partials] == [(p.text, p.start, p.end) for p in ctx.partials]

@@ -578,6 +578,22 @@ def test_with_every_engine_busy_a_job_goes_whole_to_the_one_with_the_fewest_wait
     assert len(set(one["pids"])) == 1 and len(set(two["pids"])) == 1 and one["pids"][0] != two["pids"][0]
 
 
+def test_a_job_that_streams_its_windows_is_not_cut_and_each_texts_rows_come_in_order(two_copies: ServeProcess) -> None:
+    """Cut over engines, a job's parts would number their texts from 0: a job with `partials` runs whole."""
+    from tests.test_windows import protein
+
+    texts = [protein(300, seed=1), protein(260, seed=2), protein(90, seed=3)]
+    done = run_stream(two_copies.url, "embed", {"texts": texts, "window": 100, "overlap": 20, "pooling": "per_token", "partials": True})
+    assert done.terminal is not None and done.terminal["event"] == "data", done.events[-3:]
+    result = done.terminal["data"]
+    parts = [e["data"] for e in done.of("partial")]
+    for i, text in enumerate(texts):
+        mine = [p for p in parts if p["text"] == i]
+        assert [p["start"] for p in mine] == [0, *(p["end"] for p in mine[:-1])] and mine[-1]["end"] == len(text)
+        assert [row for p in mine for row in p["embeddings"]] == result["embeddings"][i]
+        assert [t for p in mine for t in p["tokens"]] == result["tokens"][i]
+
+
 def test_a_killed_copy_leaves_the_models_other_copy_serving(two_copies: ServeProcess) -> None:
     url = two_copies.url
     first, second = copies(two_copies)

@@ -814,17 +814,20 @@ def test_get_tools_lists_every_new_tool_with_its_schemas(server: Any) -> None:
             {"layers", "positions", "src_positions", "labels", "target_tokens", "clean_prob", "source_prob", "prob_diff", "rank"},
         ),
         "embed": (
-            {"texts", "layer", "pooling", "normalize", "precision", "window", "overlap", "stitch", "file"},
+            {"texts", "layer", "pooling", "normalize", "precision", "window", "overlap", "stitch", "file", "partials"},
             {"dim", "layer", "pooling", "embeddings", "tokens", "plans", "context", "files"},
         ),
     }
     for name, (params, results) in expected.items():
         entry = listed[name]
-        assert entry["description"] and entry["streams_partial"] is False and entry["partial_schema"] is None
+        assert entry["description"] and entry["streams_partial"] is (name == "embed")
+        assert (entry["partial_schema"] is None) is (name != "embed")
         p, r = entry["params_schema"], entry["result_schema"]
         assert p["type"] == "object" and set(p["properties"]) == params | {"model", "tag"}, (name, p)  # every tool of sequences takes `model` and `tag`
         assert r["type"] == "object" and set(r["properties"]) == results, (name, r)
         assert json.dumps(p) and json.dumps(r)  # self-contained JSON
+    # embed's window rows, with partials.
+    assert set(listed["embed"]["partial_schema"]["properties"]) == {"text", "start", "end", "embeddings", "tokens"}
     assert set(listed["logit_lens"]["params_schema"]["required"]) == {"prompt"}
     assert set(listed["activation_patching"]["params_schema"]["required"]) == {"src_prompt", "tgt_prompt"}
     assert listed["embed"]["params_schema"]["properties"]["texts"].get("maxItems") is not None  # capped by --max-prompts

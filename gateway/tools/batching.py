@@ -162,6 +162,12 @@ class Chunked:
     # skipped when it runs again after its engine died: its outputs pickle, and a chunk run twice
     # gives what it gave once. None: never.
     resumable: Callable[[Any], bool] | None = None
+    # `partial(model, params, item, output)`: what a `partial` event of the item's job carries once
+    # the item is done (a window's rows), or None; sent in the plan's order, once each (a run that
+    # goes on from a checkpoint sends its finished items' again first, for its gateway to skip).
+    partial: Callable[[Model, Any, Any, Any], Any] | None = None
+    # A job that may not be cut over engines (one whose partial events name its inputs by index).
+    whole: Callable[[Any], bool] | None = None
 
     def batch(self, model: Model) -> ChunkSteps:
         """The tool's `batch`: its jobs' chunks, one a step (`ChunkSteps`)."""
@@ -188,6 +194,7 @@ class ChunkRun:
     is told."""
 
     def __init__(self, work: Chunked, model: Model, jobs: list[Any], ctxs: Sequence[Context]) -> None:
+        self.work, self.model, self.jobs, self.ctxs = work, model, jobs, ctxs
         chunks = work.plan(model, jobs, ctxs)
         self.progress = ChunkProgress(chunks, ctxs, work.unit)
         self.outputs: dict[tuple[int, int], Any] = {}
@@ -224,7 +231,16 @@ class ChunkRun:
                 data = [chunk.data[at] for at in keep]
                 left.append(Chunk([chunk.items[at] for at in keep], data, max(len(row) for row in data), chunk.extra))
         self.progress.count(restored)
+        self._partials(restored)
         return left
+
+    def _partials(self, keys: list[tuple[int, Any]]) -> None:
+        if self.work.partial is None:
+            return
+        for job, item in keys:
+            obj = self.work.partial(self.model, self.jobs[job], item, self.outputs[job, item])
+            if obj is not None:
+                self.ctxs[job].partial(obj)
 
     def done(self, chunk: Chunk, outputs: list[Any]) -> None:
         """`chunk` ran: its outputs kept, in its jobs' checkpoints too, and its progress told."""
@@ -236,6 +252,7 @@ class ChunkRun:
             if pieces:
                 checkpoint.record(pieces)
         self.progress.advance(chunk)
+        self._partials(chunk.items)
 
 
 class ChunkSteps:

@@ -70,6 +70,13 @@ FILE_DOC = (
 )
 
 
+PARTIALS_DOC = (
+    "With window, pooling per_token and stitch center or left: send each window's share of a text's per-token "
+    "vectors as a partial event as soon as it is computed ({text, start, end, embeddings, tokens}: positions "
+    "start..end-1 of the text's own tokens, final), in order within each text; the result still holds them all."
+)
+
+
 class EmbedParams(WindowParams, forbid_unknown_fields=True):
     texts: Annotated[list[str], msgspec.Meta(min_length=1, description="Texts, or protein or DNA sequences.")]
     layer: Annotated[
@@ -93,6 +100,20 @@ class EmbedParams(WindowParams, forbid_unknown_fields=True):
         int, msgspec.Meta(ge=0, le=10, description="Round to this many decimals. Default: float32's shortest exact form.")
     ] | None = None
     file: Annotated[FileFormat, msgspec.Meta(description=FILE_DOC)] | None = None
+    partials: Annotated[bool, msgspec.Meta(description=PARTIALS_DOC)] = False
+
+
+class EmbedPartial(msgspec.Struct):
+    """With partials: one window's share of a text's per-token vectors, as soon as it is computed."""
+
+    text: int
+    """The text's index in texts."""
+    start: int
+    """The first of its positions (the text's own tokens, from 0)."""
+    end: int
+    """Past the last of them: the vectors are those of positions start..end-1, final."""
+    embeddings: list[Any]
+    tokens: list[str]
 
 
 class EmbedResult(msgspec.Struct, omit_defaults=True):
@@ -151,6 +172,8 @@ def _sizes(model: Model, params: EmbedParams, framed: Framed) -> Sizes | None:
 def check(model: Model, params: EmbedParams) -> None:
     if params.file is not None:
         _check_file(params)
+    if params.partials:
+        _check_partials(params)
     if params.window is not None:
         _check_windows(model, params)
         return
@@ -166,6 +189,17 @@ def _check_file(params: EmbedParams) -> None:
         raise ParamError("precision", "a file holds float32 as computed; leave out precision")
     if params.file is FileFormat.NPY and len(params.texts) > 1:
         raise ParamError("file", "an .npy file holds one array: npy takes one text; safetensors takes several")
+
+
+def _check_partials(params: EmbedParams) -> None:
+    if params.window is None:
+        raise ParamError("partials", "a partial event is a window's rows: only with window")
+    if not _per_token(Pooling(params.pooling)):
+        raise ParamError("partials", "a partial event holds per-token vectors: use pooling per_token")
+    if params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN:
+        raise ParamError("partials", "with stitch mean a position is final only once every window holding it is in: use center or left")
+    if params.file is not None:
+        raise ParamError("partials", "not with file: the rows go into the files, which progress counts by window")
 
 
 def _check_windows(model: Model, params: EmbedParams) -> None:
@@ -237,6 +271,10 @@ def cost(model: Model, params: EmbedParams) -> Cost:
         result_field="pooling" if per_token else "texts",
         tokens=max(passes),
     )
+    if params.partials:
+        # Each window's rows are in the job's log too (as partial events) until it ends; as
+        # partial events they cannot be files either.
+        return dataclasses.replace(inline, memory=inline.memory + result)
     if not per_token or params.precision is not None:
         return inline
     # The plans' windows stay in the JSON (two numbers each), the rest is in the files.
@@ -545,6 +583,17 @@ def _plans(model: Model, params: EmbedParams, context: bool = True) -> tuple[lis
     return plans, least
 
 
+def _partial(model: Model, params: EmbedParams, item: Any, output: Any) -> EmbedPartial | None:
+    """A window's share of its text as a partial event (`partials`), as the result will hold it."""
+    if not params.partials or not isinstance(output, _Shared) or output.rows is None:
+        return None
+    rows = torch.from_numpy(output.rows)
+    if params.normalize:
+        rows = torch.nn.functional.normalize(rows, dim=-1)
+    texts = model.token_texts(output.ids)
+    return EmbedPartial(item.item, output.start, output.end, _array(rows, params.precision), [texts[t] for t in output.ids])
+
+
 def _resumable(params: EmbedParams) -> bool:
     """Rows a window adds into a file (`mean`) would be added twice by a chunk run again after its
     run died mid-way; every other output is final as a chunk gives it (a window's share, written
@@ -561,6 +610,8 @@ work = Chunked(
     items="texts",
     per_item=("embeddings", "tokens", "plans", "context"),
     resumable=_resumable,
+    partial=_partial,
+    whole=lambda params: params.partials,  # a part's partial events would number its texts from 0
 )
 
 
@@ -572,6 +623,7 @@ work = Chunked(
     batch=work.batch,
     spread=work,
     needs={Capability.HIDDEN_STATES},
+    partial=EmbedPartial,
 )
 def embed(model: Model, params: EmbedParams, ctx: Context) -> EmbedResult:
     """Hidden-state embeddings of each text at one layer: mean over its own tokens, cls, last, or per token."""

@@ -270,7 +270,7 @@ export interface BuiltinTools {
   embed: {
     params: EmbedParams
     result: EmbedResult
-    partial: null
+    partial: EmbedPartial
   }
   fill_mask: {
     params: FillMaskParams
@@ -624,6 +624,10 @@ export interface EmbedParams {
   normalize?: boolean
   precision?: number | null
   file?: FileFormat | null
+  /**
+   * With window, pooling per_token and stitch center or left: send each window's share of a text's per-token vectors as a partial event as soon as it is computed ({text, start, end, embeddings, tokens}: positions start..end-1 of the text's own tokens, final), in order within each text; the result still holds them all.
+   */
+  partials?: boolean
   model?: string | null
   tag?: string | null
   window?: number | null
@@ -656,6 +660,19 @@ export interface ResultFile {
   format: string
   size: number
   description?: string
+}
+/**
+ * With partials: one window's share of a text's per-token vectors, as soon as it is computed.
+ *
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "EmbedPartial".
+ */
+export interface EmbedPartial {
+  text: number
+  start: number
+  end: number
+  embeddings: unknown[]
+  tokens: string[]
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
