@@ -491,6 +491,7 @@ class EngineBackend(RemoteBackend):
         }
         self._spreads: dict[str, Spread] = {}
         self.model_order = [spec.name for spec in specs]
+        self.max_result_bytes = settings.max_result_bytes
         self.folder = Path(tempfile.mkdtemp(prefix="streamgate-engines-"))  # 0700: only this user reaches the sockets
         self.files_folder = files_folder(settings.result_spool)
         token = secrets.token_urlsafe(24)
@@ -603,8 +604,10 @@ class EngineBackend(RemoteBackend):
             self._spreads.pop(job.id, None)
             spread.drop()
             raise
-        if any(isinstance(outcome, BaseException) for outcome in outcomes):
-            # Whole, the job meets the refusal (or the acceptance) it would have met unspread.
+        # Each part was priced alone; merged, their results are one, which --max-result-bytes bounds.
+        merged = sum(part.cost.result for part in spread.parts if part.cost is not None)
+        if any(isinstance(outcome, BaseException) for outcome in outcomes) or merged > self.max_result_bytes:
+            # Whole, the job meets the refusal (or the acceptance: as files) it would have met unspread.
             self._spreads.pop(job.id, None)
             spread.drop()
             return False

@@ -204,6 +204,16 @@ def test_a_job_over_two_engines_that_needs_files_runs_whole_on_one(server, esm_p
         assert there == out
         arrays = load_safetensors(fetch(gateway.url, job_id, "embeddings.safetensors").content)
         assert arrays.keys() == here.keys() and all(np.abs(arrays[k] - here[k]).max() <= 1e-5 for k in here)
+        # Each text under the bound alone, the two over it: cut, each part would pass alone and the
+        # merged answer would not. It runs whole, as files.
+        texts = [protein(450, seed=11), protein(450, seed=12)]
+        for text in texts:
+            _, alone = ran(gateway.url, {"model": "esm", "texts": [text], "window": 0, "pooling": "per_token"})
+            assert "files" not in alone and len(alone["embeddings"][0]) == 450
+        job_id, both = ran(gateway.url, {"model": "esm", "texts": texts, "window": 0, "pooling": "per_token"})
+        assert "embeddings" not in both and [f["name"] for f in both["files"]] == ["embeddings.safetensors"]
+        arrays = load_safetensors(fetch(gateway.url, job_id, "embeddings.safetensors").content)
+        assert [arrays[f"embeddings.{i}"].shape for i in range(2)] == [(450, 32), (450, 32)]
     finally:
         gateway.stop()
 
