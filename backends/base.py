@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from gateway.backend import Backend
+from gateway.cost import inline_only
 from gateway.params import Relayed
 from gateway.protocol import ModelInfo, ToolInfo, encode
 from gateway.tools.base import Tool
@@ -78,6 +79,16 @@ def remote_tool(info: ToolInfo) -> Tool:
 
 
 NULL = msgspec.Raw(b"null")
+
+
+def answers_inline(job: Any) -> bool:
+    """Whether `job`'s result must come whole in its JSON, never as files: a part of a job cut over
+    engines (backends/spreading.py), or a job whose surface builds its answer from the result (the
+    OpenAI routes set `inline_only` around its admission). Kept on the job, for a submit made again
+    later, out of that context (its engine restarted)."""
+    if inline_only.get():
+        job.inline_only = True
+    return bool(getattr(job, "inline_only", False))
 
 
 def sent(params: Any) -> dict[str, Any]:

@@ -54,7 +54,7 @@ import websockets
 from backends import inference
 from gateway.plumbing import memory, tracing
 from backends import loading as models
-from backends.base import NULL, Relaying, files_folder, sent
+from backends.base import NULL, Relaying, answers_inline, files_folder, sent
 from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
 from backends.spreading import Spread, cut
 from gateway import checkpoints
@@ -144,7 +144,7 @@ class EngineLink(Link):
         answer = self.answers[job.id] = asyncio.get_running_loop().create_future()
         op = Submit(
             tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, request_id=request_id.get(),
-            traceparent=tracing.traceparent(job.span), files=not getattr(job, "inline_only", False), **sent(job.params),
+            traceparent=tracing.traceparent(job.span), files=not answers_inline(job), **sent(job.params),
             checkpoint=self._checkpoint(job, tool), resumed=job.resumes > 0,
         )
         try:

@@ -43,7 +43,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.asyncio.client import unix_connect as ws_unix_connect
 
-from backends.base import NULL, Relaying, files_folder, remove_files_folder, sent
+from backends.base import NULL, Relaying, answers_inline, files_folder, remove_files_folder, sent
 from backends.download import Downloads, Retry
 from backends.frames import failure, relay
 from gateway.encoding import HASH_INLINE, from_msgpack, to_json
@@ -339,7 +339,8 @@ class Link:
     async def _submit(self, job: Job, tool: Tool) -> None:
         """`POST /jobs`: returns once the executor took the job; raises `Unreachable`, or its refusal."""
         body = encode(SubmitRequest(
-            tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, traceparent=tracing.traceparent(job.span), **sent(job.params)
+            tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, traceparent=tracing.traceparent(job.span),
+            files=not answers_inline(job), **sent(job.params),
         ))
         try:
             response = await self.http.post(

@@ -6,6 +6,8 @@ computed here in plain transformers."""
 from __future__ import annotations
 
 import io
+import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,9 +33,11 @@ def esm_path(tiny: Callable[..., Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(esm_path: Path, tmp_path_factory: pytest.TempPathFactory):
+def server(esm_path: Path, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
     # A result bound that a 3,000-residue per-token result (3,000 × 32 floats as JSON) is over.
-    s = make_server([f"esm={esm_path}"], max_result_bytes=256 * 1024, result_spool=str(tmp_path_factory.mktemp("spool")))
+    s = make_server(
+        [f"esm={esm_path}", f"text={tiny_model_path}"], max_result_bytes=256 * 1024, result_spool=str(tmp_path_factory.mktemp("spool"))
+    )
     yield s
     s.stop()
 
@@ -239,3 +243,75 @@ def test_the_files_of_a_job_that_fails_are_deleted_even_while_written(tmp_path: 
         assert list(tmp_path.iterdir()) == []
 
     asyncio.run(run())
+
+
+# -- scores as TSV and JSONL --------------------------------------------------------------------
+
+SCORED = "the quick brown fox\tjumps over the lazy dog.\n A \\ backslash. " * 40
+
+
+def scored(url: str, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    s = run_stream(url, "logprobs", {"model": "text", **params})
+    assert s.terminal is not None and s.terminal["event"] == "data", s.terminal or s.body
+    return s.events[0]["data"]["job_id"], s.terminal["data"]
+
+
+def unescaped(token: str) -> str:
+    return re.sub(r"\\(.)", lambda m: {"t": "\t", "n": "\n", "r": "\r", "\\": "\\"}[m.group(1)], token)
+
+
+def test_logprobs_as_a_tsv_or_jsonl_file_hold_what_the_inline_answer_does(server) -> None:
+    """A strided text scored into a file: a line per token, the same ids, tokens (tabs and newlines
+    escaped in TSV) and log-probabilities as the inline answer, which keeps each text's plan and
+    next token; JSONL with the top tokens too."""
+    params = {"prompts": [SCORED, "a short one"], "window": 100, "overlap": 30, "next_token": True}
+    _, inline = scored(server.url, params)
+    job_id, out = scored(server.url, {**params, "file": "tsv"})
+    assert [f["name"] for f in out["files"]] == ["logprobs.tsv"] and out["files"][0]["format"] == "tsv"
+    text = fetch(server.url, job_id, "logprobs.tsv").text
+    header, *lines = text.split("\n")[:-1]
+    assert header == "sequence\tposition\ttoken_id\ttoken\tlogprob" and len(text.encode()) == out["files"][0]["size"]
+    rows = [line.split("\t") for line in lines]
+    for i, want in enumerate(inline["sequences"]):
+        got = out["sequences"][i]
+        assert got == {"length": len(want["token_ids"]), "plan": want["plan"], "next_token": want["next_token"]}
+        mine = [r for r in rows if r[0] == str(i)]
+        assert [int(r[1]) for r in mine] == list(range(len(want["token_ids"])))
+        assert [int(r[2]) for r in mine] == want["token_ids"]
+        assert [unescaped(r[3]) for r in mine] == want["tokens"]
+        assert [None if r[4] == "" else float(r[4]) for r in mine] == want["logprobs"]
+    assert any("\\t" in r[3] or "\\n" in r[3] for r in rows)  # escaped where the text had them
+
+    # Fewer tokens with their top 3: the inline answer is under the bound.
+    params = {**params, "prompts": [SCORED[:500], "a short one"], "top": 3}
+    _, inline = scored(server.url, params)
+    job_id, out = scored(server.url, {**params, "file": "jsonl"})
+    lines = [json.loads(line) for line in fetch(server.url, job_id, "logprobs.jsonl").text.splitlines()]
+    for i, want in enumerate(inline["sequences"]):
+        mine = [line for line in lines if line["sequence"] == i]
+        assert [m["token_id"] for m in mine] == want["token_ids"] and [m["token"] for m in mine] == want["tokens"]
+        assert [m["logprob"] for m in mine] == want["logprobs"]
+        assert [m.get("top") for m in mine] == [None, *want["top"]]
+    refused = httpx.post(f"{server.url}/logprobs/run", json={"model": "text", "prompts": ["hi"], "top": 2, "file": "tsv"})
+    assert refused.status_code == 422 and refused.json()["error"]["field"] == "top"
+
+
+def test_a_scores_result_over_the_bound_is_a_file_not_a_refusal(server) -> None:
+    job_id, out = scored(server.url, {"prompts": [SCORED * 5], "window": 200})
+    assert [f["name"] for f in out["files"]] == ["logprobs.tsv"] and out["sequences"][0]["length"] > 9000
+    assert len(fetch(server.url, job_id, "logprobs.tsv").text.splitlines()) == out["sequences"][0]["length"] + 1
+    _, out = scored(server.url, {"prompts": [SCORED * 5], "window": 200, "top": 2})
+    assert [f["name"] for f in out["files"]] == ["logprobs.jsonl"]
+
+
+def test_an_openai_answer_made_of_a_result_over_the_bound_is_refused_not_written_as_files(server) -> None:
+    """/v1/completions with echo builds its answer from `logprobs`' tokens: past --max-result-bytes
+    it is refused (413, naming the field), where a run of the tool itself would write a file."""
+    prompts = [SCORED[i * 150 : i * 150 + 150] for i in range(30)]
+    response = httpx.post(
+        f"{server.url}/v1/completions", json={"model": "text", "prompt": prompts, "echo": True, "logprobs": 5, "max_tokens": 0}, timeout=60
+    )
+    assert response.status_code == 413, response.text
+    assert "--max-result-bytes" in response.json()["error"]["message"]
+    _, out = scored(server.url, {"prompts": prompts, "top": 5})
+    assert [f["name"] for f in out["files"]] == ["logprobs.jsonl"]

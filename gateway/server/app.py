@@ -31,6 +31,7 @@ from gateway.backend import Backend
 from gateway import params as params_mod
 from gateway import tenants
 from gateway.admission import Admission, Applicant, Attached
+from gateway.cost import inline_only
 from gateway.server.auth import Auth, Principal, load_principals
 from gateway.config import Settings
 from gateway.plumbing.drain import Drain, on_sigterm
@@ -198,7 +199,11 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         principal = auth.authenticate(request)
         tool = backend.tool(tool_name)
         auth.authorize(principal, tool.name)
-        return await admission.admit(tool, params, Applicant.of(principal, tenants.tenant(principal, request)))
+        inline = inline_only.set(True)  # its answer is made of the result: refused (413) rather than written as files
+        try:
+            return await admission.admit(tool, params, Applicant.of(principal, tenants.tenant(principal, request)))
+        finally:
+            inline_only.reset(inline)
 
     async def _job(job_id: str, principal: Principal | None, *, to_follow: bool = False) -> JobHandle:
         job = await store.get(job_id, to_follow=to_follow)

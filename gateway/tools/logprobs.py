@@ -19,13 +19,16 @@ run in passes of at most `PASS_TOKENS` tokens.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import dataclasses
+import enum
+from typing import IO, Annotated, Any
 
 import msgspec
 import torch
 
-from gateway.cost import JSON_ENTRY, JSON_FLOAT, JSON_TOKEN, PY_ENTRY, PY_FLOAT, Cost, Shape
+from gateway.cost import JSON_ENTRY, JSON_FLOAT, JSON_FRAME, JSON_TOKEN, PY_ENTRY, PY_FLOAT, Cost, Shape
 from gateway.errors import ParamError
+from gateway.protocol import ResultFile
 from gateway.models.anatomy import readout_chunks, readout_rows
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import one_pass
@@ -35,6 +38,21 @@ from gateway.tools.windows import Strided, WindowParams, WindowPlan
 
 MAX_TOP = 20
 PASS_TOKENS = 16384  # padded tokens in one pass over a windowed text's windows
+FILE_LINES = 1 << 16  # of a scores file formatted and written at once
+
+
+class ScoresFile(str, enum.Enum):
+    TSV = "tsv"
+    JSONL = "jsonl"
+
+
+FILE_DOC = (
+    "Write the scores as a file, fetched from GET /jobs/{id}/files/{name}, a line per token: tsv, logprobs.tsv with "
+    "columns sequence, position, token_id, token, logprob (empty for the first token; tab, newline and backslash in a "
+    "token written \\t, \\n, \\\\); jsonl, logprobs.jsonl, {sequence, position, token_id, token, logprob, top?} per line. "
+    "Default: none, or the one that holds the result (jsonl with top, else tsv) when it would be over the gateway's "
+    "--max-result-bytes as JSON."
+)
 
 
 class LogprobsParams(WindowParams, forbid_unknown_fields=True):
@@ -45,6 +63,7 @@ class LogprobsParams(WindowParams, forbid_unknown_fields=True):
     ] | None = None
     top: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP, description="The most likely tokens to list at each position.")] = 0
     next_token: Annotated[bool, msgspec.Meta(description="Also the greedy token after each text, with its log-probability.")] = False
+    file: Annotated[ScoresFile, msgspec.Meta(description=FILE_DOC)] | None = None
 
 
 class TokenLogprob(msgspec.Struct):
@@ -57,9 +76,12 @@ class Scored(msgspec.Struct, omit_defaults=True):
     """One text: its tokens, each token's log-probability given those before it (null for the
     first), the `top` alternatives at each position (from the second), and the next token."""
 
-    token_ids: list[int]
-    tokens: list[str]
-    logprobs: list[float | None]
+    token_ids: list[int] | None = None
+    tokens: list[str] | None = None
+    logprobs: list[float | None] | None = None
+    """None (as its ids and tokens) when the scores are in the result's file."""
+    length: int | None = None
+    """With file: its tokens, a line each in the file."""
     top: list[list[TokenLogprob]] | None = None
     next_token: TokenLogprob | None = None
     next_top: list[TokenLogprob] | None = None  # the `top` alternatives at the next token's position
@@ -67,8 +89,21 @@ class Scored(msgspec.Struct, omit_defaults=True):
     """With window: the windows, in the text's own tokens; each token scored in the first that holds it."""
 
 
-class LogprobsResult(msgspec.Struct):
+class LogprobsResult(msgspec.Struct, omit_defaults=True):
     sequences: list[Scored]
+    files: list[ResultFile] | None = None
+    """With file: the file holding every token's score."""
+
+
+class _Line(msgspec.Struct, omit_defaults=True):
+    """A token's line of a JSONL scores file."""
+
+    sequence: int
+    position: int
+    token_id: int
+    token: str
+    logprob: float | None
+    top: list[TokenLogprob] | None = None
 
 
 def rows(model: Model, params: LogprobsParams) -> list[list[int]]:
@@ -98,6 +133,8 @@ def check(model: Model, params: LogprobsParams) -> None:
             continue
         with windows.naming_window():
             model.fit(len(ids), f"{field}[{i}]")
+    if params.file is ScoresFile.TSV and params.top:
+        raise ParamError("top", "a TSV file holds one score a token: use file jsonl for the top tokens")
 
 
 def cost(model: Model, params: LogprobsParams) -> Cost:
@@ -117,13 +154,26 @@ def cost(model: Model, params: LogprobsParams) -> Cost:
     per_token = 8 + JSON_TOKEN + JSON_FLOAT + params.top * (JSON_ENTRY + JSON_TOKEN)
     result = positions * per_token
     memory = shape.block_bytes(rows_, width) + shape.states_bytes(rows_, width, 1)
-    return Cost(
-        memory=memory + shape.logits_bytes(read) + positions * (8 + 4 + PY_FLOAT + params.top * (12 + PY_ENTRY)) + result,
+    held = memory + shape.logits_bytes(read) + positions * (8 + 4 + PY_FLOAT + params.top * (12 + PY_ENTRY))
+    inline = Cost(
+        memory=held + result,
         result=result,
         memory_field="window" if params.window is not None else ("prompts" if params.prompts is not None else "token_ids"),
         result_field="top" if params.top else ("prompts" if params.prompts is not None else "token_ids"),
         tokens=width,
     )
+    # As a file: a line per token (its numbers, its text, escaped), formatted a block of lines at a
+    # time; the JSON keeps each text's length, plan and next token.
+    fmt = ScoresFile(params.file) if params.file is not None else ScoresFile.JSONL if params.top else ScoresFile.TSV
+    line = 3 * 8 + JSON_TOKEN + JSON_FLOAT + (48 + params.top * (JSON_ENTRY + JSON_TOKEN) if fmt is ScoresFile.JSONL else 4)
+    small = JSON_FRAME * (len(lengths) + 1) + (2 * JSON_FLOAT * sum(len(text.rows) for text in cut) if params.window is not None else 0)
+    written = dataclasses.replace(
+        inline, memory=held + small + min(positions, FILE_LINES) * line, result=small, result_field=inline.memory_field,
+        files=positions * line + 128,
+    )
+    if params.file is not None:
+        return written
+    return dataclasses.replace(inline, as_files=written, file_format=fmt.value)
 
 
 def _logprobs_many(model: Model, jobs: list[LogprobsParams], ctxs: list[Context]) -> list[LogprobsResult]:
@@ -191,14 +241,24 @@ def _logprobs_many(model: Model, jobs: list[LogprobsParams], ctxs: list[Context]
     text_plans = iter(plans)
     for job, params, ctx in zip(per_job, jobs, ctxs):
         entries = []
-        for ids in job:
+        out = _ScoresFile(ctx, params.file) if params.file is not None else None
+        for i, ids in enumerate(job):
             n = len(ids)
             last = at + n - 1
-            entry = Scored(
-                token_ids=list(ids), tokens=[texts[t] for t in ids], logprobs=[None, *own[at:last]], plan=next(text_plans)
-            )
-            if params.top:
-                entry.top = alternatives(at, last, params.top)
+            if out is not None:
+                entry = Scored(length=n, plan=next(text_plans))
+                for start in range(0, n, FILE_LINES):
+                    # Token t is scored at the position before it, t - 1: the first token has nothing before it.
+                    stop = min(n, start + FILE_LINES)
+                    before, first = (at + start - 1, []) if start else (at, [None])
+                    tops = [*first, *alternatives(before, at + stop - 1, params.top)] if params.top else []
+                    out.write(i, start, ids[start:stop], texts, [*first, *own[before : at + stop - 1]], tops)
+            else:
+                entry = Scored(
+                    token_ids=list(ids), tokens=[texts[t] for t in ids], logprobs=[None, *own[at:last]], plan=next(text_plans)
+                )
+                if params.top:
+                    entry.top = alternatives(at, last, params.top)
             if params.next_token:
                 entry.next_token = TokenLogprob(best_ids[last], texts[best_ids[last]], best_logprobs[last])
                 if params.top:
@@ -206,8 +266,44 @@ def _logprobs_many(model: Model, jobs: list[LogprobsParams], ctxs: list[Context]
             entries.append(entry)
             at += n
         ctx.progress(len(job), len(job), "sequences")
-        results.append(LogprobsResult(entries))
+        results.append(LogprobsResult(entries, files=[out.close()] if out is not None else None))
     return results
+
+
+class _ScoresFile:
+    """A job's scores, a line per token, written a block of lines at a time (`file`)."""
+
+    def __init__(self, ctx: Context, fmt: ScoresFile | str) -> None:
+        self.format = ScoresFile(fmt)
+        self.name = f"logprobs.{self.format.value}"
+        self.file: IO[bytes] = ctx.file(self.name)
+        if self.format is ScoresFile.TSV:
+            self.file.write(b"sequence\tposition\ttoken_id\ttoken\tlogprob\n")
+
+    def write(self, sequence: int, start: int, ids: list[int], texts: dict[int, str], logprobs: list[float | None], top: list[Any]) -> None:
+        """Text `sequence`'s tokens from position `start`: their ids, scores and (jsonl) top alternatives, one a token."""
+        if self.format is ScoresFile.JSONL:
+            lines = [
+                _Line(sequence, start + k, t, texts[t], lp, top[k] if top else None) for k, (t, lp) in enumerate(zip(ids, logprobs))
+            ]
+            self.file.write(b"\n".join(msgspec.json.encode(line) for line in lines) + b"\n")
+            return
+        self.file.write(
+            "".join(
+                f"{sequence}\t{start + k}\t{t}\t{_escaped(texts[t])}\t{'' if lp is None else repr(lp)}\n"
+                for k, (t, lp) in enumerate(zip(ids, logprobs))
+            ).encode()
+        )
+
+    def close(self) -> ResultFile:
+        self.file.flush()
+        size = self.file.tell()
+        self.file.close()
+        return ResultFile(self.name, self.format.value, size)
+
+
+def _escaped(token: str) -> str:
+    return token.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
 
 @tool(

@@ -10,7 +10,7 @@ import {after, before, describe, test} from 'node:test'
 
 import {type BrowserContext, type Locator, type Page} from 'playwright-core'
 
-import {EXAMPLES, type ToolInfo} from '../src/index.ts'
+import {EXAMPLES, type LogprobsResult, type ToolInfo} from '../src/index.ts'
 import {ARTIFACTS, launch} from './support/browser.ts'
 import {contrastRatio, luminance} from './support/contrast.ts'
 import {DRAWN} from './support/drawn.ts'
@@ -229,6 +229,32 @@ describe('the dashboard', () => {
     assert.equal(await page.locator('article.job .job-model').count(), 0)
     assert.equal(await page.locator('article.job[data-tool=predict] .result .bar-row').count(), EXAMPLES.predict.top_k)
     await shot(page, 'every-tool')
+    assert.deepEqual(pageErrors(page), [])
+    await page.close()
+  })
+
+  test('logprobs into a TSV file: each text\u2019s length and the file linked in place of the tokens; the file a line a token', async () => {
+    const page = await open()
+    await pick(page, 'logprobs')
+    await page.fill('[data-field=prompts] textarea', 'The capital of France is Paris\nA second text')
+    await page.fill('[data-field=top] input', '0') // a TSV line holds one score: the top tokens need jsonl
+    await page.selectOption('[data-field=file] select', 'tsv')
+    const job = await run(page)
+    await finished(job)
+    const result = JSON.parse((await job.locator('.raw pre').textContent()) ?? '{}') as LogprobsResult
+    const [file] = result.files ?? assert.fail('no files in the result')
+    assert.equal(file!.name, 'logprobs.tsv')
+    const view = job.locator('.result .logprobs-files')
+    const texts = await view.locator('.logprobs-texts li').allInnerTexts()
+    assert.deepEqual(texts.map((t) => t.split(';')[0]), result.sequences.map((seq, i) => `text ${i + 1}: ${seq.length} tokens`))
+    assert.ok(texts.every((t) => t.includes('; greedy next token ')), 'the example asks for the next token')
+    const link = view.locator('a.download-file')
+    assert.equal(await link.innerText(), 'logprobs.tsv')
+    const jobId = (await job.locator('.job-id').getAttribute('title')) ?? assert.fail('no job id')
+    const body = await (await fetch(`${gateway.url}/jobs/${jobId}/files/logprobs.tsv`)).text()
+    const lines = body.trimEnd().split('\n')
+    assert.equal(lines[0], 'sequence\tposition\ttoken_id\ttoken\tlogprob')
+    assert.equal(lines.length - 1, result.sequences.reduce((n, seq) => n + (seq.length ?? 0), 0))
     assert.deepEqual(pageErrors(page), [])
     await page.close()
   })

@@ -131,14 +131,15 @@ function loglikelihoodView(result: LoglikelihoodResult, params: LoglikelihoodPar
  * Per text: its tokens, each shaded by its probability given those before it (the first has none)
  * and hovered for its log-probability and the alternatives; the sum, and the greedy next token if asked.
  */
-function logprobsView(result: LogprobsResult): Node {
+function logprobsView(result: LogprobsResult, _params: unknown, fileLink: FileLink | undefined): Node {
   const alternatives = (top: TokenLogprob[] | null | undefined) =>
     (top ?? []).map((t, k) => `\n${k + 1}. ${showToken(t.text)}  ${fmt(t.logprob)}`).join('')
+  if (result.files?.length) return logprobsFileView(result, fileLink, alternatives)
   return h(
     'div',
     {class: 'logprobs'},
     result.sequences.map((seq, i) => {
-      const scored = seq.logprobs.filter((lp): lp is number => lp !== null)
+      const scored = (seq.logprobs ?? []).filter((lp): lp is number => lp !== null)
       const sum = scored.reduce((a, b) => a + b, 0)
       const next = seq.next_token
       return h(
@@ -147,8 +148,8 @@ function logprobsView(result: LogprobsResult): Node {
         h(
           'p',
           {class: 'logprob-tokens mono'},
-          seq.tokens.map((token, t) => {
-            const lp = seq.logprobs[t]
+          (seq.tokens ?? []).map((token, t) => {
+            const lp = seq.logprobs?.[t]
             const fill = lp === null || lp === undefined ? null : sequential(Math.exp(lp))
             return h(
               'span',
@@ -156,7 +157,7 @@ function logprobsView(result: LogprobsResult): Node {
                 class: 'logprob-token',
                 'data-position': t,
                 style: fill ? `background: ${css(fill)}; color: ${ink(fill)}` : null,
-                title: `position ${t}: ${showToken(token)} (id ${seq.token_ids[t]})\n${
+                title: `position ${t}: ${showToken(token)} (id ${seq.token_ids?.[t]})\n${
                   lp === null || lp === undefined ? 'the first token: nothing before it to score it' : `log p = ${fmt(lp)} (${percent(Math.exp(lp))})`
                 }${t > 0 ? alternatives(seq.top?.[t - 1]) : ''}`,
               },
@@ -173,6 +174,35 @@ function logprobsView(result: LogprobsResult): Node {
       )
     }),
     legend('probability', sequential, 0, 1, '0', '1'),
+  )
+}
+
+/** Scores written to a file (asked for, or too many for one event): each text's length, plan and next token, and the file. */
+function logprobsFileView(
+  result: LogprobsResult,
+  fileLink: FileLink | undefined,
+  alternatives: (top: TokenLogprob[] | null | undefined) => string,
+): Node {
+  const files = resultFiles(result)
+  return h(
+    'div',
+    {class: 'logprobs-files'},
+    h('p', {class: 'muted'}, `Every token's log-probability, a line each, written to ${files.length === 1 ? 'a file' : 'files'} rather than sent in the result.`),
+    h(
+      'ul',
+      {class: 'logprobs-texts'},
+      result.sequences.map((seq, i) =>
+        h(
+          'li',
+          {'data-text': i},
+          h('span', {class: 'muted'}, `text ${i + 1}: `),
+          `${seq.length ?? 0} tokens`,
+          seq.plan ? ['; ', planText(seq.plan)] : '',
+          seq.next_token ? ['; greedy next token ', h('code', {class: 'next-token', title: alternatives(seq.next_top).trim()}, showToken(seq.next_token.text))] : '',
+        ),
+      ),
+    ),
+    fileList(files, fileLink),
   )
 }
 

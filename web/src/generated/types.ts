@@ -209,6 +209,11 @@ export interface JobSnapshot {
 export type Stitch = 'center' | 'left' | 'mean'
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "ScoresFile".
+ */
+export type ScoresFile = 'jsonl' | 'tsv'
+/**
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
  * via the `definition` "Stat".
  */
 export type Stat = 'entropy' | 'probability' | 'rank'
@@ -410,6 +415,7 @@ export interface LogprobsParams {
    * Also the greedy token after each text, with its log-probability.
    */
   next_token?: boolean
+  file?: ScoresFile | null
   model?: string | null
   tag?: string | null
   window?: number | null
@@ -422,6 +428,7 @@ export interface LogprobsParams {
  */
 export interface LogprobsResult {
   sequences: Scored[]
+  files?: ResultFile[] | null
 }
 /**
  * One text: its tokens, each token's log-probability given those before it (null for the
@@ -431,9 +438,10 @@ export interface LogprobsResult {
  * via the `definition` "Scored".
  */
 export interface Scored {
-  token_ids: number[]
-  tokens: string[]
-  logprobs: (number | null)[]
+  token_ids?: number[] | null
+  tokens?: string[] | null
+  logprobs?: (number | null)[] | null
+  length?: number | null
   top?: TokenLogprob[][] | null
   next_token?: TokenLogprob | null
   next_top?: TokenLogprob[] | null
@@ -447,6 +455,19 @@ export interface TokenLogprob {
   id: number
   text: string
   logprob: number
+}
+/**
+ * A file a job wrote beside its result (a per-position array, a feature track), served at
+ *     `GET /jobs/{id}/files/{name}` (Range, resumable) for as long as the job is kept.
+ *
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "ResultFile".
+ */
+export interface ResultFile {
+  name: string
+  format: string
+  size: number
+  description?: string
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
@@ -647,19 +668,6 @@ export interface EmbedResult {
   plans?: WindowPlan[] | null
   context?: unknown[] | null
   files?: ResultFile[] | null
-}
-/**
- * A file a job wrote beside its result (a per-position array, a feature track), served at
- *     `GET /jobs/{id}/files/{name}` (Range, resumable) for as long as the job is kept.
- *
- * This interface was referenced by `BuiltinTools`'s JSON-Schema
- * via the `definition` "ResultFile".
- */
-export interface ResultFile {
-  name: string
-  format: string
-  size: number
-  description?: string
 }
 /**
  * With partials: one window's share of a text's per-token vectors, as soon as it is computed.
