@@ -238,14 +238,16 @@ class EngineLink(Link):
             self._requeuing.add_done_callback(self._tasks.discard)
 
     def _end(self, remote: RemoteJob, message: str) -> None:
-        if self.jobs.pop(remote.job.id, None) is not None:
+        if self._take(remote):
             remote.job.fail(Code.BACKEND_UNAVAILABLE, message)
 
     async def _requeue(self) -> None:
-        """Once the new engine is ready, submit the waiting jobs to it, in their order."""
-        while not self.ready:
-            await asyncio.sleep(POLL_S / 2)
+        """Once the new engine is ready, submit the waiting jobs to it, in their order. If that one dies
+        too meanwhile, the job being submitted waits again, first, for the next (`lost` fails them all
+        if the engines die before they are ready)."""
         while self.waiting:
+            while not self.ready:
+                await asyncio.sleep(POLL_S / 2)
             job = self.waiting.pop(0)
             if job.done:
                 continue
@@ -253,8 +255,12 @@ class EngineLink(Link):
                 await self.submit(job, self.tool_of(job.tool))
             except ApiError as exc:  # the new engine refuses it (its queue is full, say)
                 job.fail(exc.code, exc.message)
-            except Unreachable as exc:
-                job.fail(Code.BACKEND_UNAVAILABLE, f"the engine could not be reached: {exc}")
+            except Unreachable:
+                # Its engine died meanwhile: `lost` has put it back among the waiting, or ended it; a
+                # submit that found no socket at all leaves it to wait here.
+                if not job.done and job not in self.waiting:
+                    self.waiting.insert(0, job)
+                await asyncio.sleep(POLL_S)
 
     @property
     def backlog(self) -> int:

@@ -269,10 +269,11 @@ class LocalBackend(Backend):
         job.files.folder = self.files_folder
         checkpoint = checkpoints.given.get()
         if checkpoint is not None:  # its files with its checkpoint: a run after this one's crash finds both
-            os.makedirs(checkpoint.folder, 0o700, exist_ok=True)  # one mkdir: cheaper than a thread hop
             job.checkpoint = checkpoint
             job.files.folder, job.files.resumed = checkpoint.folder, checkpoint.resumed
         served.queue.put(job, retry_after=served.eta(len(served.queue) + 1))
+        if checkpoint is not None:  # once queued (a refused job has no folder to leave behind); before it can start
+            os.makedirs(checkpoint.folder, 0o700, exist_ok=True)  # one mkdir: cheaper than a thread hop
 
     def cancel(self, job: Job) -> None:
         job.cancel()

@@ -358,9 +358,18 @@ class Link:
         """A downloaded result as the JSON a local backend would have sent (an executor's is msgpack)."""
         return as_json(data)
 
+    def _take(self, remote: RemoteJob) -> bool:
+        """Take `remote` out of the jobs here to end it: False if it is not there any more, or if the
+        job there is a newer submit of it (one going on in a new engine: backends/engines.py), which
+        what was left of the old one (a download) must not end."""
+        if self.jobs.get(remote.job.id) is not remote:
+            return False
+        del self.jobs[remote.job.id]
+        return True
+
     def succeed(self, remote: RemoteJob, result: msgspec.Raw) -> None:
         """End a job with the result its `completed` frame carried (JSON already)."""
-        if self.jobs.pop(remote.job.id, None) is not None:
+        if self._take(remote):
             remote.job.succeed(result)
             self.spawn(self._forget(remote.job.id))
 
@@ -387,7 +396,7 @@ class Link:
                 return
             finally:
                 span.end()
-            if self.jobs.pop(job_id, None) is not None:
+            if self._take(remote):
                 remote.job.succeed(result)
                 self.spawn(self._forget(job_id))
             return
@@ -443,7 +452,7 @@ class Link:
 
     def finish(self, remote: RemoteJob, code: Code, message: str) -> None:
         """End a job here with an error; the executor is told to forget it."""
-        if self.jobs.pop(remote.job.id, None) is None:
+        if not self._take(remote):
             return
         remote.job.fail(code, message)
         if self.connected:

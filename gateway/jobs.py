@@ -394,11 +394,11 @@ class ResultFiles:
                 # none was asked anyway: its writes go to a file nobody will see.
                 if self.folder is None and not self._closed:
                     raise RuntimeError("this backend keeps no result files")
-                return tempfile.TemporaryFile(dir=self.folder)
+                return tempfile.TemporaryFile(dir=self.folder if self.folder and os.path.isdir(self.folder) else None)
             if name not in self.paths and len(self.paths) >= MAX_FILES:
                 raise RuntimeError(f"result file {name!r}: a job writes at most {MAX_FILES} files")
             path = os.path.join(self.folder, f"{self.job_id}.{name}")
-            if self.resumed and name not in self.paths and os.path.exists(path):
+            if self.resumed and os.path.exists(path):  # (its run again alone after its batch failed too)
                 self.paths[name] = path
                 return open(path, "r+b")
             # Written again when a job's work is run again alone after its batch failed: a new file, so

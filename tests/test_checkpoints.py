@@ -187,3 +187,96 @@ def test_partials_are_each_windows_final_rows_in_order_and_a_run_that_goes_on_se
     again = Ctx(Checkpoint(checkpoint.folder, resumed=True))
     assert same(embed.work.many(model, [params], [again])[0], result)
     assert [(p.text, p.start, p.end) for p in again.partials] == [(p.text, p.start, p.end) for p in ctx.partials]
+
+
+class FileCtx(Ctx):
+    """A context whose job writes result files, where an engine's job writes them: its checkpoint's folder."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        from gateway.jobs import ResultFiles
+
+        super().__init__(checkpoint)
+        self.files = ResultFiles(self.job_id)
+        self.files.folder, self.files.resumed = checkpoint.folder, checkpoint.resumed
+
+    def file(self, name: str) -> Any:
+        return self.files.open(name)
+
+
+def failing_when_batched(after: int) -> Any:
+    """embed's work, whose chunk number `after` fails while several jobs share the batch (each then runs again alone)."""
+    calls: list[int] = []
+
+    def run(model: Any, jobs: list[Any], chunk: Any) -> list[Any]:
+        calls.append(len(jobs))
+        if len(jobs) > 1 and len(calls) == after:
+            raise RuntimeError("the batch's chunk failed")
+        return embed.work.run(model, jobs, chunk)
+
+    return dataclasses.replace(embed.work, run=run)
+
+
+def stepped(work: Any, model: Any, members: list[tuple[Any, Any]]) -> list[Any]:
+    """Run jobs as one batch of `work`, a chunk a step, as a worker does: each member's outcome."""
+    batch = work.batch(model)
+    for params, ctx in members:
+        batch.add(params, ctx)
+    ended: dict[int, Any] = {}
+    while len(ended) < len(members):
+        for ctx, outcome in batch.step():
+            ended[next(i for i, (_, c) in enumerate(members) if c is ctx)] = outcome
+    return [ended[i] for i in range(len(members))]
+
+
+def test_a_job_run_again_alone_after_its_batch_failed_sends_each_windows_partial_once(esm_path: Path, tmp_path: Path) -> None:
+    from backends import loading
+
+    model = loading.load(loading.resolve(str(esm_path)), "cpu", "float32")
+    mine = embed.EmbedParams(texts=[protein(1500, seed=6)], window=100, overlap=30, pooling="per_token", partials=True)
+    other = embed.EmbedParams(texts=[protein(1200, seed=7)], window=100, overlap=30)
+    ctx = Ctx(Checkpoint(str(tmp_path / "none")))
+    result, _ = stepped(failing_when_batched(after=2), model, [(mine, ctx), (other, Ctx(Checkpoint(str(tmp_path / "none2"))))])
+    shares = windows.shares(windows.plan(1500, Sizes(100, 30, Stitch.CENTER)), Stitch.CENTER)
+    assert ctx.partials and ctx.partials[0].start == 0
+    assert [(p.start, p.end) for p in ctx.partials] == [(s.start, s.end) for s in shares]
+    assert [row for p in ctx.partials for row in np.asarray(p.embeddings).tolist()] == np.asarray(result.embeddings[0]).tolist()
+
+
+def test_a_resumed_job_whose_batch_fails_keeps_the_rows_its_files_hold(esm_path: Path, tmp_path: Path) -> None:
+    """Going on from its checkpoint, a job writing a file reopens it as it is, even when it runs again
+    alone after its batch failed: the rows finished before the crash stay; and its progress, which
+    had reached the end, does not go back."""
+    from safetensors.numpy import load_file
+
+    from backends import loading
+
+    model = loading.load(loading.resolve(str(esm_path)), "cpu", "float32")
+    params = embed.EmbedParams(texts=[protein(2000, seed=8)], window=100, overlap=30, pooling="per_token", file="safetensors")
+    first = Checkpoint(str(tmp_path / "cp"))
+    os.mkdir(first.folder)
+    done = embed.work.many(model, [params], [FileCtx(first)])[0]
+    path = os.path.join(first.folder, "job.embeddings.safetensors")
+    whole = load_file(path)
+    assert done.files and whole["embeddings.0"].shape == (2000, 32)
+
+    # Every chunk was journaled (the engine died ending the job): the run going on counts them done at once.
+    resumed = FileCtx(Checkpoint(first.folder, resumed=True))
+    other = embed.EmbedParams(texts=[protein(900, seed=9)], window=100, overlap=30)
+    stepped(failing_when_batched(after=1), model, [(params, resumed), (other, Ctx(Checkpoint(str(tmp_path / "none"))))])
+    total = resumed.frames[-1][1]
+    assert [d for d, _, _ in resumed.frames] == [total] * len(resumed.frames)
+    again = load_file(path)
+    assert again.keys() == whole.keys() and all((again[k] == whole[k]).all() for k in whole)
+
+    # Half the chunks journaled: the rest computed, the first half's rows kept from the file.
+    data = Path(first.path).read_bytes()
+    cut = at = 0
+    for _ in range(2):
+        at += 8 + int.from_bytes(data[at : at + 8], "little")
+        cut = at
+    Path(first.path).write_bytes(data[:cut])
+    half = FileCtx(Checkpoint(first.folder, resumed=True))
+    stepped(failing_when_batched(after=2), model, [(params, half), (other, Ctx(Checkpoint(str(tmp_path / "none3"))))])
+    again = load_file(path)
+    assert all(np.abs(again[k] - whole[k]).max() <= 1e-6 for k in whole)
+    assert [d for d, _, _ in half.frames] == sorted(d for d, _, _ in half.frames)

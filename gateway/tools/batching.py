@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -33,6 +35,8 @@ from gateway.tools.base import Cancelled, Context
 
 if TYPE_CHECKING:
     from gateway.tools.base import Model
+
+log = logging.getLogger("streamgate.batching")
 
 
 class Batch(Protocol):
@@ -182,6 +186,10 @@ class Chunked:
         return self.assemble(model, jobs, run.outputs)
 
 
+_NOT_THERE = object()
+# Per job's context, the partial events its runs in this process have sent: a job run again alone
+# after its batch failed sends its windows' again, in the same order, and the first ones are dropped.
+_PARTIALS_SENT: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 SINKS = "sinks"  # a Chunk's extra: {job: what its outputs are written into (its result files)}, each of its items' output
 _IN_SINK = "in sink"  # what a checkpoint keeps for an output that is its job's sink: its rows are in the job's files
 
@@ -195,6 +203,7 @@ class ChunkRun:
 
     def __init__(self, work: Chunked, model: Model, jobs: list[Any], ctxs: Sequence[Context]) -> None:
         self.work, self.model, self.jobs, self.ctxs = work, model, jobs, ctxs
+        self.sent = [0] * len(jobs)  # each job's partial events so far, in this run's order
         chunks = work.plan(model, jobs, ctxs)
         self.progress = ChunkProgress(chunks, ctxs, work.unit)
         self.outputs: dict[tuple[int, int], Any] = {}
@@ -209,11 +218,12 @@ class ChunkRun:
         finished = {job: checkpoint.finished() for job, checkpoint in self.checkpoints.items()}
         if not any(finished.values()):
             return chunks
+        again: list[tuple[int, Any]] = []  # finished, but run again: counted done already
         for job in finished:
             # Its last item runs again: a run that writes files opens them with its first rows.
             last = next((key for chunk in reversed(chunks) for key in reversed(chunk.items) if key[0] == job), None)
-            if last is not None:
-                finished[job].pop(last[1], None)
+            if last is not None and finished[job].pop(last[1], _NOT_THERE) is not _NOT_THERE:
+                again.append(last)
         left: list[Chunk] = []
         restored: list[tuple[int, int]] = []
         for chunk in chunks:
@@ -230,27 +240,40 @@ class ChunkRun:
             if keep:
                 data = [chunk.data[at] for at in keep]
                 left.append(Chunk([chunk.items[at] for at in keep], data, max(len(row) for row in data), chunk.extra))
-        self.progress.count(restored)
+        self.progress.count([*restored, *again])
         self._partials(restored)
         return left
 
-    def _partials(self, keys: list[tuple[int, Any]]) -> None:
+    def _partials(self, keys: Sequence[tuple[int, Any]]) -> None:
+        """The items' partial events, each job's in its plan's order; those a run of the same job in
+        this process sent already (its batch failed, and it runs again alone) are not sent again."""
         if self.work.partial is None:
             return
         for job, item in keys:
             obj = self.work.partial(self.model, self.jobs[job], item, self.outputs[job, item])
-            if obj is not None:
-                self.ctxs[job].partial(obj)
+            if obj is None:
+                continue
+            ctx = self.ctxs[job]
+            self.sent[job] += 1
+            if self.sent[job] > _PARTIALS_SENT.get(ctx, 0):
+                _PARTIALS_SENT[ctx] = self.sent[job]
+                ctx.partial(obj)
 
     def done(self, chunk: Chunk, outputs: list[Any]) -> None:
         """`chunk` ran: its outputs kept, in its jobs' checkpoints too, and its progress told."""
         self.outputs.update(zip(chunk.items, outputs))
         sinks = chunk.extra.get(SINKS, {})
-        for job, checkpoint in self.checkpoints.items():
+        for job, checkpoint in list(self.checkpoints.items()):
+            if self.ctxs[job].cancelled:  # ended: nothing of it will go on, and its folder may be gone
+                continue
             sink = sinks.get(job)
             pieces = [(item, _IN_SINK if sink is not None and out is sink else out) for (j, item), out in zip(chunk.items, outputs) if j == job]
-            if pieces:
-                checkpoint.record(pieces)
+            try:
+                if pieces:
+                    checkpoint.record(pieces)
+            except OSError as exc:  # a full disk: the job goes on, without a checkpoint to go on from
+                log.warning("a checkpoint could not be written (%s); its job goes on without", exc)
+                del self.checkpoints[job]
         self.progress.advance(chunk)
         self._partials(chunk.items)
 
@@ -329,6 +352,7 @@ class ChunkProgress:
         self.units = [unit] * len(ctxs)
         self.total = [0] * len(ctxs)
         self.done = [0] * len(ctxs)
+        self.counted: set[tuple[int, Any]] = set()
         for chunk in chunks:
             for job, item in chunk.items:
                 self.total[job] += 1
@@ -339,8 +363,10 @@ class ChunkProgress:
         self.count(chunk.items)
 
     def count(self, items: Sequence[tuple[int, Any]]) -> None:
-        """These items are done (a chunk ran, or a run before this one finished them)."""
-        for job, _ in items:
+        """These items are done (a chunk ran, or a run before this one finished them); each counts once."""
+        fresh = [key for key in items if key not in self.counted]
+        self.counted.update(fresh)
+        for job, _ in fresh:
             self.done[job] += 1
         for job in sorted({job for job, _ in items}):
             self.ctxs[job].progress(self.done[job], self.total[job], self.units[job])

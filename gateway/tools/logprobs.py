@@ -48,8 +48,8 @@ class ScoresFile(str, enum.Enum):
 
 FILE_DOC = (
     "Write the scores as a file, fetched from GET /jobs/{id}/files/{name}, a line per token: tsv, logprobs.tsv with "
-    "columns sequence, position, token_id, token, logprob (empty for the first token; tab, newline and backslash in a "
-    "token written \\t, \\n, \\\\); jsonl, logprobs.jsonl, {sequence, position, token_id, token, logprob, top?} per line. "
+    "columns sequence, position, token_id, token, logprob (empty for the first token; tab, newline, carriage return "
+    "and backslash in a token written \\t, \\n, \\r, \\\\); jsonl, logprobs.jsonl, {sequence, position, token_id, token, logprob, top?} per line. "
     "Default: none, or the one that holds the result (jsonl with top, else tsv) when it would be over the gateway's "
     "--max-result-bytes as JSON."
 )
