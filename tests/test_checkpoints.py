@@ -32,6 +32,14 @@ def esm_path(tiny: Callable[..., Path]) -> Path:
     return tiny("esm_mlm")
 
 
+@pytest.fixture(scope="module")
+def model(esm_path: Path) -> Any:
+    """The tiny ESM-2 as a backend serves it, for runs of a tool's work in this process."""
+    from backends import loading
+
+    return loading.load(loading.resolve(str(esm_path)), "cpu", "float32")
+
+
 class Ctx:
     """A run's context with a checkpoint: what an engine's job gives its run."""
 
@@ -59,10 +67,7 @@ def same(a: embed.EmbedResult, b: embed.EmbedResult) -> bool:
     return all(np.abs(np.asarray(x) - np.asarray(y)).max() <= 1e-6 for x, y in zip(a.embeddings, b.embeddings, strict=True))
 
 
-def test_a_run_given_what_a_run_before_it_finished_computes_only_the_rest_and_gives_the_same(esm_path: Path, tmp_path: Path) -> None:
-    from backends import loading
-
-    model = loading.load(loading.resolve(str(esm_path)), "cpu", "float32")
+def test_a_run_given_what_a_run_before_it_finished_computes_only_the_rest_and_gives_the_same(model: Any, tmp_path: Path) -> None:
     params = embed.EmbedParams(texts=[protein(2000, seed=1), protein(300, seed=2)], window=100, overlap=30, pooling="mean")
     whole = embed.work.many(model, [params], [Ctx(Checkpoint(str(tmp_path / "none")))])[0]
 
@@ -164,11 +169,8 @@ def test_a_job_whose_engine_is_killed_mid_way_goes_on_from_its_last_finished_win
 
 
 def test_partials_are_each_windows_final_rows_in_order_and_a_run_that_goes_on_sends_its_finished_ones_first(
-    esm_path: Path, tmp_path: Path
+    model: Any, tmp_path: Path
 ) -> None:
-    from backends import loading
-
-    model = loading.load(loading.resolve(str(esm_path)), "cpu", "float32")
     texts = [protein(1000, seed=4), protein(500, seed=5)]
     params = embed.EmbedParams(texts=texts, window=100, overlap=30, pooling="per_token", normalize=True, partials=True)
     checkpoint = Checkpoint(str(tmp_path / "cp"))
@@ -228,10 +230,7 @@ def stepped(work: Any, model: Any, members: list[tuple[Any, Any]]) -> list[Any]:
     return [ended[i] for i in range(len(members))]
 
 
-def test_a_job_run_again_alone_after_its_batch_failed_sends_each_windows_partial_once(esm_path: Path, tmp_path: Path) -> None:
-    from backends import loading
-
-    model = loading.load(loading.resolve(str(esm_path)), "cpu", "float32")
+def test_a_job_run_again_alone_after_its_batch_failed_sends_each_windows_partial_once(model: Any, tmp_path: Path) -> None:
     mine = embed.EmbedParams(texts=[protein(1500, seed=6)], window=100, overlap=30, pooling="per_token", partials=True)
     other = embed.EmbedParams(texts=[protein(1200, seed=7)], window=100, overlap=30)
     ctx = Ctx(Checkpoint(str(tmp_path / "none")))
@@ -242,15 +241,12 @@ def test_a_job_run_again_alone_after_its_batch_failed_sends_each_windows_partial
     assert [row for p in ctx.partials for row in np.asarray(p.embeddings).tolist()] == np.asarray(result.embeddings[0]).tolist()
 
 
-def test_a_resumed_job_whose_batch_fails_keeps_the_rows_its_files_hold(esm_path: Path, tmp_path: Path) -> None:
+def test_a_resumed_job_whose_batch_fails_keeps_the_rows_its_files_hold(model: Any, tmp_path: Path) -> None:
     """Going on from its checkpoint, a job writing a file reopens it as it is, even when it runs again
     alone after its batch failed: the rows finished before the crash stay; and its progress, which
     had reached the end, does not go back."""
     from safetensors.numpy import load_file
 
-    from backends import loading
-
-    model = loading.load(loading.resolve(str(esm_path)), "cpu", "float32")
     params = embed.EmbedParams(texts=[protein(2000, seed=8)], window=100, overlap=30, pooling="per_token", file="safetensors")
     first = Checkpoint(str(tmp_path / "cp"))
     os.mkdir(first.folder)
