@@ -106,24 +106,28 @@ class EngineLink(Link):
     passes_codes = True  # an engine's errors are this gateway's own: `tool_error` stays `tool_error`
     says_dispatched = False  # the engine is this gateway's own: the stream is the one threads give
 
-    def __init__(self, url: str, **kwargs: Any) -> None:
+    def __init__(self, url: str, checkpoint_folder: str | None = None, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
         self.answers: dict[str, asyncio.Future[None]] = {}  # submits waiting for `accepted` or `refused`
         self.waiting: list[Job] = []  # jobs of a lost engine that had not started, in their order
         self.ready_since_start = False
         self.tool_of: Any = None  # a tool by name (the backend's), to submit the waiting jobs again
         self._requeuing: asyncio.Task[None] | None = None
-        # The jobs' checkpoints (gateway/checkpoints.py), one folder each, in the gateway's own result
-        # files folder: an engine that dies takes none of them with it.
-        self.checkpoints = os.path.join(self.files_folder, "checkpoints") if self.files_folder else None
+        # The jobs' checkpoints (gateway/checkpoints.py), one folder each: an engine that dies takes none
+        # of them with it. In the gateway's own result files folder, or, where another gateway may go on
+        # with its jobs (a shared store), in one that outlives it (`checkpoints.lasting_folder`).
+        if checkpoint_folder is None and self.files_folder:
+            checkpoint_folder = os.path.join(self.files_folder, "checkpoints")
+        self.checkpoints = checkpoint_folder
 
     def _checkpoint(self, job: Job, tool: Tool) -> str | None:
         """The folder of `job`'s checkpoint, if its tool keeps one (a `Chunked` tool's), removed when it ends."""
         if self.checkpoints is None or not isinstance(tool.spread, Chunked) or tool.spread.resumable is None:
             return None
         folder = os.path.join(self.checkpoints, job.id)
-        if job.resumes == 0:
-            job.on_end.append(lambda _: self.spawn(asyncio.to_thread(shutil.rmtree, folder, True)))
+        if job.checkpoint is None:
+            job.checkpoint = checkpoints.Checkpoint(folder, resumed=job.resumes > 0)
+            job.on_end.append(lambda job: None if job.handed_off else self.spawn(asyncio.to_thread(shutil.rmtree, folder, True)))
         return folder
 
     def resumable(self, job: Job) -> bool:
@@ -218,6 +222,7 @@ class EngineLink(Link):
                     self.waiting.append(job)
                 else:
                     job.resumes += 1
+                    job.going_on()
                     going_on.append(job)
             else:
                 self._end(remote, f"the engine {reason}; it is restarting: try again")
@@ -500,6 +505,9 @@ class EngineBackend(RemoteBackend):
         self.max_result_bytes = settings.max_result_bytes
         self.folder = Path(tempfile.mkdtemp(prefix="streamgate-engines-"))  # 0700: only this user reaches the sockets
         self.files_folder = files_folder(settings.result_spool)
+        self.checkpoints = checkpoints.lasting_folder(settings.result_spool, settings.store)
+        if self.checkpoints is not None:
+            os.makedirs(self.checkpoints, 0o700, exist_ok=True)
         token = secrets.token_urlsafe(24)
         Relaying.__init__(self, local)  # the tools' code is here: requests are decoded as with threads
         infos = params_mod.describe(local, settings.limits())
@@ -516,7 +524,7 @@ class EngineBackend(RemoteBackend):
                 path = self.folder / f"{len(self.engines)}.sock"
                 link = EngineLink(
                     UNIX + str(path), token=token, deadline=settings.executor_deadline, poll_interval=POLL_S, on_tools=self._learn_tools,
-                    files_folder=self.files_folder,
+                    files_folder=self.files_folder, checkpoint_folder=self.checkpoints,
                 )
                 link.tool_of = self.tool
                 settings_of = engine_settings(settings, spec, i == 0, token, device)

@@ -55,7 +55,6 @@ from gateway.params import INLINE_BYTES, off_loop
 from gateway.protocol import (
     Code,
     ErrorBody,
-    EventType,
     ModelInfo,
     ModelList,
     RemoteFrame,
@@ -94,9 +93,6 @@ class RemoteJob:
         self.accepted = False
         self.epoch = link.epoch
         self.early: list[RemoteFrame] = []
-        # A job going on after its engine died (backends/engines.py): its run sends again, first and in
-        # their order, the partial events the job has already; these are dropped.
-        self.partials_seen = sum(1 for e in job.events if e.type is EventType.PARTIAL) if job.resumes and isinstance(job.events, list) else 0
 
     def accept(self) -> None:
         """The executor took the job: say DISPATCHED, then apply what arrived before its answer."""
@@ -137,8 +133,6 @@ class RemoteJob:
                 self.link.succeed(self, frame.data)
             else:
                 self.link.spawn(self.link.deliver(self))
-        elif frame.kind is RemoteKind.PARTIAL and self.partials_seen:
-            self.partials_seen -= 1
         else:
             relay(self.job, frame)
 

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from gateway import checkpoints
 from gateway import params as params_mod
 from gateway.errors import ApiError
 from gateway.jobs import Job, end_span
@@ -125,6 +126,20 @@ class Applicant:
 
 
 @dataclass(frozen=True)
+class GoingOn:
+    """A job another gateway replica ran until it stopped, admitted again here to go on from its
+    checkpoint (gateway/server/redis_store.py): its log goes on after seq `after`, where it had sent
+    `partials` partial events; the idempotency key it holds (scoped), its request's digest, and when
+    it was first admitted."""
+
+    after: int
+    partials: int = 0
+    key: str | None = None
+    digest: str = ""
+    created: float = 0.0  # when it was first admitted
+
+
+@dataclass(frozen=True)
 class Attached:
     """The answer to a request sent again with its idempotency key: the job it first started."""
 
@@ -158,12 +173,14 @@ class Admission:
         return params_mod.decode_query(tool, query)
 
     async def admit(
-        self, tool: Tool, params: Any, applicant: Applicant, *, job_id: str | None = None, most_result: int | None = None
+        self, tool: Tool, params: Any, applicant: Applicant, *, job_id: str | None = None, most_result: int | None = None,
+        going_on: GoingOn | None = None,
     ) -> Job:
         """Admit a job of `tool` with decoded `params` (`decode`'s, or a Struct another surface
         built) for `applicant`, and queue it; `job_id`: the id a gateway gave it; `most_result`: the
-        most bytes of result the surface can answer with (`/mcp` inlines results), priced beforehand."""
-        job = await self._admit(tool, params, applicant, job_id, None, most_result)
+        most bytes of result the surface can answer with (`/mcp` inlines results), priced beforehand;
+        `going_on`: the job is one another replica ran, going on here under its id."""
+        job = await self._admit(tool, params, applicant, job_id, None, most_result, going_on)
         assert isinstance(job, Job)  # no key: never attached
         return job
 
@@ -174,15 +191,16 @@ class Admission:
         return await self._admit(tool, params, applicant, None, key)
 
     async def _admit(
-        self, tool: Tool, params: Any, applicant: Applicant, job_id: str | None, key: str | None, most_result: int | None = None
+        self, tool: Tool, params: Any, applicant: Applicant, job_id: str | None, key: str | None, most_result: int | None = None,
+        going_on: GoingOn | None = None,
     ) -> Job | Attached:
         parent = otel_context.get_current()
         span = tracer.start_span("admission", parent, attributes={"streamgate.tool": tool.name})
         if not span.get_span_context().is_valid:  # no tracing: not even the API's no-op context manager (5 µs)
-            return await self._steps(tool, params, applicant, job_id, key, parent, span, most_result)
+            return await self._steps(tool, params, applicant, job_id, key, parent, span, most_result, going_on)
         try:
             with trace.use_span(span, record_exception=False, set_status_on_exception=False):
-                admitted = await self._steps(tool, params, applicant, job_id, key, parent, span, most_result)
+                admitted = await self._steps(tool, params, applicant, job_id, key, parent, span, most_result, going_on)
         except BaseException as exc:
             end_span(span, *_refusal(exc))
             raise
@@ -193,14 +211,24 @@ class Admission:
 
     async def _steps(
         self, tool: Tool, params: Any, applicant: Applicant, job_id: str | None, key: str | None,
-        parent: otel_context.Context, admission: trace.Span, most_result: int | None = None,
+        parent: otel_context.Context, admission: trace.Span, most_result: int | None = None, going_on: GoingOn | None = None,
     ) -> Job | Attached:
         self.refuse_if_draining()
         # Its model by name, so that what the job records, routes by and is keyed on never depends on the default.
         params = params_mod.on_model(params, self.backend.resolve_model)
         if (problem := getattr(self.store, "problem", None)) is not None:  # a shared store that is unreachable
             raise ApiError(Code.STORE_UNAVAILABLE, problem, retry_after=5)
-        job = Job(tool.name, params, job_id=job_id, owner=applicant.owner, tenant=applicant.tenant, weight=applicant.weight)
+        job = Job(
+            tool.name, params, job_id=job_id, owner=applicant.owner, tenant=applicant.tenant, weight=applicant.weight,
+            after=going_on.after if going_on is not None else 0,
+        )
+        # A job that can go on from its checkpoint may go on in another replica if this one stops: the
+        # store keeps its request (gateway/server/redis_store.py).
+        job.resumable = checkpoints.resumable(tool, params)
+        if going_on is not None:
+            job.created = going_on.created or job.created
+            job.resumes = 1  # its run goes on from the checkpoint the replica before left
+            job.partials_earlier = job.skip_partials = going_on.partials
         digest, scoped = "", None
         if key is not None:
             assert self.store is not None, "an idempotency key needs a store to bind it in"
@@ -250,6 +278,8 @@ class Admission:
             job.on_end.append(lambda _: given_back())
         job.on_end.append(lambda _: release())
         job.idempotency_key, job.request_digest = scoped, digest
+        if going_on is not None:  # bound before, by the replica that first admitted it
+            job.idempotency_key, job.request_digest = going_on.key, going_on.digest
         if self.store is not None:
             await self.store.add(job)
         return job

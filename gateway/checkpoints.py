@@ -16,15 +16,25 @@ this user's alone, 0700, and only its own processes write it). A record is
 written with one `write` after its chunk's files are: a process killed
 mid-record leaves a torn last record, which is dropped, and its chunk runs
 again, which writes the same rows at the same places.
+
+With a job store that every gateway replica shares (Redis), the checkpoints
+lie in a folder that outlives the process (`lasting_folder`): a job whose
+gateway stopped goes on in the replica that takes it over
+(gateway/server/redis_store.py), from the same folder where they share a disk,
+and from its start where they do not. Folders whose job has ended everywhere
+are removed by the store's sweep (`stale`).
 """
 
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import os
 import pickle
 import struct
-from collections.abc import Hashable
+import tempfile
+import time
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 JOURNAL = "journal"
@@ -79,3 +89,40 @@ class Checkpoint:
 # The checkpoint of the job being admitted (an executor sets it around its admission, as its gateway
 # asked); the backend that queues the job hands it on (backends/local.py).
 given: contextvars.ContextVar[Checkpoint | None] = contextvars.ContextVar("checkpoint", default=None)
+
+
+def resumable(tool: Any, params: Any) -> bool:
+    """Whether a job of `tool` with `params` keeps a checkpoint it can go on from (a `Chunked` tool's that says so)."""
+    check = getattr(tool.spread, "resumable", None)
+    return check is not None and bool(check(params))
+
+
+def lasting_folder(spool: str | None, store: str) -> str | None:
+    """Where jobs' checkpoints lie when another gateway process may go on with them: beside the result
+    spool (`spool`, default the temporary folder), one folder per shared store; None with a store of
+    this process's own (`memory`), whose jobs end with it."""
+    if store == "memory":
+        return None
+    where = store.split("@")[-1]  # the same store whatever password reaches it
+    return os.path.join(spool or tempfile.gettempdir(), f"streamgate-checkpoints-{hashlib.sha256(where.encode()).hexdigest()[:12]}")
+
+
+def folders(root: str, older_than: float, most: int) -> Iterator[str]:
+    """Up to `most` job ids of `root`'s checkpoint folders last changed more than `older_than` s ago (a
+    folder just made may belong to a job not yet recorded in the store)."""
+    until = time.time() - older_than
+    found = 0
+    try:
+        entries = os.scandir(root)
+    except OSError:
+        return
+    with entries:
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < until:
+                    yield entry.name
+                    found += 1
+            except OSError:
+                continue
+            if found >= most:
+                return

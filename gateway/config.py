@@ -53,7 +53,7 @@ class Settings(msgspec.Struct, kw_only=True):
     # gateway/models/sae.py
     sae: Annotated[list[str], Meta(extra={"path": "file"}, description="A sparse autoencoder: a .safetensors file with a .json or .toml sidecar (repeatable; adds the sae_* tools).")] = msgspec.field(default_factory=list)
     # gateway/plumbing/drain.py, backends/workers.py
-    drain_timeout: Annotated[float, Meta(ge=0, description="On SIGTERM: seconds jobs in flight may finish before they end with shutting_down.")] = 30.0
+    drain_timeout: Annotated[float, Meta(ge=0, description="On SIGTERM: seconds jobs in flight may finish before they end with shutting_down (with a shared store, a job that can go on from its checkpoint goes on in another replica instead).")] = 30.0
     job_timeout: Annotated[float, Meta(ge=0, description="Seconds a job may run before it ends with error timeout and its work is stopped (0: no limit).")] = 600.0
     queue_size: Annotated[int, Meta(ge=1, description="Jobs that may wait; more get 429 queue_full.")] = 64
     # backends/queue.py

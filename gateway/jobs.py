@@ -77,8 +77,12 @@ class Job:
         owner: str | None = None,
         tenant: str | None = None,
         weight: float = 1.0,
+        after: int = 0,
     ) -> None:
         self.id = job_id or uuid.uuid4().hex
+        # The seq its log starts after: a job another gateway replica ran until it stopped goes on here
+        # (gateway/server/redis_store.py), its events before in the shared store, not in this log.
+        self.base = after
         self.tool = tool
         self.owner = owner  # the token's name that started it; None without tokens
         # Whom its queue place counts against, and its share of turns (gateway/tenants.py, backends/queue.py).
@@ -112,10 +116,21 @@ class Job:
         # and how often it went on so.
         self.checkpoint: Checkpoint | None = None
         self.resumes = 0
+        # Partial events sent before its log here began (`after`), and how many partials to drop: a run
+        # that goes on from its checkpoint sends those it had sent again first, so that a stream shows each once.
+        self.partials_earlier = 0
+        self.skip_partials = 0
+        # Whether a run of it can go on from its checkpoint (gateway/checkpoints.py `resumable`).
+        self.resumable = False
+        # Whether another gateway replica goes on with it: its checkpoint is that replica's (not removed as it ends here).
+        self.handed_off = False
         self._pending_progress: Progress | None = None
         self._progress_timer: asyncio.TimerHandle | None = None
         self._last_progress = 0.0
-        self.set_status(Status.RECEIVED)
+        if after:
+            self.set_status(Status.QUEUED, message="the gateway replica that ran the job stopped; it goes on here from its last finished piece")
+        else:
+            self.set_status(Status.RECEIVED)
 
     @property
     def model(self) -> str | None:
@@ -128,7 +143,7 @@ class Job:
         if self.terminal is not None:
             return None
         assert isinstance(self.events, list)  # a kept log is a finished job's
-        event = Event(self.id, len(self.events) + 1, type, data)
+        event = Event(self.id, self.base + len(self.events) + 1, type, data)
         self.events.append(event)
         if event.terminal:
             self.terminal = event
@@ -154,7 +169,16 @@ class Job:
         return event
 
     def next_seq(self) -> int:
-        return len(self.events) + 1
+        return self.base + len(self.events) + 1
+
+    @property
+    def last_seq(self) -> int:
+        return self.base + len(self.events)
+
+    def going_on(self) -> None:
+        """Its run is to go on from its checkpoint: drop the partials the next run sends again."""
+        sent = sum(1 for e in self.events if e.type is EventType.PARTIAL) if isinstance(self.events, list) else 0
+        self.skip_partials = self.partials_earlier + sent
 
     def set_status(self, status: Status, **fields: Any) -> None:
         """Move to `status` and send a status frame (QUEUED again when the position moves)."""
@@ -206,6 +230,9 @@ class Job:
         self._append(EventType.LOG, encode(frame))
 
     def partial(self, obj: Any) -> None:
+        if self.skip_partials:
+            self.skip_partials -= 1  # sent before this run went on from its checkpoint
+            return
         self._append(EventType.PARTIAL, encode(obj))
 
     def succeed(self, result: Any) -> None:
@@ -233,8 +260,9 @@ class Job:
     def keep_result(self, kept: Kept) -> None:
         """Its result now lies in `kept` (the spool): the log and the terminal event refer to it there."""
         terminal = self.terminal
-        assert terminal is not None and isinstance(self.events, list) and self.events[terminal.seq - 1] is terminal
-        self.terminal = self.events[terminal.seq - 1] = terminal.spooled(kept)
+        at = terminal.seq - self.base - 1 if terminal is not None else -1
+        assert terminal is not None and isinstance(self.events, list) and self.events[at] is terminal
+        self.terminal = self.events[at] = terminal.spooled(kept)
 
     def keep_log(self, kept: Kept, before: list[Event]) -> None:
         """Its events before the terminal one (`before`, written into `kept` as `KeptLog.record` made
@@ -273,6 +301,7 @@ class Job:
         log, as many as a piece holds (at least one): the follower asks again for the rest."""
         if isinstance(self.events, KeptLog):
             return await self.events.after(after)
+        after = max(0, after - self.base)  # (a job that went on here has only its newer events in this log)
         if len(self.events) <= after and self.terminal is None:
             # A bare future and a timer: no Event per appended event, no task per wait
             # (asyncio.wait_for makes one), for the many followers a gateway holds.

@@ -5,10 +5,13 @@ transformers."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
 import pickle
+import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,14 +19,16 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import redis
 from safetensors.numpy import load as load_safetensors
 
 from gateway.checkpoints import Checkpoint
 from gateway.tools import embed, windows
 from gateway.tools.windows import Sizes, Stitch
-from tests.conftest import run_stream, wait_until
+from tests.conftest import parse_sse, run_stream, wait_until
 from tests.test_engines import copies, start_gateway
 from tests.support.processes import ServeProcess
+from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
 from tests.test_windows import protein, windowed_states
 
 
@@ -276,3 +281,160 @@ def test_a_resumed_job_whose_batch_fails_keeps_the_rows_its_files_hold(model: An
     again = load_file(path)
     assert all(np.abs(again[k] - whole[k]).max() <= 1e-6 for k in whole)
     assert [d for d, _, _ in half.frames] == sorted(d for d, _, _ in half.frames)
+
+
+@pytest.fixture
+def shared(esm_path: Path, tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[tuple[Callable[..., ServeProcess], Path]]:
+    """`start(*args)`: a gateway with the model in an engine process and the test Redis as its store,
+    every one with the same result spool, and a second of outage grace (a replica silent for
+    1 + 3 heartbeats counts as gone); all stopped after the test, so that no other test's can take
+    its jobs over."""
+    tmp = tmp_path_factory.mktemp("shared")
+    spool = tmp / "spool"
+    spool.mkdir()
+    started: list[ServeProcess] = []
+
+    def start(*more: str) -> ServeProcess:
+        extra = ("--result-spool", str(spool), "--store", redis_server.url, "--store-outage-grace", "1", "--drain-timeout", "0", *more)
+        started.append(start_gateway(tmp, f"esm={esm_path}", extra=extra))
+        return started[-1]
+
+    yield start, spool
+    for gateway in started:
+        gateway.stop()
+
+
+def follow(url: str, job_id: str, last_event_id: str) -> list[dict[str, Any]]:
+    """The job's events after `last_event_id`, to its end, as a client reconnecting with it reads them."""
+    with httpx.Client(timeout=120) as client:
+        response = client.get(f"{url}/jobs/{job_id}/events", headers={"Last-Event-ID": last_event_id})
+    assert response.status_code == 200, response.text
+    return [e for e in parse_sse(response.content) if "id" in e]
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_job_whose_gateway_stops_mid_way_goes_on_in_another_replica_from_its_last_finished_window(
+    shared: tuple[Callable[..., ServeProcess], Path], esm_path: Path, tmp_path: Path, sig: str
+) -> None:
+    """Two gateways share a Redis store and a spool. `embed_dying` with `kill: gateway` sends the
+    gateway running it `sig` at window 40 of 42: SIGKILL kills it and its engine; SIGTERM drains it
+    (no time for jobs to finish: --drain-timeout 0) and it leaves the job for another replica, while
+    the chunk that holds window 40 waits in its engine.
+    The other replica takes the job over (once the first counts as gone, or at once when it was
+    left), admits it again under its id, and its run goes on from the checkpoint the first left:
+    the client, reading on (where the first stopped, from Redis; else reconnecting to the other
+    with its Last-Event-ID), reads each event once (seqs contiguous), each window's partial once,
+    one terminal event, and the numbers the windows computed here give."""
+    start, spool = shared
+    first, second = start(), start()
+    sequence = protein(3000, seed=4)
+    marker = tmp_path / "died"
+    params = {
+        "texts": [sequence], "window": 100, "overlap": 30, "pooling": "per_token", "partials": True,
+        "die_at": 40, "marker": str(marker), "kill": "gateway", "signal": sig,
+    }
+    before: list[dict[str, Any]] = []
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", f"{first.url}/embed_dying/run", json=params) as response:
+            assert response.status_code == 200
+            raw = b""
+            with contextlib.suppress(httpx.HTTPError):  # cut when its gateway dies
+                for chunk in response.iter_raw():
+                    raw += chunk
+    before = [e for e in parse_sse(raw[: raw.rfind(b"\n\n") + 2]) if "id" in e]
+    assert marker.exists() and first.proc.wait(timeout=30) == (-signal.SIGKILL if sig == "SIGKILL" else 0)
+    job_id = before[0]["data"]["job_id"]
+    # Cut when its gateway died; or, drained, read on from Redis while it stopped, maybe to the end.
+    ended = any(e["event"] in ("data", "error") for e in before)
+    assert sig == "SIGTERM" or not ended
+    after = [] if ended else follow(second.url, job_id, before[-1]["id"])
+    events = before + after
+    assert [int(e["id"].split(":")[1]) for e in events] == list(range(1, len(events) + 1))
+    kinds = [e["event"] for e in events]
+    assert kinds.count("data") + kinds.count("error") == 1 and kinds[-1] == "data", events[-3:]
+
+    statuses = [e["data"] for e in events if e["event"] == "status"]
+    told = next((i for i, f in enumerate(statuses) if "the gateway replica that ran the job stopped" in f.get("message", "")), None)
+    assert told is not None, statuses
+    assert statuses[told]["status"] == "QUEUED"
+    cut = windows.plan(3000, Sizes(100, 30, Stitch.CENTER))
+    frames = [f["progress"] for f in statuses if "progress" in f]
+    assert frames[-1] == {"done": len(cut), "total": len(cut), "unit": "windows"}
+    assert [f["done"] for f in frames] == sorted(f["done"] for f in frames)
+    resumed = [f["progress"]["done"] for f in statuses[told:] if "progress" in f]
+    assert resumed[0] == 32, resumed  # from its checkpoint: the two chunks of 16 windows the first had finished
+
+    out = events[-1]["data"]
+    parts = [e["data"] for e in events if e["event"] == "partial"]
+    shares = windows.shares(cut, Stitch.CENTER)
+    assert [(p["text"], p["start"], p["end"]) for p in parts] == [(0, share.start, share.end) for share in shares]
+    assert [row for p in parts for row in p["embeddings"]] == out["embeddings"][0]
+    want = windowed_states(esm_path, sequence, 100, 30, "center")
+    got = np.array(out["embeddings"][0], dtype=np.float32)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5
+
+    # Its snapshot on the replica that finished it, and its checkpoint removed there.
+    assert httpx.get(f"{second.url}/jobs/{job_id}", timeout=10).json()["status"] == "SUCCEEDED"
+    folder = spool / f"streamgate-checkpoints-*/{job_id}"
+    wait_until(lambda: glob.glob(str(folder)) == [], timeout=10, what="the checkpoint to be removed")
+
+
+def read_until_cut(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A run's events, read until its stream ends (with its terminal event, or cut)."""
+    raw = b""
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", url + path, json=body) as response:
+            assert response.status_code == 200, response.read()
+            with contextlib.suppress(httpx.HTTPError):
+                for chunk in response.iter_raw():
+                    raw += chunk
+    return [e for e in parse_sse(raw[: raw.rfind(b"\n\n") + 2]) if "id" in e]
+
+
+def test_a_job_the_replica_that_takes_it_over_refuses_ends_once_with_its_refusal(
+    shared: tuple[Callable[..., ServeProcess], Path], tmp_path: Path
+) -> None:
+    """A replica admits a job it takes over as any other: one with a smaller --max-job-memory
+    refuses it, and the job ends there, once, with that 413, its events numbered on."""
+    start, spool = shared
+    first, strict = start(), start("--max-job-memory", "100000")
+    marker = tmp_path / "died"
+    params = {
+        "texts": [protein(3000, seed=5)], "window": 100, "overlap": 30, "pooling": "per_token",
+        "die_at": 16, "marker": str(marker), "kill": "gateway", "signal": "SIGTERM",
+    }
+    before = read_until_cut(first.url, "/embed_dying/run", params)
+    assert first.proc.wait(timeout=30) == 0
+    job_id = before[0]["data"]["job_id"]
+    ended = any(e["event"] in ("data", "error") for e in before)
+    events = before + ([] if ended else follow(strict.url, job_id, before[-1]["id"]))
+    assert [int(e["id"].split(":")[1]) for e in events] == list(range(1, len(events) + 1))
+    terminals = [e for e in events if e["event"] in ("data", "error")]
+    assert len(terminals) == 1 and terminals[0]["event"] == "error", terminals
+    assert terminals[0]["data"]["error"]["code"] == "too_large", terminals[0]
+    assert httpx.get(f"{strict.url}/jobs/{job_id}", timeout=10).json()["status"] == "FAILED"
+    wait_until(lambda: glob.glob(str(spool / f"streamgate-checkpoints-*/{job_id}")) == [], timeout=10, what="the checkpoint to be removed")
+
+
+async def test_the_sweep_removes_the_checkpoints_of_jobs_ended_everywhere_and_keeps_the_rest(redis_server: RedisServer, tmp_path: Path) -> None:
+    """Checkpoint folders whose job has ended (or expired) in the store go; a running job's stay,
+    and so does a folder just made (its job may not be recorded yet)."""
+    from gateway.server import redis_store
+
+    prefix = f"sweep-{os.getpid()}:"
+    root = tmp_path / "checkpoints"
+    for name in ("running", "ended", "gone", "new"):
+        (root / name).mkdir(parents=True)
+    old = time.time() - 2 * redis_store.SWEEP_S
+    for name in ("running", "ended", "gone"):
+        os.utime(root / name, (old, old))
+    client = redis.Redis.from_url(redis_server.url)
+    client.hset(f"{prefix}job:running", mapping={"owner": "someone"})
+    client.hset(f"{prefix}job:ended", mapping={"owner": "someone", "tseq": 9})
+    store = redis_store.RedisStore(redis_server.url, lambda job: None, prefix=prefix, checkpoints=str(root))
+    try:
+        await store._sweep()
+    finally:
+        await store.stop()
+        client.delete(f"{prefix}job:running", f"{prefix}job:ended")
+    assert sorted(os.listdir(root)) == ["new", "running"]

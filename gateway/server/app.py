@@ -29,7 +29,7 @@ from starlette.staticfiles import StaticFiles
 from gateway.plumbing import memory
 from gateway.backend import Backend
 from gateway import params as params_mod
-from gateway import tenants
+from gateway import checkpoints, tenants
 from gateway.admission import Admission, Applicant, Attached
 from gateway.cost import inline_only
 from gateway.server.auth import Auth, Principal, load_principals
@@ -122,6 +122,7 @@ def open_store(settings: Settings, cancel: Any) -> JobStore:
         outage_grace=settings.store_outage_grace,
         results=results,
         memory_budget=settings.result_memory_bytes,
+        checkpoints=checkpoints.lasting_folder(settings.result_spool, settings.store),
     )
 
 
@@ -145,6 +146,8 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         backend, limits, drain=drain, store=store, quota=auth.limits, metrics=metrics, room=getattr(store, "results", None)
     )
     streams = Streams(settings.max_streams, settings.max_streams_per_owner)
+    # A job another replica ran until it stopped goes on here, admitted as any other (a shared store's).
+    store.takes_over(admission, lambda: backend.ready and not drain.draining)
 
     def follow(job: JobHandle, slot: Slot, after: int = 0) -> Response:
         return job_response(
@@ -191,7 +194,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             # The same request again (a client replaying its POST): attach to the job it started.
             after = resumed[1] if resumed is not None and resumed[0] == admitted.job_id else 0
             return _resume(await _job(admitted.job_id, principal, to_follow=True), slot, after)
-        return follow(admitted, slot)
+        return follow(await store.followed(admitted), slot)
 
     async def launch(request: Request, tool_name: str, params: Any) -> Job:
         """Start a job of `tool_name` with `params` (its Struct) for another surface (the OpenAI routes):
@@ -316,6 +319,11 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return ApiError(Code.INTERNAL, "internal error", headers=request_id_headers()).response()
 
+    async def stop_jobs() -> None:
+        """The drain's end: jobs that can go on in another replica are left to it, the rest stopped."""
+        await store.hand_off()
+        await backend.stop()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await backend.start()
@@ -323,7 +331,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
         # What is loaded by now (modules, routes, a remote backend's clients) lives as long as the
         # process: out of the collector's full passes, which walked it all and held the loop.
         memory.settle()
-        on_sigterm(drain, lambda: backend.in_flight, backend.stop)
+        on_sigterm(drain, lambda: backend.in_flight, stop_jobs)
         watcher = asyncio.create_task(streams.watch(), name="streams' watcher")
         try:
             async with agents.running():

@@ -25,7 +25,9 @@ more than a piece, and nothing copies it whole. It counts against Redis's own
 memory (its `maxmemory`), once, for the job's retention.
 
 Keys (prefix `streamgate:`): `job:{id}` (hash: owner, snapshot, last_seq,
-terminal seq, type and size, idempotency key, cancel flag), `events:{id}` (stream),
+terminal seq, type and size, idempotency key, cancel flag, partial events
+copied, and for a job that can go on elsewhere its request and times taken
+over), `events:{id}` (stream), `resumable` (see below),
 `result:{id}` (a result of `SPOOL_FROM` bytes or more, kept once),
 `attached:{id}` (sorted set of replicas following the job, scored by
 deadline), `jobs` (sorted set of every job's id, scored by when its owner last
@@ -77,6 +79,26 @@ one terminal event). A replica that shuts down ends its unfinished jobs with
 `shutting_down`, copies those events out (for up to 2 s), then drops its
 liveness key, so nobody waits out a grace for it.
 
+**A job that goes on in another replica.** A job that can go on from its
+checkpoint (gateway/checkpoints.py: `embed`'s and `pseudo_loglikelihood`'s
+windows) has its request kept in its hash (`request`: tool, params as
+admitted, tenant) and its id in `resumable` (a sorted set, scored by when its
+owner last re-leased it). Its own clients follow it in Redis too, as other
+replicas' do (`followed`): no client ever reads an event Redis lacks. When its
+owner stops (killed: once it counts as gone, as above; or shut down: it leaves
+its jobs at once, `hand_off`, after its drain), any ready replica that finds
+it (every heartbeat looks at `resumable`; a read of the job too) takes it over:
+a compare-and-set makes it the owner (`_TAKE_OVER`: only if the old owner is
+still silent and nobody took it first), and it is admitted again there under
+its id (gateway/admission.py `GoingOn`), its events numbered on after the last
+one Redis has. Its run goes on from its checkpoint where the replicas share the
+result spool's disk (`checkpoints.lasting_folder`), and from its start where
+they do not; the partial events it sends again are dropped (Redis counts them),
+so a client reconnecting with its Last-Event-ID reads each event once. A job is
+taken over at most `MOST_TAKEOVERS` times; one no replica takes over within
+its lease is ended as lost, as above. An owner that was only cut off and finds
+its job taken over stops its run and leaves the checkpoint alone.
+
 **Redis down, stalled or restarted** (up to the outage grace). Every call on
 a request's path waits at most `ANSWER_S` (2 s): new runs, `GET /jobs/{id}`,
 `DELETE` and `GET /jobs` of jobs owned elsewhere answer 503
@@ -100,7 +122,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
+import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -121,6 +145,9 @@ try:  # redis-py 7+: a Redis Enterprise feature, negotiated on every new connect
 except ImportError:  # pragma: no cover
     _NO_MAINT = {}
 
+from gateway import checkpoints
+from gateway.admission import Admission, Applicant, GoingOn
+from gateway.cost import inline_only
 from gateway.errors import ApiError
 from gateway.jobs import Job, terminal_event
 from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType, JobSnapshot, Kept, TerminalEvent, encode, now
@@ -143,14 +170,21 @@ ANSWER_S = 2.0  # the longest a request, or a heartbeat, waits on Redis: a stall
 COMMAND_CONNECTIONS = 64  # per replica, for requests and copies
 READ_CONNECTIONS = 1024  # per replica: jobs followed from here at once, each one blocking read
 READ_COUNT = 1000  # most events one XREAD returns
+MOST_TAKEOVERS = 2  # times a job goes on in another replica: one that kills every gateway it runs on ends
+TAKE_OVER_COUNT = 8  # orphans one heartbeat looks at
+SWEEP_S = 60.0  # how often the checkpoints of jobs ended everywhere are looked for
+SWEEP_COUNT = 1000  # checkpoint folders one sweep looks at
+# The fields of a job's hash a reader needs: never its request, which may be as big as a request body.
+_FIELDS = (b"owner", b"key", b"last_seq", b"snapshot", b"tseq", b"tsize", b"ttype", b"resumable")
 
 # Copy a batch of events and the snapshot. KEYS: hash, stream, attached, the
-# owner's liveness key, the index, the result key, [idempotency key]. ARGV: job
+# owner's liveness key, the index, the result key, the set of jobs that can go
+# on elsewhere, [idempotency key]. ARGV: job
 # id, snapshot, retention ms, terminal seq ('' while running), terminal type,
 # owner, idempotency key, the key's value, lease ms, liveness ms, now, the
 # seq whose data is kept apart ('' for none), then (seq, type, data) triples. 1
 # written; 0 the job was ended elsewhere; 2 Redis lost the job (restarted
-# empty): send its log again from seq 1.
+# empty): send its log again from seq 1; 3 another replica took the job over.
 #
 # Writing is a sign of life (the liveness key), so a job Redis lost and gets
 # back is never taken for an orphan between its copy and the next heartbeat; and
@@ -162,8 +196,11 @@ _MIRROR = """
 if redis.call('HEXISTS', KEYS[1], 'tseq') == 1 then return 0 end
 local fresh = redis.call('EXISTS', KEYS[1]) == 0
 if fresh and tonumber(ARGV[13]) > 1 then return 2 end
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner and owner ~= ARGV[6] then return 3 end
 redis.call('SET', KEYS[4], '1', 'PX', ARGV[10])
 local last = tonumber(redis.call('HGET', KEYS[1], 'last_seq') or '0')
+local partials = 0
 for i = 13, #ARGV, 3 do
   local seq = tonumber(ARGV[i])
   if seq > last then
@@ -174,15 +211,18 @@ for i = 13, #ARGV, 3 do
     else
       redis.call('XADD', KEYS[2], ARGV[i] .. '-0', 'type', ARGV[i + 1], 'data', ARGV[i + 2])
     end
+    if ARGV[i + 1] == 'partial' then partials = partials + 1 end
     last = seq
   end
 end
 redis.call('HSET', KEYS[1], 'last_seq', last, 'snapshot', ARGV[2], 'owner', ARGV[6], 'key', ARGV[7])
-local own = {KEYS[1], KEYS[2], KEYS[3], KEYS[6], KEYS[7]}
+if partials > 0 then redis.call('HINCRBY', KEYS[1], 'partials', partials) end
+local own = {KEYS[1], KEYS[2], KEYS[3], KEYS[6], KEYS[8]}
 redis.call('ZADD', KEYS[5], ARGV[11], ARGV[1])
-if fresh and KEYS[7] then redis.call('SET', KEYS[7], ARGV[8], 'NX') end
+if fresh and KEYS[8] then redis.call('SET', KEYS[8], ARGV[8], 'NX') end
 if ARGV[4] ~= '' then
   redis.call('HSET', KEYS[1], 'tseq', ARGV[4], 'ttype', ARGV[5])
+  redis.call('ZREM', KEYS[7], ARGV[1])
   for _, key in ipairs(own) do redis.call('PEXPIRE', key, ARGV[3]) end
 else
   for _, key in ipairs(own) do redis.call('PEXPIRE', key, ARGV[9]) end
@@ -205,14 +245,50 @@ return 1
 """
 
 # Re-lease a running job's keys (never a finished one's: that would stretch its
-# retention) and read its cancel flag; -1 if Redis lost the job. KEYS: hash,
-# stream, attached, result, [idem]. ARGV: lease ms.
+# retention) and read its cancel flag; -1 if Redis lost the job, -2 if another
+# replica took it over. KEYS: hash, stream, attached, result, [idem]. ARGV:
+# lease ms, this replica.
 _LEASE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return -2 end
 if redis.call('HEXISTS', KEYS[1], 'tseq') == 0 then
   for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
 end
 return redis.call('HGET', KEYS[1], 'cancel')
+"""
+
+# Take over a job whose owner is silent, to go on with it here from its
+# checkpoint. KEYS: the owner's liveness key, hash, stream, attached, result,
+# the set of jobs that can go on elsewhere, [idem]. ARGV: the owner read, this
+# replica, lease ms, the most times a job is taken over, now, job id. 0 not
+# (its owner lives, it ended, or another replica took it); -1 taken over too
+# often already; else its last seq, partial events, idempotency key and request.
+_TAKE_OVER = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 0 or redis.call('HEXISTS', KEYS[2], 'tseq') == 1 then
+  redis.call('ZREM', KEYS[6], ARGV[6])
+  return 0
+end
+if redis.call('HGET', KEYS[2], 'owner') ~= ARGV[1] then return 0 end
+local request = redis.call('HGET', KEYS[2], 'request')
+if not request then return 0 end
+if redis.call('HINCRBY', KEYS[2], 'taken', 1) > tonumber(ARGV[4]) then return -1 end
+redis.call('HSET', KEYS[2], 'owner', ARGV[2])
+redis.call('ZADD', KEYS[6], ARGV[5], ARGV[6])
+for i = 2, #KEYS do
+  if i ~= 6 then redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+end
+return {redis.call('HGET', KEYS[2], 'last_seq'), redis.call('HGET', KEYS[2], 'partials') or '0', redis.call('HGET', KEYS[2], 'key') or '', request}
+"""
+
+# Leave a running job for another replica to go on with (this one stops): no
+# owner, and first in the order jobs are taken over in. KEYS: hash, the set of
+# jobs that can go on elsewhere. ARGV: this replica, job id, now.
+_LEAVE = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] or redis.call('HEXISTS', KEYS[1], 'tseq') == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'owner', '')
+redis.call('ZADD', KEYS[2], -tonumber(ARGV[3]), ARGV[2])
+return 1
 """
 
 # A replica follows a job until ARGV[2] ms from now (server time). KEYS: attached. ARGV: replica, ttl, lease.
@@ -263,6 +339,23 @@ class _Owned:
     timer: asyncio.TimerHandle | None = None
     evaluating: bool = False
     cancel_seen: bool = False
+    # Taken over from a replica that stopped: its events before are in Redis only (its clients here follow
+    # it there, as they do every job that may go on elsewhere: `followed`).
+    taken: bool = False
+
+
+class _Request(msgspec.Struct, frozen=True):
+    """What another replica needs to admit a job again (`_take_over`): its tool, its params as admitted
+    (on a named model), who it runs for, and whether its surface needs its result inline."""
+
+    tool: str
+    params: msgspec.Raw
+    tenant: str
+    weight: float = 1.0
+    owner: str | None = None
+    inline: bool = False
+    digest: str = ""
+    created: float = 0.0
 
 
 class InRedis:
@@ -311,6 +404,8 @@ class InRedis:
 
 class RedisJobView:
     """A job that runs on another replica, read from Redis (see `JobHandle`)."""
+
+    files: Any = None  # a job this replica took over: its result files are here (gateway/server/results.py)
 
     def __init__(self, store: RedisStore, job_id: str, fields: dict[bytes, bytes]) -> None:
         self.id = job_id
@@ -484,6 +579,7 @@ class RedisStore(JobStore):
         prefix: str = "streamgate:",
         results: ResultSpool | None = None,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        checkpoints: str | None = None,
     ) -> None:
         if not is_redis_url(url):
             raise ValueError(f"not a Redis URL: {url!r} (redis://host:port/db, rediss://…, unix://…)")
@@ -498,6 +594,14 @@ class RedisStore(JobStore):
         # as the memory store's are (a big result in this replica's spool, once copied to Redis).
         self.results = results
         self.finished = FinishedResults(results, memory_budget)
+        # Where jobs keep their checkpoints (gateway/checkpoints.py `lasting_folder`): swept here of those
+        # whose job has ended everywhere.
+        self.checkpoints = checkpoints
+        self._admission: Admission | None = None  # with which a job whose replica stopped goes on here
+        self._ready: Callable[[], bool] = lambda: False
+        self._taking: set[str] = set()  # jobs being taken over here now
+        self._looking = False  # for jobs to take over, now
+        self._swept = 0.0  # loop time of the last sweep
         self.replica_id = uuid.uuid4().hex
         self.ttl = 3 * heartbeat  # of an attachment
         # A replica silent for this long is taken for dead and its jobs ended: no sooner than an
@@ -518,6 +622,8 @@ class RedisStore(JobStore):
         self._live_script = self._redis.register_script(_LIVE)
         self._release_script = self._redis.register_script(_RELEASE)
         self._flag_cancel_script = self._redis.register_script(_FLAG_CANCEL)
+        self._take_over_script = self._redis.register_script(_TAKE_OVER)
+        self._leave_script = self._redis.register_script(_LEAVE)
         self._owned: dict[str, _Owned] = {}
         self._mirrors: dict[str, asyncio.Task[None]] = {}
         self._attached: dict[str, int] = {}  # clients on this replica, per job (owned or not)
@@ -566,6 +672,11 @@ class RedisStore(JobStore):
     def _index(self) -> str:
         return f"{self.prefix}jobs"
 
+    @property
+    def _resumable(self) -> str:
+        """The running jobs that can go on in another replica, scored by when their owner last re-leased them."""
+        return f"{self.prefix}resumable"
+
     def _idem(self, key: str) -> str:
         return f"{self.prefix}key:{key}"
 
@@ -588,6 +699,7 @@ class RedisStore(JobStore):
             self._replica(self.replica_id),
             self._index,
             self._result(job.id),
+            self._resumable,
         ]
         return keys + [self._idem(job.idempotency_key)] if job.idempotency_key else keys
 
@@ -636,6 +748,13 @@ class RedisStore(JobStore):
         except (RedisError, TimeoutError) as exc:
             raise self._unavailable(exc) from exc
 
+    async def _quietly(self, coro: Any) -> None:
+        """A background chore that tries again at the next heartbeat if Redis or the disk fails it."""
+        try:
+            await coro
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.debug("a background chore failed, tried again later: %s", exc)
+
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
         self._spawned.add(task)
@@ -653,6 +772,7 @@ class RedisStore(JobStore):
         ]
 
     async def stop(self) -> None:
+        await self.hand_off()
         for owned in self._owned.values():
             if not owned.job.done:
                 self._cancel(owned.job)
@@ -726,13 +846,22 @@ class RedisStore(JobStore):
     # -- jobs ----------------------------------------------------------------------
 
     async def add(self, job: Job) -> None:
+        if job.base:  # taken over (`_take_over`): its hash is there, and names this replica its owner
+            self._owned[job.id] = _Owned(job, taken=True)
+            self._restart_mirror(job)
+            return
         key = job.idempotency_key
         try:
             pipe = self._redis.pipeline(transaction=True)
-            pipe.hset(
-                self._hash(job.id),
-                mapping={"owner": self.replica_id, "snapshot": encode(job.snapshot()), "last_seq": 0, "key": key or ""},
-            )
+            fields: dict[str, Any] = {"owner": self.replica_id, "snapshot": encode(job.snapshot()), "last_seq": 0, "key": key or ""}
+            if job.resumable:  # another replica can go on with it if this one stops
+                fields["request"] = encode(_Request(
+                    job.tool, msgspec.Raw(encode(job.params)), job.tenant, job.weight, job.owner,
+                    bool(getattr(job, "inline_only", False)), job.request_digest, job.created,
+                ))
+                fields["resumable"] = 1
+                pipe.zadd(self._resumable, {job.id: time.time()})
+            pipe.hset(self._hash(job.id), mapping=fields)
             pipe.pexpire(self._hash(job.id), self._lease_ms)
             # The index of every job, for listing; members whose job has expired are dropped
             # as it is read, and any older than a lease past retention here.
@@ -759,7 +888,7 @@ class RedisStore(JobStore):
 
     async def get(self, job_id: str, *, to_follow: bool = False) -> JobHandle | None:
         owned = self._owned.get(job_id)
-        if owned is not None:
+        if owned is not None and not owned.taken and not owned.job.resumable:
             job = owned.job
             if job.finished is None or time.time() - job.finished <= self.retention:
                 return job
@@ -777,11 +906,24 @@ class RedisStore(JobStore):
                 return None
             view = RedisJobView(self, job_id, fields)
             if not view.done and view.owner != self.replica_id and await self._finalize_if_orphan(view):
-                fields = await self._redis.hgetall(self._hash(job_id))
+                fields = await self._hash_fields(job_id)
                 if not fields:
                     return None
                 view._update(fields)
+            if owned is not None:
+                view.files = owned.job.files
             return view
+
+    async def followed(self, job: Job) -> JobHandle:
+        # A job that may go on in another replica is followed from Redis here too: a client never
+        # reads an event that Redis lacks, which the replica going on with it would send again
+        # under the same seq, and so reconnects after its last event wherever it goes on.
+        if job.resumable:
+            with contextlib.suppress(ApiError):
+                view = await self.get(job.id, to_follow=True)
+                if view is not None:
+                    return view
+        return job
 
     async def _shared(self, key: str, call: Callable[[], Awaitable[Any]]) -> Any:
         """`call()`'s answer; calls for one `key` made while one is in flight share its round trip.
@@ -798,7 +940,12 @@ class RedisStore(JobStore):
             done.exception()  # retrieved: a failure every waiter gave up on is not logged as lost
 
     async def _fields(self, job_id: str) -> dict[bytes, bytes]:
-        return await self._shared(f"job {job_id}", lambda: self._redis.hgetall(self._hash(job_id)))
+        return await self._shared(f"job {job_id}", lambda: self._hash_fields(job_id))
+
+    async def _hash_fields(self, job_id: str) -> dict[bytes, bytes]:
+        """The job's hash as readers need it (`_FIELDS`); {} if it is gone."""
+        values = await self._redis.hmget(self._hash(job_id), _FIELDS)
+        return {name: value for name, value in zip(_FIELDS, values) if value is not None}
 
     async def _owner_alive(self, owner: str) -> bool:
         """Whether `owner`'s liveness key exists; a yes is kept for one heartbeat (the key lasts
@@ -883,42 +1030,17 @@ class RedisStore(JobStore):
         self._mirrors[job.id] = asyncio.create_task(self._mirror(job), name=f"mirror {job.id}")
 
     async def _mirror(self, job: Job) -> None:
-        written = 0
+        written = job.base  # a job taken over: its events before are there already
         delay = 0.05
         failing = False
         while not self._closing:
-            if len(job.events) <= written and job.terminal is None:
+            if job.last_seq <= written and job.terminal is None:
                 await job.wait_events(written)
-            events = job.events[written:]
+            events = job.events[written - job.base :]
             if not events:
                 return
-            snapshot = job.snapshot(kept=[])  # taken with `events`, so the two agree
-            terminal = job.terminal
-            # A result already in this replica's spool (a copy sent again) is read on a thread, not on the loop.
-            datas = [event.raw if event.kept is None else await asyncio.to_thread(event.kept.read) for event in events]
-            apart = terminal is not None and terminal.type is EventType.DATA and terminal.size >= SPOOL_FROM
-            if terminal is not None:
-                # A big result is kept once, in the result key, and readers fill it in from there.
-                whole = TerminalEvent(terminal.type.value, msgspec.Raw(datas[-1]))
-                snapshot = msgspec.structs.replace(snapshot, terminal=None if apart else whole)
-            args: list[Any] = [
-                job.id,
-                encode(snapshot),
-                self._ms(self.retention),
-                terminal.seq if terminal else "",
-                terminal.type.value if terminal else "",
-                self.replica_id,
-                job.idempotency_key or "",
-                f"{job.id} {job.request_digest}",
-                self._lease_ms,
-                self._ms(self.liveness),
-                time.time(),
-                terminal.seq if apart and terminal is not None else "",
-            ]
-            for event, data in zip(events, datas):
-                args += [event.seq, event.type.value, data]
             try:
-                ok = await self._mirror_script(keys=self._mirror_keys(job), args=args)
+                ok = await self._copy(job, events)
             except RedisError as exc:
                 if not failing:
                     log.warning("job %s: cannot copy events to Redis, retrying: %s", job.id, exc)
@@ -929,7 +1051,15 @@ class RedisStore(JobStore):
             if failing:
                 log.info("job %s: events reach Redis again", job.id)
             failing, delay = False, 0.05
+            if ok == 3:
+                self._handed_off(job)
+                return
             if ok == 2:
+                if job.base:  # taken over here: the events before it are gone with Redis's copy
+                    log.warning("job %s: Redis lost it (restarted empty?), with the events it had before it came here: stopping it", job.id)
+                    self._cancel(job)
+                    job.fail(Code.BACKEND_UNAVAILABLE, "the job store lost the job's events")
+                    return
                 log.warning("job %s: Redis lost it (restarted empty?); copying its events again", job.id)
                 written = 0
                 continue
@@ -940,11 +1070,179 @@ class RedisStore(JobStore):
                     self._cancel(job)
                     job.fail(Code.BACKEND_UNAVAILABLE, "the job was ended while this gateway could not reach Redis")
                 return
-            if terminal is not None:
+            if events[-1].terminal:
                 if self._owned.get(job.id) is not None:
                     # Copied out: its own copy here now counts against this replica's memory, or goes to the spool.
                     self.finished.ended(job)
                 return
+
+    async def _copy(self, job: Job, events: list[Event]) -> int:
+        """Copy `events` (the next of `job`'s log) and its snapshot: `_MIRROR`'s answer."""
+        snapshot = job.snapshot(kept=[])  # taken with `events`, so the two agree
+        terminal = events[-1] if events[-1].terminal else None
+        # A result already in this replica's spool (a copy sent again) is read on a thread, not on the loop.
+        datas = [event.raw if event.kept is None else await asyncio.to_thread(event.kept.read) for event in events]
+        apart = terminal is not None and terminal.type is EventType.DATA and terminal.size >= SPOOL_FROM
+        if terminal is not None:
+            # A big result is kept once, in the result key, and readers fill it in from there.
+            whole = TerminalEvent(terminal.type.value, msgspec.Raw(datas[-1]))
+            snapshot = msgspec.structs.replace(snapshot, terminal=None if apart else whole)
+        args: list[Any] = [
+            job.id,
+            encode(snapshot),
+            self._ms(self.retention),
+            terminal.seq if terminal else "",
+            terminal.type.value if terminal else "",
+            self.replica_id,
+            job.idempotency_key or "",
+            f"{job.id} {job.request_digest}",
+            self._lease_ms,
+            self._ms(self.liveness),
+            time.time(),
+            terminal.seq if apart and terminal is not None else "",
+        ]
+        for event, data in zip(events, datas):
+            args += [event.seq, event.type.value, data]
+        return int(await self._mirror_script(keys=self._mirror_keys(job), args=args))
+
+    def _handed_off(self, job: Job) -> None:
+        """Another replica took `job` over while this one could not reach Redis (it counted as gone):
+        the work here stops, and leaves the job's checkpoint to the replica that goes on with it."""
+        if job.done or job.handed_off:
+            return
+        log.warning("job %s was taken over by another replica (this one was thought gone): stopping it here", job.id)
+        self._leave(job)
+
+    def _leave(self, job: Job) -> None:
+        """`job` goes on in another replica: its run here stops (what it appends from now on reaches
+        no client: they follow it in Redis), and its checkpoint is left to that replica."""
+        job.handed_off = True
+        self._cancel(job)
+        job.fail(Code.BACKEND_UNAVAILABLE, "the job goes on in another gateway replica")
+
+    async def hand_off(self) -> None:
+        """This replica stops: its jobs that can go on elsewhere are left, for another replica (or this
+        one's successor) to take over at once. Their events not copied yet stay behind: nobody has
+        read them (clients follow such jobs in Redis), and the replica that goes on sends its own. A
+        job not left in `STOP_FLUSH_S` (Redis unreachable) is taken over once this one counts as gone."""
+        leaving = [o.job for o in self._owned.values() if o.job.resumable and not o.job.done and not o.job.handed_off]
+        if not leaving:
+            return
+        try:
+            async with asyncio.timeout(STOP_FLUSH_S):
+                for job in leaving:
+                    if await self._leave_script(keys=[self._hash(job.id), self._resumable], args=[self.replica_id, job.id, time.time()]):
+                        log.info("job %s: left for another replica to go on with", job.id)
+                        self._leave(job)
+        except (RedisError, TimeoutError) as exc:
+            log.warning("could not leave every job to another replica: %s", exc or "no answer in time")
+
+    # -- a job whose replica stopped goes on in another ------------------------------------
+
+    def takes_over(self, admission: Admission, ready: Callable[[], bool]) -> None:
+        self._admission, self._ready = admission, ready
+
+    async def _may_go_on(self, job_id: str) -> bool:
+        """Whether a job whose owner is silent may still go on here: its owner re-leased it less than a
+        liveness and a retention ago (after that, with no replica ready to take it, it is lost)."""
+        score = await self._redis.zscore(self._resumable, job_id)
+        return score is not None and time.time() - abs(float(score)) < self._lease_ms / 1000
+
+    def _take_over_soon(self, job_id: str, owner: str) -> None:
+        if self._admission is not None and self._ready() and job_id not in self._taking and not self._closing:
+            self._taking.add(job_id)
+            self._spawn(self._take_over(job_id, owner))
+
+    async def _take_over_orphans(self) -> None:
+        """Take over the jobs that can go on whose owners have not re-leased them within a liveness, and
+        those left by a replica that stopped (`hand_off`: scored by minus when, so they come first)."""
+        try:
+            await self._look_for_orphans()
+        finally:
+            self._looking = False
+
+    async def _look_for_orphans(self) -> None:
+        until = time.time() - self.liveness
+        ids = await self._redis.zrangebyscore(self._resumable, "-inf", until, start=0, num=TAKE_OVER_COUNT)
+        if not ids:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for member in ids:
+            pipe.hget(self._hash(member.decode()), "owner")
+        owners = await pipe.execute()
+        for member, owner in zip(ids, owners):
+            job_id = member.decode()
+            if owner is None:  # expired: nothing to go on with
+                await self._redis.zrem(self._resumable, job_id)
+            elif owner.decode() != self.replica_id and not await self._owner_alive(owner.decode()):
+                self._take_over_soon(job_id, owner.decode())
+
+    async def _take_over(self, job_id: str, owner: str) -> None:
+        """Make this replica the owner of `job_id` (if `owner` is still silent and nobody took it first)
+        and admit the job again here, under its id, to go on from its checkpoint after its last event."""
+        try:
+            keys = [self._replica(owner), self._hash(job_id), self._stream(job_id), self._attached_key(job_id), self._result(job_id), self._resumable]
+            key = (await self._redis.hget(self._hash(job_id), "key") or b"").decode()
+            if key:
+                keys.append(self._idem(key))
+            args = [owner, self.replica_id, self._lease_ms, MOST_TAKEOVERS, time.time(), job_id]
+            taken = await self._take_over_script(keys=keys, args=args)
+            if taken == -1:
+                view = RedisJobView(self, job_id, await self._hash_fields(job_id))
+                await self._finalize_if_orphan(view, f"the gateway replicas running this job stopped {MOST_TAKEOVERS + 1} times while it ran")
+                return
+            if not taken:
+                return
+            last, partials, key_bytes, request = taken
+            await self._go_on(job_id, int(last), int(partials), key_bytes.decode() or None, msgspec.json.decode(request, type=_Request))
+        except (RedisError, TimeoutError, msgspec.DecodeError) as exc:
+            log.warning("job %s: could not be taken over from replica %s: %s", job_id, owner, exc)
+        finally:
+            self._taking.discard(job_id)
+
+    async def _go_on(self, job_id: str, last: int, partials: int, key: str | None, request: _Request) -> None:
+        """Admit a job taken over here again; a refusal (its tool gone, over a budget) is its end."""
+        assert self._admission is not None
+        log.warning("job %s: its replica stopped; it goes on here after event %d", job_id, last)
+        going_on = GoingOn(last, partials, key, request.digest, request.created)
+        reset = inline_only.set(True) if request.inline else None
+        try:
+            tool = self._admission.backend.tool(request.tool)
+            params = await self._admission.decode(tool, bytes(request.params), "the job's request")
+            applicant = Applicant(request.tenant, request.weight, request.owner)
+            await self._admission.admit(tool, params, applicant, job_id=job_id, going_on=going_on)
+        except Exception as exc:  # refused here: the job ends, once, with why
+            if isinstance(exc, ApiError):
+                code, message = exc.code, exc.message
+            else:
+                log.exception("job %s: admitting it again failed", job_id)
+                code, message = Code.INTERNAL, "the job could not go on in the replica that took it over"
+            job = Job(request.tool, None, job_id=job_id, owner=request.owner, tenant=request.tenant, after=last)
+            job.idempotency_key, job.request_digest = key, request.digest
+            job.fail(code, message)
+            await self.add(job)
+            if self.checkpoints is not None:  # nothing will go on from it
+                await asyncio.to_thread(shutil.rmtree, os.path.join(self.checkpoints, job_id), True)
+        finally:
+            if reset is not None:
+                inline_only.reset(reset)
+
+    async def _sweep(self) -> None:
+        """Remove the checkpoints of jobs that have ended everywhere (or are gone): a job goes on from
+        its checkpoint only while it runs, or waits for a replica to take it over."""
+        assert self.checkpoints is not None
+        ids = await asyncio.to_thread(lambda: list(checkpoints.folders(self.checkpoints, SWEEP_S, SWEEP_COUNT)))
+        ids = [job_id for job_id in ids if job_id not in self._owned]
+        if not ids:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(self._hash(job_id), "owner", "tseq")
+        states = await pipe.execute()
+        ended = [job_id for job_id, (owner, tseq) in zip(ids, states) if owner is None or tseq is not None]
+        if ended:
+            root = self.checkpoints
+            await asyncio.to_thread(lambda: [shutil.rmtree(os.path.join(root, job_id), ignore_errors=True) for job_id in ended])
 
     # -- following a job that runs elsewhere -------------------------------------------
 
@@ -974,20 +1272,25 @@ class RedisStore(JobStore):
                 events.append(Event(job_id, seq, kind, fields[b"data"]))
         return events
 
-    async def _finalize_if_orphan(self, view: RedisJobView) -> bool:
-        """End `view`'s job with backend_unavailable if its owner is silent; True if it has ended."""
+    async def _finalize_if_orphan(self, view: RedisJobView, message: str | None = None) -> bool:
+        """End `view`'s job with backend_unavailable if its owner is silent (unless it can go on in
+        another replica: `_take_over`); True if it has ended. `message`: why, if not the owner's silence."""
         for _ in range(5):
             if await self._owner_alive(view.owner):
                 return False
-            fields = await self._redis.hgetall(self._hash(view.id))
+            fields = await self._hash_fields(view.id)
             if not fields or b"snapshot" not in fields:
                 return False
             view._update(fields)
             if view.done:
                 return True
+            if message is None and b"resumable" in fields and await self._may_go_on(view.id):
+                self._take_over_soon(view.id, view.owner)
+                return False
             seq = view.last_seq + 1
-            message = "the gateway replica running this job stopped answering"
-            info = ErrorInfo(code=Code.BACKEND_UNAVAILABLE, message=message, retryable=True)
+            info = ErrorInfo(
+                code=Code.BACKEND_UNAVAILABLE, message=message or "the gateway replica running this job stopped answering", retryable=True
+            )
             data = encode(ErrorFrame(view.id, seq, info))
             old = view.snapshot()
             snapshot = msgspec.structs.replace(
@@ -1121,11 +1424,13 @@ class RedisStore(JobStore):
             for owned in running:
                 await self._lease_script(
                     keys=self._job_keys(owned.job.id, owned.job.idempotency_key),
-                    args=[self._lease_ms],
+                    args=[self._lease_ms, self.replica_id],
                     client=pipe,
                 )
             if running:  # still listed, however long they run
                 pipe.zadd(self._index, {owned.job.id: time.time() for owned in running}, xx=True)
+            if resumable := {owned.job.id: time.time() for owned in running if owned.job.resumable}:
+                pipe.zadd(self._resumable, resumable, xx=True)  # alive: nobody takes them over
             async with asyncio.timeout(ANSWER_S):  # a stalled Redis is found out as soon as a dead one
                 replies = await pipe.execute()
         except (RedisError, TimeoutError) as exc:
@@ -1145,7 +1450,9 @@ class RedisStore(JobStore):
         self.problem = None
         self._failed_beats = 0
         for owned, flag in zip(running, replies[1 : 1 + len(running)]):
-            if flag == -1 and not owned.job.done:  # Redis lost the job: copy it again
+            if flag == -2:
+                self._handed_off(owned.job)
+            elif flag == -1 and not owned.job.done:  # Redis lost the job: copy it again
                 self._restart_mirror(owned.job)
             elif flag and not owned.cancel_seen and not owned.job.done:
                 owned.cancel_seen = True
@@ -1154,6 +1461,13 @@ class RedisStore(JobStore):
                 self._evaluate_soon(owned)
         for job_id, owner in self._views.items():
             self._ops.put_nowait(("attach", job_id, owner))
+        if self._admission is not None and self._ready() and not self._looking:
+            self._looking = True
+            self._spawn(self._quietly(self._take_over_orphans()))
+        loop = asyncio.get_running_loop()
+        if self.checkpoints is not None and loop.time() - self._swept > SWEEP_S:
+            self._swept = loop.time()
+            self._spawn(self._quietly(self._sweep()))
         moment = time.time()
         for job_id, owned in list(self._owned.items()):
             if owned.job.finished is not None and moment - owned.job.finished > self.retention:

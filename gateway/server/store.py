@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from gateway.admission import Binding
+from gateway.admission import Admission, Binding
 from gateway.errors import ParamError
 from gateway.jobs import Job, KeptLog
 from gateway.plumbing.spool import SPOOL_FROM, ResultSpool
@@ -115,6 +115,18 @@ class JobStore(abc.ABC):
     def results_kept(self) -> dict[str, int]:
         """Where this process keeps finished results (`FinishedResults.facts`)."""
         return {}
+
+    async def followed(self, job: Job) -> JobHandle:
+        """What a client of `job`, just admitted here, follows: the job (or, in a shared store, its
+        record there, when the job may go on in another process)."""
+        return job
+
+    async def hand_off(self) -> None:
+        """This process stops: its jobs that can go on in another are left to it (a shared store's)."""
+
+    def takes_over(self, admission: Admission, ready: Callable[[], bool]) -> None:
+        """Jobs that another process ran until it stopped go on in this one, admitted through
+        `admission` while `ready()` (a store that keeps only this process's jobs has none)."""
 
     @abc.abstractmethod
     def attach(self, job: JobHandle) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -101,10 +101,14 @@ def lengths(model: Model, params: LengthsParams, ctx: Context) -> Lengths:
 
 class DyingEmbedParams(EmbedParams):
     """`embed`'s params, and when its engine is to die: before the first chunk that holds window
-    `die_at` of a text, if the file `marker` does not exist yet (it is made then: one death)."""
+    `die_at` of a text, if the file `marker` does not exist yet (it is made then: one death).
+    `kill: gateway`: the engine's gateway is sent `signal` instead (SIGKILL: the engine dies with it;
+    SIGTERM: it drains and stops, and stops its engines, while this chunk waits)."""
 
     die_at: int = 0
     marker: str = ""
+    kill: Literal["engine", "gateway"] = "engine"
+    signal: Literal["SIGKILL", "SIGTERM"] = "SIGKILL"
 
 
 def _run_or_die(model: Model, jobs: list[Any], chunk: Chunk) -> list[Any]:
@@ -112,7 +116,10 @@ def _run_or_die(model: Model, jobs: list[Any], chunk: Chunk) -> list[Any]:
         params = jobs[job]
         if isinstance(item, WindowItem) and item.window >= params.die_at and params.marker and not os.path.exists(params.marker):
             open(params.marker, "x").close()
-            os.kill(os.getpid(), signal.SIGKILL)  # the engine, mid-job, as the out-of-memory killer would
+            # The engine, mid-job, as the out-of-memory killer would; or its gateway, whose engines die with it.
+            os.kill(os.getppid() if params.kill == "gateway" else os.getpid(), getattr(signal, params.signal))
+            if params.kill == "gateway":  # the chunk never ends here: the engine dies with its gateway, or is stopped
+                time.sleep(60)
     return embed_tool.work.run(model, jobs, chunk)
 
 
