@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -76,6 +77,7 @@ class LocalBackend(Backend):
         max_result_bytes: int = DEFAULT_RESULT_BYTES,
         max_result_file_bytes: int = DEFAULT_FILE_BYTES,
         result_files: str | None = None,
+        checkpoint_folder: str | None = None,
     ) -> None:
         if device and devices:
             raise ValueError("give --device or --devices, not both")
@@ -98,6 +100,12 @@ class LocalBackend(Backend):
         self.max_decoding_jobs = max_decoding_jobs
         # Where jobs write their result files (a folder of this process's, gone with it), if anywhere.
         self.files_folder = files_folder(result_files) if result_files is not None and max_result_file_bytes else None
+        # Where a job that can go on from its checkpoint keeps it, for another gateway process to go on
+        # with it (a shared store's: gateway/checkpoints.py `lasting_folder`); None: only as its gateway
+        # asks (an engine's jobs, `checkpoints.given`).
+        self.checkpoints = checkpoint_folder
+        if checkpoint_folder is not None:
+            os.makedirs(checkpoint_folder, 0o700, exist_ok=True)
         self.budget = Budget(
             memory=max_job_memory or default_job_memory(devices or ([device] if device else None)),
             result=max_result_bytes,
@@ -268,12 +276,18 @@ class LocalBackend(Backend):
             raise self.not_ready_error(job.model)
         job.files.folder = self.files_folder
         checkpoint = checkpoints.given.get()
+        own = checkpoint is None and self.checkpoints is not None and job.resumable
+        if own:
+            checkpoint = checkpoints.Checkpoint(os.path.join(self.checkpoints, job.id), resumed=job.resumes > 0)
         if checkpoint is not None:  # its files with its checkpoint: a run after this one's crash finds both
             job.checkpoint = checkpoint
             job.files.folder, job.files.resumed = checkpoint.folder, checkpoint.resumed
         served.queue.put(job, retry_after=served.eta(len(served.queue) + 1))
         if checkpoint is not None:  # once queued (a refused job has no folder to leave behind); before it can start
             os.makedirs(checkpoint.folder, 0o700, exist_ok=True)  # one mkdir: cheaper than a thread hop
+        if own:  # gone with the job, unless another gateway process goes on with it
+            folder = checkpoint.folder
+            job.on_end.append(lambda job: None if job.handed_off else asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, folder, True))
 
     def cancel(self, job: Job) -> None:
         job.cancel()
@@ -353,6 +367,8 @@ def from_settings(settings: Settings, **kwargs: Any) -> LocalBackend:
         result_files=kwargs.pop("result_files", settings.result_spool or tempfile.gettempdir()),
         exit_on_device_failure=True,
         supervised=settings.engine == "process",
+        # An engine's jobs keep the checkpoints their gateway gives them (backends/engines.py).
+        checkpoint_folder=None if settings.engine == "process" else checkpoints.lasting_folder(settings.result_spool, settings.store),
         **kwargs,
     )
     backend.check_kind()

@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 
 from backends.workers import set_torch_threads
+from gateway import checkpoints
 from gateway.plumbing.memory import bound_heap
 from backends.local import LocalBackend
 from backends.remote import RemoteBackend
@@ -157,6 +158,7 @@ def make_server(
         max_result_bytes=settings_obj.max_result_bytes,
         max_result_file_bytes=settings_obj.max_result_file_bytes,
         result_files=settings_obj.result_spool or tempfile.gettempdir(),
+        checkpoint_folder=checkpoints.lasting_folder(settings_obj.result_spool, settings_obj.store),
     )
     server = Server(create_app(backend, settings_obj)).start()
     return server.wait_ready() if ready else server

@@ -11,6 +11,7 @@ import glob
 import os
 import pickle
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -438,3 +439,46 @@ async def test_the_sweep_removes_the_checkpoints_of_jobs_ended_everywhere_and_ke
         await store.stop()
         client.delete(f"{prefix}job:running", f"{prefix}job:ended")
     assert sorted(os.listdir(root)) == ["new", "running"]
+
+
+def test_with_threads_a_job_of_a_stopped_gateway_goes_on_from_its_checkpoint_in_another(
+    shared: tuple[Callable[..., ServeProcess], Path], esm_path: Path, tmp_path: Path
+) -> None:
+    """`--engine thread` (the model in the gateway's own process): a gateway stopped (SIGTERM) while
+    a chunk of its job waits leaves the job to the other, which goes on from the checkpoint the
+    first kept in the shared spool, its first progress where the first stopped; each event
+    reaches the client once, and the numbers are the windows computed here."""
+    start, spool = shared
+    first, second = start("--engine", "thread"), start("--engine", "thread")
+    marker, release = tmp_path / "paused", tmp_path / "release"
+    sequence = protein(3000, seed=6)
+    params = {
+        "texts": [sequence], "window": 100, "overlap": 30, "pooling": "per_token",
+        "die_at": 16, "marker": str(marker), "kill": "none", "release": str(release),
+    }
+    try:
+        done: list[list[dict[str, Any]]] = []
+        reader = threading.Thread(target=lambda: done.append(read_until_cut(first.url, "/embed_dying/run", params)), daemon=True)
+        reader.start()
+        wait_until(marker.exists, timeout=60, what="the job to reach window 16")
+        first.proc.send_signal(signal.SIGTERM)
+        threading.Timer(3.0, release.touch).start()  # the waiting chunk ends once the job has gone on elsewhere
+        assert first.proc.wait(timeout=60) == 0
+        reader.join(timeout=60)
+        before = done[0]
+        job_id = before[0]["data"]["job_id"]
+        ended = any(e["event"] in ("data", "error") for e in before)
+        events = before + ([] if ended else follow(second.url, job_id, before[-1]["id"]))
+    finally:
+        release.touch()
+    assert [int(e["id"].split(":")[1]) for e in events] == list(range(1, len(events) + 1))
+    kinds = [e["event"] for e in events]
+    assert kinds.count("data") + kinds.count("error") == 1 and kinds[-1] == "data", events[-2:]
+    statuses = [e["data"] for e in events if e["event"] == "status"]
+    told = next(i for i, f in enumerate(statuses) if "the gateway replica that ran the job stopped" in f.get("message", ""))
+    going_on = [f["progress"]["done"] for f in statuses[told:] if "progress" in f]
+    assert going_on[0] == 16, going_on  # not from the start: the first chunk of 16 windows was kept
+    want = windowed_states(esm_path, sequence, 100, 30, "center")
+    got = np.array(events[-1]["data"]["embeddings"][0], dtype=np.float32)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5
+    wait_until(lambda: glob.glob(str(spool / f"streamgate-checkpoints-*/{job_id}")) == [], timeout=10, what="the checkpoint to be removed")

@@ -103,12 +103,15 @@ class DyingEmbedParams(EmbedParams):
     """`embed`'s params, and when its engine is to die: before the first chunk that holds window
     `die_at` of a text, if the file `marker` does not exist yet (it is made then: one death).
     `kill: gateway`: the engine's gateway is sent `signal` instead (SIGKILL: the engine dies with it;
-    SIGTERM: it drains and stops, and stops its engines, while this chunk waits)."""
+    SIGTERM: it drains and stops, and stops its engines, while this chunk waits). `kill: none`:
+    nothing dies, the chunk waits (up to 30 s) for the file `release` (a gateway with threads,
+    stopped meanwhile)."""
 
     die_at: int = 0
     marker: str = ""
-    kill: Literal["engine", "gateway"] = "engine"
+    kill: Literal["engine", "gateway", "none"] = "engine"
     signal: Literal["SIGKILL", "SIGTERM"] = "SIGKILL"
+    release: str = ""
 
 
 def _run_or_die(model: Model, jobs: list[Any], chunk: Chunk) -> list[Any]:
@@ -116,6 +119,11 @@ def _run_or_die(model: Model, jobs: list[Any], chunk: Chunk) -> list[Any]:
         params = jobs[job]
         if isinstance(item, WindowItem) and item.window >= params.die_at and params.marker and not os.path.exists(params.marker):
             open(params.marker, "x").close()
+            if params.kill == "none":
+                until = time.monotonic() + 30
+                while not os.path.exists(params.release) and time.monotonic() < until:
+                    time.sleep(0.05)
+                return embed_tool.work.run(model, jobs, chunk)
             # The engine, mid-job, as the out-of-memory killer would; or its gateway, whose engines die with it.
             os.kill(os.getppid() if params.kill == "gateway" else os.getpid(), getattr(signal, params.signal))
             if params.kill == "gateway":  # the chunk never ends here: the engine dies with its gateway, or is stopped
