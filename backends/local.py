@@ -281,7 +281,7 @@ class LocalBackend(Backend):
             checkpoint = checkpoints.Checkpoint(os.path.join(self.checkpoints, job.id), resumed=job.resumes > 0)
         if checkpoint is not None:  # its files with its checkpoint: a run after this one's crash finds both
             job.checkpoint = checkpoint
-            job.files.folder, job.files.resumed = checkpoint.folder, checkpoint.resumed
+            job.files.folder, job.files.resumed, job.files.in_checkpoint = checkpoint.folder, checkpoint.resumed, True
         served.queue.put(job, retry_after=served.eta(len(served.queue) + 1))
         if checkpoint is not None:  # once queued (a refused job has no folder to leave behind); before it can start
             os.makedirs(checkpoint.folder, 0o700, exist_ok=True)  # one mkdir: cheaper than a thread hop

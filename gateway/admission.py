@@ -37,6 +37,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from gateway import checkpoints
+from gateway.cost import inline_only
 from gateway import params as params_mod
 from gateway.errors import ApiError
 from gateway.jobs import Job, end_span
@@ -220,11 +221,12 @@ class Admission:
             raise ApiError(Code.STORE_UNAVAILABLE, problem, retry_after=5)
         job = Job(
             tool.name, params, job_id=job_id, owner=applicant.owner, tenant=applicant.tenant, weight=applicant.weight,
-            after=going_on.after if going_on is not None else 0,
+            after=going_on.after if going_on is not None else None,
         )
         # A job that can go on from its checkpoint may go on in another replica if this one stops: the
-        # store keeps its request (gateway/server/redis_store.py).
-        job.resumable = checkpoints.resumable(tool, params)
+        # store keeps its request (gateway/server/redis_store.py). Not one whose surface holds it here
+        # to build its answer from its result (the OpenAI routes, /mcp): that answer would be lost.
+        job.resumable = checkpoints.resumable(tool, params) and not inline_only.get() and most_result is None
         if going_on is not None:
             job.created = going_on.created or job.created
             job.resumes = 1  # its run goes on from the checkpoint the replica before left

@@ -77,12 +77,13 @@ class Job:
         owner: str | None = None,
         tenant: str | None = None,
         weight: float = 1.0,
-        after: int = 0,
+        after: int | None = None,
     ) -> None:
         self.id = job_id or uuid.uuid4().hex
-        # The seq its log starts after: a job another gateway replica ran until it stopped goes on here
-        # (gateway/server/redis_store.py), its events before in the shared store, not in this log.
-        self.base = after
+        # `after`: the seq its log starts after, for a job another gateway replica ran until it stopped,
+        # that goes on here (gateway/server/redis_store.py): its events before are in the shared store.
+        self.taken_over = after is not None
+        self.base = after or 0
         self.tool = tool
         self.owner = owner  # the token's name that started it; None without tokens
         # Whom its queue place counts against, and its share of turns (gateway/tenants.py, backends/queue.py).
@@ -127,7 +128,7 @@ class Job:
         self._pending_progress: Progress | None = None
         self._progress_timer: asyncio.TimerHandle | None = None
         self._last_progress = 0.0
-        if after:
+        if self.taken_over:
             self.set_status(Status.QUEUED, message="the gateway replica that ran the job stopped; it goes on here from its last finished piece")
         else:
             self.set_status(Status.RECEIVED)
@@ -268,7 +269,7 @@ class Job:
         """Its events before the terminal one (`before`, written into `kept` as `KeptLog.record` made
         them) now lie there: its log holds its terminal event and an index of 9 bytes an event."""
         assert self.terminal is not None and isinstance(self.events, list) and self.events[:-1] == before
-        self.events = KeptLog(self.id, kept, before, self.terminal)
+        self.events = KeptLog(self.id, kept, before, self.terminal, self.base)
 
     def snapshot(self, kept: list[Kept] | None = None) -> JobSnapshot:
         """Where it stands; with `kept`, a result in the spool is a `kept_marker` in it, not read whole."""
@@ -334,10 +335,11 @@ class KeptLog:
     (`len`, an index, a slice: blocking reads, for the few that need them); followers read it a
     piece at a time, on a thread (`after`)."""
 
-    __slots__ = ("job_id", "kept", "kinds", "ends", "terminal")
+    __slots__ = ("job_id", "kept", "kinds", "ends", "terminal", "base")
 
-    def __init__(self, job_id: str, kept: Kept, before: list[Event], terminal: Event) -> None:
+    def __init__(self, job_id: str, kept: Kept, before: list[Event], terminal: Event, base: int = 0) -> None:
         self.job_id = job_id
+        self.base = base  # the seq before its first event (`Job.base`)
         self.kept = kept
         self.kinds = bytes(_KINDS.index(event.type) for event in before)
         self.ends = array.array("Q", itertools.accumulate(len(event.raw) for event in before))
@@ -363,7 +365,7 @@ class KeptLog:
 
     async def after(self, after: int, piece: int = PIECE) -> list[Event]:
         """Events with seq > `after`: those whose data fits in `piece` bytes (at least one), read on a thread."""
-        start, n = max(0, after), len(self.kinds)
+        start, n = max(0, after - self.base), len(self.kinds)
         if start >= n:
             return [self.terminal] if start < n + 1 else []
         base = self.ends[start - 1] if start else 0
@@ -380,7 +382,7 @@ class KeptLog:
             data = self.kept.read_at(base, self.ends[kept_stop - 1] - base)
             at = base
             for i in range(start, kept_stop):
-                events.append(Event(self.job_id, i + 1, _KINDS[self.kinds[i]], data[at - base : self.ends[i] - base]))
+                events.append(Event(self.job_id, self.base + i + 1, _KINDS[self.kinds[i]], data[at - base : self.ends[i] - base]))
                 at = self.ends[i]
         if stop > n >= start:
             events.append(self.terminal)
@@ -408,6 +410,9 @@ class ResultFiles:
         # A run that goes on from a checkpoint (gateway/checkpoints.py): its files, in the checkpoint's
         # folder, hold the rows the runs before it wrote, and are opened as they are.
         self.resumed = False
+        # Whether its folder is its checkpoint's: its files are then the checkpoint's too, removed with it
+        # (a run that stops there leaves them for the next, in this process or in another gateway's).
+        self.in_checkpoint = False
         self.paths: dict[str, str] = {}
         self.kept: dict[str, Kept] = {}
         self._lock = threading.Lock()  # runs open files on their threads; the loop ends the job
@@ -452,7 +457,7 @@ class ResultFiles:
         with self._lock:
             self._closed = True
             paths, self.paths = self.paths, {}
-        for path in paths.values():
+        for path in paths.values() if not self.in_checkpoint else ():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         kept, self.kept = self.kept, {}

@@ -14,7 +14,8 @@ with the job's snapshot. The copy is a Lua script that skips seqs already
 written, so a write retried after a lost reply doubles nothing. Other replicas
 see the job through a `RedisJobView`: `wait_events` is `XREAD BLOCK` from
 `<after>-0`, the snapshot and the terminal event come from the job's hash. The
-owner itself always serves its jobs from memory (a big result from its spool).
+owner itself serves its jobs from memory (a big result from its spool), but
+for those that can go on in another replica (below).
 
 **Big results: Redis keeps them, every replica streams them.** A result of
 `SPOOL_FROM` bytes or more is written once, to its own key; its stream entry
@@ -75,7 +76,8 @@ silent. Its keys last that long and `retention` more (see Expiry): for
 `retention` s after its owner counts as gone it reads as lost, never as
 unknown, whenever it is first asked for. An owner that was only cut off from Redis for longer than the grace
 and finds its job ended that way cancels the work (its own clients get that
-one terminal event). A replica that shuts down ends its unfinished jobs with
+one terminal event). A replica that shuts down leaves its jobs that can go on
+elsewhere to another (below), and ends its other unfinished jobs with
 `shutting_down`, copies those events out (for up to 2 s), then drops its
 liveness key, so nobody waits out a grace for it.
 
@@ -94,10 +96,16 @@ its id (gateway/admission.py `GoingOn`), its events numbered on after the last
 one Redis has. Its run goes on from its checkpoint where the replicas share the
 result spool's disk (`checkpoints.lasting_folder`), and from its start where
 they do not; the partial events it sends again are dropped (Redis counts them),
-so a client reconnecting with its Last-Event-ID reads each event once. A job is
-taken over at most `MOST_TAKEOVERS` times; one no replica takes over within
-its lease is ended as lost, as above. An owner that was only cut off and finds
-its job taken over stops its run and leaves the checkpoint alone.
+so a client reconnecting with its Last-Event-ID reads each event once. A
+replica that would refuse the job ends it with that refusal, or, for a refusal
+that may pass (busy, not ready, stopping), gives it back. A job is taken over
+from a silent replica at most `MOST_TAKEOVERS` times (left by one that stopped:
+any number); one no replica takes over within `TAKE_OVER_WAIT_S` (or half the
+retention) is ended as lost, as above. An owner cut off from Redis past the
+outage grace stops the runs of such jobs itself, before another replica can
+take them over, and leaves them to another once Redis answers (unless taken
+already); neither it nor anyone else removes a checkpoint that another replica
+goes on from.
 
 **Redis down, stalled or restarted** (up to the outage grace). Every call on
 a request's path waits at most `ANSWER_S` (2 s): new runs, `GET /jobs/{id}`,
@@ -147,10 +155,9 @@ except ImportError:  # pragma: no cover
 
 from gateway import checkpoints
 from gateway.admission import Admission, Applicant, GoingOn
-from gateway.cost import inline_only
 from gateway.errors import ApiError
 from gateway.jobs import Job, terminal_event
-from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType, JobSnapshot, Kept, TerminalEvent, encode, now
+from gateway.protocol import RETRYABLE, Code, ErrorFrame, ErrorInfo, Event, EventType, JobSnapshot, Kept, TerminalEvent, encode, now
 from gateway.plumbing.spool import PIECE, SPOOL_FROM, ResultSpool
 from gateway.server.store import (
     DEFAULT_MEMORY_BUDGET,
@@ -172,6 +179,7 @@ READ_CONNECTIONS = 1024  # per replica: jobs followed from here at once, each on
 READ_COUNT = 1000  # most events one XREAD returns
 MOST_TAKEOVERS = 2  # times a job goes on in another replica: one that kills every gateway it runs on ends
 TAKE_OVER_COUNT = 8  # orphans one heartbeat looks at
+TAKE_OVER_WAIT_S = 300.0  # the longest a job waits for a replica ready to take it over (at most half its retention)
 SWEEP_S = 60.0  # how often the checkpoints of jobs ended everywhere are looked for
 SWEEP_COUNT = 1000  # checkpoint folders one sweep looks at
 # The fields of a job's hash a reader needs: never its request, which may be as big as a request body.
@@ -262,32 +270,52 @@ return redis.call('HGET', KEYS[1], 'cancel')
 # the set of jobs that can go on elsewhere, [idem]. ARGV: the owner read, this
 # replica, lease ms, the most times a job is taken over, now, job id. 0 not
 # (its owner lives, it ended, or another replica took it); -1 taken over too
-# often already; else its last seq, partial events, idempotency key and request.
+# often already; else its last seq, partial events, idempotency key, request
+# and whether a client ever followed it. Taken by this replica already (a call
+# sent again after a lost answer): the same answer again.
 _TAKE_OVER = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if redis.call('EXISTS', KEYS[2]) == 0 or redis.call('HEXISTS', KEYS[2], 'tseq') == 1 then
   redis.call('ZREM', KEYS[6], ARGV[6])
   return 0
 end
-if redis.call('HGET', KEYS[2], 'owner') ~= ARGV[1] then return 0 end
+local owner = redis.call('HGET', KEYS[2], 'owner')
 local request = redis.call('HGET', KEYS[2], 'request')
 if not request then return 0 end
-if redis.call('HINCRBY', KEYS[2], 'taken', 1) > tonumber(ARGV[4]) then return -1 end
-redis.call('HSET', KEYS[2], 'owner', ARGV[2])
-redis.call('ZADD', KEYS[6], ARGV[5], ARGV[6])
-for i = 2, #KEYS do
-  if i ~= 6 then redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+if owner ~= ARGV[2] then
+  if redis.call('EXISTS', KEYS[1]) == 1 or owner ~= ARGV[1] then return 0 end
+  if redis.call('HINCRBY', KEYS[2], 'taken', 1) > tonumber(ARGV[4]) then return -1 end
+  redis.call('HSET', KEYS[2], 'owner', ARGV[2])
+  redis.call('ZADD', KEYS[6], ARGV[5], ARGV[6])
+  for i = 2, #KEYS do
+    if i ~= 6 then redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+  end
 end
-return {redis.call('HGET', KEYS[2], 'last_seq'), redis.call('HGET', KEYS[2], 'partials') or '0', redis.call('HGET', KEYS[2], 'key') or '', request}
+local followed = redis.call('HEXISTS', KEYS[2], 'followed') == 1 or redis.call('ZCARD', KEYS[4]) > 0
+return {redis.call('HGET', KEYS[2], 'last_seq'), redis.call('HGET', KEYS[2], 'partials') or '0',
+  redis.call('HGET', KEYS[2], 'key') or '', request, followed and 1 or 0}
+"""
+
+# Give a job taken over back, for another replica to take (this one could not admit it now: a
+# refusal that may pass). KEYS: hash. ARGV: this replica.
+_GIVE_BACK = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] or redis.call('HEXISTS', KEYS[1], 'tseq') == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'owner', '')
+redis.call('HINCRBY', KEYS[1], 'taken', -1)
+return 1
 """
 
 # Leave a running job for another replica to go on with (this one stops): no
-# owner, and first in the order jobs are taken over in. KEYS: hash, the set of
-# jobs that can go on elsewhere. ARGV: this replica, job id, now.
+# owner, first in the order jobs are taken over in, and not counted against
+# the times it may be taken over. KEYS: hash, the set of jobs that can go on
+# elsewhere. ARGV: this replica, job id, now. 1 it is not this replica's now
+# (left, or another took it over); 0 it ended, or Redis lost it.
 _LEAVE = """
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] or redis.call('HEXISTS', KEYS[1], 'tseq') == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'owner', '')
-redis.call('ZADD', KEYS[2], -tonumber(ARGV[3]), ARGV[2])
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'tseq') == 1 then return 0 end
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'owner', '')
+  redis.call('HINCRBY', KEYS[1], 'taken', -1)
+  redis.call('ZADD', KEYS[2], -tonumber(ARGV[3]), ARGV[2])
+end
 return 1
 """
 
@@ -318,9 +346,9 @@ end
 return 0
 """
 
-# Flag a cancel on a job that still exists (never recreate an expired hash).
-_FLAG_CANCEL = """
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'cancel', '1') return 1 end
+# Set a flag (ARGV[1]: cancel, followed) on a job that still exists (never recreate an expired hash).
+_FLAG = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], ARGV[1], '1') return 1 end
 return 0
 """
 
@@ -346,14 +374,13 @@ class _Owned:
 
 class _Request(msgspec.Struct, frozen=True):
     """What another replica needs to admit a job again (`_take_over`): its tool, its params as admitted
-    (on a named model), who it runs for, and whether its surface needs its result inline."""
+    (on a named model), who it runs for, its idempotency key's digest, and when it was admitted."""
 
     tool: str
     params: msgspec.Raw
     tenant: str
     weight: float = 1.0
     owner: str | None = None
-    inline: bool = False
     digest: str = ""
     created: float = 0.0
 
@@ -563,7 +590,9 @@ class _Tail:
                 self.failure = StoreUnavailable(f"job {view.id} expired while it was being read")
                 return
             with contextlib.suppress(RedisError):
-                await store._finalize_if_orphan(view)
+                if await store._finalize_if_orphan(view) is None:
+                    self.failure = StoreUnavailable(f"job {view.id} is no longer in the store")
+                    return
 
 
 class RedisStore(JobStore):
@@ -600,6 +629,8 @@ class RedisStore(JobStore):
         self._admission: Admission | None = None  # with which a job whose replica stopped goes on here
         self._ready: Callable[[], bool] = lambda: False
         self._taking: set[str] = set()  # jobs being taken over here now
+        self._followed: dict[str, bool] = {}  # whether a client ever followed them (for detach grace)
+        self._missing: set[str] = set()  # checkpoints whose job the last sweep found no record of
         self._looking = False  # for jobs to take over, now
         self._swept = 0.0  # loop time of the last sweep
         self.replica_id = uuid.uuid4().hex
@@ -621,9 +652,10 @@ class RedisStore(JobStore):
         self._attach_script = self._redis.register_script(_ATTACH)
         self._live_script = self._redis.register_script(_LIVE)
         self._release_script = self._redis.register_script(_RELEASE)
-        self._flag_cancel_script = self._redis.register_script(_FLAG_CANCEL)
+        self._flag_script = self._redis.register_script(_FLAG)
         self._take_over_script = self._redis.register_script(_TAKE_OVER)
         self._leave_script = self._redis.register_script(_LEAVE)
+        self._give_back_script = self._redis.register_script(_GIVE_BACK)
         self._owned: dict[str, _Owned] = {}
         self._mirrors: dict[str, asyncio.Task[None]] = {}
         self._attached: dict[str, int] = {}  # clients on this replica, per job (owned or not)
@@ -640,6 +672,7 @@ class RedisStore(JobStore):
         self._spawned: set[asyncio.Task[Any]] = set()
         self.problem: str | None = f"not connected to Redis at {self._where()} yet"
         self._failed_beats = 0
+        self._beat_ok = 0.0  # loop time of the last heartbeat Redis answered
         self._late_until = 0.0  # loop time until which the event loop counts as running late
 
     def _client(self, pool: type[aioredis.ConnectionPool], **sizing: Any) -> aioredis.Redis:
@@ -846,8 +879,8 @@ class RedisStore(JobStore):
     # -- jobs ----------------------------------------------------------------------
 
     async def add(self, job: Job) -> None:
-        if job.base:  # taken over (`_take_over`): its hash is there, and names this replica its owner
-            self._owned[job.id] = _Owned(job, taken=True)
+        if job.taken_over:  # (`_take_over`): its hash is there, and names this replica its owner
+            self._owned[job.id] = _Owned(job, ever_attached=self._followed.pop(job.id, False), taken=True)
             self._restart_mirror(job)
             return
         key = job.idempotency_key
@@ -855,10 +888,9 @@ class RedisStore(JobStore):
             pipe = self._redis.pipeline(transaction=True)
             fields: dict[str, Any] = {"owner": self.replica_id, "snapshot": encode(job.snapshot()), "last_seq": 0, "key": key or ""}
             if job.resumable:  # another replica can go on with it if this one stops
-                fields["request"] = encode(_Request(
-                    job.tool, msgspec.Raw(encode(job.params)), job.tenant, job.weight, job.owner,
-                    bool(getattr(job, "inline_only", False)), job.request_digest, job.created,
-                ))
+                fields["request"] = encode(
+                    _Request(job.tool, msgspec.Raw(encode(job.params)), job.tenant, job.weight, job.owner, job.request_digest, job.created)
+                )
                 fields["resumable"] = 1
                 pipe.zadd(self._resumable, {job.id: time.time()})
             pipe.hset(self._hash(job.id), mapping=fields)
@@ -919,10 +951,13 @@ class RedisStore(JobStore):
         # reads an event that Redis lacks, which the replica going on with it would send again
         # under the same seq, and so reconnects after its last event wherever it goes on.
         if job.resumable:
-            with contextlib.suppress(ApiError):
+            try:
                 view = await self.get(job.id, to_follow=True)
-                if view is not None:
-                    return view
+            except ApiError:
+                self._cancel(job)  # (nobody could follow it: it ends, and the client may run it again)
+                raise
+            if view is not None:
+                return view
         return job
 
     async def _shared(self, key: str, call: Callable[[], Awaitable[Any]]) -> Any:
@@ -1005,7 +1040,7 @@ class RedisStore(JobStore):
         if job.done:
             return
         async with self._answering():
-            if not await self._flag_cancel_script(keys=[self._hash(job.id)]):
+            if not await self._flag_script(keys=[self._hash(job.id)], args=["cancel"]):
                 return  # expired meanwhile
             message = encode({"op": "cancel", "job_id": job.id})
             heard = await self._redis.publish(self._replica(job.owner), message)
@@ -1040,6 +1075,12 @@ class RedisStore(JobStore):
             if not events:
                 return
             try:
+                if job.handed_off and events[-1].terminal:
+                    # Its run here stopped for another replica to go on with it: its end here is not the
+                    # job's. What it sent before is copied (unless another took it over), then it is left.
+                    if len(events) == 1 or await self._copy(job, events[:-1]) == 1:
+                        await self._leave_script(keys=[self._hash(job.id), self._resumable], args=[self.replica_id, job.id, time.time()])
+                    return
                 ok = await self._copy(job, events)
             except RedisError as exc:
                 if not failing:
@@ -1120,6 +1161,16 @@ class RedisStore(JobStore):
         self._cancel(job)
         job.fail(Code.BACKEND_UNAVAILABLE, "the job goes on in another gateway replica")
 
+    def _stand_down(self) -> None:
+        """Cut off from Redis past the outage grace, this replica may count as gone, and its jobs that can
+        go on elsewhere be taken over: their runs here stop (and leave the checkpoints alone) before
+        another replica's can start. Once Redis answers, each is left (`_mirror`) unless taken."""
+        for owned in list(self._owned.values()):
+            job = owned.job
+            if job.resumable and not job.done and not job.handed_off:
+                log.warning("job %s: Redis unreachable past the outage grace; its run here stops, for another replica to go on with it", job.id)
+                self._leave(job)
+
     async def hand_off(self) -> None:
         """This replica stops: its jobs that can go on elsewhere are left, for another replica (or this
         one's successor) to take over at once. Their events not copied yet stay behind: nobody has
@@ -1143,10 +1194,11 @@ class RedisStore(JobStore):
         self._admission, self._ready = admission, ready
 
     async def _may_go_on(self, job_id: str) -> bool:
-        """Whether a job whose owner is silent may still go on here: its owner re-leased it less than a
-        liveness and a retention ago (after that, with no replica ready to take it, it is lost)."""
+        """Whether a job whose owner is silent may still go on elsewhere: its owner re-leased it less than
+        a liveness and `TAKE_OVER_WAIT_S` (or half the retention) ago. After that, no replica having
+        been ready to take it over, it is ended as lost, and reads so for its retention."""
         score = await self._redis.zscore(self._resumable, job_id)
-        return score is not None and time.time() - abs(float(score)) < self._lease_ms / 1000
+        return score is not None and time.time() - abs(float(score)) < self.liveness + min(TAKE_OVER_WAIT_S, self.retention / 2)
 
     def _take_over_soon(self, job_id: str, owner: str) -> None:
         if self._admission is not None and self._ready() and job_id not in self._taking and not self._closing:
@@ -1175,12 +1227,17 @@ class RedisStore(JobStore):
             if owner is None:  # expired: nothing to go on with
                 await self._redis.zrem(self._resumable, job_id)
             elif owner.decode() != self.replica_id and not await self._owner_alive(owner.decode()):
-                self._take_over_soon(job_id, owner.decode())
+                if await self._may_go_on(job_id):
+                    self._take_over_soon(job_id, owner.decode())
+                elif fields := await self._hash_fields(job_id):  # waited too long: lost
+                    await self._finalize_if_orphan(RedisJobView(self, job_id, fields))
 
     async def _take_over(self, job_id: str, owner: str) -> None:
         """Make this replica the owner of `job_id` (if `owner` is still silent and nobody took it first)
         and admit the job again here, under its id, to go on from its checkpoint after its last event."""
         try:
+            if job_id in self._owned:
+                return
             keys = [self._replica(owner), self._hash(job_id), self._stream(job_id), self._attached_key(job_id), self._result(job_id), self._resumable]
             key = (await self._redis.hget(self._hash(job_id), "key") or b"").decode()
             if key:
@@ -1193,25 +1250,30 @@ class RedisStore(JobStore):
                 return
             if not taken:
                 return
-            last, partials, key_bytes, request = taken
+            last, partials, key_bytes, request, followed = taken
+            self._followed[job_id] = bool(followed)
             await self._go_on(job_id, int(last), int(partials), key_bytes.decode() or None, msgspec.json.decode(request, type=_Request))
         except (RedisError, TimeoutError, msgspec.DecodeError) as exc:
             log.warning("job %s: could not be taken over from replica %s: %s", job_id, owner, exc)
         finally:
             self._taking.discard(job_id)
+            self._followed.pop(job_id, None)
 
     async def _go_on(self, job_id: str, last: int, partials: int, key: str | None, request: _Request) -> None:
         """Admit a job taken over here again; a refusal (its tool gone, over a budget) is its end."""
         assert self._admission is not None
         log.warning("job %s: its replica stopped; it goes on here after event %d", job_id, last)
         going_on = GoingOn(last, partials, key, request.digest, request.created)
-        reset = inline_only.set(True) if request.inline else None
         try:
             tool = self._admission.backend.tool(request.tool)
             params = await self._admission.decode(tool, bytes(request.params), "the job's request")
             applicant = Applicant(request.tenant, request.weight, request.owner)
             await self._admission.admit(tool, params, applicant, job_id=job_id, going_on=going_on)
         except Exception as exc:  # refused here: the job ends, once, with why
+            if isinstance(exc, ApiError) and exc.code in RETRYABLE:  # (busy, not ready, stopping): another may take it
+                log.warning("job %s: not admitted here now (%s); given back", job_id, exc.message)
+                await self._give_back_script(keys=[self._hash(job_id)], args=[self.replica_id])
+                return
             if isinstance(exc, ApiError):
                 code, message = exc.code, exc.message
             else:
@@ -1223,9 +1285,6 @@ class RedisStore(JobStore):
             await self.add(job)
             if self.checkpoints is not None:  # nothing will go on from it
                 await asyncio.to_thread(shutil.rmtree, os.path.join(self.checkpoints, job_id), True)
-        finally:
-            if reset is not None:
-                inline_only.reset(reset)
 
     async def _sweep(self) -> None:
         """Remove the checkpoints of jobs that have ended everywhere (or are gone): a job goes on from
@@ -1239,7 +1298,11 @@ class RedisStore(JobStore):
         for job_id in ids:
             pipe.hmget(self._hash(job_id), "owner", "tseq")
         states = await pipe.execute()
-        ended = [job_id for job_id, (owner, tseq) in zip(ids, states) if owner is None or tseq is not None]
+        # No record at all on two sweeps in a row (Redis restarted empty: a running job's owner copies
+        # it back within a heartbeat), or its end recorded.
+        missing = {job_id for job_id, (owner, _) in zip(ids, states) if owner is None}
+        ended = [job_id for job_id, (owner, tseq) in zip(ids, states) if tseq is not None or job_id in missing & self._missing]
+        self._missing = missing
         if ended:
             root = self.checkpoints
             await asyncio.to_thread(lambda: [shutil.rmtree(os.path.join(root, job_id), ignore_errors=True) for job_id in ended])
@@ -1272,18 +1335,22 @@ class RedisStore(JobStore):
                 events.append(Event(job_id, seq, kind, fields[b"data"]))
         return events
 
-    async def _finalize_if_orphan(self, view: RedisJobView, message: str | None = None) -> bool:
+    async def _finalize_if_orphan(self, view: RedisJobView, message: str | None = None) -> bool | None:
         """End `view`'s job with backend_unavailable if its owner is silent (unless it can go on in
-        another replica: `_take_over`); True if it has ended. `message`: why, if not the owner's silence."""
+        another replica: `_take_over`); True if it has ended, None if Redis no longer has it.
+        `message`: why, if not the owner's silence."""
         for _ in range(5):
             if await self._owner_alive(view.owner):
                 return False
             fields = await self._hash_fields(view.id)
             if not fields or b"snapshot" not in fields:
-                return False
+                return None
+            silent = view.owner
             view._update(fields)
             if view.done:
                 return True
+            if view.owner != silent:
+                continue  # taken over meanwhile: is the new owner alive?
             if message is None and b"resumable" in fields and await self._may_go_on(view.id):
                 self._take_over_soon(view.id, view.owner)
                 return False
@@ -1323,6 +1390,8 @@ class RedisStore(JobStore):
         self._attached[job.id] = count
         owned = self._owned.get(job.id)
         if owned is not None:
+            if not owned.ever_attached and owned.job.resumable:  # for the replica that may take it over
+                self._ops.put_nowait(("followed", job.id, ""))
             owned.ever_attached = True
             owned.unattached_since = None
             if owned.timer is not None:
@@ -1354,7 +1423,9 @@ class RedisStore(JobStore):
                 return
             op, job_id, owner = item
             try:
-                if op == "attach":
+                if op == "followed":
+                    await self._flag_script(keys=[self._hash(job_id)], args=["followed"])
+                elif op == "attach":
                     if job_id in self._views:
                         await self._attach_script(
                             keys=[self._attached_key(job_id)],
@@ -1444,11 +1515,14 @@ class RedisStore(JobStore):
                 if self.problem is None:
                     log.warning("Redis at %s is unreachable: %s", self._where(), why)
                 self.problem = f"the job store (Redis at {self._where()}) is unreachable: {why}"
+            if asyncio.get_running_loop().time() - self._beat_ok > self.outage_grace:
+                self._stand_down()
             return
         if self.problem is not None:
             log.info("Redis at %s is reachable", self._where())
         self.problem = None
         self._failed_beats = 0
+        self._beat_ok = asyncio.get_running_loop().time()
         for owned, flag in zip(running, replies[1 : 1 + len(running)]):
             if flag == -2:
                 self._handed_off(owned.job)
@@ -1461,7 +1535,7 @@ class RedisStore(JobStore):
                 self._evaluate_soon(owned)
         for job_id, owner in self._views.items():
             self._ops.put_nowait(("attach", job_id, owner))
-        if self._admission is not None and self._ready() and not self._looking:
+        if self._admission is not None and not self._looking:
             self._looking = True
             self._spawn(self._quietly(self._take_over_orphans()))
         loop = asyncio.get_running_loop()
