@@ -486,3 +486,32 @@ def test_with_threads_a_job_of_a_stopped_gateway_goes_on_from_its_checkpoint_in_
     got = np.array(events[-1]["data"]["embeddings"][0], dtype=np.float32)
     assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5
     wait_until(lambda: glob.glob(str(spool / f"streamgate-checkpoints-*/{job_id}")) == [], timeout=10, what="the checkpoint to be removed")
+
+
+async def test_taking_a_job_over_and_leaving_it_give_the_same_answer_when_sent_twice(redis_server: RedisServer) -> None:
+    """redis-py sends a script again after a lost answer: a takeover sent twice answers the same and
+    counts once, a leave sent twice leaves once, and a left job is taken over without counting."""
+    from gateway.server import redis_store
+
+    prefix = f"twice-{os.getpid()}:"
+    client = redis.Redis.from_url(redis_server.url)
+    store = redis_store.RedisStore(redis_server.url, lambda job: None, prefix=prefix)
+    job = f"{prefix}job:j"
+    client.hset(job, mapping={"owner": "dead", "request": "{}", "last_seq": 7, "partials": 2, "snapshot": "{}", "key": ""})
+
+    def take(owner: str) -> Any:
+        keys = [f"{prefix}replica:{owner}", job, f"{prefix}events:j", f"{prefix}attached:j", f"{prefix}result:j", f"{prefix}resumable"]
+        return store._take_over_script(keys=keys, args=[owner, store.replica_id, 60_000, redis_store.MOST_TAKEOVERS, time.time(), "j"])
+
+    try:
+        first = await take("dead")
+        assert first == await take("dead") and first[:2] == [b"7", b"2"] and first[4] == 0
+        assert client.hget(job, "owner").decode() == store.replica_id and client.hget(job, "taken") == b"1"
+        leave = [job, f"{prefix}resumable"], [store.replica_id, "j", time.time()]
+        assert await store._leave_script(keys=leave[0], args=leave[1]) == 1
+        assert await store._leave_script(keys=leave[0], args=leave[1]) == 1
+        assert client.hget(job, "owner") == b"" and client.hget(job, "taken") == b"0"
+        assert (await take(""))[:2] == [b"7", b"2"] and client.hget(job, "taken") == b"1"
+    finally:
+        await store.stop()
+        client.delete(job, f"{prefix}resumable")
