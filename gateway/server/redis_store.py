@@ -1077,9 +1077,9 @@ class RedisStore(JobStore):
             try:
                 if job.handed_off and events[-1].terminal:
                     # Its run here stopped for another replica to go on with it: its end here is not the
-                    # job's. What it sent before is copied (unless another took it over), then it is left.
-                    if len(events) == 1 or await self._copy(job, events[:-1]) == 1:
-                        await self._leave_script(keys=[self._hash(job.id), self._resumable], args=[self.replica_id, job.id, time.time()])
+                    # job's, and it is left (unless another took it over). What it sent and Redis lacks
+                    # nobody read (its clients follow it there); the replica going on sends its own.
+                    await self._leave_script(keys=[self._hash(job.id), self._resumable], args=[self.replica_id, job.id, time.time()])
                     return
                 ok = await self._copy(job, events)
             except RedisError as exc:
