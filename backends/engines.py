@@ -127,7 +127,7 @@ class EngineLink(Link):
         folder = os.path.join(self.checkpoints, job.id)
         if job.checkpoint is None:
             job.checkpoint = checkpoints.Checkpoint(folder, resumed=job.resumes > 0)
-            job.on_end.append(lambda job: None if job.handed_off else self.spawn(asyncio.to_thread(shutil.rmtree, folder, True)))
+            checkpoints.removed_with(job, folder)
         return folder
 
     def resumable(self, job: Job) -> bool:

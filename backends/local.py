@@ -17,7 +17,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -285,9 +284,8 @@ class LocalBackend(Backend):
         served.queue.put(job, retry_after=served.eta(len(served.queue) + 1))
         if checkpoint is not None:  # once queued (a refused job has no folder to leave behind); before it can start
             os.makedirs(checkpoint.folder, 0o700, exist_ok=True)  # one mkdir: cheaper than a thread hop
-        if own:  # gone with the job, unless another gateway process goes on with it
-            folder = checkpoint.folder
-            job.on_end.append(lambda job: None if job.handed_off else asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, folder, True))
+        if own:
+            checkpoints.removed_with(job, checkpoint.folder)
 
     def cancel(self, job: Job) -> None:
         job.cancel()

@@ -27,10 +27,12 @@ are removed by the store's sweep (gateway/server/redis_store.py `_sweep`).
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import hashlib
 import os
 import pickle
+import shutil
 import struct
 import tempfile
 import time
@@ -89,6 +91,13 @@ class Checkpoint:
 # The checkpoint of the job being admitted (an executor sets it around its admission, as its gateway
 # asked); the backend that queues the job hands it on (backends/local.py).
 given: contextvars.ContextVar[Checkpoint | None] = contextvars.ContextVar("checkpoint", default=None)
+
+
+def removed_with(job: Any, folder: str) -> None:
+    """Remove `folder` (a checkpoint, on a thread) when `job` ends, unless another gateway process goes on with it."""
+    job.on_end.append(
+        lambda job: None if job.handed_off else asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, folder, True)
+    )
 
 
 def resumable(tool: Any, params: Any) -> bool:

@@ -1079,7 +1079,7 @@ class RedisStore(JobStore):
                     # Its run here stopped for another replica to go on with it: its end here is not the
                     # job's, and it is left (unless another took it over). What it sent and Redis lacks
                     # nobody read (its clients follow it there); the replica going on sends its own.
-                    await self._leave_script(keys=[self._hash(job.id), self._resumable], args=[self.replica_id, job.id, time.time()])
+                    await self._left(job)
                     return
                 ok = await self._copy(job, events)
             except RedisError as exc:
@@ -1182,7 +1182,7 @@ class RedisStore(JobStore):
         try:
             async with asyncio.timeout(STOP_FLUSH_S):
                 for job in leaving:
-                    if await self._leave_script(keys=[self._hash(job.id), self._resumable], args=[self.replica_id, job.id, time.time()]):
+                    if await self._left(job):
                         log.info("job %s: left for another replica to go on with", job.id)
                         self._leave(job)
         except (RedisError, TimeoutError) as exc:
@@ -1192,6 +1192,10 @@ class RedisStore(JobStore):
 
     def takes_over(self, admission: Admission, ready: Callable[[], bool]) -> None:
         self._admission, self._ready = admission, ready
+
+    async def _left(self, job: Job) -> int:
+        """`_LEAVE` `job` in Redis: 1 if it is not this replica's any more."""
+        return int(await self._leave_script(keys=[self._hash(job.id), self._resumable], args=[self.replica_id, job.id, time.time()]))
 
     async def _may_go_on(self, job_id: str) -> bool:
         """Whether a job whose owner is silent may still go on elsewhere: its owner re-leased it less than
