@@ -56,7 +56,7 @@ from gateway.plumbing import memory, tracing
 from backends import loading as models
 from backends.base import NULL, Relaying, answers_inline, files_folder, sent
 from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
-from backends.spreading import Spread, cut
+from backends.spreading import Spread, split
 from gateway import checkpoints
 from gateway.config import Settings
 from gateway import params as params_mod
@@ -606,11 +606,10 @@ class EngineBackend(RemoteBackend):
     async def _spread(self, job: Job, tool: Tool, work: Chunked, links: list[Link]) -> bool:
         """Submit `job` as parts, one to each of `links`; False (nothing submitted) when it does not split
         or an engine refused its part."""
-        entries = getattr(job.params, work.items, None)
-        if not isinstance(entries, list) or len(entries) < 2 or (work.whole is not None and work.whole(job.params)):
+        cut = split(job.params, work, len(links))
+        if cut is None:
             return False
-        runs = cut(entries, len(links), work.weight)
-        spread = Spread(job, work, runs, self._cancel_one)
+        spread = Spread(job, *cut, self._cancel_one)
         self._spreads[job.id] = spread
         try:
             outcomes = await asyncio.gather(*(link.submit(part, tool) for link, part in zip(links, spread.parts)), return_exceptions=True)

@@ -23,6 +23,14 @@ padding) and about the same work. An input's result does not depend on which
 others share its pass beyond padding, as with batching (tests hold that to 1e-4
 in float32).
 
+A job of one long sequence run in windows (gateway/tools/windows.py) is cut by
+its plan instead (`Chunked.by_windows`): part i of n computes the i-th of n
+runs of consecutive windows (the `part` param, which the engine resolves
+against the plan only it can make), and returns its positions' final values
+(or, pooled, each window's sum); the tool's `Chunked.join` puts them one after
+another, and pools, as one engine would. Every window is a pass of the same
+length, so the numbers are the one-engine job's.
+
 Deliberately not a chunk-level spread across processes: that would send every
 chunk's outputs (tensors) between engines, and a part is a whole job to its
 engine, with its own admission, fairness, cancellation and restart handling.
@@ -31,6 +39,7 @@ engine, with its own admission, fairness, cancellation and restart handling.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -96,6 +105,21 @@ def merge(results: Sequence[bytes], runs: Sequence[Sequence[int]], per_item: Seq
     return msgspec.Raw(msgspec.json.encode(merged))
 
 
+def split(params: Any, work: Chunked, count: int) -> tuple[list[Any], Callable[[list[Any]], bytes | msgspec.Raw]] | None:
+    """A job's params as those of at most `count` parts, and how the parts' results are put together;
+    None for a job that does not split."""
+    entries = getattr(params, work.items, None)
+    if not isinstance(entries, list) or (work.whole is not None and work.whole(params)):
+        return None
+    if len(entries) >= 2:
+        runs = cut(entries, count, work.weight)
+        parts = [msgspec.structs.replace(params, **{work.items: [entries[k] for k in run]}) for run in runs]
+        return parts, functools.partial(merge, runs=runs, per_item=work.per_item)
+    if work.join is not None and work.by_windows is not None and work.by_windows(params):
+        return [msgspec.structs.replace(params, part=(i, count)) for i in range(count)], functools.partial(work.join, params)
+    return None
+
+
 class Part(Job):
     """One engine's share of a spread job: an ordinary job to its engine and link, whose events
     the spread reads as they are emitted. Its result is merged with the others': it must come
@@ -134,22 +158,20 @@ class Part(Job):
 class Spread:
     """A job and its parts: what the parts say, told once as the job's."""
 
-    def __init__(self, job: Job, work: Chunked, runs: list[list[int]], cancel: Callable[[Job], None]) -> None:
-        self.job, self.work, self.runs = job, work, runs
+    def __init__(
+        self, job: Job, params: list[Any], put_together: Callable[[list[Any]], bytes | msgspec.Raw], cancel: Callable[[Job], None]
+    ) -> None:
+        self.job, self.put_together = job, put_together
         self._cancel = cancel
-        self.results: list[Any] = [None] * len(runs)
-        self.progress: list[tuple[int, int | None, str | None] | None] = [None] * len(runs)
+        self.results: list[Any] = [None] * len(params)
+        self.progress: list[tuple[int, int | None, str | None] | None] = [None] * len(params)
         self.positions: dict[int, int | None] = {}
         self.armed = False  # until every part is submitted: what they say is kept, not yet told
         self.dropped = False  # the parts were withdrawn: the job went on as a whole
         self.failure: tuple[Code, str] | None = None  # the first part's to fail
         self._held: list[tuple[str, str]] = []
         self._merging: asyncio.Task[None] | None = None
-        entries = getattr(job.params, work.items)
-        self.parts = [
-            Part(self, i, msgspec.structs.replace(job.params, **{work.items: [entries[k] for k in run]}))
-            for i, run in enumerate(runs)
-        ]
+        self.parts = [Part(self, i, part) for i, part in enumerate(params)]
 
     # -- what the parts say ---------------------------------------------------
 
@@ -167,6 +189,8 @@ class Spread:
 
     def succeeded(self, part: Part, result: Any) -> None:
         self.results[part.index] = result  # the JSON as the engine sent it (msgspec.Raw): not copied
+        if self.progress[part.index] is None:
+            self.progress[part.index] = (0, 0, None)  # a part with nothing to do (fewer windows than parts)
         self._tell()
 
     def failed(self, code: Code, message: str) -> None:
@@ -211,7 +235,7 @@ class Spread:
             if known:
                 totals = [p[1] for p in known]
                 total = sum(t for t in totals if t is not None) if len(known) == len(self.parts) and None not in totals else None
-                job.progress(sum(p[0] for p in known), total, known[0][2])
+                job.progress(sum(p[0] for p in known), total, next((p[2] for p in known if p[2]), None))
         else:
             waiting = [p for p in self.positions.values() if p is not None]
             if waiting and min(waiting) != job.position:
@@ -222,9 +246,9 @@ class Spread:
     async def _merge(self) -> None:
         try:
             # Off the loop: a big result's bytes are walked once more here.
-            result = await asyncio.to_thread(merge, self.results, self.runs, self.work.per_item)  # type: ignore[arg-type]
+            result = await asyncio.to_thread(self.put_together, self.results)
         except (ValueError, msgspec.DecodeError) as exc:
             log.error("job %s: its parts' results could not be put together: %s", self.job.id, exc, extra={"job_id": self.job.id})
             self.job.fail(Code.INTERNAL, f"the parts' results could not be put together: {exc}")
             return
-        self.job.succeed(result)
+        self.job.succeed(result if isinstance(result, msgspec.Raw) else msgspec.Raw(result))

@@ -578,6 +578,55 @@ def test_with_every_engine_busy_a_job_goes_whole_to_the_one_with_the_fewest_wait
     assert len(set(one["pids"])) == 1 and len(set(two["pids"])) == 1 and one["pids"][0] != two["pids"][0]
 
 
+def test_one_long_sequence_is_cut_over_both_engines_by_its_windows_with_the_one_engine_numbers(
+    two_copies: ServeProcess, esm_path: Path
+) -> None:
+    """One protein of 1,000 residues in windows of 100: each engine computes one run of consecutive
+    windows (`part`), and the gateway puts them back in order. Per residue the states equal the same
+    windows run here in transformers (1e-5); the answer is the one-engine job's, plan and context
+    exactly; the pooled mean is the stitched states' mean; the score is the one engine's sum."""
+    import numpy as np
+
+    from tests.test_windows import protein, windowed_states
+
+    sequence = protein(1000, seed=7)
+    windowed = {"window": 100, "overlap": 30}
+    alone = make_server(esm_path)  # one device, on a thread: the job uncut
+    try:
+        for tool, params in [
+            ("embed", {"texts": [sequence], "pooling": "per_token", **windowed}),
+            ("embed", {"texts": [sequence], "pooling": "mean", "stitch": "mean", "normalize": True, **windowed}),
+            ("embed", {"texts": [sequence], "pooling": "last", "stitch": "left", **windowed}),
+            ("pseudo_loglikelihood", {"sequences": [sequence[:300]], "per_position": True, "window": 60, "overlap": 20}),
+        ]:
+            before = [e["batches"] for e in copies(two_copies)]
+            cut = run_stream(two_copies.url, tool, params)
+            assert cut.terminal is not None and cut.terminal["event"] == "data", cut.events[-3:]
+            assert [e["event"] for e in cut.events].count("data") == 1
+            got, uncut = cut.terminal["data"], result_of(alone.url, tool, params)
+            assert got.keys() == uncut.keys(), (got.keys(), uncut.keys())
+            for key in got:
+                if key in ("embeddings", "per_position", "pll"):
+                    # Which windows share a pass may move the last bits, as with batching.
+                    assert (torch_flat(got[key]) - torch_flat(uncut[key])).abs().max() <= 1e-5, (tool, params, key)
+                else:
+                    assert got[key] == uncut[key], (tool, params, key)
+            frames = [e["data"]["progress"] for e in cut.of("status") if "progress" in e["data"]]
+            assert frames[-1]["done"] == frames[-1]["total"] and [f["done"] for f in frames] == sorted(f["done"] for f in frames)
+            wait_until(
+                lambda: all(e["batches"] > b for e, b in zip(copies(two_copies), before)), timeout=10, what="both engines' steps"
+            )
+            if params.get("pooling") == "per_token":
+                want = windowed_states(esm_path, sequence, 100, 30, "center")
+                assert np.abs(np.array(got["embeddings"][0]) - want).max() <= 1e-5
+                assert "".join(got["tokens"][0]) == sequence and len(got["context"][0]) == 1000
+            if params.get("stitch") == "mean":
+                want = windowed_states(esm_path, sequence, 100, 30, "mean").mean(0)
+                assert np.abs(np.array(got["embeddings"][0]) - want / np.linalg.norm(want)).max() <= 1e-5
+    finally:
+        alone.stop()
+
+
 def test_a_job_that_streams_its_windows_is_not_cut_and_each_texts_rows_come_in_order(two_copies: ServeProcess) -> None:
     """Cut over engines, a job's parts would number their texts from 0: a job with `partials` runs whole."""
     from tests.test_windows import protein

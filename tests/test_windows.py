@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -196,11 +197,61 @@ def test_over_the_context_without_a_window_the_413_names_the_window_param(server
         ({"window": 300}, "window"),
         ({"overlap": 10}, "overlap"),
         ({"window": 1, "overlap": 0, "texts": [protein(30_000)]}, "window"),  # 30,000 windows of one residue
+        ({"part": [0, 2]}, "part"),  # a part of a plan: only with window
+        ({"window": 100, "part": [0, 2], "texts": [protein(500), protein(300)]}, "part"),
+        ({"window": 100, "part": [2, 2]}, "part"),
+        ({"window": 100, "part": [0, 2], "pooling": "per_token", "stitch": "mean"}, "part"),
+        ({"window": 100, "part": [0, 2], "pooling": "per_token", "file": "safetensors"}, "part"),
+        ({"window": 100, "part": [0, 2], "pooling": "per_token", "partials": True}, "part"),
     ],
 )
 def test_a_window_that_cannot_run_is_refused_naming_the_param(server, params: dict[str, Any], field: str) -> None:
     response = httpx.post(f"{server.url}/embed/run", json={"model": "esm", "texts": [protein(500)], **params})
     assert response.status_code in (400, 413, 422) and response.json()["error"]["field"] == field, response.text
+
+
+def close(got: Any, want: Any, numbers: tuple[str, ...]) -> None:
+    """Equal results, but for the last bits of their numbers, which which rows share a pass may move."""
+    assert got.keys() == want.keys()
+    for key in got:
+        if key in numbers:
+            assert np.abs(np.array(got[key], dtype=np.float64) - np.array(want[key], dtype=np.float64)).max() <= 1e-5, key
+        else:
+            assert got[key] == want[key], key
+
+
+@pytest.mark.parametrize(
+    ("tool", "params"),
+    [
+        ("embed", {"texts": [protein(500, seed=3)], "pooling": "per_token", "normalize": True}),
+        ("embed", {"texts": [protein(500, seed=3)], "pooling": "per_token", "stitch": "left", "precision": 4}),
+        ("embed", {"texts": [protein(500, seed=3)], "pooling": "mean", "stitch": "mean"}),
+        ("embed", {"texts": [protein(500, seed=3)], "pooling": "last"}),
+        ("pseudo_loglikelihood", {"sequences": [protein(500, seed=3)], "per_position": True}),
+        ("pseudo_loglikelihood", {"sequences": [protein(500, seed=3)]}),
+    ],
+)
+def test_the_parts_of_a_plan_hold_its_runs_of_windows_and_put_together_are_the_whole(server, tool: str, params: dict[str, Any]) -> None:
+    """`part` [i, n] computes the i-th of n runs of consecutive windows of the plan (7 windows here):
+    the parts' positions follow one another, and the tool's `join`, which puts the parts that engines
+    computed together, gives the whole job's answer, with 2, 3 and 9 parts (two of them empty)."""
+    from gateway.tools import embed, pseudo_loglikelihood
+
+    work = {"embed": embed.work, "pseudo_loglikelihood": pseudo_loglikelihood.work}[tool]
+    params = {"model": "esm", "window": 100, "overlap": 30, **params}
+    whole = result(server.url, tool, params)
+    assert len(whole["plans"][0]["windows"]) == 7
+    kind = {"embed": embed.EmbedParams, "pseudo_loglikelihood": pseudo_loglikelihood.PseudoLoglikelihoodParams}[tool]
+    typed = msgspec.convert({k: v for k, v in params.items() if k != "model"}, kind)
+    for count in (2, 3, 9):
+        parts = [result(server.url, tool, {**params, "part": [i, count]}) for i in range(count)]
+        spans = [part.get("span", [[0, 0]])[0] for part in parts]
+        if "span" in parts[0]:
+            assert spans[0][0] == 0 and spans[-1][1] == 500 and all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
+            assert sum(b - a == 0 for a, b in spans) == (2 if count == 9 else 0)
+        assert all(part["plans"] == whole["plans"] for part in parts)
+        joined = msgspec.json.decode(work.join(typed, [msgspec.json.encode(part) for part in parts]))
+        close(joined, whole, ("embeddings", "per_position", "pll"))
 
 
 def test_a_remote_executor_answers_the_same_windows(server, serve_any, esm_path: Path) -> None:

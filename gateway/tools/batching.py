@@ -172,6 +172,11 @@ class Chunked:
     partial: Callable[[Model, Any, Any, Any], Any] | None = None
     # A job that may not be cut over engines (one whose partial events name its inputs by index).
     whole: Callable[[Any], bool] | None = None
+    # A job of one input, cut over engines by its window plan instead (gateway/tools/windows.py,
+    # the `part` param): `by_windows(params)`, whether it may be; `join(params, results)`, the
+    # whole's JSON result from its parts', in order.
+    by_windows: Callable[[Any], bool] | None = None
+    join: Callable[[Any, list[bytes]], bytes] | None = None
 
     def batch(self, model: Model) -> ChunkSteps:
         """The tool's `batch`: its jobs' chunks, one a step (`ChunkSteps`)."""

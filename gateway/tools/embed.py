@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 import torch
 
+from gateway.encoding import to_json
 from gateway.cost import JSON_FLOAT, JSON_FRAME, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
 from gateway.protocol import ResultFile
@@ -101,6 +102,7 @@ class EmbedParams(WindowParams, forbid_unknown_fields=True):
     ] | None = None
     file: Annotated[FileFormat, msgspec.Meta(description=FILE_DOC)] | None = None
     partials: Annotated[bool, msgspec.Meta(description=PARTIALS_DOC)] = False
+    part: Annotated[windows.Part, msgspec.Meta(description=windows.PART_DOC)] | None = None
 
 
 class EmbedPartial(msgspec.Struct):
@@ -144,6 +146,13 @@ class EmbedResult(msgspec.Struct, omit_defaults=True):
     on its left and on its right, [left, right]."""
     files: list[ResultFile] | None = None
     """With file: the files holding the vectors, their tokens' ids and context."""
+    span: list[tuple[int, int]] | None = None
+    """With part and pooling per_token: the positions [start, end) of the text that its embeddings, tokens
+    and context hold, the part's."""
+    sums: list[list[Any]] | None = None
+    """With part and a pooled vector (embeddings left out): mean, each of the part's windows' sum of the
+    vectors of the positions it gives (the parts' sums, in order, summed over the text's length are the
+    mean); last, the text's last vector where the part holds it (else none)."""
 
 
 def _array(t: torch.Tensor, precision: int | None) -> np.ndarray:
@@ -170,6 +179,8 @@ def _sizes(model: Model, params: EmbedParams, framed: Framed) -> Sizes | None:
 
 
 def check(model: Model, params: EmbedParams) -> None:
+    if params.part is not None:
+        _check_part(params)
     if params.file is not None:
         _check_file(params)
     if params.partials:
@@ -189,6 +200,15 @@ def _check_file(params: EmbedParams) -> None:
         raise ParamError("precision", "a file holds float32 as computed; leave out precision")
     if params.file is FileFormat.NPY and len(params.texts) > 1:
         raise ParamError("file", "an .npy file holds one array: npy takes one text; safetensors takes several")
+
+
+def _check_part(params: EmbedParams) -> None:
+    summed = params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN and _per_token(Pooling(params.pooling))
+    windows.check_part(params, params.texts, "texts", summed)
+    if params.file is not None:
+        raise ParamError("part", "a part's vectors come back in its result, to be put together with the other parts': not with file")
+    if params.partials:
+        raise ParamError("part", "not with partials: the job's partial events are the whole's")
 
 
 def _check_partials(params: EmbedParams) -> None:
@@ -245,40 +265,54 @@ def cost(model: Model, params: EmbedParams) -> Cost:
     window's rows at a time: the price is the largest pass's, whatever the length."""
     shape = Shape.of(model)
     per_token = _per_token(params.pooling)
+    planned = 0  # windows in the plans the result states
     if params.window is None:
         lengths = [len(model.encode(text)) for text in params.texts]
         passes, n_own, held = lengths, lengths, 1
+        vectors = sum(n_own) if per_token else len(n_own)
+        kept = vectors
     else:
-        passes, n_own = [], []
+        passes, n_own, sums = [], [], 0
         for i, text in enumerate(params.texts):
             framed = _framed(model, text, f"texts[{i}]")
             sizes = _sizes(model, params, framed)
             assert sizes is not None
-            passes += [end - start + framed.around for start, end in windows.plan(len(framed.own), sizes)]
-            n_own.append(len(framed.own))
+            cut = windows.plan(len(framed.own), sizes)
+            picked = windows.part_windows(params.part, len(cut))
+            passes += [cut[w][1] - cut[w][0] + framed.around for w in picked]
+            planned += len(cut)
+            sums += len(picked)  # pooled: a vector a window until they are summed
+            if params.part is not None and per_token:
+                start, end = windows.span(windows.shares(cut, sizes.stitch), picked, len(framed.own))
+                n_own.append(end - start)
+            else:
+                n_own.append(len(framed.own))
         held = 2 if per_token else 1
-    positions = sum(n_own) if per_token else len(n_own)
+        vectors = sum(n_own) if per_token else sums if params.part is not None else len(n_own)
+        kept = sum(n_own) if per_token else sums
     n_states = _n_states(model)
     peak = chunk_peak(passes, EMBED_BATCH, EMBED_TOKENS, lambda rows, width: shape.pass_bytes(rows, width, states=n_states))
     per_vector = shape.hidden * JSON_FLOAT + (JSON_TOKEN if per_token else 0)
     if params.window is not None and per_token:
         per_vector += 2 * JSON_FLOAT  # its [left, right] context
-    result = positions * per_vector
+    result = vectors * per_vector + 2 * JSON_FLOAT * planned
     inline = Cost(
-        memory=peak + held * positions * shape.hidden * 4 + result,
+        memory=peak + held * kept * shape.hidden * 4 + result,
         result=result,
         memory_field="window" if params.window is not None else "texts",
         result_field="pooling" if per_token else "texts",
-        tokens=max(passes),
+        tokens=max(passes, default=0),
     )
     if params.partials:
         # Each window's rows are in the job's log too (as partial events) until it ends; as
         # partial events they cannot be files either.
         return dataclasses.replace(inline, memory=inline.memory + result)
+    if params.part is not None:
+        return inline  # to be put together with the other parts': never files
     if not per_token or params.precision is not None:
         return inline
     # The plans' windows stay in the JSON (two numbers each), the rest is in the files.
-    plans = JSON_FRAME * (len(n_own) + 1) + 2 * JSON_FLOAT * (len(passes) if params.window is not None else 0)
+    plans = JSON_FRAME * (len(n_own) + 1) + 2 * JSON_FLOAT * planned
     arrays = [array for i, n in enumerate(n_own) for array in _arrays(i, n, shape.hidden, params.window is not None)]
     written = Cost(
         memory=peak + plans,
@@ -397,7 +431,10 @@ def _plan(model: Model, jobs: list[EmbedParams], ctxs: Any = None, by_length: bo
             sizes = _sizes(model, params, framed)
             assert sizes is not None
             cut = windows.plan(len(framed.own), sizes)
+            picked = windows.part_windows(params.part, len(cut))
             for w, ((start, end), share) in enumerate(zip(cut, windows.shares(cut, sizes.stitch))):
+                if w not in picked:
+                    continue
                 key = (job, WindowItem(i, w))
                 items.append((key, WindowIds(framed, start, end)))
                 placed[key] = _InWindow(len(framed.head), share, len(framed.own))
@@ -504,26 +541,36 @@ def _window_share(states: torch.Tensor, ids: list[int], at: _InWindow, pooling: 
     return _Shared(share.start, share.end, _array(rows, None), own)
 
 
-def _stitched(params: EmbedParams, shared: list[_Shared], precision: int | None) -> tuple[Any, list[int]]:
-    """A windowed text's vector(s) from its windows' shares, and (per_token) its own token ids."""
+def _stitched(params: EmbedParams, shared: list[_Shared], precision: int | None, start: int = 0) -> tuple[Any, list[int]]:
+    """A windowed text's vector(s) from its windows' shares, and (per_token) its own token ids; the
+    positions from `start` on (a part of the plan's)."""
     n = max(part.end for part in shared)
     pooling = Pooling(params.pooling)
     ids: list[int] = []
-    if pooling is Pooling.MEAN:
-        vector = torch.from_numpy(np.sum([part.rows for part in shared], axis=0) / n)
-    elif pooling is Pooling.LAST:
-        vector = torch.from_numpy(np.sum([part.rows for part in shared if part.rows is not None], axis=0))
-    else:
-        width = next(part.rows.shape[-1] for part in shared if part.rows is not None)
-        vector = torch.zeros((n, width))
-        ids = [0] * n
-        for part in shared:
-            assert part.rows is not None
-            vector[part.start : part.end] += torch.from_numpy(part.rows)
-            ids[part.start : part.end] = part.ids
+    if not _per_token(pooling):
+        return _pooled(params, [part.rows for part in shared if part.rows is not None], n), ids
+    width = next(part.rows.shape[-1] for part in shared if part.rows is not None)
+    vector = torch.zeros((n - start, width))
+    ids = [0] * (n - start)
+    for part in shared:
+        assert part.rows is not None
+        vector[part.start - start : part.end - start] += torch.from_numpy(part.rows)
+        ids[part.start - start : part.end - start] = part.ids
+    return _finished(params, vector, precision), ids
+
+
+def _pooled(params: EmbedParams, sums: list[np.ndarray], n: int) -> np.ndarray:
+    """A windowed text's pooled vector from its windows' sums (mean, over its `n` positions) or its last
+    position's vector (last): in one place for a job run whole and one put together from parts."""
+    total = np.sum(sums, axis=0)
+    vector = torch.from_numpy(total / n if Pooling(params.pooling) is Pooling.MEAN else total)
+    return _finished(params, vector, params.precision)
+
+
+def _finished(params: EmbedParams, vector: torch.Tensor, precision: int | None) -> np.ndarray:
     if params.normalize:
         vector = torch.nn.functional.normalize(vector, dim=-1)
-    return _array(vector, precision), ids
+    return _array(vector, precision)
 
 
 def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any]) -> list[EmbedResult]:
@@ -536,6 +583,8 @@ def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any]) ->
         if isinstance(item, tuple):
             shared.setdefault((job, item[0]), []).append(output)
     for key, parts in shared.items():
+        if jobs[key[0]].part is not None:
+            continue  # `_part_result`
         outputs[key] = _stitched(jobs[key[0]], sorted(parts, key=lambda part: part.start), jobs[key[0]].precision)
         if not _per_token(jobs[key[0]].pooling):
             outputs[key] = outputs[key][0]
@@ -546,6 +595,9 @@ def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any]) ->
             plans = _plans(model, params, context=False)[0] if params.window is not None else None
             files = sinks[job].close(plans)
             results.append(EmbedResult(dim=sinks[job].width, layer=params.layer % _n_states(model), pooling=params.pooling, plans=plans, files=files))
+            continue
+        if params.part is not None:
+            results.append(_part_result(model, params, sorted(shared.get((job, 0), []), key=lambda part: part.start)))
             continue
         vectors = [outputs[job, i] for i in range(len(params.texts))]
         tokens = None
@@ -567,6 +619,78 @@ def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any]) ->
             )
         )
     return results
+
+
+def _part_result(model: Model, params: EmbedParams, shared: list[_Shared]) -> EmbedResult:
+    """A part's result (`part`): the plan whole; its positions' vectors, tokens and context (per_token),
+    or its windows' sums (pooled), as the whole would have them before they are put together (`_joined`)."""
+    (plan,), _ = _plans(model, params, context=False)
+    layer = params.layer % _n_states(model)
+    if not _per_token(Pooling(params.pooling)):
+        sums = [part.rows for part in shared if part.rows is not None]
+        dim = int(sums[0].shape[-1]) if sums else 0
+        return EmbedResult(dim=dim, layer=layer, pooling=params.pooling, plans=[plan], sums=[sums])
+    n = plan.windows[-1][1]
+    start, end = windows.span(windows.shares(plan.windows, plan.stitch), windows.part_windows(params.part, len(plan.windows)), n)
+    if shared:
+        vectors, ids = _stitched(params, shared, params.precision, start)
+    else:
+        vectors, ids = np.zeros((0, 0), dtype=np.float32), []
+    texts = model.token_texts(ids)
+    return EmbedResult(
+        dim=int(vectors.shape[-1]),
+        layer=layer,
+        pooling=params.pooling,
+        embeddings=[vectors],
+        tokens=[[texts[t] for t in ids]],
+        plans=[plan],
+        context=[windows.context(plan.windows, plan.stitch, start, end)],
+        span=[(start, end)],
+    )
+
+
+class _Part(msgspec.Struct):
+    """A part's result as the gateway reads it to put the parts together: its values as the engine wrote them."""
+
+    dim: int
+    layer: int
+    pooling: Pooling
+    plans: list[msgspec.Raw]
+    embeddings: list[list[msgspec.Raw]] | None = None
+    tokens: list[list[msgspec.Raw]] | None = None
+    context: list[list[msgspec.Raw]] | None = None
+    span: list[tuple[int, int]] | None = None
+    sums: list[list[list[float]]] | None = None
+
+
+def _joined(params: EmbedParams, results: list[bytes]) -> bytes:
+    """The whole's result from its parts' (`part`: 0..count-1, in order): per-token rows, tokens and
+    context put one after another, as written; a pooled vector from every window's sum, as one engine
+    sums them. Raises ValueError where the parts do not make one whole."""
+    parts = [msgspec.json.decode(result, type=_Part) for result in results]
+    first = parts[0]
+    if any(bytes(part.plans[0]) != bytes(first.plans[0]) or part.layer != first.layer for part in parts):
+        raise ValueError("the parts disagree on the plan")
+    plan = msgspec.json.decode(first.plans[0], type=WindowPlan)
+    n = plan.windows[-1][1]
+    dim = max(part.dim for part in parts)
+    if not _per_token(Pooling(params.pooling)):
+        sums = [np.asarray(vector, dtype=np.float32) for part in parts for vector in (part.sums or [[]])[0]]
+        if not sums:
+            raise ValueError("no part holds the text's vectors")
+        return to_json(EmbedResult(dim=dim, layer=first.layer, pooling=params.pooling, embeddings=[_pooled(params, sums, n)], plans=[first.plans[0]]))  # type: ignore[list-item]
+    spans = [(part.span or [(0, 0)])[0] for part in parts]
+    if spans[0][0] != 0 or spans[-1][1] != n or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        raise ValueError(f"the parts' positions {spans} do not cover the text's {n} one after another")
+
+    def joined(field: str) -> list[list[msgspec.Raw]]:
+        return [[value for part in parts for value in (getattr(part, field) or [[]])[0]]]
+
+    whole = EmbedResult(
+        dim=dim, layer=first.layer, pooling=params.pooling, embeddings=joined("embeddings"), tokens=joined("tokens"),  # type: ignore[arg-type]
+        plans=[first.plans[0]], context=joined("context"),  # type: ignore[list-item]
+    )
+    return to_json(whole)
 
 
 def _plans(model: Model, params: EmbedParams, context: bool = True) -> tuple[list[WindowPlan], list[Any]]:
@@ -594,6 +718,15 @@ def _partial(model: Model, params: EmbedParams, item: Any, output: Any) -> Embed
     return EmbedPartial(item.item, output.start, output.end, _array(rows, params.precision), [texts[t] for t in output.ids])
 
 
+def _by_windows(params: EmbedParams) -> bool:
+    """Whether a one-text job may be cut over engines by its window plan (`part`): not one whose values
+    leave as files or partial events, nor one where a position's vector is summed over windows (`mean`
+    per token), which two parts would each hold a share of."""
+    if params.window is None or len(params.texts) != 1 or params.file is not None or params.partials:
+        return False
+    return not (_per_token(Pooling(params.pooling)) and params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN)
+
+
 def _resumable(params: EmbedParams) -> bool:
     """Rows a window adds into a file (`mean`) would be added twice by a chunk run again after its
     run died mid-way; every other output is final as a chunk gives it (a window's share, written
@@ -612,6 +745,8 @@ work = Chunked(
     resumable=_resumable,
     partial=_partial,
     whole=lambda params: params.partials,  # a part's partial events would number its texts from 0
+    by_windows=_by_windows,
+    join=_joined,
 )
 
 

@@ -32,7 +32,7 @@ from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.batching import Chunk, Chunked, chunk_peak, sorted_chunks
 from gateway.tools import windows
 from gateway.tools.numbers import floats
-from gateway.tools.windows import Framed, Sizes, WindowParams, WindowPlan
+from gateway.tools.windows import Framed, Sizes, Stitch, WindowParams, WindowPlan
 
 PLL_ROWS = 64  # masked copies per forward pass at most
 PLL_TOKENS = 16384  # padded tokens per forward pass at most
@@ -43,6 +43,7 @@ class PseudoLoglikelihoodParams(WindowParams, forbid_unknown_fields=True):
     per_position: Annotated[
         bool, msgspec.Meta(description="Also return each own token's log-probability with it masked, and the tokens.")
     ] = False
+    part: Annotated[windows.Part, msgspec.Meta(description=windows.PART_DOC + " A part's per_position is always there.")] | None = None
 
 
 class PseudoLoglikelihoodResult(msgspec.Struct, omit_defaults=True):
@@ -56,6 +57,9 @@ class PseudoLoglikelihoodResult(msgspec.Struct, omit_defaults=True):
     """With window: how each sequence was cut and stitched."""
     context: list[Any] | None = None
     """With window and per_position: per own token, the fewest tokens of context it had on each side, [left, right]."""
+    span: list[tuple[int, int]] | None = None
+    """With part: the positions [start, end) of the sequence that its per_position (and tokens, context)
+    hold, the part's; pll is their sum."""
 
 
 def _framed(model: Model, params: PseudoLoglikelihoodParams, i: int) -> tuple[Framed, Sizes, list[tuple[int, int]]]:
@@ -64,6 +68,8 @@ def _framed(model: Model, params: PseudoLoglikelihoodParams, i: int) -> tuple[Fr
 
 
 def check(model: Model, params: PseudoLoglikelihoodParams) -> None:
+    if params.part is not None:
+        windows.check_part(params, params.sequences, "sequences", params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN)
     windows.resolve(params, model.context_length)  # window-only params without a window
     for i, sequence in enumerate(params.sequences):
         if not sequence:
@@ -92,17 +98,19 @@ def cost(model: Model, params: PseudoLoglikelihoodParams) -> Cost:
         lengths, copies = [], []
         for i in range(len(params.sequences)):
             framed, sizes, cut = _framed(model, params, i)
-            lengths.append(len(framed.own))
             shares = windows.shares(cut, sizes.stitch)
-            copies += [end - start + framed.around for share, (start, end) in zip(shares, cut) for _ in range(share.end - share.start)]
+            picked = windows.part_windows(params.part, len(cut))
+            copies += [cut[w][1] - cut[w][0] + framed.around for w in picked for _ in range(shares[w].end - shares[w].start)]
+            lengths.append(len(framed.own) if params.part is None else len(copies))  # a part's: its positions
     peak = chunk_peak(copies, PLL_ROWS, PLL_TOKENS, lambda rows, width: shape.pass_bytes(rows, width, states=1, logits=rows))
-    result = len(lengths) * 2 * JSON_FLOAT + (sum(lengths) * (JSON_FLOAT + JSON_TOKEN) if params.per_position else 0)
+    scores = params.per_position or params.part is not None
+    result = len(lengths) * 2 * JSON_FLOAT + (sum(lengths) * (JSON_FLOAT + JSON_TOKEN) if scores else 0)
     return Cost(
         memory=peak + len(copies) * 64 + result,
         result=result,
         memory_field="window" if params.window is not None else "sequences",
         result_field="per_position" if params.per_position else "sequences",
-        tokens=max(copies),
+        tokens=max(copies, default=0),
     )
 
 
@@ -127,7 +135,9 @@ def _window_copies(model: Model, params: PseudoLoglikelihoodParams, job: int, s:
     framed, sizes, cut = _framed(model, params, s)
     head = len(framed.head)
     items: list[tuple[tuple[int, Any], list[int]]] = []
-    for share, (start, end) in zip(windows.shares(cut, sizes.stitch), cut):
+    shares = windows.shares(cut, sizes.stitch)
+    for w in windows.part_windows(params.part, len(cut)):
+        share, (start, end) = shares[w], cut[w]
         ids = framed.window(start, end)
         for p in range(share.start, share.end):
             weight = 1.0 if share.weights is None else float(share.weights[p - share.start])
@@ -165,24 +175,79 @@ def _assemble(
     texts = model.token_texts(token for per in by_sequence.values() for _, token, _ in per) if wanted else {}
     results = []
     for job, params in enumerate(jobs):
-        scored = [sorted(by_sequence[job, s]) for s in range(len(params.sequences))]
-        plans = context = None
+        scored = [sorted(by_sequence.get((job, s), [])) for s in range(len(params.sequences))]
+        plans = context = span = None
         if params.window is not None:
             cuts = [_framed(model, params, s) for s in range(len(params.sequences))]
             plans = [WindowPlan(windows=cut, stitch=sizes.stitch, window=sizes.window, overlap=sizes.overlap) for _, sizes, cut in cuts]
-            context = [windows.context(cut, sizes.stitch) for _, sizes, cut in cuts] if params.per_position else None
+            stretches = [(0, len(framed.own)) for framed, _, _ in cuts]
+            if params.part is not None:
+                span = stretches = [
+                    windows.span(windows.shares(cut, sizes.stitch), windows.part_windows(params.part, len(cut)), len(framed.own))
+                    for framed, sizes, cut in cuts
+                ]
+            context = [windows.context(cut, sizes.stitch, *at) for (_, sizes, cut), at in zip(cuts, stretches)] if params.per_position else None
         results.append(
             PseudoLoglikelihoodResult(
-                # Summed in float64 in position order: the same sum whichever device scored which copy.
-                pll=floats(torch.tensor([sum(v for _, _, v in per) for per in scored], dtype=torch.float64)),
+                pll=_summed([[v for _, _, v in per] for per in scored]),
                 tokens_scored=[len(per) for per in scored],
-                per_position=[[v for _, _, v in per] for per in scored] if params.per_position else None,
+                per_position=[[v for _, _, v in per] for per in scored] if params.per_position or params.part is not None else None,
                 tokens=[[texts[t] for _, t, _ in per] for per in scored] if params.per_position else None,
                 plans=plans,
                 context=context,
+                span=span,
             )
         )
     return results
+
+
+def _summed(scores: list[list[float]]) -> list[float]:
+    """Each sequence's score: summed in float64 in position order, the same sum whichever device (or
+    engine, for a job put together from parts) scored which copy."""
+    return floats(torch.tensor([sum(per) for per in scores], dtype=torch.float64))
+
+
+class _Part(msgspec.Struct):
+    """A part's result as the gateway reads it to put the parts together: its values as the engine wrote them."""
+
+    pll: list[float]
+    tokens_scored: list[int]
+    plans: list[msgspec.Raw]
+    span: list[tuple[int, int]]
+    per_position: list[list[float]]
+    tokens: list[list[msgspec.Raw]] | None = None
+    context: list[list[msgspec.Raw]] | None = None
+
+
+def _joined(params: PseudoLoglikelihoodParams, results: list[bytes]) -> bytes:
+    """The whole's result from its parts' (`part`: 0..count-1, in order): their positions' scores one
+    after another, summed as one engine sums them. Raises ValueError where they do not make one whole."""
+    parts = [msgspec.json.decode(result, type=_Part) for result in results]
+    plan = parts[0].plans[0]
+    if any(bytes(part.plans[0]) != bytes(plan) for part in parts):
+        raise ValueError("the parts disagree on the plan")
+    n = msgspec.json.decode(plan, type=WindowPlan).windows[-1][1]
+    spans = [part.span[0] for part in parts]
+    if spans[0][0] != 0 or spans[-1][1] != n or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        raise ValueError(f"the parts' positions {spans} do not cover the sequence's {n} one after another")
+    scores = [v for part in parts for v in part.per_position[0]]
+    if len(scores) != n:
+        raise ValueError(f"the parts scored {len(scores)} positions of {n}")
+
+    def joined(field: str) -> list[list[msgspec.Raw]] | None:
+        return [[value for part in parts for value in (getattr(part, field) or [[]])[0]]] if params.per_position else None
+
+    whole = PseudoLoglikelihoodResult(
+        pll=_summed([scores]), tokens_scored=[n], per_position=[scores] if params.per_position else None,
+        tokens=joined("tokens"), plans=[plan], context=joined("context"),  # type: ignore[arg-type, list-item]
+    )
+    return msgspec.json.encode(whole)
+
+
+def _by_windows(params: PseudoLoglikelihoodParams) -> bool:
+    """Whether a one-sequence job may be cut over engines by its window plan (`part`): not with `mean`,
+    where a position's score is summed over windows two parts would each hold."""
+    return params.window is not None and len(params.sequences) == 1 and not (params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN)
 
 
 def _weight(sequence: str) -> float:
@@ -193,6 +258,8 @@ work = Chunked(
     plan=_plan, run=_run, assemble=_assemble, unit="positions",  # type: ignore[arg-type]
     items="sequences", per_item=("pll", "tokens_scored", "per_position", "tokens", "plans", "context"), weight=_weight,
     resumable=lambda params: True,  # each masked copy's log-probability, a float
+    by_windows=_by_windows,
+    join=_joined,
 )
 
 

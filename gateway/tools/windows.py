@@ -75,6 +75,18 @@ class WindowParams(msgspec.Struct, kw_only=True):
     stitch: Annotated[Stitch, msgspec.Meta(description=STITCH_DOC)] | None = None
 
 
+PART_DOC = (
+    "With window and one sequence: compute only a part of its plan, [index, count], the index-th (from 0) of count "
+    "runs of consecutive windows, windows len*index//count up to len*(index+1)//count: a part of one job, as the "
+    "gateway cuts one long sequence over several engines. The result holds the plan whole, and of the values only "
+    "the part's (see span); the parts' results put together in order are the whole's. Not with stitch mean where a "
+    "position's value would be summed over two parts."
+)
+
+# A part of a plan: [index, count].
+Part = tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=1, le=1024)]]
+
+
 class WindowPlan(msgspec.Struct, omit_defaults=True):
     """How one sequence was cut: its windows, in its own tokens, and how they were stitched."""
 
@@ -194,6 +206,36 @@ def plan(n: int, sizes: Sizes) -> list[tuple[int, int]]:
         )
     starts = list(range(0, n - sizes.window, sizes.step)) + [n - sizes.window]
     return [(start, start + sizes.window) for start in starts]
+
+
+def check_part(params: Any, items: list[Any], field: str, summed: bool) -> None:
+    """Refuse a `part` param (the `part` field) that cannot be a part of one sequence's plan: `summed`,
+    a position's value would be added up over windows of two parts."""
+    index, count = params.part
+    if params.window is None:
+        raise ParamError("part", "a part of a window plan: only with window")
+    if len(items) != 1:
+        raise ParamError("part", f"a part of one sequence's plan: {field} must hold one")
+    if index >= count:
+        raise ParamError("part", f"index {index} of {count} parts: it must be less than the count")
+    if summed:
+        raise ParamError("part", "with stitch mean a position's value is summed over windows the parts share: use center or left")
+
+
+def part_windows(part: tuple[int, int] | None, count: int) -> range:
+    """The windows of a plan of `count` that `part` computes (all without one)."""
+    if part is None:
+        return range(count)
+    index, parts = part
+    return range(count * index // parts, count * (index + 1) // parts)
+
+
+def span(shares: list[Share], picked: range, n: int) -> tuple[int, int]:
+    """The positions [start, end) whose values the windows `picked` give (center or left: each from one window)."""
+    if not picked:
+        start = shares[picked.start].start if picked.start < len(shares) else n
+        return start, start
+    return shares[picked[0]].start, shares[picked[-1]].end
 
 
 @dataclass(frozen=True)

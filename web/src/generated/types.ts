@@ -649,6 +649,7 @@ export interface EmbedParams {
    * With window, pooling per_token and stitch center or left: send each window's share of a text's per-token vectors as a partial event as soon as it is computed ({text, start, end, embeddings, tokens}: positions start..end-1 of the text's own tokens, final), in order within each text; the result still holds them all.
    */
   partials?: boolean
+  part?: [number, number] | null
   model?: string | null
   tag?: string | null
   window?: number | null
@@ -668,6 +669,8 @@ export interface EmbedResult {
   plans?: WindowPlan[] | null
   context?: unknown[] | null
   files?: ResultFile[] | null
+  span?: [number, number][] | null
+  sums?: unknown[][] | null
 }
 /**
  * With partials: one window's share of a text's per-token vectors, as soon as it is computed.
@@ -734,6 +737,7 @@ export interface PseudoLoglikelihoodParams {
    * Also return each own token's log-probability with it masked, and the tokens.
    */
   per_position?: boolean
+  part?: [number, number] | null
   model?: string | null
   tag?: string | null
   window?: number | null
@@ -751,6 +755,7 @@ export interface PseudoLoglikelihoodResult {
   tokens?: string[][] | null
   plans?: WindowPlan[] | null
   context?: unknown[] | null
+  span?: [number, number][] | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
