@@ -606,7 +606,8 @@ class EngineBackend(RemoteBackend):
     async def _spread(self, job: Job, tool: Tool, work: Chunked, links: list[Link]) -> bool:
         """Submit `job` as parts, one to each of `links`; False (nothing submitted) when it does not split
         or an engine refused its part."""
-        cut = split(job.params, work, len(links))
+        context = next((m.context_length for m in self._models if m.name == job.model), None)
+        cut = split(job.params, work, len(links), context)
         if cut is None:
             return False
         spread = Spread(job, *cut, self._cancel_one)

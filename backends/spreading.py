@@ -105,9 +105,12 @@ def merge(results: Sequence[bytes], runs: Sequence[Sequence[int]], per_item: Seq
     return msgspec.Raw(msgspec.json.encode(merged))
 
 
-def split(params: Any, work: Chunked, count: int) -> tuple[list[Any], Callable[[list[Any]], bytes | msgspec.Raw]] | None:
+def split(
+    params: Any, work: Chunked, count: int, context_length: int | None = None
+) -> tuple[list[Any], Callable[[list[Any]], bytes | msgspec.Raw]] | None:
     """A job's params as those of at most `count` parts, and how the parts' results are put together;
-    None for a job that does not split."""
+    None for a job that does not split. `context_length`: its model's, for how many windows its plan
+    may have."""
     entries = getattr(params, work.items, None)
     if not isinstance(entries, list) or (work.whole is not None and work.whole(params)):
         return None
@@ -115,8 +118,10 @@ def split(params: Any, work: Chunked, count: int) -> tuple[list[Any], Callable[[
         runs = cut(entries, count, work.weight)
         parts = [msgspec.structs.replace(params, **{work.items: [entries[k] for k in run]}) for run in runs]
         return parts, functools.partial(merge, runs=runs, per_item=work.per_item)
-    if work.join is not None and work.by_windows is not None and work.by_windows(params):
-        return [msgspec.structs.replace(params, part=(i, count)) for i in range(count)], functools.partial(work.join, params)
+    if work.join is not None and work.by_windows is not None:
+        count = min(count, work.by_windows(params, context_length))
+        if count > 1:
+            return [msgspec.structs.replace(params, part=[i, count]) for i in range(count)], functools.partial(work.join, params)
     return None
 
 
@@ -247,7 +252,7 @@ class Spread:
         try:
             # Off the loop: a big result's bytes are walked once more here.
             result = await asyncio.to_thread(self.put_together, self.results)
-        except (ValueError, msgspec.DecodeError) as exc:
+        except Exception as exc:  # whatever the parts said: the job ends, once
             log.error("job %s: its parts' results could not be put together: %s", self.job.id, exc, extra={"job_id": self.job.id})
             self.job.fail(Code.INTERNAL, f"the parts' results could not be put together: {exc}")
             return

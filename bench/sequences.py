@@ -22,10 +22,16 @@ Two cases, each on its own `streamgate serve`:
    (10^6 residues: 136 MB of vectors, token ids and context): the job's time, per 1,000 residues,
    and the peak resident memory of the gateway and its engine over their idle memory (the peak
    counters reset before each job).
+3. DNA: the tests' Evo2-style byte-level DNA model (tests/support/custom_model.py `load_dna`,
+   width 32, a 512-token context) with a random ReLU SAE of 64 features on its layer 1, and random
+   DNA of 10^3 to 10^6 bases (--quick: to 10^5), each one `sae_annotate` job with `window: 0`
+   written as bigWig tracks and a BED (`file: bigwig`): mode pick (4 features, one run of the
+   windows) and mode top (k 5, two runs: the first finds the features). Time per 1,000 bases and
+   peak RSS over idle, as in 2.
 
 Targets: none for parity, which is measured, not bounded (docs/sequences.md shows the table and
-how to choose an overlap); for length (the issue's), peak RSS flat in the length (at 10^6 within
-+64 MB of 10^3's) and time linear (per 1,000 residues within 1.5x of 10^4's).
+how to choose an overlap); for length and DNA (the issue's), peak RSS flat in the length (at 10^6 within
++64 MB of 10^3's) and time linear (per 1,000 residues or bases within 1.5x of 10^4's).
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ LINEAR = 1.5  # time per 1,000 residues over 10^4's, at most
 
 def options(parser: Any) -> None:
     parser.add_argument("--tokens", type=int, default=None, help="Tokens of the parity text, about (default 2048; --quick 300).")
-    parser.add_argument("--cases", default="1,2", help="Which cases to run, by number (default both).")
+    parser.add_argument("--cases", default="1,2,3", help="Which cases to run, by number (default all).")
 
 
 async def answer(port: int, tool: str, params: dict[str, Any]) -> Any:
@@ -155,40 +161,77 @@ async def length(bench: common.Bench, report: common.Report) -> None:
 
     path = build("esm_mlm", bench.dir / "esm")
     gateway = bench.streamgate("serve", "--max-body-bytes", str(4 << 20), model=str(path), name="length")
+    cases = [
+        (f"pooling {pooling}", {"pooling": pooling, **extra}, f"embed (window 0, {what}) on a tiny ESM-2")
+        for pooling, extra, what in [
+            ("mean", {}, "pooling mean"),
+            ("per_token", {"file": "safetensors"}, "pooling per_token, written as a safetensors file"),
+        ]
+    ]
+    await lengths(bench, report, gateway, "embed", "texts", protein, cases, "residues", "2")
+
+
+async def dna(bench: common.Bench, report: common.Report) -> None:
+    from bench.tool_speed import make_sae
+
+    sae, _ = make_sae(bench.dir / "sae", d_model=32, n_features=64, layer=1)
+    gateway = bench.streamgate(
+        "serve", "--max-body-bytes", str(4 << 20), "--model-loader", "dna=tests.support.custom_model:load_dna", "--sae", str(sae),
+        model=None, name="dna",
+    )
+    params = {"window": 0, "file": "bigwig", "threshold": 0.5}
+    cases = [
+        ("mode pick", {"mode": "pick", "feature_ids": [0, 7, 21, 42], **params}, "sae_annotate (window 0, mode pick, 4 features, bigWig)"),
+        ("mode top", {"mode": "top", "k": 5, **params}, "sae_annotate (window 0, mode top, k 5, bigWig)"),
+    ]
+    await lengths(bench, report, gateway, "sae_annotate", "sequences", bases, cases, "bases", "3")
+
+
+def bases(n: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choices("ACGT", k=n))
+
+
+async def lengths(
+    bench: common.Bench, report: common.Report, gateway: Any, tool: str, field: str, sequence: Any,
+    cases: list[tuple[str, dict[str, Any], str]], unit: str, number: str,
+) -> None:
+    """One `tool` job of each length from 10^3 to 10^6 (--quick 10^5) for each case: its time and peak RSS."""
     bench.ready(gateway)
     port = common.port_of(gateway)
     engines = common.readyz(gateway).get("engines", [])
     pids = [gateway.proc.pid, *(e["pid"] for e in engines if e.get("pid"))]
-    await answer(port, "embed", {"texts": [protein(1000, 1)], "window": 0, "pooling": "mean"})  # warm
+    await answer(port, tool, {field: [sequence(1000, 1)], **cases[0][1]})  # warm
     idle = sum(common.rss_kb(pid) for pid in pids) / 1024
-    for pooling, extra, what in [
-        ("mean", {}, "pooling mean"),
-        ("per_token", {"file": "safetensors"}, "pooling per_token, written as a safetensors file"),
-    ]:
+    for name, params, what in cases:
         rows, figures = [], {}
         for exponent in range(3, 6 if bench.quick else 7):
             n = 10**exponent
-            common.step(f"length: {n} residues, {pooling}")
+            common.step(f"{tool}: {n} {unit}, {name}")
             for pid in pids:
                 common.reset_peak_rss(pid)
             started = time.perf_counter()
-            got = await answer(port, "embed", {"texts": [protein(n)], "window": 0, "pooling": pooling, **extra})
+            got = await answer(port, tool, {field: [sequence(n)], **params})
             seconds = time.perf_counter() - started
             peak = peak_mb(pids) - idle
             common.step("  peak MB by process (gateway, engine): " + ", ".join(f"{common.rss_kb(pid, 'VmHWM') / 1024:.0f}" for pid in pids))
-            done = isinstance(got, dict) and (pooling == "mean" or got["files"][0]["size"] >= n * 32 * 4)
-            windows = len(got["plans"][0]["windows"]) if isinstance(got, dict) else f"{got[0]} {got[1]}"
+            done = isinstance(got, dict) and ("files" not in params or sum(f["size"] for f in got["files"]) >= n * 4)
+            if isinstance(got, dict):
+                plans = got["plans"] if "plans" in got else [s["plan"] for s in got["sequences"]]
+                windows: Any = len(plans[0]["windows"])
+            else:
+                windows = f"{got[0]} {got[1]}"
             figures[n] = (seconds, peak, done)
             rows.append([n, windows, seconds, f"{seconds / n * 1e6:.1f}", peak])
-        report.table(["residues", "windows", "seconds", "ms per 1,000", "peak RSS over idle MB"], rows,
-                     title=f"2. one embed job (window 0, {what}) of each length on a tiny ESM-2 (idle {idle:.0f} MB)")
+        report.table([unit, "windows", "seconds", "ms per 1,000", "peak RSS over idle MB"], rows,
+                     title=f"{number}. {what}: one job of each length (idle {idle:.0f} MB)")
         longest = max(figures)
         ok = all(done for _, _, done in figures.values())
         flat = figures[longest][1] - figures[1000][1]
-        report.target(f"{pooling}: peak RSS at {longest} residues within +{FLAT_MB} MB of 1,000's", f"+{flat:.0f} MB", ok and flat <= FLAT_MB)
+        report.target(f"{tool} {name}: peak RSS at {longest} {unit} within +{FLAT_MB} MB of 1,000's", f"+{flat:.0f} MB", ok and flat <= FLAT_MB)
         base = figures[10_000][0] / 10_000
         worst = max(seconds / n / base for n, (seconds, _, _) in figures.items() if n >= 10_000)
-        report.target(f"{pooling}: time per residue within {LINEAR}x of 10,000's from 10,000 on", f"at most {worst:.2f}x", ok and worst <= LINEAR)
+        report.target(f"{tool} {name}: time per position within {LINEAR}x of 10,000's from 10,000 on", f"at most {worst:.2f}x", ok and worst <= LINEAR)
     common.stop(gateway)
 
 
@@ -199,6 +242,8 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
         failed += await parity(bench, report)
     if "2" in cases:
         await length(bench, report)
+    if "3" in cases:
+        await dna(bench, report)
     report.fact("machine", common.machine("cpu"))
     return failed
 

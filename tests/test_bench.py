@@ -281,7 +281,7 @@ def test_safety():
 
 def test_sequences():
     printed = run_bench("sequences")
-    parity, length, in_files = printed.tables
+    parity, length, in_files, picked, top = printed.tables
     assert [(row["window"], row["overlap"], row["stitch"]) for row in parity.rows] == [
         ("64", overlap, stitch) for overlap in ("0", "16") for stitch in ("center", "left", "mean")
     ]
@@ -299,6 +299,10 @@ def test_sequences():
         assert [row["residues"] for row in table.rows] == ["1000", "10000", "100000"]
         assert all(value is not None for value in table.numbers("peak RSS over idle MB"))
     assert "safetensors file" in (in_files.title or "")
+    for table in (picked, top):  # a DNA model's SAE features, as bigWig tracks: mode pick, then top
+        assert [row["bases"] for row in table.rows] == ["1000", "10000", "100000"]
+        assert all(value is not None for value in table.numbers("peak RSS over idle MB"))
+    assert "mode top" in (top.title or "")
 
 
 def test_memory():

@@ -595,7 +595,7 @@ def test_one_long_sequence_is_cut_over_both_engines_by_its_windows_with_the_one_
     try:
         for tool, params in [
             ("embed", {"texts": [sequence], "pooling": "per_token", **windowed}),
-            ("embed", {"texts": [sequence], "pooling": "mean", "stitch": "mean", "normalize": True, **windowed}),
+            ("embed", {"texts": [sequence], "pooling": "mean", "stitch": "mean", **windowed}),
             ("embed", {"texts": [sequence], "pooling": "last", "stitch": "left", **windowed}),
             ("pseudo_loglikelihood", {"sequences": [sequence[:300]], "per_position": True, "window": 60, "overlap": 20}),
         ]:
@@ -620,9 +620,20 @@ def test_one_long_sequence_is_cut_over_both_engines_by_its_windows_with_the_one_
                 want = windowed_states(esm_path, sequence, 100, 30, "center")
                 assert np.abs(np.array(got["embeddings"][0]) - want).max() <= 1e-5
                 assert "".join(got["tokens"][0]) == sequence and len(got["context"][0]) == 1000
-            if params.get("stitch") == "mean":
+            if params.get("stitch") == "mean":  # the parts' sums over the whole length
                 want = windowed_states(esm_path, sequence, 100, 30, "mean").mean(0)
-                assert np.abs(np.array(got["embeddings"][0]) - want / np.linalg.norm(want)).max() <= 1e-5
+                assert np.abs(np.array(got["embeddings"][0]) - want).max() <= 1e-5
+
+        # A client's own part is the part it asked for, not cut again.
+        mine = {"texts": [sequence], "pooling": "per_token", "part": [1, 3], **windowed}
+        got = result_of(two_copies.url, "embed", mine)
+        assert got["span"] == result_of(alone.url, "embed", mine)["span"] and got["span"][0][0] > 0
+        # A sequence of one window runs whole, on one engine.
+        before = [e["batches"] for e in copies(two_copies)]
+        short = result_of(two_copies.url, "embed", {"texts": [sequence[:90]], "pooling": "mean", **windowed})
+        assert short["plans"][0]["windows"] == [[0, 90]]
+        wait_until(lambda: sum(e["batches"] > b for e, b in zip(copies(two_copies), before)) == 1, timeout=10, what="one engine's step")
+        assert sorted(e["batches"] - b for e, b in zip(copies(two_copies), before))[0] == 0
     finally:
         alone.stop()
 

@@ -547,7 +547,7 @@ def test_track_files_join_stretches_that_run_on_across_writes(tmp_path: Path) ->
 
     files = TrackFiles(open_file, [("s", 500)], threshold=0.4)
     for a in range(0, 500, 37):
-        files.write("s", "f3", a, values[a : a + 37], peak=float(values.max()))
+        files.write("s", "f3", a, values[a : a + 37], fires=True)
     files.end_chrom("s", 500, {"f3": float(values.max())})
     written = files.close()
     assert sorted(f.name for f in written) == ["f3.bw", "features.bed"]

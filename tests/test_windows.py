@@ -252,6 +252,13 @@ def test_the_parts_of_a_plan_hold_its_runs_of_windows_and_put_together_are_the_w
         assert all(part["plans"] == whole["plans"] for part in parts)
         joined = msgspec.json.decode(work.join(typed, [msgspec.json.encode(part) for part in parts]))
         close(joined, whole, ("embeddings", "per_position", "pll"))
+    # Where a position's value is summed over windows two parts would hold, no part.
+    summed = {**params, "stitch": "mean", "part": [0, 2]}
+    if tool == "embed" and params["pooling"] != "per_token":
+        assert "sums" in result(server.url, tool, summed)
+    else:
+        refused = httpx.post(f"{server.url}/{tool}/run", json=summed, timeout=30)
+        assert refused.status_code == 422 and refused.json()["error"]["field"] == "part", refused.text
 
 
 def test_a_remote_executor_answers_the_same_windows(server, serve_any, esm_path: Path) -> None:

@@ -173,9 +173,10 @@ class Chunked:
     # A job that may not be cut over engines (one whose partial events name its inputs by index).
     whole: Callable[[Any], bool] | None = None
     # A job of one input, cut over engines by its window plan instead (gateway/tools/windows.py,
-    # the `part` param): `by_windows(params)`, whether it may be; `join(params, results)`, the
-    # whole's JSON result from its parts', in order.
-    by_windows: Callable[[Any], bool] | None = None
+    # the `part` param): `by_windows(params, context_length)`, the most parts it may be cut into
+    # (its plan's windows at most; below 2, not cut); `join(params, results)`, the whole's JSON
+    # result from its parts', in order.
+    by_windows: Callable[[Any, int | None], int] | None = None
     join: Callable[[Any, list[bytes]], bytes] | None = None
 
     def batch(self, model: Model) -> ChunkSteps:

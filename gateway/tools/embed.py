@@ -149,10 +149,11 @@ class EmbedResult(msgspec.Struct, omit_defaults=True):
     span: list[tuple[int, int]] | None = None
     """With part and pooling per_token: the positions [start, end) of the text that its embeddings, tokens
     and context hold, the part's."""
-    sums: list[list[Any]] | None = None
-    """With part and a pooled vector (embeddings left out): mean, each of the part's windows' sum of the
-    vectors of the positions it gives (the parts' sums, in order, summed over the text's length are the
-    mean); last, the text's last vector where the part holds it (else none)."""
+    sums: list[Any] | None = None
+    """With part and a pooled vector (embeddings left out), per text (one): mean, the sum of the vectors
+    of the positions the part's windows give, weighted as stitch says (the parts' sums added up over
+    the text's length are the mean); last, the text's last vector where the part holds it, else null.
+    Neither normalized nor rounded: that is done to the whole."""
 
 
 def _array(t: torch.Tensor, precision: int | None) -> np.ndarray:
@@ -281,14 +282,15 @@ def cost(model: Model, params: EmbedParams) -> Cost:
             picked = windows.part_windows(params.part, len(cut))
             passes += [cut[w][1] - cut[w][0] + framed.around for w in picked]
             planned += len(cut)
-            sums += len(picked)  # pooled: a vector a window until they are summed
+            # Pooled: a vector a window until they are summed (with last, the last window's alone).
+            sums += len(picked) if Pooling(params.pooling) is Pooling.MEAN else 1
             if params.part is not None and per_token:
                 start, end = windows.span(windows.shares(cut, sizes.stitch), picked, len(framed.own))
                 n_own.append(end - start)
             else:
                 n_own.append(len(framed.own))
         held = 2 if per_token else 1
-        vectors = sum(n_own) if per_token else sums if params.part is not None else len(n_own)
+        vectors = sum(n_own) if per_token else len(n_own)  # a part's pooled: its sum, or the last vector
         kept = sum(n_own) if per_token else sums
     n_states = _n_states(model)
     peak = chunk_peak(passes, EMBED_BATCH, EMBED_TOKENS, lambda rows, width: shape.pass_bytes(rows, width, states=n_states))
@@ -627,9 +629,9 @@ def _part_result(model: Model, params: EmbedParams, shared: list[_Shared]) -> Em
     (plan,), _ = _plans(model, params, context=False)
     layer = params.layer % _n_states(model)
     if not _per_token(Pooling(params.pooling)):
-        sums = [part.rows for part in shared if part.rows is not None]
-        dim = int(sums[0].shape[-1]) if sums else 0
-        return EmbedResult(dim=dim, layer=layer, pooling=params.pooling, plans=[plan], sums=[sums])
+        rows = [part.rows for part in shared if part.rows is not None]
+        total = np.sum(rows, axis=0) if rows else None
+        return EmbedResult(dim=int(total.shape[-1]) if total is not None else 0, layer=layer, pooling=params.pooling, plans=[plan], sums=[total])
     n = plan.windows[-1][1]
     start, end = windows.span(windows.shares(plan.windows, plan.stitch), windows.part_windows(params.part, len(plan.windows)), n)
     if shared:
@@ -660,7 +662,7 @@ class _Part(msgspec.Struct):
     tokens: list[list[msgspec.Raw]] | None = None
     context: list[list[msgspec.Raw]] | None = None
     span: list[tuple[int, int]] | None = None
-    sums: list[list[list[float]]] | None = None
+    sums: list[list[float] | None] | None = None
 
 
 def _joined(params: EmbedParams, results: list[bytes]) -> bytes:
@@ -675,7 +677,7 @@ def _joined(params: EmbedParams, results: list[bytes]) -> bytes:
     n = plan.windows[-1][1]
     dim = max(part.dim for part in parts)
     if not _per_token(Pooling(params.pooling)):
-        sums = [np.asarray(vector, dtype=np.float32) for part in parts for vector in (part.sums or [[]])[0]]
+        sums = [np.asarray(vector, dtype=np.float32) for part in parts for vector in (part.sums or [None])[:1] if vector is not None]
         if not sums:
             raise ValueError("no part holds the text's vectors")
         return to_json(EmbedResult(dim=dim, layer=first.layer, pooling=params.pooling, embeddings=[_pooled(params, sums, n)], plans=[first.plans[0]]))  # type: ignore[list-item]
@@ -684,7 +686,10 @@ def _joined(params: EmbedParams, results: list[bytes]) -> bytes:
         raise ValueError(f"the parts' positions {spans} do not cover the text's {n} one after another")
 
     def joined(field: str) -> list[list[msgspec.Raw]]:
-        return [[value for part in parts for value in (getattr(part, field) or [[]])[0]]]
+        values = [value for part in parts for value in (getattr(part, field) or [[]])[0]]
+        if len(values) != n:
+            raise ValueError(f"the parts hold {len(values)} of the text's {n} positions' {field}")
+        return [values]
 
     whole = EmbedResult(
         dim=dim, layer=first.layer, pooling=params.pooling, embeddings=joined("embeddings"), tokens=joined("tokens"),  # type: ignore[arg-type]
@@ -718,13 +723,16 @@ def _partial(model: Model, params: EmbedParams, item: Any, output: Any) -> Embed
     return EmbedPartial(item.item, output.start, output.end, _array(rows, params.precision), [texts[t] for t in output.ids])
 
 
-def _by_windows(params: EmbedParams) -> bool:
-    """Whether a one-text job may be cut over engines by its window plan (`part`): not one whose values
-    leave as files or partial events, nor one where a position's vector is summed over windows (`mean`
-    per token), which two parts would each hold a share of."""
-    if params.window is None or len(params.texts) != 1 or params.file is not None or params.partials:
-        return False
-    return not (_per_token(Pooling(params.pooling)) and params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN)
+def _by_windows(params: EmbedParams, context_length: int | None) -> int:
+    """The most parts a one-text job may be cut into over engines by its window plan (`part`): none
+    for one that is a part already, one whose values leave as files or partial events, or one where a
+    position's vector is summed over windows (`mean` per token), which two parts would each hold a
+    share of."""
+    if params.window is None or params.part is not None or len(params.texts) != 1 or params.file is not None or params.partials:
+        return 0
+    if _per_token(Pooling(params.pooling)) and params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN:
+        return 0
+    return windows.most_windows(params, params.texts[0], context_length)
 
 
 def _resumable(params: EmbedParams) -> bool:

@@ -20,13 +20,15 @@ written here, and tests/test_result_files.py opens every file with them.
 
 from __future__ import annotations
 
+import heapq
 import io
 import json
 import os
 import struct
+import tempfile
 import threading
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import numpy as np
@@ -175,8 +177,10 @@ class TrackFiles:
 
     `open_file` is the job's `Context.file`. A bigWig is written by its C library (pyBigWig), which
     opens a path: it is given the job's open file's own (`/proc/self/fd/N`), so a job that ends
-    meanwhile leaves nothing behind. A sequence's BED lines are held until it ends, to be sorted:
-    as many as its tracks' stretches above the threshold."""
+    meanwhile leaves nothing behind. A sequence's stretches above the threshold are kept on disk
+    until it ends, a file a track, each in order (`_Spill`): a BED line's score needs its track's
+    peak, known only then, and the tracks' lines are merged in order as they are written, so a
+    sequence of any length holds a line a track."""
 
     def __init__(self, open_file: Callable[[str], IO[bytes]], chroms: list[tuple[str, int]], threshold: float) -> None:
         self.open_file = open_file
@@ -185,17 +189,17 @@ class TrackFiles:
         self._bigwigs: dict[str, tuple[IO[bytes], Any]] = {}
         self._bed: IO[bytes] | None = None
         self._runs: dict[str, tuple[int, float]] = {}  # a track's stretch above the threshold not yet ended: start, most
-        self._intervals: list[tuple[int, int, str, int]] = []  # the sequence's: start, end, track, score
+        self._spills: dict[str, _Spill] = {}  # the sequence's stretches above the threshold, by track
 
-    def write(self, chrom: str, track: str, start: int, values: np.ndarray, peak: float | None = None) -> None:
-        """Positions `start`.. of `track` on `chrom`; with `peak` (the track's largest value on `chrom`,
-        the BED's score's 1000), its stretches above the threshold go to the BED too."""
+    def write(self, chrom: str, track: str, start: int, values: np.ndarray, fires: bool = False) -> None:
+        """Positions `start`.. of `track` on `chrom`; with `fires`, its stretches above the threshold go
+        to the BED too, scored once the chromosome ends (`end_chrom`: by then its peak is known)."""
         if not len(values):
             return
         bigwig = self._bigwig(track)
         bigwig.addEntries(chrom, start, values=np.ascontiguousarray(values, dtype=np.float64), span=1, step=1)
-        if peak is not None:
-            self._fires(track, start, values, peak)
+        if fires:
+            self._fires(track, start, values)
 
     def _bigwig(self, track: str) -> Any:
         if track not in self._bigwigs:
@@ -207,10 +211,13 @@ class TrackFiles:
             self._bigwigs[track] = (file, bigwig)
         return self._bigwigs[track][1]
 
-    def _fires(self, track: str, start: int, values: np.ndarray, peak: float) -> None:
+    def _fires(self, track: str, start: int, values: np.ndarray) -> None:
         above = np.concatenate(([False], values > self.threshold, [False]))
         edges = np.flatnonzero(above[1:] != above[:-1])  # where runs above it start and end, alternating
         going = self._runs.pop(track, None)  # a run the stretch before ended in
+        if going is not None and not (len(edges) and edges[0] == 0):  # it ended where this stretch begins
+            self._spill(track).add(going[0], start, going[1])  # first: a track's stretches go in order
+            going = None
         for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
             first, most = start + a, float(values[a:b].max())
             if a == 0 and going is not None:  # it goes on here
@@ -218,26 +225,33 @@ class TrackFiles:
             if b == len(values):
                 self._runs[track] = (first, most)  # and maybe into the next stretch
             else:
-                self._add_interval(first, start + b, track, most, peak)
-        if going is not None:  # it ended where this stretch begins
-            self._add_interval(going[0], start, track, going[1], peak)
+                self._spill(track).add(first, start + b, most)
 
-    def _add_interval(self, start: int, end: int, track: str, most: float, peak: float) -> None:
-        score = int(round(1000 * most / peak)) if peak > 0 else 0
-        self._intervals.append((start, end, track, max(0, min(1000, score))))
+    def _spill(self, track: str) -> _Spill:
+        if track not in self._spills:
+            self._spills[track] = _Spill()
+        return self._spills[track]
 
     def end_chrom(self, chrom: str, length: int, peaks: dict[str, float]) -> None:
-        """`chrom` is done: its stretches still above the threshold end at its end; its BED lines, sorted."""
+        """`chrom` is done: its stretches still above the threshold end at its end; its BED lines, sorted,
+        each scored 0-1000 by its largest value against its track's peak on `chrom` (`peaks`)."""
         for track, run in self._runs.items():
-            self._add_interval(run[0], length, track, run[1], peaks.get(track, 0.0))
+            self._spill(track).add(run[0], length, run[1])
         self._runs = {}
-        if not self._intervals:
+        spills, self._spills = self._spills, {}
+        if not spills:
             return
         if self._bed is None:
             self._bed = self.open_file("features.bed")
-        self._intervals.sort()
-        self._bed.write("".join(f"{chrom}\t{a}\t{b}\t{track}\t{score}\n" for a, b, track, score in self._intervals).encode())
-        self._intervals = []
+        lines: list[str] = []
+        for a, b, track, most in heapq.merge(*(spill.read(track) for track, spill in sorted(spills.items()))):
+            lines.append(f"{chrom}\t{a}\t{b}\t{track}\t{_score(most, peaks.get(track, 0.0))}\n")
+            if len(lines) >= _LINES:
+                self._bed.write("".join(lines).encode())
+                lines = []
+        self._bed.write("".join(lines).encode())
+        for spill in spills.values():
+            spill.close()
 
     def close(self) -> list[ResultFile]:
         files = []
@@ -250,6 +264,33 @@ class TrackFiles:
             files.append(ResultFile("features.bed", BED, os.fstat(self._bed.fileno()).st_size))
             self._bed.close()
         return files
+
+
+_INTERVAL = struct.Struct("<qqd")  # a stretch above the threshold on disk: start, end, its largest value
+_LINES = 4096  # BED lines written at once
+
+
+class _Spill:
+    """One track's stretches above the threshold on one sequence, in order, in an unnamed file."""
+
+    def __init__(self) -> None:
+        self.file = tempfile.TemporaryFile()
+
+    def add(self, start: int, end: int, most: float) -> None:
+        self.file.write(_INTERVAL.pack(start, end, most))
+
+    def read(self, track: str) -> Iterator[tuple[int, int, str, float]]:
+        self.file.seek(0)
+        while chunk := self.file.read(_INTERVAL.size * _LINES):
+            for start, end, most in _INTERVAL.iter_unpack(chunk):
+                yield start, end, track, most
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _score(most: float, peak: float) -> int:
+    return max(0, min(1000, int(round(1000 * most / peak)))) if peak > 0 else 0
 
 
 def _own_path(file: IO[bytes]) -> str:

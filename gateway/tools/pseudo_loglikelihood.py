@@ -244,10 +244,15 @@ def _joined(params: PseudoLoglikelihoodParams, results: list[bytes]) -> bytes:
     return msgspec.json.encode(whole)
 
 
-def _by_windows(params: PseudoLoglikelihoodParams) -> bool:
-    """Whether a one-sequence job may be cut over engines by its window plan (`part`): not with `mean`,
-    where a position's score is summed over windows two parts would each hold."""
-    return params.window is not None and len(params.sequences) == 1 and not (params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN)
+def _by_windows(params: PseudoLoglikelihoodParams, context_length: int | None) -> int:
+    """The most parts a one-sequence job may be cut into over engines by its window plan (`part`):
+    none for one that is a part already, or with `mean`, where a position's score is summed over
+    windows two parts would each hold."""
+    if params.window is None or params.part is not None or len(params.sequences) != 1:
+        return 0
+    if params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN:
+        return 0
+    return windows.most_windows(params, params.sequences[0], context_length)
 
 
 def _weight(sequence: str) -> float:

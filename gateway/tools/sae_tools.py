@@ -34,7 +34,7 @@ from gateway.models.sae import SAE
 from gateway.protocol import ResultFile
 from gateway.tools.base import Capability, Context, Model, Tool, right_padded, tool
 from gateway.tools.files import MAX_FILES, TrackFiles
-from gateway.tools.batching import one_pass, run_alone
+from gateway.tools.batching import one_pass, raise_if_all_cancelled, run_alone
 from gateway.tools import windows
 from gateway.tools.numbers import floats
 from gateway.tools.windows import Framed, Share, WindowParams, WindowPlan
@@ -410,7 +410,7 @@ def _annotate_into(
         part = sae.encode(x[a:b]).index_select(1, index).T.float().cpu().numpy()  # chosen × stretch
         for k, fid in enumerate(chosen):
             row = part[k]
-            files.write(name, f"f{fid}", a, row, peak=most[fid])
+            files.write(name, f"f{fid}", a, row, fires=True)
             top = int(row.argmax())
             if row[top] > best[k]:
                 best[k], at[k] = float(row[top]), a + top
@@ -425,15 +425,173 @@ def _annotate_into(
     return SequenceAnnotation(features=summary, name=name, length=n)
 
 
+class _Stream:
+    """A windowed sequence's annotation, built as its windows come, in plan order. A window's share of
+    the stitched residual stream is final once no later window holds its positions (at once with
+    center and left; with mean, up to the next window's start) and is encoded then, a stretch at a
+    time: the sequence holds one window's rows and its result, whatever its length. With mode top
+    the k features are known only once every position is encoded, so the windows run twice: first
+    for each feature's peak (and the error), then for the chosen features' tracks (`rounds`)."""
+
+    def __init__(
+        self, model: Model, sae: SAE, params: AnnotateParams, framed: Framed, plan: WindowPlan, shares: list[Share],
+        files: tuple[TrackFiles, str] | None,
+    ) -> None:
+        self.model, self.sae, self.params, self.files = model, sae, params, files
+        self.framed, self.plan, self.shares = framed, plan, shares
+        self.n = len(framed.own)
+        self.relative = np.empty(self.n, dtype=np.float32) if files is None else None
+        self.peaks: torch.Tensor | None = None
+        self.chosen: list[int] | None = None
+        self.rounds = 1 if params.mode == "pick" else 2
+        self.round = 0
+        if params.mode == "pick":
+            assert params.feature_ids is not None
+            self._choose(list(params.feature_ids))
+        self._again()
+
+    def _again(self) -> None:
+        self.next = 0  # the window expected next
+        self.pending: torch.Tensor | None = None  # (mean) positions from `lo` on, summed, not final yet
+        self.lo = 0
+
+    def _choose(self, chosen: list[int]) -> None:
+        self.chosen = chosen
+        self.tracks = np.empty((len(chosen), self.n), dtype=np.float32) if self.files is None else None
+        self.best = [float("-inf")] * len(chosen)
+        self.argmax = [0] * len(chosen)
+        self.sums = [0.0] * len(chosen)
+        self.above: list[list[int]] = [[] for _ in chosen]
+
+    def ids(self, w: int) -> list[int]:
+        start, end = self.plan.windows[w]
+        return self.framed.window(start, end)
+
+    @property
+    def wanted(self) -> bool:
+        """Whether its windows run (again)."""
+        return self.round < self.rounds
+
+    def add(self, w: int, x: torch.Tensor) -> None:
+        """Window `w`'s residual stream (its row of a pass): its share, final where no later window goes."""
+        assert w == self.next, f"window {w} came before window {self.next}"
+        self.next += 1
+        share = self.shares[w]
+        begin = len(self.framed.head) + share.offset
+        rows = x[begin : begin + share.end - share.start]
+        if share.weights is None:
+            self._encode(share.start, rows)
+        else:
+            rows = rows * torch.from_numpy(share.weights).to(rows.device)[:, None]
+            if self.pending is None:
+                self.pending, self.lo = rows, share.start
+            else:
+                have = self.lo + len(self.pending)
+                if share.end > have:
+                    self.pending = torch.cat([self.pending, rows.new_zeros((share.end - have, rows.shape[1]))])
+                self.pending[share.start - self.lo : share.end - self.lo] += rows
+            final = self.plan.windows[w + 1][0] if w + 1 < len(self.plan.windows) else self.n
+            if final > self.lo:
+                self._encode(self.lo, self.pending[: final - self.lo])
+                self.pending, self.lo = self.pending[final - self.lo :], final
+        if self.next == len(self.plan.windows):
+            self._ended()
+
+    def _encode(self, start: int, x: torch.Tensor) -> None:
+        step = max(1, ENCODE_FLOATS // self.sae.n_features)
+        for a in range(0, len(x), step):
+            xs = x[a : a + step]
+            f = self.sae.encode(xs)
+            if self.round == 0:
+                relative = ((xs - self.sae.decode(f)).norm(dim=-1) / xs.norm(dim=-1).clamp(min=1e-12)).float().cpu().numpy()
+                if self.files is not None:
+                    self.files[0].write(self.files[1], "relative_error", start + a, relative)
+                else:
+                    assert self.relative is not None
+                    self.relative[start + a : start + a + len(xs)] = relative
+                most = f.max(dim=0).values
+                self.peaks = most if self.peaks is None else torch.maximum(self.peaks, most)
+            if self.chosen is not None and self.chosen:
+                index = torch.tensor(self.chosen, dtype=torch.long, device=f.device)
+                self._tracks(start + a, f.index_select(1, index).T.float().cpu().numpy())
+
+    def _tracks(self, start: int, values: np.ndarray) -> None:
+        """The chosen features' values at positions `start`.. (chosen × positions): kept or written, summed up."""
+        assert self.chosen is not None
+        for k, fid in enumerate(self.chosen):
+            row = values[k]
+            top = int(row.argmax())
+            if row[top] > self.best[k]:  # the first position of the largest, as argmax gives it
+                self.best[k], self.argmax[k] = float(row[top]), start + top
+            self.sums[k] += float(row.astype(np.float64).sum())
+            if self.files is not None:
+                self.files[0].write(self.files[1], f"f{fid}", start, row, fires=True)
+            else:
+                self.above[k] += (np.flatnonzero(row > self.params.threshold) + start).tolist()
+        if self.tracks is not None:
+            self.tracks[:, start : start + values.shape[1]] = values
+
+    def _ended(self) -> None:
+        """A run of every window is done: with mode top, the first picks the features the second tracks."""
+        self.round += 1
+        if self.chosen is None:
+            assert self.peaks is not None
+            top = torch.topk(self.peaks, min(self.params.k, self.sae.n_features))
+            self._choose([i for i, v in zip(top.indices.tolist(), top.values.tolist()) if v > 0])
+            if not self.chosen:
+                self.rounds = self.round  # no feature is active anywhere: nothing to track
+        if self.files is not None and self.round == self.rounds:
+            # Its last run is done: its BED lines, before the next sequence's (the files are in order).
+            files, name = self.files
+            files.end_chrom(name, self.n, {f"f{fid}": self.best[k] for k, fid in enumerate(self.chosen)})
+        self._again()
+
+    def annotation(self) -> SequenceAnnotation:
+        assert self.chosen is not None
+        labels = self.sae.spec.labels
+        maxima, means = floats(torch.tensor([self.best, [total / self.n for total in self.sums]], dtype=torch.float64)) if self.chosen else ([], [])
+        features = [
+            FeatureTrack(fid, labels.get(fid), maxima[k], means[k], self.argmax[k], self.above[k] if self.files is None else None)
+            for k, fid in enumerate(self.chosen)
+        ]
+        if self.files is not None:
+            return SequenceAnnotation(features=features, name=self.files[1], length=self.n, plan=self.plan)
+        texts = self.model.token_texts(self.framed.own)
+        return SequenceAnnotation(
+            features=features,
+            tokens=[texts[i] for i in self.framed.own],
+            tracks=self.tracks,
+            relative_error=self.relative,
+            plan=self.plan,
+            context=windows.context(self.plan.windows, self.plan.stitch),
+        )
+
+
 # Tokens in one forward pass of `sae_annotate`: thousands of long sequences go through in passes of this size.
 PASS_TOKENS = 16384
+
+
+def _passes(rows: list[tuple[int, int, Any]]) -> Iterator[tuple[int, list[Any]]]:
+    """Rows (SAE layer, tokens, row) in passes of one layer of at most `PASS_TOKENS` padded tokens, in
+    their order (a row may pass it alone): each pass's layer and rows."""
+    batch: list[Any] = []
+    layer, width = -1, 0
+    for at, n, row in rows:
+        if batch and (at != layer or (len(batch) + 1) * max(width, n) > PASS_TOKENS):
+            yield layer, batch
+            batch, width = [], 0
+        batch.append(row)
+        layer, width = at, max(width, n)
+    if batch:
+        yield layer, batch
 
 
 def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
     """A pass's residuals at the SAE's layer encoded into every feature, then what is kept per token:
     a prompt's k features each, or each sequence's tracks (a float per chosen feature and position).
-    Windowed sequences' residual streams are held stitched until all are in, and with files every
-    sequence's is (they are written in order); the tracks are then the files' bytes on disk."""
+    A windowed sequence holds the rows of two windows at most as they are stitched (`_Stream`); with
+    files, a sequence within the context holds its residual stream until the job's are written, in
+    order. With files the tracks are the files' bytes on disk."""
     shape = Shape.of(model)
     sae = resolve_sae(model, params.sae)
     chosen = len(params.feature_ids) if params.mode == "pick" and params.feature_ids else min(params.k, sae.n_features)
@@ -442,12 +600,12 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
         lengths = [len(model.encode(t)) for t in ([params.prompt] if params.prompt is not None else params.sequences or [])]
         passes = lengths
         windows_count = 0
-    else:  # each window a pass's row; each sequence's residual stream stitched whole before it is encoded
+    else:  # each window a pass's row; its share of the residual stream encoded once final
         cut = [_windowed(model, params, i) for i in range(len(params.sequences or []))]
         lengths = [len(framed.own) for framed, _, _ in cut]
         passes = [end - start + framed.around for framed, plan, _ in cut for start, end in plan.windows]
         windows_count = len(passes)
-        stitched = sum(lengths) * shape.hidden * 4
+        stitched = 2 * max(passes) * shape.hidden * 4
     if params.prompt is not None:
         result = lengths[0] * (JSON_TOKEN + 16 + 2 * JSON_FLOAT + chosen * (JSON_ENTRY + 16))
     else:
@@ -459,7 +617,7 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
     encoded = min(rows * widest * sae.n_features, max(ENCODE_FLOATS, sae.n_features)) * 4 * 2
     working = shape.pass_bytes(rows, widest, states=1) + encoded
     inline = Cost(
-        memory=working + stitched + sum(lengths) * chosen * 4 + result,
+        memory=working + stitched + sum(lengths) * (chosen + 1) * 4 + result,
         result=result,
         memory_field="window" if params.window is not None else ("sequences" if params.sequences is not None else "prompt"),
         result_field="k" if params.mode == "top" else "feature_ids",
@@ -471,7 +629,7 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
     tracks = (chosen if params.mode == "pick" else chosen * len(lengths)) + 1  # files: one per feature, and the error's
     written = dataclasses.replace(
         inline,
-        memory=working + sum(lengths) * shape.hidden * 4 + summary,
+        memory=working + (stitched if params.window is not None else sum(lengths) * shape.hidden * 4) + summary,
         result=summary,
         result_field="sequences",
         files=sum(lengths) * (chosen + 1) * TRACK_BYTES + tracks * FILE_OVERHEAD,
@@ -493,77 +651,91 @@ def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]
     for params in jobs:
         _check_annotate(model, params)  # also when called directly, without the gateway's check
     saes = [resolve_sae(model, params.sae) for params in jobs]
-    # One entry per pass row: (job, its sequence, token ids, and for a window, (its share, where the
-    # sequence's own tokens begin in it)).
-    flat: list[tuple[int, int, list[int], tuple[Share, int] | None]] = []
-    stitched: dict[tuple[int, int], tuple[torch.Tensor, Framed, WindowPlan | None]] = {}
+    tracks = {j: _track_files(model, p, ctxs[j]) for j, p in enumerate(jobs) if p.file is not None}
+    # Rows of passes: a text within the context, (job, its index, token ids), longest first; or a
+    # window of a long sequence, ((job, sequence), window), in its plan's order.
+    texts: list[tuple[int, int, list[int]]] = []
+    streams: dict[tuple[int, int], _Stream] = {}
     for j, p in enumerate(jobs):
         if p.window is not None:
             for s in range(len(p.sequences or [])):
                 framed, plan, shares = _windowed(model, p, s)
-                stitched[j, s] = (torch.zeros((len(framed.own), saes[j].spec.d_model), device=model.device), framed, plan)
-                flat += [(j, s, framed.window(a, b), (share, len(framed.head))) for (a, b), share in zip(plan.windows, shares)]
+                files = (tracks[j], _names(p)[s]) if j in tracks else None
+                streams[j, s] = _Stream(model, saes[j], p, framed, plan, shares, files)
             continue
-        texts = [p.prompt] if p.prompt is not None else p.sequences or []
-        flat += [(j, s, model.encode(t), None) for s, t in enumerate(texts)]
-    totals = [sum(1 for entry in flat if entry[0] == j) for j in range(len(jobs))]
-    # Passes of rows of one SAE layer, longest first, each within PASS_TOKENS (one row may pass it alone).
-    order = sorted(range(len(flat)), key=lambda i: (saes[flat[i][0]].spec.layer, -len(flat[i][2])))
+        texts += [(j, s, model.encode(t)) for s, t in enumerate([p.prompt] if p.prompt is not None else p.sequences or [])]
+    texts.sort(key=lambda row: (saes[row[0]].spec.layer, -len(row[2])))
+    progress = _Progress(jobs, ctxs, texts, streams)
     outputs: dict[tuple[int, int], Any] = {}
-    finished = [0] * len(jobs)  # each job's rows done, for its progress
-    start = 0
-    while start < len(order):
-        layer = saes[flat[order[start]][0]].spec.layer
-        end = start + 1
-        while (
-            end < len(order)
-            and saes[flat[order[end]][0]].spec.layer == layer
-            and (end - start + 1) * len(flat[order[start]][2]) <= PASS_TOKENS
-        ):
-            end += 1
-        chunk = order[start:end]
-        for i, x in zip(chunk, _residuals(model, layer, [flat[i][2] for i in chunk])):
-            j, s, ids, window = flat[i]
-            finished[j] += 1
-            params, sae = jobs[j], saes[j]
-            if window is not None:  # the window's share, added into the sequence's stitched stream
-                share, head = window
-                rows = x[head + share.offset : head + share.offset + share.end - share.start]
-                if share.weights is not None:
-                    rows = rows * torch.from_numpy(share.weights).to(rows.device)[:, None]
-                stitched[j, s][0][share.start : share.end] += rows
-            elif params.prompt is not None:
-                outputs[j, s] = _annotate_prompt(model, sae, params, x, ids)
-            elif params.file is not None:  # written in the sequences' order, once all are computed
-                own = model.own(ids)
-                stitched[j, s] = (x[own], Framed([], [ids[i] for i in own], []), None)
-            else:
-                outputs[j, s] = _annotate_sequence(model, sae, params, x, ids)
-        for j in {flat[i][0] for i in chunk}:
-            ctxs[j].progress(finished[j], totals[j], "windows" if jobs[j].window is not None else "sequences")
-        start = end
-    tracks = {j: _track_files(model, p, ctxs[j]) for j, p in enumerate(jobs) if p.file is not None}
-    for j, s in sorted(stitched):
-        x, framed, plan = stitched.pop((j, s))
-        files = (tracks[j], _names(jobs[j])[s]) if j in tracks else None
-        annotation = _annotate_own(model, saes[j], jobs[j], x, framed.own, files)
-        del x
-        if plan is not None:
-            annotation.plan = plan
-            if files is None:
-                annotation.context = windows.context(plan.windows, plan.stitch)
-        outputs[j, s] = annotation
-    done: dict[int, list[Any]] = {j: [] for j in range(len(jobs))}
-    for j, params in enumerate(jobs):
-        done[j] = [outputs[j, s] for s in range(len([params.prompt] if params.prompt is not None else params.sequences or []))]
+    held: dict[tuple[int, int], tuple[torch.Tensor, list[int]]] = {}  # file jobs' texts, written in order at the end
+
+    def windows_left() -> list[tuple[int, int, Any]]:
+        """Each sequence's windows, in its plan's order, while it wants a run of them (mode top: twice)."""
+        return [
+            (saes[key[0]].spec.layer, len(stream.framed.window(*stream.plan.windows[w])), (key, w))
+            for key, stream in streams.items() if stream.wanted for w in range(len(stream.plan.windows))
+        ]
+
+    rows: list[tuple[int, int, Any]] = [(saes[row[0]].spec.layer, len(row[2]), row) for row in texts] + windows_left()
+    while rows:
+        for layer, batch in _passes(rows):
+            raise_if_all_cancelled(ctxs)
+            for row, x in zip(batch, _residuals(model, layer, [_ids(streams, row) for row in batch])):
+                if isinstance(row[0], tuple):  # a window
+                    streams[row[0]].add(row[1], x)
+                    progress.advance(row[0][0])
+                    continue
+                j, s, ids = row
+                params, sae = jobs[j], saes[j]
+                if params.prompt is not None:
+                    outputs[j, s] = _annotate_prompt(model, sae, params, x, ids)
+                elif params.file is not None:
+                    own = model.own(ids)
+                    held[j, s] = (x[own], [ids[i] for i in own])
+                else:
+                    outputs[j, s] = _annotate_sequence(model, sae, params, x, ids)
+                progress.advance(j)
+            progress.tell()
+        rows = windows_left()  # those that run again (mode top): their features are chosen now
+    for j, s in sorted(held):
+        x, own = held.pop((j, s))
+        outputs[j, s] = _annotate_own(model, saes[j], jobs[j], x, own, (tracks[j], _names(jobs[j])[s]))
+    for key in sorted(streams):
+        outputs[key] = streams.pop(key).annotation()
     results = []
     for j, (params, sae) in enumerate(zip(jobs, saes)):
         if params.prompt is not None:
-            results.append(AnnotateResult(sae=sae.name, layer=sae.spec.layer, tokens=done[j][0]))
-        else:
-            files = tracks[j].close() if j in tracks else None
-            results.append(AnnotateResult(sae=sae.name, layer=sae.spec.layer, sequences=done[j], files=files))
+            results.append(AnnotateResult(sae=sae.name, layer=sae.spec.layer, tokens=outputs[j, 0]))
+            continue
+        done = [outputs[j, s] for s in range(len(params.sequences or []))]
+        files = tracks[j].close() if j in tracks else None
+        results.append(AnnotateResult(sae=sae.name, layer=sae.spec.layer, sequences=done, files=files))
     return results
+
+
+def _ids(streams: dict[tuple[int, int], _Stream], row: Any) -> list[int]:
+    return streams[row[0]].ids(row[1]) if isinstance(row[0], tuple) else row[2]
+
+
+class _Progress:
+    """Each job's rows done of its total: its texts, or its windows times the runs of them (mode top: two,
+    unless the first finds no feature active)."""
+
+    def __init__(self, jobs: list[AnnotateParams], ctxs: list[Context], texts: list[Any], streams: dict[tuple[int, int], _Stream]) -> None:
+        self.jobs, self.ctxs, self.streams = jobs, ctxs, streams
+        self.done = [0] * len(jobs)
+        self.texts = [sum(1 for row in texts if row[0] == j) for j in range(len(jobs))]
+        self.touched: set[int] = set()
+
+    def advance(self, j: int) -> None:
+        self.done[j] += 1
+        self.touched.add(j)
+
+    def tell(self) -> None:
+        for j in sorted(self.touched):
+            total = self.texts[j] + sum(len(s.plan.windows) * s.rounds for (job, _), s in self.streams.items() if job == j)
+            self.ctxs[j].progress(self.done[j], total, "windows" if self.jobs[j].window is not None else "sequences")
+        self.touched.clear()
 
 
 def _names(params: AnnotateParams) -> list[str]:

@@ -75,6 +75,8 @@ class WindowParams(msgspec.Struct, kw_only=True):
     stitch: Annotated[Stitch, msgspec.Meta(description=STITCH_DOC)] | None = None
 
 
+MOST_PARTS = 1024  # parts a plan may be cut into
+
 PART_DOC = (
     "With window and one sequence: compute only a part of its plan, [index, count], the index-th (from 0) of count "
     "runs of consecutive windows, windows len*index//count up to len*(index+1)//count: a part of one job, as the "
@@ -83,8 +85,8 @@ PART_DOC = (
     "position's value would be summed over two parts."
 )
 
-# A part of a plan: [index, count].
-Part = tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=1, le=1024)]]
+# A part of a plan: [index, count] (a list, not a tuple: JSON Schema readers of params take `items` as one schema).
+Part = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MOST_PARTS)]], msgspec.Meta(min_length=2, max_length=2)]
 
 
 class WindowPlan(msgspec.Struct, omit_defaults=True):
@@ -212,6 +214,8 @@ def check_part(params: Any, items: list[Any], field: str, summed: bool) -> None:
     """Refuse a `part` param (the `part` field) that cannot be a part of one sequence's plan: `summed`,
     a position's value would be added up over windows of two parts."""
     index, count = params.part
+    if count < 1:
+        raise ParamError("part", "count must be at least 1")
     if params.window is None:
         raise ParamError("part", "a part of a window plan: only with window")
     if len(items) != 1:
@@ -222,7 +226,21 @@ def check_part(params: Any, items: list[Any], field: str, summed: bool) -> None:
         raise ParamError("part", "with stitch mean a position's value is summed over windows the parts share: use center or left")
 
 
-def part_windows(part: tuple[int, int] | None, count: int) -> range:
+def most_windows(params: Any, text: str, context_length: int | None, around: int = 2) -> int:
+    """At most how many windows a plan of `text` has, before it is tokenized (the gateway cuts a job
+    by its plan where only its engines can tokenize): every own token is at least a byte of it, and
+    `around` special tokens are taken from the context. Unknown, without a window or a context: 1."""
+    window = params.window or (context_length - around if context_length else 0)
+    if window <= 0:
+        return 1
+    overlap = params.overlap if params.overlap is not None else window // 4
+    n = len(text.encode())
+    if n <= window or overlap >= window:
+        return 1
+    return -(-(n - window) // (window - overlap)) + 1
+
+
+def part_windows(part: list[int] | tuple[int, int] | None, count: int) -> range:
     """The windows of a plan of `count` that `part` computes (all without one)."""
     if part is None:
         return range(count)

@@ -649,7 +649,7 @@ export interface EmbedParams {
    * With window, pooling per_token and stitch center or left: send each window's share of a text's per-token vectors as a partial event as soon as it is computed ({text, start, end, embeddings, tokens}: positions start..end-1 of the text's own tokens, final), in order within each text; the result still holds them all.
    */
   partials?: boolean
-  part?: [number, number] | null
+  part?: number[] | null
   model?: string | null
   tag?: string | null
   window?: number | null
@@ -670,7 +670,7 @@ export interface EmbedResult {
   context?: unknown[] | null
   files?: ResultFile[] | null
   span?: [number, number][] | null
-  sums?: unknown[][] | null
+  sums?: unknown[] | null
 }
 /**
  * With partials: one window's share of a text's per-token vectors, as soon as it is computed.
@@ -737,7 +737,7 @@ export interface PseudoLoglikelihoodParams {
    * Also return each own token's log-probability with it masked, and the tokens.
    */
   per_position?: boolean
-  part?: [number, number] | null
+  part?: number[] | null
   model?: string | null
   tag?: string | null
   window?: number | null
