@@ -28,6 +28,7 @@ are removed by the store's sweep (gateway/server/redis_store.py `_sweep`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import hashlib
 import os
@@ -54,6 +55,10 @@ class Checkpoint:
     def finished(self) -> dict[Hashable, Any]:
         """Each piece a run before this one finished, with its output (none if this run is the first)."""
         if not self.resumed:
+            # A run from the start: a journal already there is another run's (a part of a job cut again
+            # after its gateway stopped, maybe into other parts), whose pieces would be taken for this one's.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
             return {}
         try:
             with open(self.path, "rb") as file:

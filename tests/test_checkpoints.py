@@ -515,3 +515,15 @@ async def test_taking_a_job_over_and_leaving_it_give_the_same_answer_when_sent_t
     finally:
         await store.stop()
         client.delete(job, f"{prefix}resumable")
+
+
+def test_a_run_from_the_start_never_takes_another_runs_journal_for_its_own(tmp_path: Path) -> None:
+    """A part of a job cut again (its gateway stopped) may reuse an old part's folder: a run that does
+    not go on from it drops what is there, so that a later run that does finds only its own pieces."""
+    folder = tmp_path / "job.0"
+    folder.mkdir()
+    Checkpoint(str(folder)).record([((0, 3), "an old part's third text")])
+    fresh = Checkpoint(str(folder))
+    assert fresh.finished() == {}
+    fresh.record([((0, 1), "this run's")])
+    assert Checkpoint(str(folder), resumed=True).finished() == {(0, 1): "this run's"}
