@@ -36,7 +36,7 @@ from gateway.tools.sae_tools import (
     sae_features,
     sae_steer,
 )
-from tests.conftest import floats_not_float32_shortest, run_stream
+from tests.conftest import floats_not_float32_shortest, run_stream, wait_until
 from tests.test_batching import Recorder
 
 D, N, LAYER, DEAD = 32, 16, 0, 15
@@ -576,3 +576,34 @@ def test_tracks_over_the_result_bound_are_written_as_files_not_refused(serve: An
     assert "tracks" not in result["sequences"][0]
     refused = httpx.post(server.url + "/sae_annotate/run", json={"prompt": "ab", "file": "bigwig"})
     assert refused.status_code == 422 and refused.json()["error"]["field"] == "file"
+
+
+def test_a_long_annotation_lets_a_waiting_job_run_between_its_passes(serve: Any, sae_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sequence's windows are many passes, a step each: a `predict` that queues while they run waits
+    for the pass under way, not for the whole annotation."""
+    from gateway.tools import sae_tools
+    from tests.test_fairness import Follower, Turnstile
+
+    monkeypatch.setattr(sae_tools, "PASS_TOKENS", 256)  # two windows of 100 a pass: 10 passes
+    server = serve(sae=[str(sae_path)])
+    turnstile = Turnstile()
+    handle = server.backend.model.module.register_forward_pre_hook(turnstile)
+    ended: list[str] = []
+    try:
+        sequence = "".join("ACGT"[(i * 7 + i // 3) % 4] for i in range(2000))
+        params = {"sequences": [sequence], "window": 100, "overlap": 0, "mode": "pick", "feature_ids": [0, 1]}
+        annotation = Follower(server.url, "sae_annotate", params, on_terminal=ended.append)
+        turnstile.let(2)
+        wait_until(lambda: turnstile.passed == 2, 20, "the annotation to be under way")
+        predict = Follower(server.url, "predict", {"prompt": "hello", "top_k": 2}, on_terminal=ended.append)
+        wait_until(lambda: len(server.backend.queue) == 1, 20, "the predict to queue")
+        turnstile.let(2)  # the pass under way when it queued, then the predict's
+        assert predict.done(timeout=20)[-1]["event"] == "data"
+        assert ended == ["predict"] and turnstile.passed == 4
+        turnstile.let(1000)
+        events = annotation.done()
+    finally:
+        handle.remove()
+        turnstile.let(1000)
+    assert events[-1]["event"] == "data" and ended == ["predict", "sae_annotate"]
+    assert events[-1]["data"]["sequences"][0]["plan"]["windows"][-1] == [1900, 2000]

@@ -16,18 +16,17 @@ A one-pass tool whose work falls into independent chunks (`embed`'s texts,
 `pseudo_loglikelihood`'s masked copies) describes it as `Chunked`: a plan of
 chunks, sorted by length so that padding is small, the work of one chunk, and
 the assembly of the results in the caller's order. On one device the chunks
-run in turn, one a step (`ChunkSteps`: another tool's job may run between two); with several (`--devices`), the worker spreads one job's chunks
+run in turn, one a step (`InSteps`: another tool's job may run between two); with several (`--devices`), the worker spreads one job's chunks
 over every device at once (`Tool.spread`, backends/workers.py). Either way
 each chunk is the same padded pass, so the results are the same.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -179,17 +178,13 @@ class Chunked:
     by_windows: Callable[[Any, int | None], int] | None = None
     join: Callable[[Any, list[bytes]], bytes] | None = None
 
-    def batch(self, model: Model) -> ChunkSteps:
-        """The tool's `batch`: its jobs' chunks, one a step (`ChunkSteps`)."""
-        return ChunkSteps(model, self)
+    def batch(self, model: Model) -> InSteps:
+        """The tool's `batch`: its jobs' chunks, one a step (`InSteps`)."""
+        return InSteps(model, functools.partial(chunk_steps, self))
 
     def many(self, model: Model, jobs: list[Any], ctxs: list[Context]) -> list[Any]:
         """Every chunk in turn on this device, in one call (a job run alone, or again after a failure)."""
-        run = ChunkRun(self, model, jobs, ctxs)
-        for chunk in run.chunks:
-            raise_if_all_cancelled(ctxs)
-            run.done(chunk, self.run(model, jobs, chunk))
-        return self.assemble(model, jobs, run.outputs)
+        return run_through(chunk_steps(self, model, jobs, ctxs))
 
 
 _NOT_THERE = object()
@@ -284,30 +279,33 @@ class ChunkRun:
         self._partials(chunk.items)
 
 
-class ChunkSteps:
-    """A `Chunked` tool's jobs run one chunk a step (the batch of a `Chunked` tool: `Chunked.batch`).
+StepsFn = Callable[["Model", list[Any], list[Context]], Generator[None, None, list[Any]]]
 
-    Run as one step, a big job's chunks would keep the worker for all of them;
-    a chunk a step lets the worker run a waiting job of another tool (another
-    owner's `predict`) between two chunks, and stop the work at the next one
+
+class InSteps:
+    """A batch whose work is a generator, `steps(model, params_list, ctxs)`, that yields between its
+    pieces (a pass, a chunk) and returns every member's result: a piece a step.
+
+    Run as one step, a big job's pieces would keep the worker for all of them; a
+    piece a step lets the worker run a waiting job of another tool (another
+    owner's `predict`) between two pieces, and stop the work at the next one
     when every member is cancelled. The batch takes no member once started.
-    As with `OnePass`, if a chunk fails, each member runs again alone, so that
+    As with `OnePass`, if a piece fails, each member runs again alone, so that
     an error reaches only the job at fault.
     """
 
     continuous = False
 
-    def __init__(self, model: Model, work: Chunked) -> None:
-        self.model, self.work = model, work
+    def __init__(self, model: Model, steps: StepsFn) -> None:
+        self.model, self.steps = model, steps
         self.members: list[tuple[Any, Context]] = []
-        self._run: ChunkRun | None = None
-        self._chunks: collections.deque[Chunk] | None = None
+        self._running: Generator[None, None, list[Any]] | None = None
 
     def __len__(self) -> int:
         return len(self.members)
 
     def add(self, params: Any, ctx: Context) -> None:
-        assert self._chunks is None, "a chunked batch takes no member once started"
+        assert self._running is None, "a batch in steps takes no member once started"
         self.members.append((params, ctx))
 
     def step(self) -> list[tuple[Context, Any]]:
@@ -315,16 +313,12 @@ class ChunkSteps:
         if all(ctx.cancelled for ctx in ctxs):
             return self._end([Cancelled()] * len(ctxs))
         try:
-            if self._run is None:
-                self._run = ChunkRun(self.work, self.model, jobs, ctxs)
-                self._chunks = collections.deque(self._run.chunks)
-            assert self._chunks is not None
-            if self._chunks:
-                chunk = self._chunks.popleft()
-                self._run.done(chunk, self.work.run(self.model, jobs, chunk))
-            if self._chunks:
-                return []
-            results: list[Any] = self.work.assemble(self.model, jobs, self._run.outputs)
+            if self._running is None:
+                self._running = self.steps(self.model, jobs, ctxs)
+            next(self._running)
+            return []
+        except StopIteration as finished:
+            results: list[Any] = finished.value
         except Exception as exc:
             if len(jobs) == 1 or isinstance(exc, Cancelled):
                 return self._end([exc] * len(jobs))
@@ -333,14 +327,39 @@ class ChunkSteps:
 
     def _end(self, outcomes: list[Any]) -> list[tuple[Context, Any]]:
         ended = [(ctx, outcome) for (_, ctx), outcome in zip(self.members, outcomes)]
-        self.members, self._run, self._chunks = [], None, None
+        self.members, self._running = [], None
         return ended
 
     def _alone(self, params: Any, ctx: Context) -> Any:
         try:
-            return self.work.many(self.model, [params], [ctx])[0]
+            return run_through(self.steps(self.model, [params], [ctx]))[0]
         except Exception as exc:
             return exc
+
+
+def run_through(steps: Generator[None, None, list[Any]]) -> list[Any]:
+    """Every piece of `steps` in one call: their results."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as finished:
+            return finished.value
+
+
+def in_steps(steps: StepsFn) -> BatchFactory:
+    """The batch factory for a tool whose jobs run together a piece a step (`InSteps`)."""
+    return functools.partial(InSteps, steps=steps)
+
+
+def chunk_steps(work: Chunked, model: Model, jobs: list[Any], ctxs: Sequence[Context]) -> Generator[None, None, list[Any]]:
+    """A `Chunked` tool's jobs, a chunk a piece: its last chunk and the assembly in one."""
+    run = ChunkRun(work, model, jobs, ctxs)
+    for i, chunk in enumerate(run.chunks):
+        raise_if_all_cancelled(ctxs)
+        run.done(chunk, work.run(model, jobs, chunk))
+        if i < len(run.chunks) - 1:
+            yield
+    return work.assemble(model, jobs, run.outputs)
 
 
 class WindowItem(NamedTuple):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -34,7 +34,7 @@ from gateway.models.sae import SAE
 from gateway.protocol import ResultFile
 from gateway.tools.base import Capability, Context, Model, Tool, right_padded, tool
 from gateway.tools.files import MAX_FILES, TrackFiles
-from gateway.tools.batching import one_pass, raise_if_all_cancelled, run_alone
+from gateway.tools.batching import in_steps, raise_if_all_cancelled, run_alone, run_through
 from gateway.tools import windows
 from gateway.tools.numbers import floats
 from gateway.tools.windows import Framed, Share, WindowParams, WindowPlan
@@ -647,7 +647,9 @@ TRACK_BYTES = 40
 FILE_OVERHEAD = 64 * 1024  # a bigWig's header, index and zoom headers
 
 
-def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]) -> list[AnnotateResult]:
+def _annotate_steps(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]) -> Generator[None, None, list[AnnotateResult]]:
+    """The jobs' passes, a step each (another tool's job may run between two: a long sequence's windows
+    are thousands of passes); their results at the end."""
     for params in jobs:
         _check_annotate(model, params)  # also when called directly, without the gateway's check
     saes = [resolve_sae(model, params.sae) for params in jobs]
@@ -696,6 +698,7 @@ def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]
                     outputs[j, s] = _annotate_sequence(model, sae, params, x, ids)
                 progress.advance(j)
             progress.tell()
+            yield
         rows = windows_left()  # those that run again (mode top): their features are chosen now
     for j, s in sorted(held):
         x, own = held.pop((j, s))
@@ -711,6 +714,10 @@ def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]
         files = tracks[j].close() if j in tracks else None
         results.append(AnnotateResult(sae=sae.name, layer=sae.spec.layer, sequences=done, files=files))
     return results
+
+
+def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]) -> list[AnnotateResult]:
+    return run_through(_annotate_steps(model, jobs, ctxs))
 
 
 def _ids(streams: dict[tuple[int, int], _Stream], row: Any) -> list[int]:
@@ -753,7 +760,7 @@ def _track_files(model: Model, params: AnnotateParams, ctx: Context) -> TrackFil
     cost=_cost_annotate,
     caps={"sequences": "max_sequences"},
     sequences=("prompt", "sequences"),
-    batch=one_pass(_annotate_many),
+    batch=in_steps(_annotate_steps),
     needs={Capability.LAYERS, Capability.SAE},
 )
 def sae_annotate(model: Model, params: AnnotateParams, ctx: Context) -> AnnotateResult:
