@@ -127,6 +127,11 @@ class EngineLink(Link):
         folder = os.path.join(self.checkpoints, job.id)
         if job.checkpoint is None:
             job.checkpoint = checkpoints.Checkpoint(folder, resumed=job.resumes > 0)
+            if job.resumes == 0:
+                # A journal there is another run's (a part of a job cut again after a takeover): gone before
+                # this run starts, so that its engine dying early never makes it look resumable.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(job.checkpoint.path)
             checkpoints.removed_with(job, folder)
         return folder
 

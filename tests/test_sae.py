@@ -607,3 +607,31 @@ def test_a_long_annotation_lets_a_waiting_job_run_between_its_passes(serve: Any,
         turnstile.let(1000)
     assert events[-1]["event"] == "data" and ended == ["predict", "sae_annotate"]
     assert events[-1]["data"]["sequences"][0]["plan"]["windows"][-1] == [1900, 2000]
+
+
+def test_a_job_cancelled_in_a_shared_batch_has_no_rows_in_the_next_passes(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two jobs' windows in one batch, two windows a pass: once one job is cancelled, the passes after
+    carry only the other's windows, and the other's answer is what it is alone."""
+    from gateway.tools import sae_tools
+
+    monkeypatch.setattr(sae_tools, "PASS_TOKENS", 256)
+    sequence = "".join("ACGT"[(i * 7 + i // 3) % 4] for i in range(1000))
+    params = AnnotateParams(sequences=[sequence], window=100, overlap=0, mode="pick", feature_ids=[0, 1])
+    rows: list[int] = []
+    handle = model.module.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append((args[0] if args else kwargs["input_ids"]).shape[0]), with_kwargs=True
+    )
+    try:
+        with torch.inference_mode():
+            alone = sae_tools._annotate_many(model, [params], [Recorder()])[0]
+            rows.clear()
+            mine, theirs = Recorder("mine"), Recorder("theirs")
+            steps = sae_tools._annotate_steps(model, [params, params], [mine, theirs])
+            next(steps)  # the first pass: two windows, both the first job's
+            theirs.cancel_now = True
+            results = sae_tools.run_through(steps)
+    finally:
+        handle.remove()
+    assert results[1] is None and sum(rows) == 10  # the first job's ten windows; none of the second's
+    got, want = results[0].sequences[0], alone.sequences[0]
+    assert np.array_equal(got.tracks, want.tracks) and got.features == want.features

@@ -327,6 +327,8 @@ class InSteps:
 
     def _end(self, outcomes: list[Any]) -> list[tuple[Context, Any]]:
         ended = [(ctx, outcome) for (_, ctx), outcome in zip(self.members, outcomes)]
+        if self._running is not None:
+            self._running.close()  # unfinished (every member cancelled): what it holds open is closed now
         self.members, self._running = [], None
         return ended
 

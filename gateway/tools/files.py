@@ -190,6 +190,7 @@ class TrackFiles:
         self._bed: IO[bytes] | None = None
         self._runs: dict[str, tuple[int, float]] = {}  # a track's stretch above the threshold not yet ended: start, most
         self._spills: dict[str, _Spill] = {}  # the sequence's stretches above the threshold, by track
+        self._folder: str | None = None  # where the job's files are: the spills go there too
 
     def write(self, chrom: str, track: str, start: int, values: np.ndarray, fires: bool = False) -> None:
         """Positions `start`.. of `track` on `chrom`; with `fires`, its stretches above the threshold go
@@ -206,6 +207,8 @@ class TrackFiles:
             import pyBigWig
 
             file = self.open_file(f"{track}.bw")
+            if self._folder is None and isinstance(file.name, str):
+                self._folder = os.path.dirname(file.name)
             bigwig = pyBigWig.open(_own_path(file), "w")
             bigwig.addHeader(self.chroms, maxZooms=10)
             self._bigwigs[track] = (file, bigwig)
@@ -229,7 +232,7 @@ class TrackFiles:
 
     def _spill(self, track: str) -> _Spill:
         if track not in self._spills:
-            self._spills[track] = _Spill()
+            self._spills[track] = _Spill(self._folder)
         return self._spills[track]
 
     def end_chrom(self, chrom: str, length: int, peaks: dict[str, float]) -> None:
@@ -253,6 +256,16 @@ class TrackFiles:
         for spill in spills.values():
             spill.close()
 
+    def abandon(self) -> None:
+        """The job stopped unfinished: every file closed, none named."""
+        for file, bigwig in self._bigwigs.values():
+            bigwig.close()
+            file.close()
+        for closing in (self._bed, *self._spills.values()):
+            if closing is not None:
+                closing.close()
+        self._bigwigs, self._bed, self._spills = {}, None, {}
+
     def close(self) -> list[ResultFile]:
         files = []
         for track, (file, bigwig) in self._bigwigs.items():
@@ -273,8 +286,8 @@ _LINES = 4096  # BED lines written at once
 class _Spill:
     """One track's stretches above the threshold on one sequence, in order, in an unnamed file."""
 
-    def __init__(self) -> None:
-        self.file = tempfile.TemporaryFile()
+    def __init__(self, folder: str | None) -> None:
+        self.file = tempfile.TemporaryFile(dir=folder if folder and os.path.isdir(folder) else None)
 
     def add(self, start: int, end: int, most: float) -> None:
         self.file.write(_INTERVAL.pack(start, end, most))

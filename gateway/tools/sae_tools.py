@@ -632,7 +632,7 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
         memory=working + (stitched if params.window is not None else sum(lengths) * shape.hidden * 4) + summary,
         result=summary,
         result_field="sequences",
-        files=sum(lengths) * (chosen + 1) * TRACK_BYTES + tracks * FILE_OVERHEAD,
+        files=sum(lengths) * (chosen + 1) * TRACK_BYTES + tracks * FILE_OVERHEAD + max(lengths) * chosen * SPILL_BYTES,
     )
     if params.file is not None:
         return written
@@ -645,15 +645,30 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
 # (uncompressed, as the bound), and its share of a BED line where a feature fires in every other.
 TRACK_BYTES = 40
 FILE_OVERHEAD = 64 * 1024  # a bigWig's header, index and zoom headers
+# A position of a feature's track, at most, in the stretches above the threshold kept on disk until
+# its sequence ends (gateway/tools/files.py `_Spill`): 24 bytes a stretch, one every other position.
+SPILL_BYTES = 12
 
 
 def _annotate_steps(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]) -> Generator[None, None, list[AnnotateResult]]:
     """The jobs' passes, a step each (another tool's job may run between two: a long sequence's windows
-    are thousands of passes); their results at the end."""
+    are thousands of passes; a job cancelled meanwhile has no rows in the next); their results at the
+    end (None for a job cancelled). Files of a run that stops unfinished are closed."""
     for params in jobs:
         _check_annotate(model, params)  # also when called directly, without the gateway's check
     saes = [resolve_sae(model, params.sae) for params in jobs]
     tracks = {j: _track_files(model, p, ctxs[j]) for j, p in enumerate(jobs) if p.file is not None}
+    try:
+        return (yield from _annotate_passes(model, jobs, ctxs, saes, tracks))
+    except BaseException:  # failed, or dropped unfinished (its batch ended): nothing writes them any more
+        for files in tracks.values():
+            files.abandon()
+        raise
+
+
+def _annotate_passes(
+    model: Model, jobs: list[AnnotateParams], ctxs: list[Context], saes: list[SAE], tracks: dict[int, TrackFiles]
+) -> Generator[None, None, list[AnnotateResult]]:
     # Rows of passes: a text within the context, (job, its index, token ids), longest first; or a
     # window of a long sequence, ((job, sequence), window), in its plan's order.
     texts: list[tuple[int, int, list[int]]] = []
@@ -675,14 +690,16 @@ def _annotate_steps(model: Model, jobs: list[AnnotateParams], ctxs: list[Context
         """Each sequence's windows, in its plan's order, while it wants a run of them (mode top: twice)."""
         return [
             (saes[key[0]].spec.layer, len(stream.framed.window(*stream.plan.windows[w])), (key, w))
-            for key, stream in streams.items() if stream.wanted for w in range(len(stream.plan.windows))
+            for key, stream in streams.items() if stream.wanted and not ctxs[key[0]].cancelled
+            for w in range(len(stream.plan.windows))
         ]
 
     rows: list[tuple[int, int, Any]] = [(saes[row[0]].spec.layer, len(row[2]), row) for row in texts] + windows_left()
     while rows:
         for layer, batch in _passes(rows):
             raise_if_all_cancelled(ctxs)
-            for row, x in zip(batch, _residuals(model, layer, [_ids(streams, row) for row in batch])):
+            batch = [row for row in batch if not ctxs[row[0][0] if isinstance(row[0], tuple) else row[0]].cancelled]
+            for row, x in zip(batch, _residuals(model, layer, [_ids(streams, row) for row in batch]) if batch else ()):
                 if isinstance(row[0], tuple):  # a window
                     streams[row[0]].add(row[1], x)
                     progress.advance(row[0][0])
@@ -693,7 +710,7 @@ def _annotate_steps(model: Model, jobs: list[AnnotateParams], ctxs: list[Context
                     outputs[j, s] = _annotate_prompt(model, sae, params, x, ids)
                 elif params.file is not None:
                     own = model.own(ids)
-                    held[j, s] = (x[own], [ids[i] for i in own])
+                    held[j, s] = (x[own].cpu(), [ids[i] for i in own])  # off the device while other jobs run between passes
                 else:
                     outputs[j, s] = _annotate_sequence(model, sae, params, x, ids)
                 progress.advance(j)
@@ -702,17 +719,24 @@ def _annotate_steps(model: Model, jobs: list[AnnotateParams], ctxs: list[Context
         rows = windows_left()  # those that run again (mode top): their features are chosen now
     for j, s in sorted(held):
         x, own = held.pop((j, s))
-        outputs[j, s] = _annotate_own(model, saes[j], jobs[j], x, own, (tracks[j], _names(jobs[j])[s]))
+        if not ctxs[j].cancelled:
+            outputs[j, s] = _annotate_own(model, saes[j], jobs[j], x.to(model.device), own, (tracks[j], _names(jobs[j])[s]))
     for key in sorted(streams):
-        outputs[key] = streams.pop(key).annotation()
-    results = []
+        stream = streams.pop(key)
+        if not ctxs[key[0]].cancelled:
+            outputs[key] = stream.annotation()
+    results: list[Any] = []
     for j, (params, sae) in enumerate(zip(jobs, saes)):
-        if params.prompt is not None:
+        if ctxs[j].cancelled:
+            if j in tracks:
+                tracks.pop(j).abandon()
+            results.append(None)
+        elif params.prompt is not None:
             results.append(AnnotateResult(sae=sae.name, layer=sae.spec.layer, tokens=outputs[j, 0]))
-            continue
-        done = [outputs[j, s] for s in range(len(params.sequences or []))]
-        files = tracks[j].close() if j in tracks else None
-        results.append(AnnotateResult(sae=sae.name, layer=sae.spec.layer, sequences=done, files=files))
+        else:
+            done = [outputs[j, s] for s in range(len(params.sequences or []))]
+            files = tracks.pop(j).close() if j in tracks else None
+            results.append(AnnotateResult(sae=sae.name, layer=sae.spec.layer, sequences=done, files=files))
     return results
 
 
