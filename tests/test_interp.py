@@ -814,8 +814,8 @@ def test_get_tools_lists_every_new_tool_with_its_schemas(server: Any) -> None:
             {"layers", "positions", "src_positions", "labels", "target_tokens", "clean_prob", "source_prob", "prob_diff", "rank"},
         ),
         "embed": (
-            {"texts", "layer", "pooling", "normalize", "precision", "window", "overlap", "stitch", "file", "partials"},
-            {"dim", "layer", "pooling", "embeddings", "tokens", "plans", "context", "files"},
+            {"texts", "layer", "pooling", "normalize", "precision", "window", "overlap", "stitch", "file", "partials", "part"},
+            {"dim", "layer", "pooling", "embeddings", "tokens", "plans", "context", "files", "span", "sums"},
         ),
     }
     for name, (params, results) in expected.items():
