@@ -395,6 +395,24 @@ def _annotate_own(
     )
 
 
+class _Summed:
+    """The chosen features' summaries, gathered a stretch of positions at a time: each one's largest
+    value and its first position (as argmax gives it), and the sum of its values."""
+
+    def __init__(self, count: int) -> None:
+        self.best = [float("-inf")] * count
+        self.argmax = [0] * count
+        self.sums = [0.0] * count
+
+    def add(self, start: int, values: np.ndarray) -> None:
+        """The values at positions `start`.. (chosen × positions)."""
+        for k, row in enumerate(values):
+            top = int(row.argmax())
+            if row[top] > self.best[k]:
+                self.best[k], self.argmax[k] = float(row[top]), start + top
+            self.sums[k] += float(row.astype(np.float64).sum())
+
+
 def _annotate_into(
     sae: SAE, x: torch.Tensor, stretches: list[tuple[int, int]], chosen: list[int], peaks: torch.Tensor,
     relative: torch.Tensor, files: TrackFiles, name: str,
@@ -404,23 +422,19 @@ def _annotate_into(
     n = x.shape[0]
     index = torch.tensor(chosen, dtype=torch.long, device=x.device)
     most = {fid: float(v) for fid, v in zip(chosen, peaks[index].tolist())} if chosen else {}
-    best = [float("-inf")] * len(chosen)
-    at, sums = [0] * len(chosen), [0.0] * len(chosen)
+    summed = _Summed(len(chosen))
     for a, b in stretches if chosen else ():
         part = sae.encode(x[a:b]).index_select(1, index).T.float().cpu().numpy()  # chosen × stretch
         for k, fid in enumerate(chosen):
-            row = part[k]
-            files.write(name, f"f{fid}", a, row, fires=True)
-            top = int(row.argmax())
-            if row[top] > best[k]:
-                best[k], at[k] = float(row[top]), a + top
-            sums[k] += float(row.astype(np.float64).sum())
+            files.write(name, f"f{fid}", a, part[k], fires=True)
+        summed.add(a, part)
     for a, b in stretches:
         files.write(name, "relative_error", a, relative[a:b].cpu().numpy())
     files.end_chrom(name, n, {f"f{fid}": most[fid] for fid in chosen})
     labels = sae.spec.labels
     summary = [
-        FeatureTrack(fid, labels.get(fid), best[k] if n else 0.0, sums[k] / n if n else 0.0, at[k]) for k, fid in enumerate(chosen)
+        FeatureTrack(fid, labels.get(fid), summed.best[k] if n else 0.0, summed.sums[k] / n if n else 0.0, summed.argmax[k])
+        for k, fid in enumerate(chosen)
     ]
     return SequenceAnnotation(features=summary, name=name, length=n)
 
@@ -458,9 +472,7 @@ class _Stream:
     def _choose(self, chosen: list[int]) -> None:
         self.chosen = chosen
         self.tracks = np.empty((len(chosen), self.n), dtype=np.float32) if self.files is None else None
-        self.best = [float("-inf")] * len(chosen)
-        self.argmax = [0] * len(chosen)
-        self.sums = [0.0] * len(chosen)
+        self.summed = _Summed(len(chosen))
         self.above: list[list[int]] = [[] for _ in chosen]
 
     def ids(self, w: int) -> list[int]:
@@ -518,12 +530,9 @@ class _Stream:
     def _tracks(self, start: int, values: np.ndarray) -> None:
         """The chosen features' values at positions `start`.. (chosen × positions): kept or written, summed up."""
         assert self.chosen is not None
+        self.summed.add(start, values)
         for k, fid in enumerate(self.chosen):
             row = values[k]
-            top = int(row.argmax())
-            if row[top] > self.best[k]:  # the first position of the largest, as argmax gives it
-                self.best[k], self.argmax[k] = float(row[top]), start + top
-            self.sums[k] += float(row.astype(np.float64).sum())
             if self.files is not None:
                 self.files[0].write(self.files[1], f"f{fid}", start, row, fires=True)
             else:
@@ -543,15 +552,16 @@ class _Stream:
         if self.files is not None and self.round == self.rounds:
             # Its last run is done: its BED lines, before the next sequence's (the files are in order).
             files, name = self.files
-            files.end_chrom(name, self.n, {f"f{fid}": self.best[k] for k, fid in enumerate(self.chosen)})
+            files.end_chrom(name, self.n, {f"f{fid}": self.summed.best[k] for k, fid in enumerate(self.chosen)})
         self._again()
 
     def annotation(self) -> SequenceAnnotation:
         assert self.chosen is not None
         labels = self.sae.spec.labels
-        maxima, means = floats(torch.tensor([self.best, [total / self.n for total in self.sums]], dtype=torch.float64)) if self.chosen else ([], [])
+        summed = self.summed
+        maxima, means = floats(torch.tensor([summed.best, [total / self.n for total in summed.sums]], dtype=torch.float64)) if self.chosen else ([], [])
         features = [
-            FeatureTrack(fid, labels.get(fid), maxima[k], means[k], self.argmax[k], self.above[k] if self.files is None else None)
+            FeatureTrack(fid, labels.get(fid), maxima[k], means[k], summed.argmax[k], self.above[k] if self.files is None else None)
             for k, fid in enumerate(self.chosen)
         ]
         if self.files is not None:
