@@ -14,6 +14,8 @@ VENV ?= .venv
 BIN = $(VENV)/bin
 NPM ?= npm
 ARGS ?=
+# pytest's processes (pytest-xdist): the suite waits on servers and subprocesses more than it computes.
+TEST_WORKERS ?= 2
 
 .PHONY: check-system runtime install lock web-install vllm serve test test-web clean
 
@@ -72,7 +74,7 @@ $(BIN)/.runtime $(BIN)/.installed web/node_modules/.installed $(VLLM_ENV)/.insta
 endif
 
 test: check-system install web-install vllm
-	$(BIN)/pytest $(ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 	cd web && $(NPM) test
 
 # The web package alone: type checks, generated types and bundle up to date, its tests.

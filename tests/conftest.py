@@ -45,6 +45,21 @@ from tests.support.tiny_models import (  # noqa: F401  (the tests' names for the
 )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test`: `--dist loadgroup`), each file's tests run in one process, so
+    that its module fixtures start once; every test of the one vLLM server (`vllm_gateway`, and the
+    benchmark that starts its own) in one process, first, as they take longest; Ray's in one."""
+    for item in items:
+        if item.get_closest_marker("vllm") is not None or "vllm_gateway" in getattr(item, "fixturenames", ()):
+            group = "vllm"
+        elif item.get_closest_marker("ray") is not None:
+            group = "ray"
+        else:
+            group = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != "vllm")  # type: ignore[union-attr]
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """The tiny models of tests/support/tiny_models.py, each (kind, seed, options) built once a
