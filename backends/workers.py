@@ -177,7 +177,7 @@ def _assemble(
     work: Chunked, model: Model, params: list[Any], outputs: dict[tuple[int, int], Any], ctxs: list[Context], encode: Callable[[Any], bytes]
 ) -> list[tuple[Context, Outcome]]:
     with torch.inference_mode():
-        results = work.assemble(model, params, outputs)
+        results = work.assemble(model, params, outputs, ctxs)
     return [(ctx, Cancelled() if ctx.cancelled else encoded(ctx, result, encode)) for ctx, result in zip(ctxs, results)]
 
 

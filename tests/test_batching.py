@@ -432,6 +432,9 @@ def test_a_generation_joins_a_running_batch_and_one_is_cancelled(serve: Any) -> 
             job_ids[name] = response.headers["x-job-id"]
             results[name] = parse_sse(response.read())[-1]
 
+    # Each decoding step held 20 ms: the long jobs decode for 3 s or more, however fast the machine, and
+    # the second one joins the first while it runs.
+    hook = worker.model.module.register_forward_pre_hook(lambda *_: time.sleep(0.02))
     threads = [threading.Thread(target=follow, args=("long", long_params)), threading.Thread(target=follow, args=("doomed", long_params))]
     for t in threads:
         t.start()
@@ -444,6 +447,7 @@ def test_a_generation_joins_a_running_batch_and_one_is_cancelled(serve: Any) -> 
     httpx.delete(f"{server.url}/jobs/{job_ids['doomed']}")
     for t in threads:
         t.join(60)
+    hook.remove()
     assert results["doomed"]["event"] == "error" and results["doomed"]["data"]["error"]["code"] == "cancelled"
     assert results["long"]["event"] == "data"
     assert results["long"]["data"]["usage"]["completion_tokens"] == 150

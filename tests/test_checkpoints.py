@@ -18,19 +18,22 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 import redis
 from safetensors.numpy import load as load_safetensors
 
 from gateway.checkpoints import Checkpoint
-from gateway.tools import embed, windows
+from gateway.tools import embed, loglikelihood, logprobs, windows
+from gateway.tools.base import Cancelled
+from gateway.tools.batching import WindowItem
 from gateway.tools.windows import Sizes, Stitch
 from tests.conftest import parse_sse, run_stream, wait_until
 from tests.test_engines import copies, start_gateway
 from tests.support.processes import ServeProcess
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
-from tests.test_windows import protein, windowed_states
+from tests.test_windows import protein, strided_logprobs, windowed_states
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +76,22 @@ def same(a: embed.EmbedResult, b: embed.EmbedResult) -> bool:
     return all(np.abs(np.asarray(x) - np.asarray(y)).max() <= 1e-6 for x, y in zip(a.embeddings, b.embeddings, strict=True))
 
 
+def journal(checkpoint: Checkpoint) -> list[bytes]:
+    """A checkpoint's journal, record by record (each its length and its pickle)."""
+    data = Path(checkpoint.path).read_bytes()
+    records, at = [], 0
+    while at < len(data):
+        n = int.from_bytes(data[at : at + 8], "little")
+        records.append(data[at : at + 8 + n])
+        at += 8 + n
+    return records
+
+
+def counted(work: Any, ran: list[Any]) -> Any:
+    """`work` whose runs append their chunk's items to `ran`."""
+    return dataclasses.replace(work, run=lambda m, jobs, chunk: ran.append(list(chunk.items)) or work.run(m, jobs, chunk))
+
+
 def test_a_run_given_what_a_run_before_it_finished_computes_only_the_rest_and_gives_the_same(model: Any, tmp_path: Path) -> None:
     params = embed.EmbedParams(texts=[protein(2000, seed=1), protein(300, seed=2)], window=100, overlap=30, pooling="mean")
     whole = embed.work.many(model, [params], [Ctx(Checkpoint(str(tmp_path / "none")))])[0]
@@ -88,12 +107,7 @@ def test_a_run_given_what_a_run_before_it_finished_computes_only_the_rest_and_gi
 
     # A run killed mid-way leaves its first records, and a torn one: the next run keeps the whole
     # ones, drops the torn one, and computes the rest only.
-    data = Path(first.path).read_bytes()
-    records, at = [], 0
-    while at < len(data):
-        n = int.from_bytes(data[at : at + 8], "little")
-        records.append(data[at : at + 8 + n])
-        at += 8 + n
+    records = journal(first)
     assert len(records) >= 3
     Path(first.path).write_bytes(b"".join(records[:2]) + records[2][:20])
     kept = sum(len(pickle.loads(r[8:])) for r in records[:2])
@@ -107,12 +121,94 @@ def test_a_run_given_what_a_run_before_it_finished_computes_only_the_rest_and_gi
 
 
 @pytest.fixture(scope="module")
-def engine(esm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, Path]]:
-    """A gateway with the model in an engine process, its result files in `spool`."""
+def causal(tiny_model_path: Path) -> Any:
+    """The tiny Llama (a byte tokenizer, a context of 256) as a backend serves it."""
+    from backends import loading
+
+    return loading.load(loading.resolve(str(tiny_model_path)), "cpu", "float32")
+
+
+# 3,150 tokens (a byte each, after the BOS): in windows of 100 overlapping by 30, 45 windows, in three
+# passes of at most 16 (windows.PASS_ROWS).
+LONG_TEXT = "the quick brown fox jumps over the lazy dog. " * 70
+STRIDE = {"window": 100, "overlap": 30}
+
+
+def test_logprobs_over_windows_go_on_from_their_last_finished_pass_and_give_the_same(causal: Any, tmp_path: Path) -> None:
+    params = logprobs.LogprobsParams(prompts=[LONG_TEXT], top=2, next_token=True, **STRIDE)
+    whole = msgspec.json.encode(logprobs.work.many(causal, [params], [Ctx(Checkpoint(str(tmp_path / "none")))])[0])
+    first = Checkpoint(str(tmp_path / "cp"))
+    os.mkdir(first.folder)
+    ran: list[Any] = []
+    ctx = Ctx(first)
+    assert msgspec.json.encode(counted(logprobs.work, ran).many(causal, [params], [ctx])[0]) == whole
+    assert [len(items) for items in ran] == [16, 16, 13] and ctx.frames[-1] == (45, 45, "windows")
+
+    # Killed in its third pass, after a torn record of its second: the next run keeps the first pass's
+    # scores, runs the other two, and gives the same result, bit for bit.
+    records = journal(first)
+    assert len(records) == 3
+    Path(first.path).write_bytes(records[0] + records[1][:20])
+    ran.clear()
+    again = Ctx(Checkpoint(first.folder, resumed=True))
+    assert msgspec.json.encode(counted(logprobs.work, ran).many(causal, [params], [again])[0]) == whole
+    assert [len(items) for items in ran] == [16, 13]
+    assert again.frames[0] == (16, 45, "windows") and [d for d, _, _ in again.frames] == [16, 32, 45]
+
+
+def test_logprobs_over_windows_run_a_pass_a_step_and_a_cancel_stops_them_at_the_next(causal: Any) -> None:
+    """A pass a step (`InSteps`): a worker runs another job between two, and a job cancelled stops
+    before its next pass."""
+    params = logprobs.LogprobsParams(prompts=[LONG_TEXT], **STRIDE)
+    ran: list[Any] = []
+    work = counted(logprobs.work, ran)
+    batch = work.batch(causal)
+    batch.add(params, ctx := Ctx(None))  # type: ignore[arg-type]
+    steps = [batch.step() for _ in range(3)]
+    assert steps[:2] == [[], []] and len(ran) == 3
+    assert steps[2][0][0] is ctx and isinstance(steps[2][0][1], logprobs.LogprobsResult)
+
+    batch.add(params, ctx := Ctx(None))  # type: ignore[arg-type]
+    ran.clear()
+    assert batch.step() == []
+    ctx.cancelled = True
+    ((ended, outcome),) = batch.step()
+    assert ended is ctx and isinstance(outcome, Cancelled) and len(ran) == 1
+
+
+def test_loglikelihood_over_windows_runs_only_the_windows_that_score_its_continuation(
+    causal: Any, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """A prompt of 3,150 tokens before a continuation of 24: of 45 windows, only those where a
+    continuation token is first held run; its score is theirs, as computed here in plain
+    transformers; and a run that goes on after its engine died keeps them."""
+    continuation = " and the cat sat on a mat"
+    params = loglikelihood.LoglikelihoodParams(prompts=[LONG_TEXT], continuations=[continuation], **STRIDE)
+    ids, cut, want = strided_logprobs(tiny_model_path, LONG_TEXT + continuation, **STRIDE)
+    n, prompt = len(continuation), len(ids) - 1 - len(continuation)  # own tokens: a byte each
+    holding = sorted({next(w for w, (_, end) in enumerate(cut) if end > q) for q in range(prompt, prompt + n)})
+    ran: list[Any] = []
+    first = Checkpoint(str(tmp_path / "cp"))
+    os.mkdir(first.folder)
+    out = counted(loglikelihood.work, ran).many(causal, [params], [Ctx(first)])[0]
+    assert len(cut) == 45 and 1 <= len(holding) <= 2
+    assert ran == [[(0, WindowItem(0, w)) for w in holding]]
+    assert out.ll[0] == pytest.approx(sum(want[-n:]), abs=1e-4)  # type: ignore[arg-type]
+    assert out.plans is not None and out.plans[0].windows == cut
+
+    ran.clear()
+    again = counted(loglikelihood.work, ran).many(causal, [params], [Ctx(Checkpoint(first.folder, resumed=True))])[0]
+    assert again == out and ran == [[(0, WindowItem(0, holding[-1]))]]  # a job's last item runs again (batching.ChunkRun)
+
+
+@pytest.fixture(scope="module")
+def engine(esm_path: Path, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, Path]]:
+    """A gateway with the models (`esm`, the default, and the tiny Llama, `text`) in engine processes,
+    its result files in `spool`."""
     tmp = tmp_path_factory.mktemp("engine")
     spool = tmp / "spool"
     spool.mkdir()
-    gateway = start_gateway(tmp, f"esm={esm_path}", extra=("--result-spool", str(spool)))
+    gateway = start_gateway(tmp, f"esm={esm_path}", f"text={tiny_model_path}", extra=("--result-spool", str(spool)))
     yield gateway, spool
     gateway.stop()
 
@@ -172,6 +268,37 @@ def test_a_job_whose_engine_is_killed_mid_way_goes_on_from_its_last_finished_win
     # The checkpoint went with the job: nothing is left of it in the gateway's folder.
     pattern = str(spool / f"streamgate-files-{gateway.proc.pid}-*" / "checkpoints" / "*")
     wait_until(lambda: glob.glob(pattern) == [], timeout=10, what="the checkpoint to be removed")
+
+
+def test_logprobs_whose_engine_is_killed_mid_way_go_on_from_their_last_finished_pass_in_the_next(
+    engine: tuple[ServeProcess, Path], tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """`logprobs_dying` (tests/support/engine_tools.py) is `logprobs` whose engine is SIGKILLed once,
+    before its pass holding window 20 (the second of three): the job goes on in the new engine
+    from its first pass, and ends once with each token's score as computed here."""
+    gateway, _ = engine
+    before = copies(gateway, "text")[0]
+    marker = tmp_path / "died"
+    params = {"model": "text", "prompts": [LONG_TEXT], "next_token": True, **STRIDE}
+    s = run_stream(gateway.url, "logprobs_dying", params | {"die_at": 20, "marker": str(marker)})
+    assert marker.exists() and s.terminal is not None and s.terminal["event"] == "data", s.events[-3:]
+    assert [e["event"] for e in s.events].count("data") + [e["event"] for e in s.events].count("error") == 1
+    after = copies(gateway, "text")[0]
+    assert after["restarts"] == before["restarts"] + 1 and after["pid"] != before["pid"]
+
+    statuses = [e["data"] for e in s.of("status")]
+    told = next(i for i, f in enumerate(statuses) if "goes on from its last finished piece" in f.get("message", ""))
+    frames = [f["progress"] for f in statuses if "progress" in f]
+    assert frames[-1] == {"done": 45, "total": 45, "unit": "windows"}
+    assert [f["done"] for f in frames] == sorted(f["done"] for f in frames)
+    resumed = [f["progress"]["done"] for f in statuses[told:] if "progress" in f]
+    assert resumed[0] == 16, resumed  # its first pass, kept
+
+    ids, cut, want = strided_logprobs(tiny_model_path, LONG_TEXT, **STRIDE)
+    (scored,) = s.terminal["data"]["sequences"]
+    assert scored["token_ids"] == ids and scored["plan"]["windows"] == [list(w) for w in cut]
+    assert scored["logprobs"][0] is None and max(abs(a - b) for a, b in zip(scored["logprobs"][1:], want[1:])) <= 1e-5
+    assert scored["next_token"]["id"] >= 0
 
 
 def test_partials_are_each_windows_final_rows_in_order_and_a_run_that_goes_on_sends_its_finished_ones_first(

@@ -441,8 +441,8 @@ def two_copies(esm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     s.stop()
 
 
-def copies(gateway: ServeProcess) -> list[dict[str, Any]]:
-    return [e for e in httpx.get(f"{gateway.url}/readyz", timeout=10).json()["engines"] if e["model"] == "esm"]
+def copies(gateway: ServeProcess, model: str = "esm") -> list[dict[str, Any]]:
+    return [e for e in httpx.get(f"{gateway.url}/readyz", timeout=10).json()["engines"] if e["model"] == model]
 
 
 def pll_of(path: Path, sequence: str) -> float:

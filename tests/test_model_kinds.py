@@ -523,7 +523,7 @@ def _spread_run(model: Model, jobs: list[SpreadParams], chunk: Chunk) -> list[An
 
 
 _spread_work = Chunked(
-    plan=_spread_plan, run=_spread_run, assemble=lambda m, jobs, out: [[out[j, i] for i in range(len(p.texts))] for j, p in enumerate(jobs)], unit="texts"
+    plan=_spread_plan, run=_spread_run, assemble=lambda m, jobs, out, ctxs: [[out[j, i] for i in range(len(p.texts))] for j, p in enumerate(jobs)], unit="texts"
 )
 
 

@@ -309,28 +309,32 @@ def test_pseudo_loglikelihood_over_windows_is_the_windows_scored_here(server, es
     assert one["per_position"] == whole["per_position"] and one["pll"] == whole["pll"]
 
 
-def test_logprobs_over_windows_score_each_token_in_the_first_window_that_holds_it(server, tiny_model_path: Path) -> None:
-    """A text of 1,800 tokens on a 256-token model, windows of 100 tokens overlapping by 30: each
-    token's log-probability equal (1e-5) to the one computed here, in the first window holding it
-    with the BOS before the window, as the sliding-window perplexity does; every token has at
-    least 30 tokens of its text before it, or all of them."""
-    from transformers import AutoModelForCausalLM
-
-    text = "the quick brown fox jumps over the lazy dog. " * 40
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+def strided_logprobs(path: Path, text: str, window: int, overlap: int) -> tuple[list[int], list[tuple[int, int]], list[float | None]]:
+    """Plain transformers, as the sliding-window perplexity does: the text's tokens, its windows, and
+    each token's log-probability in the first window holding it, with the BOS before the window
+    (none for the first token); every token has at least `overlap` tokens of its text before it."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
     ids = tokenizer(text).input_ids
     bos, own = ids[:1], ids[1:]
-    cut = windows.plan(len(own), Sizes(100, 30, Stitch.CENTER))
+    cut = windows.plan(len(own), Sizes(window, overlap, Stitch.CENTER))
     want: list[float | None] = [None] * len(ids)
     done = 0
     with torch.no_grad():
         for start, end in cut:
             logprobs = model(input_ids=torch.tensor([bos + own[start:end]])).logits[0].log_softmax(-1)
             for q in range(max(done, start), end):
-                assert q == 0 or q - start >= 30 or start == 0
+                assert q == 0 or q - start >= overlap or start == 0
                 want[1 + q] = float(logprobs[q - start, own[q]])  # the logits at the token before it (the BOS for q = start = 0)
             done = end
+    return ids, cut, want
+
+
+def test_logprobs_over_windows_score_each_token_in_the_first_window_that_holds_it(server, tiny_model_path: Path) -> None:
+    """A text of 1,800 tokens on a 256-token model, windows of 100 tokens overlapping by 30: each
+    token's log-probability equal (1e-5) to the one computed here (`strided_logprobs`)."""
+    text = "the quick brown fox jumps over the lazy dog. " * 40
+    ids, cut, want = strided_logprobs(tiny_model_path, text, 100, 30)
     out = result(server.url, "logprobs", {"model": "text", "prompts": [text], "window": 100, "overlap": 30, "next_token": True})
     (scored,) = out["sequences"]
     assert scored["token_ids"] == ids and scored["plan"]["windows"] == [list(w) for w in cut]

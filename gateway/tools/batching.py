@@ -144,7 +144,7 @@ class Chunked:
     writes result files opens them through its ctx);
     `run(model, jobs, chunk)` computes one (its outputs moved off the device,
     since another device's worker may assemble them); `assemble(model, jobs,
-    outputs)` builds each job's result from `{(job, item): output}`. `unit`
+    outputs, ctxs)` builds each job's result from `{(job, item): output}`. `unit`
     names the items in progress frames.
 
     Across engine processes (backends/spreading.py) a job is cut by its input
@@ -156,7 +156,7 @@ class Chunked:
 
     plan: Callable[[Model, list[Any], Sequence[Context]], list[Chunk]]
     run: Callable[[Model, list[Any], Chunk], list[Any]]
-    assemble: Callable[[Model, list[Any], dict[tuple[int, int], Any]], list[Any]]
+    assemble: Callable[[Model, list[Any], dict[tuple[int, int], Any], Sequence[Context]], list[Any]]
     unit: str
     items: str = ""
     per_item: tuple[str, ...] = ()
@@ -361,7 +361,7 @@ def chunk_steps(work: Chunked, model: Model, jobs: list[Any], ctxs: Sequence[Con
         run.done(chunk, work.run(model, jobs, chunk))
         if i < len(run.chunks) - 1:
             yield
-    return work.assemble(model, jobs, run.outputs)
+    return work.assemble(model, jobs, run.outputs, ctxs)
 
 
 class WindowItem(NamedTuple):

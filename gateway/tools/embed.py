@@ -575,7 +575,7 @@ def _finished(params: EmbedParams, vector: torch.Tensor, precision: int | None) 
     return _array(vector, precision)
 
 
-def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any]) -> list[EmbedResult]:
+def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any], ctxs: Any = None) -> list[EmbedResult]:
     # A job writing files has its `_Files` as every item's output: its rows are in them already.
     sinks = {job: output for (job, _), output in outputs.items() if isinstance(output, _Files)}
     shared: dict[tuple[int, int], list[_Shared]] = {}

@@ -7,7 +7,9 @@ the result is the sum of their log-probabilities given everything before them.
 With `window` (gateway/tools/windows.py) a prompt and continuation longer
 than the context are scored with a stride, as `logprobs` scores a text: each
 continuation token in the first window that holds it, with at least `overlap`
-tokens before it.
+tokens before it. Only the windows that score a continuation token run: a
+prompt of 100,000 tokens before a continuation of five is a window or two.
+Passes are steps, counted and kept in the job's checkpoint, as `logprobs`'s.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import torch
 from gateway.errors import ParamError
 from gateway.cost import JSON_FLOAT, Cost, Shape
 from gateway.models.anatomy import readout_chunks, readout_rows
-from gateway.tools.base import Capability, Context, Model, right_padded, tool
-from gateway.tools.batching import one_pass
+from gateway.tools.base import Capability, Context, Model, tool
+from gateway.tools.batching import Chunk, Chunked, WindowItem
 from gateway.tools import windows
 from gateway.tools.numbers import floats
 from gateway.tools.windows import Strided, WindowParams, WindowPlan
@@ -86,7 +88,7 @@ def cost(model: Model, params: LoglikelihoodParams) -> Cost:
     if params.window is not None:
         cut = [_strided(model, params, c, k, i) for i, (c, k) in enumerate(pairs)]
         width = max(len(row) for text in cut for row in text.rows)
-        rows = max(1, min(PASS_TOKENS // width, sum(len(text.rows) for text in cut)))
+        rows = max(1, min(PASS_TOKENS // width, windows.PASS_ROWS, sum(len(text.rows) for text in cut)))
         lengths = [width]
     read = min(positions, readout_rows(model)) if model.has(Capability.LAYERS) else rows * width
     memory = shape.block_bytes(rows, width) + shape.states_bytes(rows, width, 1)
@@ -99,60 +101,63 @@ def cost(model: Model, params: LoglikelihoodParams) -> Cost:
     )
 
 
-def _loglikelihood_many(
-    model: Model, jobs: list[LoglikelihoodParams], ctxs: list[Context]
-) -> list[LoglikelihoodResult]:
-    # Every pair of every job in one right-padded forward pass (windows in passes of their own);
-    # only the positions that predict a continuation token go through the head.
-    pairs = [_pairs(model, params) for params in jobs]
-    passes = windows.Passes(PASS_TOKENS)
-    reads: list[tuple[int, int, int, int]] = []  # (pass, row, column, token scored), pair after pair
-    plans: list[Any] = []
-    for job, params in zip(pairs, jobs):
-        for i, (context, continuation) in enumerate(job):
+def _plan(model: Model, jobs: list[LoglikelihoodParams], ctxs: Any = None) -> list[Chunk]:
+    # Every whole pair of every job in the first right-padded pass; windows in passes of at most
+    # PASS_TOKENS padded tokens, in order: those that score a continuation token only (a long
+    # prompt's windows before its continuation score nothing).
+    passes = windows.ReadPasses(PASS_TOKENS)
+    for job, params in enumerate(jobs):
+        for i, (context, continuation) in enumerate(_pairs(model, params)):
+            ids, first = context + continuation, len(context) - 1  # logits at position t score token t + 1
             if params.window is None:
-                placed = passes.whole(context + continuation)
-                # Logits at position t predict token t + 1.
-                reads += [(*placed, len(context) - 1 + k, token) for k, token in enumerate(continuation)]
-                plans.append(None)
+                passes.whole((job, i), ids, range(first, len(ids) - 1), continuation)
                 continue
             cut = _strided(model, params, context, continuation, i)
-            in_passes = [passes.window(window) for window in cut.rows]
-            for k, token in enumerate(continuation):
-                w, col = cut.reads[len(context) - 1 + k]
-                reads.append((*in_passes[w], col, token))
-            plans.append(cut.plan)
-    by_pass: list[list[int]] = [[] for _ in passes.rows]
-    for r, read in enumerate(reads):
-        by_pass[read[0]].append(r)
-    own = torch.empty(len(reads))
-    top = torch.empty(len(reads), dtype=torch.bool)
-    for pass_rows, mine in zip(passes.rows, by_pass):
-        if not mine:
-            continue
-        input_ids, mask = right_padded(model, pass_rows)
-        device = input_ids.device
-        rows = torch.tensor([reads[r][1] for r in mine], device=device)
-        cols = torch.tensor([reads[r][2] for r in mine], device=device)
-        target = torch.tensor([reads[r][3] for r in mine], device=device)
-        index = torch.tensor(mine)
-        # A chunk of positions at a time: each continuation token's log-probability, and whether it was the top one.
-        for part, logits in readout_chunks(model, input_ids, mask, rows, cols):
-            logprobs = logits.log_softmax(dim=-1)
-            own[index[part]] = logprobs.gather(1, target[part, None])[:, 0].cpu()
-            top[index[part]] = (logprobs.argmax(dim=-1) == target[part]).cpu()
-    sizes = [len(cont) for job in pairs for _, cont in job]
-    ll = floats(torch.stack([span.sum() for span in own.split(sizes)]))
-    greedy = torch.stack([span.all() for span in top.split(sizes)]).tolist()
-    results, row = [], 0
-    for job, params, ctx in zip(pairs, jobs, ctxs):
+            for w, (row, (start, end)) in enumerate(zip(cut.rows, cut.spans())):
+                start, end = max(start, first), min(end, len(ids) - 1)
+                if start < end:
+                    at = cut.cut[w][0]
+                    passes.window((job, WindowItem(i, w)), row, range(start - at, end - at), ids[start + 1 : end + 1])
+    return passes.chunks()
+
+
+def _run(model: Model, jobs: list[LoglikelihoodParams], chunk: Chunk) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per item, its continuation tokens' log-probabilities and whether each was the greedy one (on the CPU)."""
+    input_ids, mask, rows, cols, target, counts = windows.read_pass(model, chunk)
+    own = torch.empty(len(target))
+    top = torch.empty(len(target), dtype=torch.bool)
+    # A chunk of positions at a time: each continuation token's log-probability, and whether it was the top one.
+    for part, logits in readout_chunks(model, input_ids, mask, rows, cols):
+        logprobs = logits.log_softmax(dim=-1)
+        own[part] = logprobs.gather(1, target[part, None])[:, 0].cpu()
+        top[part] = (logprobs.argmax(dim=-1) == target[part]).cpu()
+    return [(o.clone(), t.clone()) for o, t in zip(own.split(counts), top.split(counts))]
+
+
+def _assemble(
+    model: Model, jobs: list[LoglikelihoodParams], outputs: dict[Any, tuple[torch.Tensor, torch.Tensor]], ctxs: Any = None
+) -> list[LoglikelihoodResult]:
+    results = []
+    for job, params in enumerate(jobs):
+        pairs = _pairs(model, params)
+        if params.window is None:
+            scored, plans = [outputs[job, i] for i in range(len(pairs))], None
+        else:
+            cuts = [_strided(model, params, c, k, i) for i, (c, k) in enumerate(pairs)]
+            plans = [cut.plan for cut in cuts]
+            scored = []
+            for i, cut in enumerate(cuts):  # its windows that scored a continuation token, in order
+                pieces = [outputs[job, WindowItem(i, w)] for w in range(len(cut.cut)) if (job, WindowItem(i, w)) in outputs]
+                scored.append((torch.cat([own for own, _ in pieces]), torch.cat([top for _, top in pieces])))
         results.append(LoglikelihoodResult(
-            ll=ll[row : row + len(job)], is_greedy=greedy[row : row + len(job)],
-            plans=plans[row : row + len(job)] if params.window is not None else None,
+            ll=floats(torch.stack([own.sum() for own, _ in scored])), is_greedy=[bool(top.all()) for _, top in scored], plans=plans,
         ))
-        row += len(job)
-        ctx.progress(len(job), len(job), "pairs")
     return results
+
+
+# A pass a step: the whole pairs, or a pass of windows; each kept in the job's checkpoint, so that
+# a job whose engine died goes on from its last pass.
+work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="pairs", resumable=lambda params: True)
 
 
 @tool(
@@ -161,9 +166,10 @@ def _loglikelihood_many(
     caps={"prompts": "max_prompts", "continuations": "max_prompts"},
     sequences=("prompts", "continuations"),
     tagged=("prompts",),  # the continuation follows its prompt: the tag is the prompt's
-    batch=one_pass(_loglikelihood_many),
+    batch=work.batch,
+    spread=work,
     needs={Capability.NEXT_TOKEN},
 )
 def loglikelihood(model: Model, params: LoglikelihoodParams, ctx: Context) -> LoglikelihoodResult:
     """Sum of the continuation tokens' log-probabilities given the prompt, and whether greedy decoding would produce them."""
-    return _loglikelihood_many(model, [params], [ctx])[0]
+    return work.many(model, [params], [ctx])[0]

@@ -14,14 +14,20 @@ of `window` own tokens, `window - overlap` apart, each token scored in the
 first window that holds it, so every token has at least `overlap` tokens of
 its text before it (the first `window`, all of theirs). Each window begins with
 the tokenizer's special tokens (a BOS), as a text of its own would. Windows
-run in passes of at most `PASS_TOKENS` tokens.
+run in passes of at most `PASS_TOKENS` tokens and `windows.PASS_ROWS` windows.
+
+A pass is a step (`Chunked`, gateway/tools/batching.py): progress counts the
+windows, another job may run between two passes, a cancel stops the job at the
+next, and each pass's scores are kept in the job's checkpoint, so that a job
+whose engine died goes on from its last finished pass (gateway/checkpoints.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import IO, Annotated, Any
+from collections.abc import Sequence
+from typing import IO, Annotated, Any, NamedTuple
 
 import msgspec
 import torch
@@ -30,8 +36,8 @@ from gateway.cost import JSON_ENTRY, JSON_FLOAT, JSON_FRAME, JSON_TOKEN, PY_ENTR
 from gateway.errors import ParamError
 from gateway.protocol import ResultFile
 from gateway.models.anatomy import readout_chunks, readout_rows
-from gateway.tools.base import Capability, Context, Model, right_padded, tool
-from gateway.tools.batching import one_pass
+from gateway.tools.base import Capability, Context, Model, tool
+from gateway.tools.batching import Chunk, Chunked, WindowItem
 from gateway.tools import windows
 from gateway.tools.numbers import floats
 from gateway.tools.windows import Strided, WindowParams, WindowPlan
@@ -147,7 +153,7 @@ def cost(model: Model, params: LogprobsParams) -> Cost:
     if params.window is not None:
         cut = [Strided(model, params, ids, _own(model, params, ids), "prompts") for ids in texts]
         widest = max(len(row) for text in cut for row in text.rows)
-        passes = [(max(1, min(PASS_TOKENS // widest, sum(len(text.rows) for text in cut))), widest)]
+        passes = [(max(1, min(PASS_TOKENS // widest, windows.PASS_ROWS, sum(len(text.rows) for text in cut))), widest)]
     rows_, width = passes[0]
     # A model without a layer stack gives its logits at every position at once.
     read = min(positions, readout_rows(model)) if model.has(Capability.LAYERS) else positions
@@ -176,98 +182,107 @@ def cost(model: Model, params: LogprobsParams) -> Cost:
     return dataclasses.replace(inline, as_files=written, file_format=fmt.value)
 
 
-def _logprobs_many(model: Model, jobs: list[LogprobsParams], ctxs: list[Context]) -> list[LogprobsResult]:
-    # Every text of every job in right-padded forward passes (one, unless windows make more), read
-    # out a chunk of positions at a time. Each position t of a text reads the logits of one
-    # (row, column): they score token t + 1, and at the text's last position, the next token.
-    per_job = [rows(model, params) for params in jobs]
-    passes = windows.Passes(PASS_TOKENS)
-    reads: list[tuple[int, int, int, int]] = []  # (pass, row, column, token scored), text after text
-    plans: list[WindowPlan | None] = []
-    for job, params in zip(per_job, jobs):
-        for i, ids in enumerate(job):
-            targets = [*ids[1:], 0]
+class _Scores(NamedTuple):
+    """An item's scores (a whole text, or the positions a window reads), on the CPU: at each position,
+    the scored token's log-probability, the greedy token and its log-probability, and the job's `top`."""
+
+    own: torch.Tensor
+    best: torch.Tensor
+    best_logprob: torch.Tensor
+    top_ids: torch.Tensor | None
+    top_values: torch.Tensor | None
+
+
+def _plan(model: Model, jobs: list[LogprobsParams], ctxs: Any = None) -> list[Chunk]:
+    # Every whole text of every job in the first right-padded pass, as one pass ran them; windows in
+    # passes of at most PASS_TOKENS padded tokens, in order.
+    passes = windows.ReadPasses(PASS_TOKENS)
+    for job, params in enumerate(jobs):
+        for i, ids in enumerate(rows(model, params)):
+            targets = torch.tensor([*ids[1:], 0])  # position t scores token t + 1; the last, the next token
             if params.window is None:
-                placed = passes.whole(ids)
-                reads += [(*placed, t, targets[t]) for t in range(len(ids))]
-                plans.append(None)
+                passes.whole((job, i), ids, torch.arange(len(ids)), targets)
                 continue
             cut = Strided(model, params, ids, _own(model, params, ids), f"prompts[{i}]")
-            in_passes = [passes.window(window) for window in cut.rows]
-            reads += [(*in_passes[w], col, targets[t]) for t, (w, col) in enumerate(cut.reads)]
-            plans.append(cut.plan)
-    k = max(params.top for params in jobs)  # one top-k for every position, as deep as the deepest job asks
-    own_parts, best_parts, best_lp_parts, top_id_parts, top_value_parts = [], [], [], [], []
-    order: list[int] = []  # the reads in the order they are computed
-    by_pass: list[list[int]] = [[] for _ in passes.rows]
-    for r, read in enumerate(reads):
-        by_pass[read[0]].append(r)
-    for pass_rows, mine in zip(passes.rows, by_pass):
-        if not pass_rows:
-            continue
-        input_ids, mask = right_padded(model, pass_rows)
-        device = input_ids.device
-        order += mine
-        at_rows = torch.tensor([reads[r][1] for r in mine], device=device)
-        at_cols = torch.tensor([reads[r][2] for r in mine], device=device)
-        scored = torch.tensor([reads[r][3] for r in mine], device=device)
-        for part, logits in readout_chunks(model, input_ids, mask, at_rows, at_cols):
-            logprobs = logits.log_softmax(dim=-1)
-            own_parts.append(logprobs.gather(1, scored[part, None])[:, 0])
-            best = logprobs.argmax(dim=-1)
-            best_parts.append(best)
-            best_lp_parts.append(logprobs.gather(1, best[:, None])[:, 0])
-            if k:
-                top = logprobs.topk(k, dim=-1)
-                top_id_parts.append(top.indices)
-                top_value_parts.append(top.values)
-    # Back in the reads' order (text after text, position after position).
-    back = torch.empty(len(order), dtype=torch.long)
-    back[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
-    back = back.to(own_parts[0].device)
-    own = floats(torch.cat(own_parts)[back])
-    best_ids = torch.cat(best_parts)[back].tolist()
-    best_logprobs = floats(torch.cat(best_lp_parts)[back])
-    top_ids: list[Any] = torch.cat(top_id_parts)[back].tolist() if k else []
-    top_values: Any = torch.cat(top_value_parts)[back].cpu() if k else None
-    flat = [ids for job in per_job for ids in job]
-    texts = model.token_texts([*(t for ids in flat for t in ids), *best_ids, *(i for position in top_ids for i in position)])
+            for w, (row, (start, end)) in enumerate(zip(cut.rows, cut.spans())):
+                passes.window((job, WindowItem(i, w)), row, torch.arange(start, end) - cut.cut[w][0], targets[start:end])
+    return passes.chunks()
 
-    def alternatives(start: int, end: int, top: int) -> list[list[TokenLogprob]]:
-        values = floats(top_values[start:end, :top])
-        return [[TokenLogprob(i, texts[i], v) for i, v in zip(ids[:top], vs)] for ids, vs in zip(top_ids[start:end], values)]
 
-    results, at = [], 0  # `at`: the first position of the text at hand, in the flat order
-    text_plans = iter(plans)
-    for job, params, ctx in zip(per_job, jobs, ctxs):
+def _run(model: Model, jobs: list[LogprobsParams], chunk: Chunk) -> list[_Scores]:
+    input_ids, mask, at_rows, at_cols, scored, counts = windows.read_pass(model, chunk)
+    k = max(jobs[job].top for job, _ in chunk.items)  # one top-k for the pass, as deep as its deepest job asks
+    own, best, best_lp, top_ids, top_values = [], [], [], [], []
+    for part, logits in readout_chunks(model, input_ids, mask, at_rows, at_cols):
+        logprobs = logits.log_softmax(dim=-1)
+        own.append(logprobs.gather(1, scored[part, None])[:, 0])
+        greedy = logprobs.argmax(dim=-1)
+        best.append(greedy)
+        best_lp.append(logprobs.gather(1, greedy[:, None])[:, 0])
+        if k:
+            top = logprobs.topk(k, dim=-1)
+            top_ids.append(top.indices)
+            top_values.append(top.values)
+    # Each item's share, a tensor of its own: one kept in a checkpoint pickles its numbers, not the pass's.
+    pieces = [
+        [piece.clone() for piece in torch.cat(parts).cpu().split(counts)] if parts else [None] * len(counts)
+        for parts in (own, best, best_lp, top_ids, top_values)
+    ]
+    out = []
+    for (job, _), o, b, blp, ti, tv in zip(chunk.items, *pieces):
+        top = jobs[job].top
+        out.append(_Scores(o.float(), b, blp.float(), ti[:, :top] if top else None, tv[:, :top].float() if top else None))
+    return out
+
+
+def _assemble(model: Model, jobs: list[LogprobsParams], outputs: dict[Any, _Scores], ctxs: Sequence[Context]) -> list[LogprobsResult]:
+    results = []
+    for job, (params, ctx) in enumerate(zip(jobs, ctxs)):
         entries = []
         out = _ScoresFile(ctx, params.file) if params.file is not None else None
-        for i, ids in enumerate(job):
-            n = len(ids)
-            last = at + n - 1
-            if out is not None:
-                entry = Scored(length=n, plan=next(text_plans))
-                for start in range(0, n, FILE_LINES):
-                    # Token t is scored at the position before it, t - 1: the first token has nothing before it.
-                    stop = min(n, start + FILE_LINES)
-                    before, first = (at + start - 1, []) if start else (at, [None])
-                    tops = [*first, *alternatives(before, at + stop - 1, params.top)] if params.top else []
-                    out.write(i, start, ids[start:stop], texts, [*first, *own[before : at + stop - 1]], tops)
+        for i, ids in enumerate(rows(model, params)):
+            if params.window is None:
+                plan, scores = None, outputs[job, i]
             else:
-                entry = Scored(
-                    token_ids=list(ids), tokens=[texts[t] for t in ids], logprobs=[None, *own[at:last]], plan=next(text_plans)
-                )
-                if params.top:
-                    entry.top = alternatives(at, last, params.top)
-            if params.next_token:
-                entry.next_token = TokenLogprob(best_ids[last], texts[best_ids[last]], best_logprobs[last])
-                if params.top:
-                    entry.next_top = alternatives(last, last + 1, params.top)[0]
-            entries.append(entry)
-            at += n
-        ctx.progress(len(job), len(job), "sequences")
+                plan = Strided(model, params, ids, _own(model, params, ids), f"prompts[{i}]").plan
+                scores = _Scores(*(
+                    None if parts[0] is None else torch.cat(parts)
+                    for parts in zip(*(outputs[job, WindowItem(i, w)] for w in range(len(plan.windows))))
+                ))
+            entries.append(_scored(model, params, ids, scores, plan, i, out))
         results.append(LogprobsResult(entries, files=[out.close()] if out is not None else None))
     return results
+
+
+def _scored(model: Model, params: LogprobsParams, ids: list[int], scores: _Scores, plan: WindowPlan | None, i: int, out: _ScoresFile | None) -> Scored:
+    """A text's entry: its scores inline, or written into the job's file a block of lines at a time."""
+    n = len(ids)
+    wanted = [*ids, int(scores.best[-1]), *(scores.top_ids.flatten().tolist() if params.top else ())]
+    texts = model.token_texts(wanted)
+
+    def alternatives(start: int, end: int) -> list[list[TokenLogprob]]:
+        assert scores.top_ids is not None and scores.top_values is not None
+        values = floats(scores.top_values[start:end])
+        return [[TokenLogprob(t, texts[t], v) for t, v in zip(ids_, vs)] for ids_, vs in zip(scores.top_ids[start:end].tolist(), values)]
+
+    if out is not None:
+        entry = Scored(length=n, plan=plan)
+        for start in range(0, n, FILE_LINES):
+            # Token t is scored at the position before it, t - 1: the first token has nothing before it.
+            stop = min(n, start + FILE_LINES)
+            before, first = (start - 1, []) if start else (0, [None])
+            tops = [*first, *alternatives(before, stop - 1)] if params.top else []
+            out.write(i, start, ids[start:stop], texts, [*first, *floats(scores.own[before : stop - 1])], tops)
+    else:
+        entry = Scored(token_ids=list(ids), tokens=[texts[t] for t in ids], logprobs=[None, *floats(scores.own[: n - 1])], plan=plan)
+        if params.top:
+            entry.top = alternatives(0, n - 1)
+    if params.next_token:
+        best = int(scores.best[-1])
+        entry.next_token = TokenLogprob(best, texts[best], floats(scores.best_logprob[-1:])[0])
+        if params.top:
+            entry.next_top = alternatives(n - 1, n)[0]
+    return entry
 
 
 class _ScoresFile:
@@ -306,14 +321,20 @@ def _escaped(token: str) -> str:
     return token.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
 
+# A pass a step: the whole texts, or a pass of windows; each kept in the job's checkpoint, so that
+# a job whose engine died goes on from its last pass.
+work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="sequences", resumable=lambda params: True)
+
+
 @tool(
     check=check,
     cost=cost,
     caps={"prompts": "max_prompts", "token_ids": "max_prompts"},
     sequences=("prompts",),
-    batch=one_pass(_logprobs_many),
+    batch=work.batch,
+    spread=work,
     needs={Capability.NEXT_TOKEN},
 )
 def logprobs(model: Model, params: LogprobsParams, ctx: Context) -> LogprobsResult:
     """Each token's log-probability given the tokens before it, with the top alternatives and the next greedy token if asked."""
-    return _logprobs_many(model, [params], [ctx])[0]
+    return work.many(model, [params], [ctx])[0]

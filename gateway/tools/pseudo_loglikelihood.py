@@ -157,7 +157,7 @@ def _run(model: Model, jobs: list[PseudoLoglikelihoodParams], chunk: Chunk) -> l
 
 
 def _assemble(
-    model: Model, jobs: list[PseudoLoglikelihoodParams], outputs: dict[tuple[int, Any], float]
+    model: Model, jobs: list[PseudoLoglikelihoodParams], outputs: dict[tuple[int, Any], float], ctxs: Any = None
 ) -> list[PseudoLoglikelihoodResult]:
     by_sequence: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
     windowed: dict[tuple[int, int], dict[int, tuple[int, float]]] = {}

@@ -45,6 +45,8 @@ import numpy as np
 
 from gateway.errors import ApiError, ParamError, TooLong
 from gateway.protocol import Code
+from gateway.tools.base import right_padded
+from gateway.tools.batching import Chunk
 
 
 class Stitch(str, enum.Enum):
@@ -327,34 +329,34 @@ def stitched(n: int, parts: list[tuple[Share, np.ndarray]], width: int) -> np.nd
 
 
 class Strided:
-    """A causal model's text scored with a stride: its windows' token ids (`rows`), and for each
-    position t of the text the (window, column) whose logits score token t + 1 (at the last
-    position: the next token). Each token is scored in the first window that holds it, from the
-    token before it there: it has at least `overlap` tokens of its text before it."""
+    """A causal model's text scored with a stride: its windows' rows (`rows`), and the positions t of
+    the text each window reads (`spans`), whose logits score token t + 1 (at the last position: the
+    next token). Each token is scored in the first window that holds it, from the token before it
+    there: it has at least `overlap` tokens of its text before it."""
 
     def __init__(self, model: Any, params: WindowParams, ids: list[int], own: list[int], field: str) -> None:
-        framed = Framed.of(ids, own, field)
+        self.framed = framed = Framed.of(ids, own, field)
         sizes = resolve(params, model.context_length - framed.around, causal=not model.bidirectional)
         assert sizes is not None
         if sizes.overlap < 1 and not framed.head:
             raise ParamError("overlap", "at least 1: a token is scored from the one before it in its window")
+        self.length = len(ids)
         self.cut = plan(len(framed.own), sizes)
         self.plan = WindowPlan(windows=self.cut, stitch=sizes.stitch, window=sizes.window, overlap=sizes.overlap)
-        self.rows = [framed.window(start, end) for start, end in self.cut]
-        head, n = len(framed.head), len(framed.own)
-        first = 0  # the first window holding own token q, as q rises
-        self.reads: list[tuple[int, int]] = []
-        for t in range(len(ids)):
-            u = t + 1  # the token these logits score
-            if u < head:
-                self.reads.append((0, t))
-            elif u < head + n:
-                q = u - head
-                while self.cut[first][1] <= q:
-                    first += 1
-                self.reads.append((first, head + q - self.cut[first][0] - 1))
-            else:  # the tail's tokens, and the next token: the last window
-                self.reads.append((len(self.cut) - 1, t - (n - (self.cut[-1][1] - self.cut[-1][0]))))
+
+    @property
+    def rows(self) -> list[WindowIds]:
+        """Each window's row (its ids made when its pass runs)."""
+        return [WindowIds(self.framed, start, end) for start, end in self.cut]
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Per window, the positions [start, end) of the text it reads, one run after another. Window w
+        (starting at own token s) reads position t at its column t - s: the head's tokens, and the own
+        tokens up to its end not in an earlier window, in the first; the tail and the next token in the
+        last."""
+        head, last = len(self.framed.head), len(self.cut) - 1
+        ends = [end + head - 1 for _, end in self.cut[:last]] + [self.length]
+        return list(zip([0, *ends[:-1]], ends))
 
 
 def cut(model: Any, params: WindowParams, text: str, field: str) -> tuple[Framed, Sizes, list[tuple[int, int]]]:
@@ -366,13 +368,18 @@ def cut(model: Any, params: WindowParams, text: str, field: str) -> tuple[Framed
     return framed, sizes, plan(len(framed.own), sizes)
 
 
+# Windows in one pass at most, where a pass is a step (another job may run between two) and what a
+# job's checkpoint keeps: a job whose engine died goes on from its last pass (gateway/checkpoints.py).
+PASS_ROWS = 16
+
+
 class Passes:
     """Rows of token ids packed into right-padded passes: whole texts into the first pass, as one pass
-    runs them; windows into passes of at most `tokens` padded tokens, in order (a long sequence's
-    windows would be one pass of thousands of rows)."""
+    runs them; windows into passes of at most `tokens` padded tokens (and `most_rows` rows), in
+    order (a long sequence's windows would be one pass of thousands of rows)."""
 
-    def __init__(self, tokens: int) -> None:
-        self.tokens = tokens
+    def __init__(self, tokens: int, most_rows: int | None = None) -> None:
+        self.tokens, self.most_rows = tokens, most_rows
         self.rows: list[list[list[int]]] = [[]]
         self.widths = [0]
 
@@ -380,9 +387,10 @@ class Passes:
         """Put a text's row in the first pass: its (pass, row)."""
         return self._put(0, ids)
 
-    def window(self, ids: list[int]) -> tuple[int, int]:
+    def window(self, ids: Any) -> tuple[int, int]:
         """Put a window's row in the last pass, or a new one if it would not fit: its (pass, row)."""
-        if self.rows[-1] and (len(self.rows[-1]) + 1) * max(len(ids), self.widths[-1]) > self.tokens:
+        full = self.most_rows is not None and len(self.rows[-1]) >= self.most_rows
+        if self.rows[-1] and (full or (len(self.rows[-1]) + 1) * max(len(ids), self.widths[-1]) > self.tokens):
             self.rows.append([])
             self.widths.append(0)
         return self._put(len(self.rows) - 1, ids)
@@ -392,3 +400,52 @@ class Passes:
         self.widths[at] = max(self.widths[at], len(ids))
         return at, len(self.rows[at]) - 1
 
+
+
+READS = "reads"  # a Chunk's extra: {item: (columns, tokens scored)}, where its row's logits are read
+
+
+class ReadPasses:
+    """A causal scorer's rows packed as `Passes` packs them, each with the columns its logits are read
+    at and the tokens they score; a pass is a chunk (gateway/tools/batching.py): a step, and a record
+    of the job's checkpoint."""
+
+    def __init__(self, tokens: int) -> None:
+        self.passes = Passes(tokens, PASS_ROWS)
+        self.keys: list[list[Any]] = [[]]
+        self.reads: dict[Any, tuple[Any, Any]] = {}
+
+    def whole(self, key: Any, ids: list[int], cols: Any, scored: Any) -> None:
+        self._put(self.passes.whole(ids)[0], key, cols, scored)
+
+    def window(self, key: Any, row: WindowIds, cols: Any, scored: Any) -> None:
+        self._put(self.passes.window(row)[0], key, cols, scored)
+
+    def _put(self, at: int, key: Any, cols: Any, scored: Any) -> None:
+        import torch
+
+        self.keys.extend([] for _ in range(len(self.passes.rows) - len(self.keys)))
+        self.keys[at].append(key)
+        self.reads[key] = (torch.as_tensor(cols), torch.as_tensor(scored))
+
+    def chunks(self) -> list[Chunk]:
+        return [
+            Chunk(items, data, width, {READS: {key: self.reads[key] for key in items}})
+            for items, data, width in zip(self.keys, self.passes.rows, self.passes.widths)
+            if items
+        ]
+
+
+def read_pass(model: Any, chunk: Chunk) -> tuple[Any, Any, Any, Any, Any, list[int]]:
+    """A `ReadPasses` chunk on the model's device: its padded rows and their mask; per read, its row,
+    its column and the token it scores; and how many reads each item has."""
+    import torch
+
+    input_ids, mask = right_padded(model, [row.ids() if isinstance(row, WindowIds) else row for row in chunk.data])
+    device = input_ids.device
+    reads = [chunk.extra[READS][key] for key in chunk.items]
+    counts = [len(cols) for cols, _ in reads]
+    rows = torch.repeat_interleave(torch.arange(len(reads)), torch.tensor(counts)).to(device)
+    cols = torch.cat([c for c, _ in reads]).to(device)
+    scored = torch.cat([t for _, t in reads]).to(device)
+    return input_ids, mask, rows, cols, scored, counts

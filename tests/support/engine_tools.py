@@ -4,6 +4,7 @@ a job whose texts are cut over a model's engines."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import time
@@ -14,8 +15,11 @@ import torch
 
 from gateway.tools import Cancelled, Context, Model, tool
 from gateway.tools import embed as embed_tool
+from gateway.tools import logprobs as logprobs_tool
+from gateway.tools.base import Capability
 from gateway.tools.batching import Chunk, Chunked, WindowItem, one_pass, sorted_chunks
 from gateway.tools.embed import EmbedParams
+from gateway.tools.logprobs import LogprobsParams
 
 
 class NapParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -84,7 +88,7 @@ def _lengths_run(model: Model, jobs: list[LengthsParams], chunk: Chunk) -> list[
     return [len(t) for t in texts]
 
 
-def _lengths_assemble(model: Model, jobs: list[LengthsParams], out: dict[tuple[int, int], int]) -> list[Lengths]:
+def _lengths_assemble(model: Model, jobs: list[LengthsParams], out: dict[tuple[int, int], int], ctxs: Any = None) -> list[Lengths]:
     return [Lengths([out[j, i] for i in range(len(p.texts))], [os.getpid()] * len(p.texts)) for j, p in enumerate(jobs)]
 
 
@@ -99,12 +103,12 @@ def lengths(model: Model, params: LengthsParams, ctx: Context) -> Lengths:
     return _lengths.many(model, [params], [ctx])[0]
 
 
-class DyingEmbedParams(EmbedParams):
-    """`embed`'s params, and when its engine is to die: before the first chunk that holds window
-    `die_at` of a text, if the file `marker` does not exist yet (it is made then: one death).
-    `kill: gateway`: the engine's gateway is sent `signal` instead (SIGKILL: the engine dies with it;
-    SIGTERM: it drains and stops, and stops its engines, while this chunk waits). `kill: none`:
-    nothing dies, the chunk waits (up to 30 s) for the file `release` (a gateway with threads,
+class Dying(msgspec.Struct, kw_only=True):
+    """A dying tool's params beside its own: when its engine is to die, before the first chunk that
+    holds window `die_at` of a text, if the file `marker` does not exist yet (it is made then: one
+    death). `kill: gateway`: the engine's gateway is sent `signal` instead (SIGKILL: the engine dies
+    with it; SIGTERM: it drains and stops, and stops its engines, while this chunk waits). `kill:
+    none`: nothing dies, the chunk waits (up to 30 s) for the file `release` (a gateway with threads,
     stopped meanwhile)."""
 
     die_at: int = 0
@@ -114,7 +118,17 @@ class DyingEmbedParams(EmbedParams):
     release: str = ""
 
 
-def _run_or_die(model: Model, jobs: list[Any], chunk: Chunk) -> list[Any]:
+def _dying_params(base: type) -> Any:
+    """`base`'s params with `Dying`'s after them."""
+    fields = [(f.name, f.type, f.default) for f in msgspec.structs.fields(Dying)]
+    return msgspec.defstruct(f"Dying{base.__name__}", fields, bases=(base,), kw_only=True, forbid_unknown_fields=True)
+
+
+DyingEmbedParams = _dying_params(EmbedParams)
+DyingLogprobsParams = _dying_params(LogprobsParams)
+
+
+def _run_or_die(work: Chunked, model: Model, jobs: list[Any], chunk: Chunk) -> list[Any]:
     for job, item in chunk.items:
         params = jobs[job]
         if isinstance(item, WindowItem) and item.window >= params.die_at and params.marker and not os.path.exists(params.marker):
@@ -123,18 +137,33 @@ def _run_or_die(model: Model, jobs: list[Any], chunk: Chunk) -> list[Any]:
                 until = time.monotonic() + 30
                 while not os.path.exists(params.release) and time.monotonic() < until:
                     time.sleep(0.05)
-                return embed_tool.work.run(model, jobs, chunk)
+                return work.run(model, jobs, chunk)
             # The engine, mid-job, as the out-of-memory killer would; or its gateway, whose engines die with it.
             os.kill(os.getppid() if params.kill == "gateway" else os.getpid(), getattr(signal, params.signal))
             if params.kill == "gateway":  # the chunk never ends here: the engine dies with its gateway, or is stopped
                 time.sleep(60)
-    return embed_tool.work.run(model, jobs, chunk)
+    return work.run(model, jobs, chunk)
 
 
-_dying = dataclasses.replace(embed_tool.work, run=_run_or_die, items="", per_item=())
+def _dying(work: Chunked) -> Chunked:
+    """`work` whose run dies as its job's params say, on one engine (never cut over several)."""
+    return dataclasses.replace(work, run=functools.partial(_run_or_die, work), items="", per_item=())
 
 
-@tool(check=embed_tool.check, cost=embed_tool.cost, sequences=("texts",), batch=_dying.batch, spread=_dying)
+_dying_embed = _dying(embed_tool.work)
+_dying_logprobs = _dying(logprobs_tool.work)
+
+
+@tool(check=embed_tool.check, cost=embed_tool.cost, sequences=("texts",), batch=_dying_embed.batch, spread=_dying_embed)
 def embed_dying(model: Model, params: DyingEmbedParams, ctx: Context) -> embed_tool.EmbedResult:
     """`embed`, whose engine is killed once mid-job: its job goes on from its checkpoint in the next one."""
-    return _dying.many(model, [params], [ctx])[0]
+    return _dying_embed.many(model, [params], [ctx])[0]
+
+
+@tool(
+    check=logprobs_tool.check, cost=logprobs_tool.cost, sequences=("prompts",), batch=_dying_logprobs.batch, spread=_dying_logprobs,
+    needs={Capability.NEXT_TOKEN},
+)
+def logprobs_dying(model: Model, params: DyingLogprobsParams, ctx: Context) -> logprobs_tool.LogprobsResult:
+    """`logprobs`, whose engine is killed once mid-job: its job goes on from its last finished pass in the next one."""
+    return _dying_logprobs.many(model, [params], [ctx])[0]
