@@ -25,7 +25,7 @@ import redis
 from safetensors.numpy import load as load_safetensors
 
 from gateway.checkpoints import Checkpoint
-from gateway.tools import embed, loglikelihood, logprobs, windows
+from gateway.tools import embed, fill_mask, loglikelihood, logprobs, windows
 from gateway.tools.base import Cancelled
 from gateway.tools.batching import WindowItem
 from gateway.tools.windows import Sizes, Stitch
@@ -134,26 +134,47 @@ LONG_TEXT = "the quick brown fox jumps over the lazy dog. " * 70
 STRIDE = {"window": 100, "overlap": 30}
 
 
-def test_logprobs_over_windows_go_on_from_their_last_finished_pass_and_give_the_same(causal: Any, tmp_path: Path) -> None:
-    params = logprobs.LogprobsParams(prompts=[LONG_TEXT], top=2, next_token=True, **STRIDE)
-    whole = msgspec.json.encode(logprobs.work.many(causal, [params], [Ctx(Checkpoint(str(tmp_path / "none")))])[0])
+def masked(n: int, every: int, seed: int) -> str:
+    """A protein of `n` residues with a mask every `every`."""
+    residues = list(protein(n, seed=seed))
+    for q in range(every // 2, n, every):
+        residues[q] = "<mask>"
+    return "".join(residues)
+
+
+@pytest.mark.parametrize("tool", ["logprobs", "fill_mask"])
+def test_a_scorer_over_windows_goes_on_from_its_last_finished_pass_and_gives_the_same(
+    request: pytest.FixtureRequest, tool: str, tmp_path: Path
+) -> None:
+    """`logprobs` over 45 windows, `fill_mask` over the 43 windows of a protein that hold its masks:
+    three passes of at most 16 windows."""
+    if tool == "logprobs":
+        model, work = request.getfixturevalue("causal"), logprobs.work
+        params: Any = logprobs.LogprobsParams(prompts=[LONG_TEXT], top=2, next_token=True, **STRIDE)
+        passes = [16, 16, 13]
+    else:
+        model, work = request.getfixturevalue("model"), fill_mask.work
+        params = fill_mask.FillMaskParams(texts=[masked(3000, 60, seed=12)], top_k=3, stitch="mean", **STRIDE)
+        passes = [16, 16, 11]
+    whole = msgspec.json.encode(work.many(model, [params], [Ctx(Checkpoint(str(tmp_path / "none")))])[0])
     first = Checkpoint(str(tmp_path / "cp"))
     os.mkdir(first.folder)
     ran: list[Any] = []
     ctx = Ctx(first)
-    assert msgspec.json.encode(counted(logprobs.work, ran).many(causal, [params], [ctx])[0]) == whole
-    assert [len(items) for items in ran] == [16, 16, 13] and ctx.frames[-1] == (45, 45, "windows")
+    assert msgspec.json.encode(counted(work, ran).many(model, [params], [ctx])[0]) == whole
+    total = sum(passes)
+    assert [len(items) for items in ran] == passes and ctx.frames[-1] == (total, total, "windows")
 
     # Killed in its third pass, after a torn record of its second: the next run keeps the first pass's
-    # scores, runs the other two, and gives the same result, bit for bit.
+    # outputs, runs the other two, and gives the same result, bit for bit.
     records = journal(first)
     assert len(records) == 3
     Path(first.path).write_bytes(records[0] + records[1][:20])
     ran.clear()
     again = Ctx(Checkpoint(first.folder, resumed=True))
-    assert msgspec.json.encode(counted(logprobs.work, ran).many(causal, [params], [again])[0]) == whole
-    assert [len(items) for items in ran] == [16, 13]
-    assert again.frames[0] == (16, 45, "windows") and [d for d, _, _ in again.frames] == [16, 32, 45]
+    assert msgspec.json.encode(counted(work, ran).many(model, [params], [again])[0]) == whole
+    assert [len(items) for items in ran] == passes[1:]
+    assert again.frames[0] == (16, total, "windows") and [d for d, _, _ in again.frames] == [16, 32, total]
 
 
 def test_logprobs_over_windows_run_a_pass_a_step_and_a_cancel_stops_them_at_the_next(causal: Any) -> None:

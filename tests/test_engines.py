@@ -480,6 +480,7 @@ def test_a_model_on_two_devices_runs_an_engine_on_each_and_one_job_is_cut_over_b
             ("embed", {"texts": sequences, "pooling": "per_token"}, "texts", len(sequences)),
             ("pseudo_loglikelihood", {"sequences": sequences[:12], "per_position": True}, "positions",
              sum(len(s) for s in sequences[:12])),
+            ("fill_mask", {"texts": [s[:2] + "<mask>" + s[3:] for s in sequences[:20]], "top_k": 3}, "texts", 20),
         ]:
             before = [e["batches"] for e in copies(two_copies)]
             cut = run_stream(url, tool, params)
@@ -490,6 +491,9 @@ def test_a_model_on_two_devices_runs_an_engine_on_each_and_one_job_is_cut_over_b
             # Each input's result in the order sent; only padding (which inputs share a pass) may move the last bits.
             assert got.keys() == uncut.keys()
             for key in got:
+                if key == "fills":  # per text, per mask, the top tokens: each probability as the numbers below
+                    probs = [[[p.pop("prob") for fill in text for p in fill["predictions"]] for text in fills] for fills in (got[key], uncut[key])]
+                    assert (torch_flat(probs[0]) - torch_flat(probs[1])).abs().max() <= 1e-4
                 if key in ("embeddings", "per_position", "pll"):
                     flat = lambda v: torch_flat(v)  # noqa: E731
                     assert flat(got[key]).shape == flat(uncut[key]).shape

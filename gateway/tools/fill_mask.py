@@ -11,7 +11,9 @@ With `window` (gateway/tools/windows.py) a text longer than the context is
 read in windows: each mask from the window where it is farthest from an edge
 (`center`), or with its probabilities averaged over every window holding it
 (`mean`); only the windows holding a mask run, in passes of at most
-`PASS_TOKENS` tokens.
+`PASS_TOKENS` tokens and `windows.PASS_ROWS` windows, a pass a step (another
+job may run between two; a cancel stops the job at the next), each kept in the
+job's checkpoint (gateway/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ import torch
 from gateway.cost import JSON_ENTRY, JSON_TOKEN, PY_ENTRY, Cost, Shape
 from gateway.errors import ParamError
 from gateway.models.anatomy import logits_at
-from gateway.tools.base import Capability, Context, Model, right_padded, tool
-from gateway.tools.batching import one_pass
+from gateway.tools.base import Capability, Context, Model, tool
+from gateway.tools.batching import Chunk, Chunked, WindowItem
 from gateway.tools import windows
 from gateway.tools.numbers import floats
 from gateway.tools.predict import TokenProb
-from gateway.tools.windows import WindowParams, WindowPlan
+from gateway.tools.windows import WindowIds, WindowParams, WindowPlan
 
 PASS_TOKENS = 16384  # padded tokens in one pass over windows
 
@@ -85,7 +87,8 @@ class _Windowed:
         self.ids = [*framed.head, *framed.own, *framed.tail]
         self.plan = WindowPlan(windows=cut, stitch=sizes.stitch, window=sizes.window, overlap=sizes.overlap)
         shares = windows.shares(cut, sizes.stitch)
-        self.rows: list[list[int]] = []
+        self.rows: list[WindowIds] = []
+        self.windows: list[int] = []  # each row's window in the plan
         self.reads: list[list[tuple[int, int, float]]] = []
         self.positions: list[int] = []  # each mask's among the text's own tokens
         row_of: dict[int, int] = {}
@@ -100,7 +103,8 @@ class _Windowed:
                 share = shares[w]
                 if w not in row_of:
                     row_of[w] = len(self.rows)
-                    self.rows.append(framed.window(*cut[w]))
+                    self.rows.append(WindowIds(framed, *cut[w]))
+                    self.windows.append(w)
                 weight = 1.0 if share.weights is None else float(share.weights[q - share.start])
                 reads.append((row_of[w], len(framed.head) + q - cut[w][0], weight))
                 w -= 1
@@ -119,7 +123,7 @@ def cost(model: Model, params: FillMaskParams) -> Cost:
         masks, reads = sum(len(text.reads) for text in cut), sum(len(r) for text in cut for r in text.reads)
     result = masks * params.top_k * (JSON_ENTRY + JSON_TOKEN)
     width = max(len(ids) for ids in rows)
-    in_pass = max(1, min(len(rows), PASS_TOKENS // width)) if params.window is not None else len(rows)
+    in_pass = max(1, min(len(rows), PASS_TOKENS // width, windows.PASS_ROWS)) if params.window is not None else len(rows)
     memory = (
         shape.block_bytes(in_pass, width) + shape.states_bytes(in_pass, width, 1) + shape.logits_bytes(reads)
         + masks * params.top_k * PY_ENTRY + result
@@ -129,67 +133,74 @@ def cost(model: Model, params: FillMaskParams) -> Cost:
     )
 
 
-def _fill_many(model: Model, jobs: list[FillMaskParams], ctxs: list[Context]) -> list[FillMaskResult]:
-    # Every text of every job in one right-padded pass (windows in passes of their own): each position
-    # sees only its own row's real tokens. Each mask's probabilities are the weighted sum of its reads'
-    # (one read of weight 1 without windows, or with `center`).
-    passes = windows.Passes(PASS_TOKENS)
-    reads: list[tuple[int, int, int, int, float]] = []  # (pass, row, column, mask, weight)
-    per_text: list[tuple[list[int], Any]] = []  # each text's own positions of its masks, and its plan
-    n_masks = 0
-    for params in jobs:
+def _plan(model: Model, jobs: list[FillMaskParams], ctxs: Any = None) -> list[Chunk]:
+    # Every whole text of every job in the first right-padded pass; the windows holding a mask in
+    # passes of at most PASS_TOKENS padded tokens, in order. Each read: a mask's column in its row,
+    # its weight (1 without windows, or with `center`), and which of the text's masks it is.
+    passes = windows.ReadPasses(PASS_TOKENS)
+    for job, params in enumerate(jobs):
+        for i, text in enumerate(params.texts):
+            if params.window is None:
+                ids = model.encode(text)
+                ats = [at for at, t in enumerate(ids) if t == model.mask_token_id]
+                passes.whole((job, i), ids, ats, [1.0] * len(ats), range(len(ats)))
+                continue
+            cut = _Windowed(model, params, i)
+            per_row: list[list[tuple[int, float, int]]] = [[] for _ in cut.rows]
+            for m, mask_reads in enumerate(cut.reads):
+                for row, col, weight in mask_reads:
+                    per_row[row].append((col, weight, m))
+            for w, row, reads in sorted(zip(cut.windows, cut.rows, per_row), key=lambda entry: entry[0]):
+                cols, weights, masks = zip(*reads)
+                passes.window((job, WindowItem(i, w)), row, cols, weights, masks)
+    return passes.chunks()
+
+
+def _run(model: Model, jobs: list[FillMaskParams], chunk: Chunk) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per item, which of its text's masks each read is, and the read's probabilities by its weight (on the CPU)."""
+    input_ids, mask, rows, cols, weights, counts = windows.read_pass(model, chunk)
+    # Only the masked positions go through the head: rows × tokens × vocabulary would be large.
+    p = logits_at(model, input_ids, mask, rows, cols).softmax(dim=-1)
+    weighted = (p * weights[:, None].to(p.dtype)).float().cpu()
+    return [(chunk.extra[windows.READS][key][2], part.clone()) for key, part in zip(chunk.items, weighted.split(counts))]
+
+
+def _assemble(model: Model, jobs: list[FillMaskParams], outputs: dict[Any, Any], ctxs: Any = None) -> list[FillMaskResult]:
+    # Each mask's probabilities: the sum of its reads' (a window's each), in the plan's order.
+    results = []
+    for job, params in enumerate(jobs):
+        fills, plans = [], []
         for i, text in enumerate(params.texts):
             if params.window is None:
                 ids = model.encode(text)
                 own = {at: n for n, at in enumerate(model.own(ids))}
-                ats = [at for at, t in enumerate(ids) if t == model.mask_token_id]
-                placed = passes.whole(ids)
-                reads += [(*placed, at, n_masks + m, 1.0) for m, at in enumerate(ats)]
-                per_text.append(([own[at] for at in ats], None))
-                n_masks += len(ats)
-                continue
-            cut = _Windowed(model, params, i)
-            in_passes = [passes.window(window) for window in cut.rows]
-            for m, mask_reads in enumerate(cut.reads):
-                reads += [(*in_passes[row], col, n_masks + m, weight) for row, col, weight in mask_reads]
-            per_text.append((cut.positions, cut.plan))
-            n_masks += len(cut.positions)
-    by_pass: list[list[tuple[int, int, int, int, float]]] = [[] for _ in passes.rows]
-    for read in reads:
-        by_pass[read[0]].append(read)
-    probs: torch.Tensor | None = None
-    for pass_rows, mine in zip(passes.rows, by_pass):
-        if not mine:
-            continue
-        input_ids, mask = right_padded(model, pass_rows)
-        # Only the masked positions go through the head: rows × tokens × vocabulary would be large.
-        p = logits_at(model, input_ids, mask, [r[1] for r in mine], [r[2] for r in mine]).softmax(dim=-1)
-        weights = torch.tensor([r[4] for r in mine], device=p.device, dtype=p.dtype)
-        index = torch.tensor([r[3] for r in mine], device=p.device)
-        if probs is None:
-            probs = p.new_zeros((n_masks, p.shape[-1]))
-        probs.index_add_(0, index, p * weights[:, None])
-    assert probs is not None
-    top = probs.topk(max(params.top_k for params in jobs), dim=-1)
-    top_ids, top_p = top.indices.tolist(), floats(top.values)
-    texts = model.token_texts(i for ids in top_ids for i in ids)
-    results, cell, text_at = [], 0, 0
-    for params, ctx in zip(jobs, ctxs):
-        k, fills, plans = params.top_k, [], []
-        for _ in params.texts:
-            positions, plan = per_text[text_at]
-            text_at += 1
-            fill = []
-            for position in positions:
-                predictions = [TokenProb(i, texts[i], p) for i, p in zip(top_ids[cell][:k], top_p[cell][:k])]
-                fill.append(MaskFill(position=position, predictions=predictions))
-                cell += 1
-            fills.append(fill)
+                positions, plan = [own[at] for at, t in enumerate(ids) if t == model.mask_token_id], None
+                pieces = [outputs[job, i]]
+            else:
+                cut = _Windowed(model, params, i)
+                positions, plan = cut.positions, cut.plan
+                pieces = [outputs[job, WindowItem(i, w)] for w in sorted(cut.windows)]
+            probs = torch.zeros(len(positions), pieces[0][1].shape[-1])
+            for masks, weighted in pieces:
+                probs.index_add_(0, masks, weighted)
+            top = probs.topk(params.top_k, dim=-1)
+            top_ids, top_p = top.indices.tolist(), floats(top.values)
+            texts = model.token_texts(t for ids_ in top_ids for t in ids_)
+            fills.append([
+                MaskFill(position=position, predictions=[TokenProb(t, texts[t], p) for t, p in zip(top_ids[m], top_p[m])])
+                for m, position in enumerate(positions)
+            ])
             plans.append(plan)
-        ctx.progress(len(params.texts), len(params.texts), "texts")
         results.append(FillMaskResult(mask_token=_mask(model), fills=fills, plans=plans if params.window is not None else None))
     return results
 
+
+# A pass a step: the whole texts, or a pass of windows holding a mask; each kept in the job's
+# checkpoint, so that a job whose engine died goes on from its last pass. A job of several texts is
+# cut over a model's idle engines by its texts.
+work = Chunked(
+    plan=_plan, run=_run, assemble=_assemble, unit="texts", items="texts", per_item=("fills", "plans"), resumable=lambda params: True,
+)
 
 
 @tool(
@@ -197,9 +208,10 @@ def _fill_many(model: Model, jobs: list[FillMaskParams], ctxs: list[Context]) ->
     cost=cost,
     caps={"texts": "max_prompts"},
     sequences=("texts",),
-    batch=one_pass(_fill_many),
+    batch=work.batch,
+    spread=work,
     needs={Capability.MASKED_LM},
 )
 def fill_mask(model: Model, params: FillMaskParams, ctx: Context) -> FillMaskResult:
     """The top-k tokens a masked LM puts at each mask token of each text."""
-    return _fill_many(model, [params], [ctx])[0]
+    return work.many(model, [params], [ctx])[0]

@@ -415,18 +415,21 @@ class ReadPasses:
         self.keys: list[list[Any]] = [[]]
         self.reads: dict[Any, tuple[Any, Any]] = {}
 
-    def whole(self, key: Any, ids: list[int], cols: Any, scored: Any) -> None:
-        self._put(self.passes.whole(ids)[0], key, cols, scored)
+    def whole(self, key: Any, ids: list[int], cols: Any, scored: Any, *more: Any) -> None:
+        """A whole text's row, into the first pass: its columns read, the tokens (or weights) they
+        score, and what else its run needs of each read (`more`: one value a read)."""
+        self._put(self.passes.whole(ids)[0], key, cols, scored, *more)
 
-    def window(self, key: Any, row: WindowIds, cols: Any, scored: Any) -> None:
-        self._put(self.passes.window(row)[0], key, cols, scored)
+    def window(self, key: Any, row: WindowIds, cols: Any, scored: Any, *more: Any) -> None:
+        """A window's row, into the last pass or a new one, as `whole`'s."""
+        self._put(self.passes.window(row)[0], key, cols, scored, *more)
 
-    def _put(self, at: int, key: Any, cols: Any, scored: Any) -> None:
+    def _put(self, at: int, key: Any, *reads: Any) -> None:
         import torch
 
         self.keys.extend([] for _ in range(len(self.passes.rows) - len(self.keys)))
         self.keys[at].append(key)
-        self.reads[key] = (torch.as_tensor(cols), torch.as_tensor(scored))
+        self.reads[key] = tuple(torch.as_tensor(values) for values in reads)
 
     def chunks(self) -> list[Chunk]:
         return [
@@ -444,8 +447,8 @@ def read_pass(model: Any, chunk: Chunk) -> tuple[Any, Any, Any, Any, Any, list[i
     input_ids, mask = right_padded(model, [row.ids() if isinstance(row, WindowIds) else row for row in chunk.data])
     device = input_ids.device
     reads = [chunk.extra[READS][key] for key in chunk.items]
-    counts = [len(cols) for cols, _ in reads]
+    counts = [len(read[0]) for read in reads]
     rows = torch.repeat_interleave(torch.arange(len(reads)), torch.tensor(counts)).to(device)
-    cols = torch.cat([c for c, _ in reads]).to(device)
-    scored = torch.cat([t for _, t in reads]).to(device)
+    cols = torch.cat([read[0] for read in reads]).to(device)
+    scored = torch.cat([read[1] for read in reads]).to(device)
     return input_ids, mask, rows, cols, scored, counts
