@@ -121,8 +121,8 @@ class EngineLink(Link):
         self.checkpoints = checkpoint_folder
 
     def _checkpoint(self, job: Job, tool: Tool) -> str | None:
-        """The folder of `job`'s checkpoint, if its tool keeps one (a `Chunked` tool's), removed when it ends."""
-        if self.checkpoints is None or not isinstance(tool.spread, Chunked) or tool.spread.resumable is None:
+        """The folder of `job`'s checkpoint, if its tool keeps one (`Tool.resumable`), removed when it ends."""
+        if self.checkpoints is None or tool.resumable is None:
             return None
         folder = os.path.join(self.checkpoints, job.id)
         if job.checkpoint is None:

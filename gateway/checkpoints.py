@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import contextvars
 import hashlib
+import logging
 import os
 import pickle
 import shutil
@@ -41,6 +42,7 @@ from collections.abc import Hashable, Iterator
 from typing import Any
 
 JOURNAL = "journal"
+log = logging.getLogger("streamgate.checkpoints")
 _LENGTH = struct.Struct("<Q")
 
 
@@ -93,6 +95,18 @@ class Checkpoint:
             os.close(fd)
 
 
+def keep(checkpoints: dict[Any, Checkpoint], job: Any, pieces: list[tuple[Hashable, Any]]) -> None:
+    """Append `pieces` to `job`'s checkpoint (one of a run's, by job); on a full disk the job goes on
+    without one to go on from, and leaves `checkpoints`."""
+    if not pieces:
+        return
+    try:
+        checkpoints[job].record(pieces)
+    except OSError as exc:
+        log.warning("a checkpoint could not be written (%s); its job goes on without", exc)
+        del checkpoints[job]
+
+
 # The checkpoint of the job being admitted (an executor sets it around its admission, as its gateway
 # asked); the backend that queues the job hands it on (backends/local.py).
 given: contextvars.ContextVar[Checkpoint | None] = contextvars.ContextVar("checkpoint", default=None)
@@ -106,8 +120,8 @@ def removed_with(job: Any, folder: str) -> None:
 
 
 def resumable(tool: Any, params: Any) -> bool:
-    """Whether a job of `tool` with `params` keeps a checkpoint it can go on from (a `Chunked` tool's that says so)."""
-    check = getattr(tool.spread, "resumable", None)
+    """Whether a job of `tool` with `params` keeps a checkpoint it can go on from (`Tool.resumable`)."""
+    check = getattr(tool, "resumable", None)
     return check is not None and bool(check(params))
 
 

@@ -24,7 +24,7 @@ from backends import loading as models
 from backends.local import LocalBackend
 from gateway.models import sae as sae_files
 from gateway.errors import ParamError
-from gateway.tools import builtin_tools, collect
+from gateway.tools import builtin_tools, collect, windows
 from gateway.tools.generate import GenerateParams, generate
 from gateway.tools.sae_tools import (
     AnnotateParams,
@@ -635,3 +635,113 @@ def test_a_job_cancelled_in_a_shared_batch_has_no_rows_in_the_next_passes(model:
     assert results[1] is None and sum(rows) == 10  # the first job's ten windows; none of the second's
     got, want = results[0].sequences[0], alone.sequences[0]
     assert np.array_equal(got.tracks, want.tracks) and got.features == want.features
+
+
+@pytest.mark.parametrize(
+    ("mode", "stitch", "file"), [("top", "mean", None), ("pick", "center", "bigwig"), ("top", "left", "bigwig")]
+)
+def test_an_annotation_over_windows_goes_on_from_its_last_kept_pass_with_the_same_tracks(
+    model: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, stitch: str, file: str | None
+) -> None:
+    """A job of two sequences in windows, two windows a pass, keeps each pass's encoded windows in its
+    checkpoint; killed after half its passes (its last record torn), the next run replays what was
+    kept and runs the rest: the same answer and the same files, byte for byte, and the windows kept
+    never run again. Mode top runs its windows twice (the peaks, then the tracks): there the cut falls
+    in the second run."""
+    import os
+
+    from gateway.checkpoints import Checkpoint
+    from gateway.encoding import to_json
+    from gateway.tools import sae_tools
+    from tests.test_checkpoints import FileCtx, journal
+
+    monkeypatch.setattr(sae_tools, "PASS_TOKENS", 256)  # two windows of 100 a pass
+    sequences = ["".join("ACGT"[(i * 7 + i // 3 + k) % 4] for i in range(n)) for k, n in enumerate([1000, 700])]
+    params = AnnotateParams(
+        sequences=sequences, window=100, overlap=30, stitch=stitch, mode=mode, k=3,
+        feature_ids=[0, 1, 2] if mode == "pick" else None, file=file,
+    )
+    passes: list[int] = []
+    handle = model.module.register_forward_pre_hook(lambda *_: passes.append(1))
+
+    def run(folder: Path, resumed: bool = False) -> tuple[bytes, dict[str, bytes], FileCtx]:
+        ctx = FileCtx(Checkpoint(str(folder), resumed=resumed))
+        with torch.inference_mode():
+            out = sae_tools._annotate_many(model, [params], [ctx])[0]
+        files = {name: Path(path).read_bytes() for name, path in ctx.files.take().items()}
+        return to_json(out), files, ctx
+
+    try:
+        os.mkdir(tmp_path / "whole")
+        whole, whole_files, _ = run(tmp_path / "whole")
+        assert bool(whole_files) == (file is not None)
+        folder = tmp_path / "cp"
+        os.mkdir(folder)
+        first, first_files, ctx = run(folder)
+        assert first == whole and first_files == whole_files
+        total = ctx.frames[-1][1]
+        records = journal(ctx.checkpoint)
+        assert len(passes) == 2 * len(records)  # a record a pass
+        assert len(records) == (total + 1) // 2 and total == (14 + 10) * (2 if mode == "top" else 1)
+
+        half = len(records) // 2 + 2  # mode top: 4 windows into the second run; pick: 2 into the second sequence
+        Path(ctx.checkpoint.path).write_bytes(b"".join(records[:half]) + records[half][:30])
+        passes.clear()
+        again, again_files, resumed = run(folder, resumed=True)
+        assert again == whole and again_files == whole_files
+        assert len(passes) == len(records) - half  # the kept passes' windows never ran again
+        assert resumed.frames[0] == (2 * half, total, "windows")
+        assert [d for d, _, _ in resumed.frames] == sorted(d for d, _, _ in resumed.frames)
+    finally:
+        handle.remove()
+
+
+def test_an_annotation_whose_engine_is_killed_mid_way_goes_on_from_its_last_kept_pass_in_the_next(
+    tiny_model_path: Path, sae_path: Path, tmp_path: Path
+) -> None:
+    """`sae_annotate_dying` (tests/support/engine_tools.py) is `sae_annotate` whose engine is SIGKILLed
+    once, after 3 of its 10 passes (714 windows of 100 bases, 160 a pass, run twice): the job goes on
+    in the new engine from its third pass, and ends once, with the tracks of an annotation never cut
+    (both as bigWig files)."""
+    import pyBigWig
+
+    from tests.test_engines import copies, start_gateway
+
+    gateway = start_gateway(tmp_path, f"text={tiny_model_path}", extra=("--sae", str(sae_path), "--result-spool", str(tmp_path)))
+    try:
+        n = 50_000
+        sequence = "".join("ACGT"[(i * 7 + i // 3) % 4] for i in range(n))
+        params = {"sequences": [sequence], "window": 100, "overlap": 30, "mode": "top", "k": 3, "file": "bigwig"}
+        count = len(windows.plan(n, windows.Sizes(100, 30, windows.Stitch.LEFT)))
+        before = copies(gateway, "text")[0]
+        marker = tmp_path / "died"
+        cut = run_stream(gateway.url, "sae_annotate_dying", params | {"die_at": 3, "marker": str(marker)}, timeout=120)
+        assert marker.exists() and cut.terminal is not None and cut.terminal["event"] == "data", cut.events[-3:]
+        assert [e["event"] for e in cut.events].count("data") + [e["event"] for e in cut.events].count("error") == 1
+        assert copies(gateway, "text")[0]["restarts"] == before["restarts"] + 1
+        statuses = [e["data"] for e in cut.of("status")]
+        told = next(i for i, f in enumerate(statuses) if "goes on from its last finished piece" in f.get("message", ""))
+        frames = [f["progress"] for f in statuses if "progress" in f]
+        assert count == 714 and frames[-1] == {"done": 2 * count, "total": 2 * count, "unit": "windows"}
+        assert [f["done"] for f in frames] == sorted(f["done"] for f in frames)
+        resumed = [f["progress"]["done"] for f in statuses[told:] if "progress" in f]
+        assert resumed[0] >= 3 * 160, resumed
+
+        whole = run_stream(gateway.url, "sae_annotate", params, timeout=120)
+        assert whole.terminal["event"] == "data"
+        assert cut.terminal["data"]["sequences"] == whole.terminal["data"]["sequences"]
+
+        def tracks(done: Any) -> dict[str, list[float]]:
+            job_id = done.events[0]["data"]["job_id"]
+            out = {}
+            for f in done.terminal["data"]["files"]:
+                if f["name"].endswith(".bw"):
+                    path = tmp_path / f["name"]
+                    path.write_bytes(httpx.get(f"{gateway.url}/jobs/{job_id}/files/{f['name']}").content)
+                    with pyBigWig.open(str(path)) as bw:
+                        out[f["name"]] = bw.values("seq1", 0, n)
+            return out
+
+        assert tracks(cut) == tracks(whole) and len(tracks(whole)) == 4
+    finally:
+        gateway.stop()

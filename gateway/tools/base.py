@@ -97,6 +97,8 @@ class Tool:
     `needs` are the model capabilities the tool cannot run without; a model
     that lacks one is refused with 422 `unsupported_by_model` before queueing.
     `spread` lets one job's work run on every device at once (see batching.py).
+    `resumable(params)` says whether a job keeps a checkpoint that a run after its
+    engine died goes on from (gateway/checkpoints.py); default: its `spread`'s.
     `cost(model, params) -> gateway.cost.Cost` prices a job before it is queued: the
     memory of its largest step and the bytes of its result (gateway/cost.py); a job
     over `--max-job-memory` or `--max-result-bytes` is refused with 413 `too_large`.
@@ -119,6 +121,7 @@ class Tool:
     batch_key: Callable[[Any], Hashable] | None = None
     needs: frozenset[Capability] = frozenset()
     spread: Any = None
+    resumable: Callable[[Any], bool] | None = None
     sequences: tuple[str, ...] = ()
     tagged: tuple[str, ...] | None = None  # of `sequences`, those a `tag` goes before (None: all)
     # Published schemas, for a tool learned from another service's `GET /tools`.
@@ -194,6 +197,7 @@ def tool(
     batch_key: Callable[[Any], Hashable] | None = None,
     needs: Iterable[Capability] = (),
     spread: Any = None,
+    resumable: Callable[[Any], bool] | None = None,
     sequences: Iterable[str] = (),
     tagged: Iterable[str] | None = None,
 ) -> Any:
@@ -216,6 +220,7 @@ def tool(
             batch_key=batch_key,
             needs=frozenset(needs),
             spread=spread,
+            resumable=resumable if resumable is not None else getattr(spread, "resumable", None),
             sequences=tuple(sequences),
             tagged=tuple(tagged) if tagged is not None else None,
         )

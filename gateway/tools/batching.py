@@ -24,18 +24,16 @@ each chunk is the same padded pass, so the results are the same.
 from __future__ import annotations
 
 import functools
-import logging
 import weakref
 from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from gateway import checkpoints
 from gateway.tools.base import Cancelled, Context
 
 if TYPE_CHECKING:
     from gateway.tools.base import Model
-
-log = logging.getLogger("streamgate.batching")
 
 
 class Batch(Protocol):
@@ -264,17 +262,12 @@ class ChunkRun:
         """`chunk` ran: its outputs kept, in its jobs' checkpoints too, and its progress told."""
         self.outputs.update(zip(chunk.items, outputs))
         sinks = chunk.extra.get(SINKS, {})
-        for job, checkpoint in list(self.checkpoints.items()):
+        for job in list(self.checkpoints):
             if self.ctxs[job].cancelled:  # ended: nothing of it will go on, and its folder may be gone
                 continue
             sink = sinks.get(job)
             pieces = [(item, _IN_SINK if sink is not None and out is sink else out) for (j, item), out in zip(chunk.items, outputs) if j == job]
-            try:
-                if pieces:
-                    checkpoint.record(pieces)
-            except OSError as exc:  # a full disk: the job goes on, without a checkpoint to go on from
-                log.warning("a checkpoint could not be written (%s); its job goes on without", exc)
-                del self.checkpoints[job]
+            checkpoints.keep(self.checkpoints, job, pieces)
         self.progress.advance(chunk)
         self._partials(chunk.items)
 

@@ -202,11 +202,18 @@ class TrackFiles:
         if fires:
             self._fires(track, start, values)
 
+    def _opened(self, name: str) -> IO[bytes]:
+        """The job's file `name`, empty: a run that goes on from a checkpoint writes its tracks again
+        from the start (gateway/tools/sae_tools.py `_Kept`), over what the run before it left."""
+        file = self.open_file(name)
+        file.truncate(0)
+        return file
+
     def _bigwig(self, track: str) -> Any:
         if track not in self._bigwigs:
             import pyBigWig
 
-            file = self.open_file(f"{track}.bw")
+            file = self._opened(f"{track}.bw")
             if self._folder is None and isinstance(file.name, str):
                 self._folder = os.path.dirname(file.name)
             bigwig = pyBigWig.open(_own_path(file), "w")
@@ -245,7 +252,7 @@ class TrackFiles:
         if not spills:
             return
         if self._bed is None:
-            self._bed = self.open_file("features.bed")
+            self._bed = self._opened("features.bed")
         lines: list[str] = []
         for a, b, track, most in heapq.merge(*(spill.read(track) for track, spill in sorted(spills.items()))):
             lines.append(f"{chrom}\t{a}\t{b}\t{track}\t{_score(most, peaks.get(track, 0.0))}\n")

@@ -20,12 +20,13 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 from collections.abc import Callable, Generator, Iterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 import numpy as np
 import torch
 
+from gateway import checkpoints
 from gateway.cost import JSON_ENTRY, JSON_FLOAT, JSON_FRAME, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
 from gateway.models.anatomy import anatomy
@@ -439,6 +440,26 @@ def _annotate_into(
     return SequenceAnnotation(features=summary, name=name, length=n)
 
 
+class _Stretch(NamedTuple):
+    """What a stretch of a windowed sequence's positions gave when encoded: from position `start`, the
+    relative error and each feature's largest value (the first run), and the chosen features' values
+    (chosen × positions, once they are chosen)."""
+
+    start: int
+    relative: np.ndarray | None
+    most: torch.Tensor | None
+    values: np.ndarray | None
+
+
+@dataclass
+class _Encoded:
+    """A window's encoded stretches, as a job's checkpoint keeps them, and (the last window of a
+    pass, with `mean`) the stitched rows not final yet and where they start."""
+
+    stretches: list[_Stretch]
+    pending: tuple[torch.Tensor, int] | None = None
+
+
 class _Stream:
     """A windowed sequence's annotation, built as its windows come, in plan order. A window's share of
     the stitched residual stream is final once no later window holds its positions (at once with
@@ -453,6 +474,10 @@ class _Stream:
     ) -> None:
         self.model, self.sae, self.params, self.files = model, sae, params, files
         self.framed, self.plan, self.shares = framed, plan, shares
+        # Each window's encoded stretches, with the round it ran in, since they were last taken
+        # (`logged`): what a job's checkpoint keeps, for a run after its engine died to go on from
+        # (None: the job keeps none).
+        self.log: list[tuple[int, int, _Encoded]] | None = None
         self.n = len(framed.own)
         self.relative = np.empty(self.n, dtype=np.float32) if files is None else None
         self.peaks: torch.Tensor | None = None
@@ -488,6 +513,8 @@ class _Stream:
         """Window `w`'s residual stream (its row of a pass): its share, final where no later window goes."""
         assert w == self.next, f"window {w} came before window {self.next}"
         self.next += 1
+        if self.log is not None:
+            self.log.append((self.round, w, _Encoded([])))
         share = self.shares[w]
         begin = len(self.framed.head) + share.offset
         rows = x[begin : begin + share.end - share.start]
@@ -514,18 +541,52 @@ class _Stream:
         for a in range(0, len(x), step):
             xs = x[a : a + step]
             f = self.sae.encode(xs)
+            relative = most = values = None
             if self.round == 0:
                 relative = ((xs - self.sae.decode(f)).norm(dim=-1) / xs.norm(dim=-1).clamp(min=1e-12)).float().cpu().numpy()
-                if self.files is not None:
-                    self.files[0].write(self.files[1], "relative_error", start + a, relative)
-                else:
-                    assert self.relative is not None
-                    self.relative[start + a : start + a + len(xs)] = relative
-                most = f.max(dim=0).values
-                self.peaks = most if self.peaks is None else torch.maximum(self.peaks, most)
+                most = f.max(dim=0).values.float().cpu()
             if self.chosen is not None and self.chosen:
                 index = torch.tensor(self.chosen, dtype=torch.long, device=f.device)
-                self._tracks(start + a, f.index_select(1, index).T.float().cpu().numpy())
+                values = f.index_select(1, index).T.float().cpu().numpy()
+            stretch = _Stretch(start + a, relative, most, values)
+            if self.log is not None:
+                self.log[-1][2].stretches.append(stretch)
+            self._apply(stretch)
+
+    def _apply(self, stretch: _Stretch) -> None:
+        """A stretch's numbers, encoded now or by a run before this one: written, kept, summed up."""
+        if stretch.relative is not None:
+            if self.files is not None:
+                self.files[0].write(self.files[1], "relative_error", stretch.start, stretch.relative)
+            else:
+                assert self.relative is not None
+                self.relative[stretch.start : stretch.start + len(stretch.relative)] = stretch.relative
+        if stretch.most is not None:
+            self.peaks = stretch.most if self.peaks is None else torch.maximum(self.peaks, stretch.most)
+        if stretch.values is not None:
+            self._tracks(stretch.start, stretch.values)
+
+    def logged(self) -> list[tuple[tuple[int, int], _Encoded]]:
+        """The windows encoded since the last call, each by (round, window), for the job's checkpoint;
+        the last one with the stitched rows not final yet (`mean`), which the next window adds to."""
+        if not self.log:
+            return []
+        done, self.log = self.log, []
+        if self.pending is not None:
+            done[-1][2].pending = (self.pending.float().cpu(), self.lo)
+        return [((r, w), encoded) for r, w, encoded in done]
+
+    def replay(self, w: int, encoded: _Encoded) -> None:
+        """Window `w` as a run before this one encoded it (`logged`): its numbers, without the model."""
+        assert w == self.next, f"window {w} came before window {self.next}"
+        self.next += 1
+        for stretch in encoded.stretches:
+            self._apply(stretch)
+        if encoded.pending is not None:
+            rows, self.lo = encoded.pending
+            self.pending = rows.to(self.model.device)
+        if self.next == len(self.plan.windows):
+            self._ended()
 
     def _tracks(self, start: int, values: np.ndarray) -> None:
         """The chosen features' values at positions `start`.. (chosen × positions): kept or written, summed up."""
@@ -701,8 +762,13 @@ def _annotate_passes(
         return [
             (saes[key[0]].spec.layer, len(stream.framed.window(*stream.plan.windows[w])), (key, w))
             for key, stream in streams.items() if stream.wanted and not ctxs[key[0]].cancelled
-            for w in range(len(stream.plan.windows))
+            for w in range(stream.next, len(stream.plan.windows))
         ]
+
+    kept = _Kept(jobs, ctxs, streams)
+    for key, w in kept.replay():
+        progress.advance(key[0])
+    progress.tell()
 
     rows: list[tuple[int, int, Any]] = [(saes[row[0]].spec.layer, len(row[2]), row) for row in texts] + windows_left()
     while rows:
@@ -724,6 +790,7 @@ def _annotate_passes(
                 else:
                     outputs[j, s] = _annotate_sequence(model, sae, params, x, ids)
                 progress.advance(j)
+            kept.record()
             progress.tell()
             yield
         rows = windows_left()  # those that run again (mode top): their features are chosen now
@@ -748,6 +815,53 @@ def _annotate_passes(
             files = tracks.pop(j).close() if j in tracks else None
             results.append(AnnotateResult(sae=sae.name, layer=sae.spec.layer, sequences=done, files=files))
     return results
+
+
+class _Kept:
+    """The checkpoints of a run's jobs that keep one (`_resumable`): after each pass, the windows each
+    sequence encoded in it go to its job's journal, in the order they ran; a run after its engine
+    died replays them in that order (the same numbers into the same files) before running the rest."""
+
+    def __init__(self, jobs: list[AnnotateParams], ctxs: list[Context], streams: dict[tuple[int, int], _Stream]) -> None:
+        self.streams = streams
+        self.checkpoints = {
+            j: checkpoint for j, (params, ctx) in enumerate(zip(jobs, ctxs))
+            if _resumable(params) and (checkpoint := getattr(ctx, "checkpoint", None)) is not None
+        }
+        self.ctxs = ctxs
+        self.order = 0  # the windows encoded so far, in this job's runs: each record's place
+        for key, stream in streams.items():
+            if key[0] in self.checkpoints:
+                stream.log = []
+
+    def replay(self) -> Iterator[tuple[tuple[int, int], int]]:
+        """The windows the runs before this one kept, each replayed in its sequence's stream: (sequence's key, window)."""
+        kept = []
+        for j, checkpoint in self.checkpoints.items():
+            kept += [(order, (j, s), w, encoded) for (order, s, _, w), encoded in checkpoint.finished().items()]
+        for order, key, w, encoded in sorted(kept, key=lambda entry: entry[0]):
+            self.streams[key].replay(w, encoded)
+            self.order = max(self.order, order + 1)
+            yield key, w
+
+    def record(self) -> None:
+        """The windows each job's sequences encoded in the pass just run, into its checkpoint."""
+        for j in list(self.checkpoints):
+            if self.ctxs[j].cancelled:  # ended: nothing of it will go on, and its folder may be gone
+                continue
+            pieces = []
+            for (job, s), stream in self.streams.items():
+                if job == j:
+                    for (r, w), encoded in stream.logged():
+                        pieces.append(((self.order, s, r, w), encoded))
+                        self.order += 1
+            checkpoints.keep(self.checkpoints, j, pieces)
+
+
+def _resumable(params: AnnotateParams) -> bool:
+    """A job of long sequences in windows keeps what each window encoded (gateway/checkpoints.py); its
+    other jobs are a pass each, or a prompt."""
+    return params.window is not None and params.sequences is not None
 
 
 def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]) -> list[AnnotateResult]:
@@ -795,6 +909,7 @@ def _track_files(model: Model, params: AnnotateParams, ctx: Context) -> TrackFil
     caps={"sequences": "max_sequences"},
     sequences=("prompt", "sequences"),
     batch=in_steps(_annotate_steps),
+    resumable=_resumable,
     needs={Capability.LAYERS, Capability.SAE},
 )
 def sae_annotate(model: Model, params: AnnotateParams, ctx: Context) -> AnnotateResult:

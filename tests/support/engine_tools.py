@@ -16,10 +16,12 @@ import torch
 from gateway.tools import Cancelled, Context, Model, tool
 from gateway.tools import embed as embed_tool
 from gateway.tools import logprobs as logprobs_tool
+from gateway.tools import sae_tools
 from gateway.tools.base import Capability
-from gateway.tools.batching import Chunk, Chunked, WindowItem, one_pass, sorted_chunks
+from gateway.tools.batching import Chunk, Chunked, WindowItem, in_steps, one_pass, sorted_chunks
 from gateway.tools.embed import EmbedParams
 from gateway.tools.logprobs import LogprobsParams
+from gateway.tools.sae_tools import AnnotateParams
 
 
 class NapParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -126,6 +128,7 @@ def _dying_params(base: type) -> Any:
 
 DyingEmbedParams = _dying_params(EmbedParams)
 DyingLogprobsParams = _dying_params(LogprobsParams)
+DyingAnnotateParams = _dying_params(AnnotateParams)
 
 
 def _run_or_die(work: Chunked, model: Model, jobs: list[Any], chunk: Chunk) -> list[Any]:
@@ -167,3 +170,30 @@ def embed_dying(model: Model, params: DyingEmbedParams, ctx: Context) -> embed_t
 def logprobs_dying(model: Model, params: DyingLogprobsParams, ctx: Context) -> logprobs_tool.LogprobsResult:
     """`logprobs`, whose engine is killed once mid-job: its job goes on from its last finished pass in the next one."""
     return _dying_logprobs.many(model, [params], [ctx])[0]
+
+
+def _annotate_or_die(model: Model, jobs: list[Any], ctxs: list[Context]) -> Any:
+    """`sae_annotate`'s passes; its engine killed once its first job has run `die_at` of them (each kept
+    in its checkpoint as it ended)."""
+    steps = sae_tools._annotate_steps(model, jobs, ctxs)
+    passes = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as finished:
+            return finished.value
+        passes += 1
+        params = jobs[0]
+        if passes >= params.die_at and params.marker and not os.path.exists(params.marker):
+            open(params.marker, "x").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield
+
+
+@tool(
+    check=sae_tools._check_annotate, cost=sae_tools._cost_annotate, sequences=("sequences",), batch=in_steps(_annotate_or_die),
+    resumable=sae_tools._resumable, needs={Capability.LAYERS, Capability.SAE},
+)
+def sae_annotate_dying(model: Model, params: DyingAnnotateParams, ctx: Context) -> sae_tools.AnnotateResult:
+    """`sae_annotate`, whose engine is killed once after `die_at` passes: its job goes on from its checkpoint in the next one."""
+    return sae_tools.run_through(_annotate_or_die(model, [params], [ctx]))[0]
