@@ -218,8 +218,9 @@ def test_generation():
     for column in ("gateway p50 ms", "gateway best ms", "plain p50 ms", "plain best ms", "p50 ratio", "best ratio"):
         # job time less prefill is a difference of two latencies: on a busy machine it may come out at or below 0.
         assert all(value is not None for value in lone.numbers(column)), (column, lone.rows)
-    for column in ("gateway p50 ms", "plain p50 ms"):
-        assert all(value > 0 for value in lone.numbers(column)[::2]), (column, lone.rows)
+    gateway, plain = lone.numbers("gateway p50 ms"), lone.numbers("plain p50 ms")
+    # The partial span is 0 where a busy machine's client read every partial event in one burst.
+    assert gateway[0] >= 0 and gateway[2] > 0 and plain[0] > 0 and plain[2] > 0, lone.rows
     assert batched.numbers("jobs") == [4]  # --quick: one batch size
     for column in ("gateway jobs/s", "generate() jobs/s", "gateway tokens/s", "generate() tokens/s"):
         assert all(value is not None and value > 0 for value in batched.numbers(column)), (column, batched.rows)

@@ -32,7 +32,7 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = CLI_TIME
     return subprocess.run(
         [str(STREAMGATE), *args],
         cwd=ROOT,
-        env=env if env is not None else clean_env(),
+        env=env if env is not None else clean_env(COLUMNS="120"),  # the width its tables fit, whatever runs the tests
         capture_output=True,
         text=True,
         timeout=timeout,
