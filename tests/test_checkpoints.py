@@ -25,6 +25,7 @@ import redis
 from safetensors.numpy import load as load_safetensors
 
 from gateway.checkpoints import Checkpoint
+from gateway.errors import ParamError
 from gateway.tools import embed, fill_mask, loglikelihood, logprobs, windows
 from gateway.tools.base import Cancelled
 from gateway.tools.batching import WindowItem
@@ -177,6 +178,41 @@ def test_a_scorer_over_windows_goes_on_from_its_last_finished_pass_and_gives_the
     assert again.frames[0] == (16, total, "windows") and [d for d, _, _ in again.frames] == [16, 32, total]
 
 
+def test_logprobs_partials_are_each_windows_scores_in_order_and_a_run_that_goes_on_sends_them_again_first(
+    causal: Any, tmp_path: Path
+) -> None:
+    texts = [LONG_TEXT, LONG_TEXT[:700]]
+    params = logprobs.LogprobsParams(prompts=texts, top=2, partials=True, **STRIDE)
+    checkpoint = Checkpoint(str(tmp_path / "cp"))
+    os.mkdir(checkpoint.folder)
+    ctx = Ctx(checkpoint)
+    result = logprobs.work.many(causal, [params], [ctx])[0]
+    for i, scored in enumerate(result.sequences):
+        parts = [p for p in ctx.partials if p.sequence == i]
+        assert parts and [p.start for p in parts] == [1, *(p.end for p in parts[:-1])] and parts[-1].end == len(scored.token_ids)
+        assert [v for p in parts for v in p.logprobs] == scored.logprobs[1:]
+        assert [t for p in parts for t in p.token_ids] == scored.token_ids[1:]
+        assert [t for p in parts for t in p.tokens] == scored.tokens[1:]
+        assert [t for p in parts for t in p.top] == scored.top
+    assert [p.sequence for p in ctx.partials] == sorted(p.sequence for p in ctx.partials)
+
+    records = journal(checkpoint)
+    Path(checkpoint.path).write_bytes(records[0])
+    again = Ctx(Checkpoint(checkpoint.folder, resumed=True))
+    assert msgspec.json.encode(logprobs.work.many(causal, [params], [again])[0]) == msgspec.json.encode(result)
+    assert msgspec.json.encode(again.partials) == msgspec.json.encode(ctx.partials)
+
+
+def test_logprobs_partials_are_refused_without_window_and_with_file(causal: Any) -> None:
+    for params, why in [
+        (logprobs.LogprobsParams(prompts=["hello"], partials=True), "only with window"),
+        (logprobs.LogprobsParams(prompts=["hello"], partials=True, file="tsv", **STRIDE), "not with file"),
+    ]:
+        with pytest.raises(ParamError) as refused:
+            logprobs.check(causal, params)
+        assert refused.value.field == "partials" and why in refused.value.message
+
+
 def test_logprobs_over_windows_run_a_pass_a_step_and_a_cancel_stops_them_at_the_next(causal: Any) -> None:
     """A pass a step (`InSteps`): a worker runs another job between two, and a job cancelled stops
     before its next pass."""
@@ -300,7 +336,7 @@ def test_logprobs_whose_engine_is_killed_mid_way_go_on_from_their_last_finished_
     gateway, _ = engine
     before = copies(gateway, "text")[0]
     marker = tmp_path / "died"
-    params = {"model": "text", "prompts": [LONG_TEXT], "next_token": True, **STRIDE}
+    params = {"model": "text", "prompts": [LONG_TEXT], "next_token": True, "partials": True, **STRIDE}
     s = run_stream(gateway.url, "logprobs_dying", params | {"die_at": 20, "marker": str(marker)})
     assert marker.exists() and s.terminal is not None and s.terminal["event"] == "data", s.events[-3:]
     assert [e["event"] for e in s.events].count("data") + [e["event"] for e in s.events].count("error") == 1
@@ -320,6 +356,11 @@ def test_logprobs_whose_engine_is_killed_mid_way_go_on_from_their_last_finished_
     assert scored["token_ids"] == ids and scored["plan"]["windows"] == [list(w) for w in cut]
     assert scored["logprobs"][0] is None and max(abs(a - b) for a, b in zip(scored["logprobs"][1:], want[1:])) <= 1e-5
     assert scored["next_token"]["id"] >= 0
+    # Each window's scores streamed once, in order, across the engine's death.
+    parts = [e["data"] for e in s.of("partial")]
+    assert len(parts) == 45 and [p["start"] for p in parts] == [1, *(p["end"] for p in parts[:-1])] and parts[-1]["end"] == len(ids)
+    assert [v for p in parts for v in p["logprobs"]] == scored["logprobs"][1:]
+    assert [t for p in parts for t in p["token_ids"]] == ids[1:]
 
 
 def test_partials_are_each_windows_final_rows_in_order_and_a_run_that_goes_on_sends_its_finished_ones_first(

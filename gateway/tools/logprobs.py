@@ -61,6 +61,13 @@ FILE_DOC = (
 )
 
 
+PARTIALS_DOC = (
+    "With window: send the tokens each window scores as a partial event as soon as its pass ends ({sequence, start, "
+    "end, token_ids, tokens, logprobs, top?}: tokens start..end-1 of the text, each scored given those before it), "
+    "in order within each text; a text's first token, which nothing scores, is in none. The result still holds them all."
+)
+
+
 class LogprobsParams(WindowParams, forbid_unknown_fields=True):
     prompts: Annotated[list[str], msgspec.Meta(min_length=1, description="Texts to score, tokenised as prompts are.")] | None = None
     token_ids: Annotated[
@@ -70,6 +77,7 @@ class LogprobsParams(WindowParams, forbid_unknown_fields=True):
     top: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP, description="The most likely tokens to list at each position.")] = 0
     next_token: Annotated[bool, msgspec.Meta(description="Also the greedy token after each text, with its log-probability.")] = False
     file: Annotated[ScoresFile, msgspec.Meta(description=FILE_DOC)] | None = None
+    partials: Annotated[bool, msgspec.Meta(description=PARTIALS_DOC)] = False
 
 
 class TokenLogprob(msgspec.Struct):
@@ -93,6 +101,18 @@ class Scored(msgspec.Struct, omit_defaults=True):
     next_top: list[TokenLogprob] | None = None  # the `top` alternatives at the next token's position
     plan: WindowPlan | None = None
     """With window: the windows, in the text's own tokens; each token scored in the first that holds it."""
+
+
+class LogprobsPartial(msgspec.Struct, omit_defaults=True):
+    """With partials: the tokens one window scored, as soon as its pass ends."""
+
+    sequence: int
+    start: int
+    end: int
+    token_ids: list[int]
+    tokens: list[str]
+    logprobs: list[float]
+    top: list[list[TokenLogprob]] | None = None
 
 
 class LogprobsResult(msgspec.Struct, omit_defaults=True):
@@ -139,6 +159,10 @@ def check(model: Model, params: LogprobsParams) -> None:
             continue
         with windows.naming_window():
             model.fit(len(ids), f"{field}[{i}]")
+    if params.partials and params.window is None:
+        raise ParamError("partials", "a partial event is the tokens a window scored: only with window")
+    if params.partials and params.file is not None:
+        raise ParamError("partials", "not with file: the scores go into the file")
     if params.file is ScoresFile.TSV and params.top:
         raise ParamError("top", "a TSV file holds one score a token: use file jsonl for the top tokens")
 
@@ -179,13 +203,19 @@ def cost(model: Model, params: LogprobsParams) -> Cost:
     )
     if params.file is not None:
         return written
+    if params.partials:  # every score is in the job's log too (its partial events) until it ends; never a file
+        return dataclasses.replace(inline, memory=inline.memory + result)
     return dataclasses.replace(inline, as_files=written, file_format=fmt.value)
 
 
 class _Scores(NamedTuple):
-    """An item's scores (a whole text, or the positions a window reads), on the CPU: at each position,
-    the scored token's log-probability, the greedy token and its log-probability, and the job's `top`."""
+    """An item's scores (a whole text, or the positions a window reads, from `start` on), on the CPU: at
+    each position t, the token t + 1 it scores and its log-probability, the greedy token and its
+    log-probability, and the job's `top`."""
 
+    start: int
+    length: int  # the text's tokens: the read at its last position scores the next token
+    scored: torch.Tensor
     own: torch.Tensor
     best: torch.Tensor
     best_logprob: torch.Tensor
@@ -201,11 +231,11 @@ def _plan(model: Model, jobs: list[LogprobsParams], ctxs: Any = None) -> list[Ch
         for i, ids in enumerate(rows(model, params)):
             targets = torch.tensor([*ids[1:], 0])  # position t scores token t + 1; the last, the next token
             if params.window is None:
-                passes.whole((job, i), ids, torch.arange(len(ids)), targets)
+                passes.whole((job, i), ids, torch.arange(len(ids)), targets, 0, len(ids))
                 continue
             cut = Strided(model, params, ids, _own(model, params, ids), f"prompts[{i}]")
             for w, (row, (start, end)) in enumerate(zip(cut.rows, cut.spans())):
-                passes.window((job, WindowItem(i, w)), row, torch.arange(start, end) - cut.cut[w][0], targets[start:end])
+                passes.window((job, WindowItem(i, w)), row, torch.arange(start, end) - cut.cut[w][0], targets[start:end], start, len(ids))
     return passes.chunks()
 
 
@@ -229,9 +259,12 @@ def _run(model: Model, jobs: list[LogprobsParams], chunk: Chunk) -> list[_Scores
         for parts in (own, best, best_lp, top_ids, top_values)
     ]
     out = []
-    for (job, _), o, b, blp, ti, tv in zip(chunk.items, *pieces):
-        top = jobs[job].top
-        out.append(_Scores(o.float(), b, blp.float(), ti[:, :top] if top else None, tv[:, :top].float() if top else None))
+    for key, o, b, blp, ti, tv in zip(chunk.items, *pieces):
+        _, tokens, start, length = chunk.extra[windows.READS][key]
+        top = jobs[key[0]].top
+        out.append(_Scores(
+            int(start), int(length), tokens.to(torch.int32), o.float(), b, blp.float(), ti[:, :top] if top else None, tv[:, :top].float() if top else None,
+        ))
     return out
 
 
@@ -245,10 +278,8 @@ def _assemble(model: Model, jobs: list[LogprobsParams], outputs: dict[Any, _Scor
                 plan, scores = None, outputs[job, i]
             else:
                 plan = Strided(model, params, ids, _own(model, params, ids), f"prompts[{i}]").plan
-                scores = _Scores(*(
-                    None if parts[0] is None else torch.cat(parts)
-                    for parts in zip(*(outputs[job, WindowItem(i, w)] for w in range(len(plan.windows))))
-                ))
+                pieces = [outputs[job, WindowItem(i, w)] for w in range(len(plan.windows))]
+                scores = _Scores(0, len(ids), *(None if parts[0] is None else torch.cat(parts) for parts in list(zip(*pieces))[2:]))
             entries.append(_scored(model, params, ids, scores, plan, i, out))
         results.append(LogprobsResult(entries, files=[out.close()] if out is not None else None))
     return results
@@ -321,9 +352,31 @@ def _escaped(token: str) -> str:
     return token.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
 
+def _partial(model: Model, params: LogprobsParams, item: Any, scores: _Scores) -> LogprobsPartial | None:
+    """The tokens a window scored, as a partial event (`partials`): position t scores token t + 1,
+    and a window's last read past the text is the next token, which is in the result only."""
+    if not params.partials or not isinstance(item, WindowItem):
+        return None
+    count = min(len(scores.own), scores.length - 1 - scores.start)
+    ids = scores.scored[:count].tolist()
+    texts = model.token_texts(ids + (scores.top_ids[:count].flatten().tolist() if scores.top_ids is not None else []))
+    partial = LogprobsPartial(
+        item.item, scores.start + 1, scores.start + 1 + count, ids, [texts[t] for t in ids], floats(scores.own[:count]),
+    )
+    if scores.top_ids is not None and scores.top_values is not None:
+        partial.top = [
+            [TokenLogprob(t, texts[t], v) for t, v in zip(ts, vs)]
+            for ts, vs in zip(scores.top_ids[:count].tolist(), floats(scores.top_values[:count]))
+        ]
+    return partial
+
+
 # A pass a step: the whole texts, or a pass of windows; each kept in the job's checkpoint, so that
 # a job whose engine died goes on from its last pass.
-work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="sequences", resumable=lambda params: True)
+work = Chunked(
+    plan=_plan, run=_run, assemble=_assemble, unit="sequences", resumable=lambda params: True, partial=_partial,
+    whole=lambda params: params.partials,
+)
 
 
 @tool(
@@ -334,6 +387,7 @@ work = Chunked(plan=_plan, run=_run, assemble=_assemble, unit="sequences", resum
     batch=work.batch,
     spread=work,
     needs={Capability.NEXT_TOKEN},
+    partial=LogprobsPartial,
 )
 def logprobs(model: Model, params: LogprobsParams, ctx: Context) -> LogprobsResult:
     """Each token's log-probability given the tokens before it, with the top alternatives and the next greedy token if asked."""

@@ -245,7 +245,7 @@ export interface BuiltinTools {
   logprobs: {
     params: LogprobsParams
     result: LogprobsResult
-    partial: null
+    partial: LogprobsPartial
   }
   predict: {
     params: PredictParams
@@ -416,6 +416,10 @@ export interface LogprobsParams {
    */
   next_token?: boolean
   file?: ScoresFile | null
+  /**
+   * With window: send the tokens each window scores as a partial event as soon as its pass ends ({sequence, start, end, token_ids, tokens, logprobs, top?}: tokens start..end-1 of the text, each scored given those before it), in order within each text; a text's first token, which nothing scores, is in none. The result still holds them all.
+   */
+  partials?: boolean
   model?: string | null
   tag?: string | null
   window?: number | null
@@ -468,6 +472,21 @@ export interface ResultFile {
   format: string
   size: number
   description?: string
+}
+/**
+ * With partials: the tokens one window scored, as soon as its pass ends.
+ *
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "LogprobsPartial".
+ */
+export interface LogprobsPartial {
+  sequence: number
+  start: number
+  end: number
+  token_ids: number[]
+  tokens: string[]
+  logprobs: number[]
+  top?: TokenLogprob[][] | null
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
