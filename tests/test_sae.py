@@ -745,3 +745,46 @@ def test_an_annotation_whose_engine_is_killed_mid_way_goes_on_from_its_last_kept
         assert tracks(cut) == tracks(whole) and len(tracks(whole)) == 4
     finally:
         gateway.stop()
+
+
+@pytest.mark.parametrize("mode", ["pick", "top"])
+def test_annotation_partials_are_each_stretchs_final_values_in_order_and_sent_once_across_a_resumed_run(
+    model: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """With partials, the chosen features' values stream as each stretch is final: in order within each
+    sequence, each position once, as the result has them; a run that goes on from the checkpoint sends
+    the same events again, in the same order (the gateway drops those its stream has)."""
+    import os
+
+    from gateway.checkpoints import Checkpoint
+    from gateway.encoding import to_json
+    from gateway.tools import sae_tools
+    from tests.test_checkpoints import Ctx, journal
+
+    monkeypatch.setattr(sae_tools, "PASS_TOKENS", 256)
+    sequences = ["".join("ACGT"[(i * 5 + i // 4 + k) % 4] for i in range(n)) for k, n in enumerate([900, 400])]
+    params = AnnotateParams(
+        sequences=sequences, window=100, overlap=30, mode=mode, k=3, feature_ids=[2, 0] if mode == "pick" else None, partials=True,
+    )
+    os.mkdir(tmp_path / "cp")
+    ctx = Ctx(Checkpoint(str(tmp_path / "cp")))
+    with torch.inference_mode():
+        result = sae_tools._annotate_many(model, [params], [ctx])[0]
+    for s, annotation in enumerate(result.sequences):
+        parts = [p for p in ctx.partials if p.sequence == s]
+        assert parts and [p.start for p in parts] == [0, *(p.end for p in parts[:-1])] and parts[-1].end == len(sequences[s])
+        assert all(p.features == [f.id for f in annotation.features] for p in parts)
+        values = np.concatenate([np.asarray(p.values, dtype=np.float32) for p in parts], axis=1)
+        assert values.tolist() == np.asarray(annotation.tracks).tolist()
+    assert [p.sequence for p in ctx.partials] == sorted(p.sequence for p in ctx.partials)
+
+    Path(ctx.checkpoint.path).write_bytes(b"".join(journal(ctx.checkpoint)[:5]))
+    again = Ctx(Checkpoint(str(tmp_path / "cp"), resumed=True))
+    with torch.inference_mode():
+        assert to_json(sae_tools._annotate_many(model, [params], [again])[0]) == to_json(result)
+    assert msgspec.json.encode(again.partials) == msgspec.json.encode(ctx.partials)
+
+    for bad, why in [({"window": None, "overlap": None}, "only with sequences and window"), ({"file": "bigwig"}, "not with file")]:
+        with pytest.raises(ParamError) as refused:
+            sae_tools._check_annotate(model, msgspec.structs.replace(params, **bad))
+        assert refused.value.field == "partials" and why in refused.value.message

@@ -185,6 +185,15 @@ class Chunked:
         return run_through(chunk_steps(self, model, jobs, ctxs))
 
 
+def partial_once(ctx: Context, sent: int, obj: Any) -> None:
+    """Send `obj` as the `sent`-th partial event (from 1) of this run of `ctx`'s job, unless a run of the
+    same job in this process sent it already (its batch failed, and it runs again alone, sending its
+    events again in the same order)."""
+    if sent > _PARTIALS_SENT.get(ctx, 0):
+        _PARTIALS_SENT[ctx] = sent
+        ctx.partial(obj)
+
+
 _NOT_THERE = object()
 # Per job's context, the partial events its runs in this process have sent: a job run again alone
 # after its batch failed sends its windows' again, in the same order, and the first ones are dropped.
@@ -244,19 +253,14 @@ class ChunkRun:
         return left
 
     def _partials(self, keys: Sequence[tuple[int, Any]]) -> None:
-        """The items' partial events, each job's in its plan's order; those a run of the same job in
-        this process sent already (its batch failed, and it runs again alone) are not sent again."""
+        """The items' partial events, each job's in its plan's order (`partial_once`)."""
         if self.work.partial is None:
             return
         for job, item in keys:
             obj = self.work.partial(self.model, self.jobs[job], item, self.outputs[job, item])
-            if obj is None:
-                continue
-            ctx = self.ctxs[job]
-            self.sent[job] += 1
-            if self.sent[job] > _PARTIALS_SENT.get(ctx, 0):
-                _PARTIALS_SENT[ctx] = self.sent[job]
-                ctx.partial(obj)
+            if obj is not None:
+                self.sent[job] += 1
+                partial_once(self.ctxs[job], self.sent[job], obj)
 
     def done(self, chunk: Chunk, outputs: list[Any]) -> None:
         """`chunk` ran: its outputs kept, in its jobs' checkpoints too, and its progress told."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass
 from collections.abc import Callable, Generator, Iterator
 from typing import Annotated, Any, Literal, NamedTuple
@@ -35,7 +36,7 @@ from gateway.models.sae import SAE
 from gateway.protocol import ResultFile
 from gateway.tools.base import Capability, Context, Model, Tool, right_padded, tool
 from gateway.tools.files import MAX_FILES, TrackFiles
-from gateway.tools.batching import in_steps, raise_if_all_cancelled, run_alone, run_through
+from gateway.tools.batching import in_steps, partial_once, raise_if_all_cancelled, run_alone, run_through
 from gateway.tools import windows
 from gateway.tools.numbers import floats
 from gateway.tools.windows import Framed, Share, WindowParams, WindowPlan
@@ -172,6 +173,25 @@ class AnnotateParams(WindowParams, forbid_unknown_fields=True):
         list[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:|-]{1,128}$")]],
         msgspec.Meta(description="Each sequence's name (a chromosome's) in the files, when the tracks are written as files. Default: seq1, seq2, ..."),
     ] | None = None
+    partials: Annotated[
+        bool,
+        msgspec.Meta(
+            description="With sequences and window: send the chosen features' values as partial events as soon as a "
+            "stretch of positions is final ({sequence, start, end, features, values}: positions start..end-1 of the "
+            "sequence's own tokens, a row of values per feature), in order within each sequence; with mode top, once "
+            "the first run over the windows has chosen the features. The result still holds them all."
+        ),
+    ] = False
+
+
+class AnnotatePartial(msgspec.Struct):
+    """With partials: the chosen features' values at a stretch of a sequence's positions, final."""
+
+    sequence: int
+    start: int
+    end: int
+    features: list[int]
+    values: list[list[float]]
 
 
 class Activation(msgspec.Struct):
@@ -265,6 +285,10 @@ def _check_annotate(model: Model, params: AnnotateParams) -> None:
     _check_files(sae, params)
     if params.window is not None and params.sequences is None:
         raise ParamError("window", "with sequences: a prompt's tokens are annotated one by one, within the context")
+    if params.partials and params.window is None:
+        raise ParamError("partials", "a partial event is a stretch of a sequence's windows: only with sequences and window")
+    if params.partials and params.file is not None:
+        raise ParamError("partials", "not with file: the tracks go into the files")
     for i, sequence in enumerate(params.sequences or []):
         if params.window is not None:
             _windowed(model, params, i)
@@ -478,6 +502,9 @@ class _Stream:
         # (`logged`): what a job's checkpoint keeps, for a run after its engine died to go on from
         # (None: the job keeps none).
         self.log: list[tuple[int, int, _Encoded]] | None = None
+        # With partials: sends the chosen features' values of each stretch, final (`AnnotatePartial`).
+        self.emit: Callable[[AnnotatePartial], None] | None = None
+        self.sequence = 0
         self.n = len(framed.own)
         self.relative = np.empty(self.n, dtype=np.float32) if files is None else None
         self.peaks: torch.Tensor | None = None
@@ -592,6 +619,8 @@ class _Stream:
         """The chosen features' values at positions `start`.. (chosen × positions): kept or written, summed up."""
         assert self.chosen is not None
         self.summed.add(start, values)
+        if self.emit is not None:
+            self.emit(AnnotatePartial(self.sequence, start, start + values.shape[1], list(self.chosen), floats(torch.from_numpy(values))))
         for k, fid in enumerate(self.chosen):
             row = values[k]
             if self.files is not None:
@@ -696,6 +725,8 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
     )
     if params.sequences is None:
         return inline
+    if params.partials:  # the tracks are in the job's log too (its partial events) until it ends; never files
+        return dataclasses.replace(inline, memory=inline.memory + result)
     summary = JSON_FRAME * (len(lengths) + 1) + sum(chosen * 96 for _ in lengths) + 2 * JSON_FLOAT * windows_count
     tracks = (chosen if params.mode == "pick" else chosen * len(lengths)) + 1  # files: one per feature, and the error's
     written = dataclasses.replace(
@@ -744,12 +775,15 @@ def _annotate_passes(
     # window of a long sequence, ((job, sequence), window), in its plan's order.
     texts: list[tuple[int, int, list[int]]] = []
     streams: dict[tuple[int, int], _Stream] = {}
+    sent = [0] * len(jobs)  # each job's partial events, in this run's order
     for j, p in enumerate(jobs):
         if p.window is not None:
             for s in range(len(p.sequences or [])):
                 framed, plan, shares = _windowed(model, p, s)
                 files = (tracks[j], _names(p)[s]) if j in tracks else None
-                streams[j, s] = _Stream(model, saes[j], p, framed, plan, shares, files)
+                streams[j, s] = stream = _Stream(model, saes[j], p, framed, plan, shares, files)
+                if p.partials:
+                    stream.sequence, stream.emit = s, functools.partial(_emit, ctxs[j], sent, j)
             continue
         texts += [(j, s, model.encode(t)) for s, t in enumerate([p.prompt] if p.prompt is not None else p.sequences or [])]
     texts.sort(key=lambda row: (saes[row[0]].spec.layer, -len(row[2])))
@@ -858,6 +892,11 @@ class _Kept:
             checkpoints.keep(self.checkpoints, j, pieces)
 
 
+def _emit(ctx: Context, sent: list[int], j: int, partial: AnnotatePartial) -> None:
+    sent[j] += 1
+    partial_once(ctx, sent[j], partial)
+
+
 def _resumable(params: AnnotateParams) -> bool:
     """A job of long sequences in windows keeps what each window encoded (gateway/checkpoints.py); its
     other jobs are a pass each, or a prompt."""
@@ -911,6 +950,7 @@ def _track_files(model: Model, params: AnnotateParams, ctx: Context) -> TrackFil
     batch=in_steps(_annotate_steps),
     resumable=_resumable,
     needs={Capability.LAYERS, Capability.SAE},
+    partial=AnnotatePartial,
 )
 def sae_annotate(model: Model, params: AnnotateParams, ctx: Context) -> AnnotateResult:
     """Per token of a prompt, its most active SAE features (or the chosen ones) and the reconstruction error;

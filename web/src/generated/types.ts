@@ -829,6 +829,10 @@ export interface AnnotateParams {
   threshold?: number
   file?: 'bigwig' | null
   names?: string[] | null
+  /**
+   * With sequences and window: send the chosen features' values as partial events as soon as a stretch of positions is final ({sequence, start, end, features, values}: positions start..end-1 of the sequence's own tokens, a row of values per feature), in order within each sequence; with mode top, once the first run over the windows has chosen the features. The result still holds them all.
+   */
+  partials?: boolean
   model?: string | null
   tag?: string | null
   window?: number | null
@@ -908,6 +912,19 @@ export interface AnnotateResult {
   files?: ResultFile[] | null
 }
 /**
+ * With partials: the chosen features' values at a stretch of a sequence's positions, final.
+ *
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "AnnotatePartial".
+ */
+export interface AnnotatePartial {
+  sequence: number
+  start: number
+  end: number
+  features: number[]
+  values: number[][]
+}
+/**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
  * via the `definition` "Clamp".
  */
@@ -978,7 +995,7 @@ export interface SaeTools {
   sae_annotate: {
     params: AnnotateParams
     result: AnnotateResult
-    partial: null
+    partial: AnnotatePartial
   }
   sae_steer: {
     params: SteerParams
