@@ -33,8 +33,16 @@ workers' embeddings against the one device's, and the others against it, max
 abs difference printed; a difference above 1e-4 is reported and the script
 exits 1.
 
+One long sequence: each round, the first three gateways also embed one random
+sequence of `--long` residues (default 100,000; --quick: 10,000) in windows of
+1,000 residues overlapping by 200 (pooling mean): on two engines its plan's
+windows are cut in two runs, one per engine (the `part` param,
+backends/spreading.py), on two workers its chunks of windows are shared. Its
+vector is checked against the one device's like the others.
+
 Targets: two engines and two workers return the one-device embeddings (max
-abs diff <= 1e-4); two engines embed >= 1.8x the sequences/s of one device.
+abs diff <= 1e-4); two engines embed >= 1.8x the sequences/s of one device,
+and >= 1.8x its residues/s for one long sequence.
 """
 
 from __future__ import annotations
@@ -72,6 +80,7 @@ def options(parser) -> None:
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="Torch threads per worker (OMP_NUM_THREADS in the gateways; this process's chunk timing). Default 1.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the sequences and the weights.")
+    parser.add_argument("--long", type=int, default=None, help="Residues of the one long sequence (default 100,000; --quick: 10,000).")
 
 
 def build_model(path: Path, seed: int) -> Path:
@@ -168,6 +177,8 @@ CONFIGS = [  # (name, devices, threads per worker as a multiple of --torch-threa
     ("one device, 2x threads", "cpu", 2, "process"),
 ]
 SPREAD_TARGET = 1.8  # two engines' sequences/s over one device's
+LONG = ["one device", "two engines", "two workers on threads"]  # the gateways that embed the one long sequence
+LONG_WINDOW, LONG_OVERLAP = 1000, 200
 
 
 async def run(bench: common.Bench, report: common.Report) -> list[str]:
@@ -180,13 +191,15 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
     threads = args.torch_threads
     texts = sequences(n, low, high, args.seed)
     body = msgspec.json.encode({"texts": texts})
+    long_n = args.long or (10_000 if quick else 100_000)
+    long = {"texts": sequences(1, long_n, long_n, args.seed + 1), "window": LONG_WINDOW, "overlap": LONG_OVERLAP}
 
     # `--device cuda`: the same set-ups on the GPU (two engines, two workers: two model copies on it).
     device = args.device or "cpu"
     dtype = common.device_flags(args)[2:] if args.device else []  # `--dtype` alone: the devices are named here
     common.step(f"building the model (hidden {HIDDEN}, {LAYERS} layers, {HEADS} heads)")
     path = build_model(bench.dir / "esm2-8m-random", args.seed)
-    flags = ["--max-sequences", str(max(n, WARM_UP)), "--max-body-bytes", str(max(1 << 20, 2 * len(body))),
+    flags = ["--max-sequences", str(max(n, WARM_UP)), "--max-body-bytes", str(max(1 << 20, 2 * len(body), 2 * long_n)),
              "--job-timeout", "0"]
     gateways = {
         name: bench.streamgate("serve", "--devices", devices.replace("cpu", device), "--engine", engine, *dtype, *flags,
@@ -210,6 +223,8 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
     report.fact("job", f"one embed job of all {n} (pooling mean, layer -1), chunks of {timer.embed.EMBED_BATCH} sequences")
     report.fact("torch threads", f"{threads} per model copy (OMP_NUM_THREADS={threads} in the one-device, two-engine and "
                 f"two-worker gateways, {2 * threads} in the last; torch.set_num_threads({threads}) for the chunk timing here)")
+    report.fact("long sequence", f"one random amino-acid string of {long_n} residues, windows of {LONG_WINDOW} "
+                f"overlapping by {LONG_OVERLAP} (stitch center), pooling mean")
     report.fact("rounds", f"{rounds}, every configuration and order in turn in each; figures are the best round")
 
     ports = {name: common.port_of(process) for name, process in gateways.items()}
@@ -229,6 +244,13 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
                 raise RuntimeError(f"the embed job on {name} failed: {job.status} {job.events[-1:] or ''}")
             seconds.setdefault(name, []).append(job.latency)
             results[name] = vectors(msgspec.json.decode(job.terminal.data))
+        for name in LONG:
+            common.step(f"round {r + 1}/{rounds}: {name}, one sequence of {long_n} residues in windows")
+            job = await common.run_job(ports[name], "/embed/run", long)
+            if not job.ok:
+                raise RuntimeError(f"the long embed job on {name} failed: {job.status} {job.events[-1:] or ''}")
+            seconds.setdefault(("long", name), []).append(job.latency)
+            results[f"long {name}"] = vectors(msgspec.json.decode(job.terminal.data))
         for by_length in (True, False):
             common.step(f"round {r + 1}/{rounds}: chunks {'by length' if by_length else 'as sent'}, in this process")
             seconds.setdefault(by_length, []).append(timer.run(by_length))
@@ -244,6 +266,16 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
     report.note("vs one device: its time over this row's (higher is faster); every gateway sorts its chunks by length; "
                 "two engines: the job cut in two parts, one per engine process (backends/spreading.py); two workers on "
                 "threads: its chunks shared by two threads of one process (Tool.spread)")
+
+    long_base = best["long", "one device"]
+    report.table(
+        ["configuration", "engine", "copies", "residues", "best s", "residues/s", "vs one device"],
+        [[name, engine, len(devices.split(",")), long_n, _f(best["long", name]), _f(long_n / best["long", name]),
+          _x(common.ratio(long_base, best["long", name]))] for name, devices, _, engine in CONFIGS if name in LONG],
+        title=f"One long sequence in windows: one embed job of {long_n} residues, request to data event",
+    )
+    report.note("two engines: the plan's windows cut in two runs of consecutive windows, one per engine (`part`), their "
+                "sums put together as one engine's; two workers: the job's chunks of windows shared by two threads")
 
     sorted_s, unsorted_s = best[True], best[False]
     padded = {by_length: timer.padded(by_length) for by_length in (True, False)}
@@ -267,9 +299,13 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
         ("one device, 2x threads vs one device", max_diff(results["one device, 2x threads"], one)),
         ("chunks by length, here vs one device", max_diff(timer.outputs[True], one)),
         ("chunks as sent vs by length, here", max_diff(timer.outputs[False], timer.outputs[True])),
+        ("one long sequence, two engines vs one device", max_diff(results["long two engines"], results["long one device"])),
+        ("one long sequence, two workers vs one device",
+         max_diff(results["long two workers on threads"], results["long one device"])),
     ]
+    sizes = [one.size] * (len(checks) - 2) + [results["long one device"].size] * 2
     report.table(["compared", "values", "max abs diff", f"within {TOLERANCE:g}"],
-                 [[what, one.size, _e(diff), "yes" if diff <= TOLERANCE else "NO"] for what, diff in checks],
+                 [[what, size, _e(diff), "yes" if diff <= TOLERANCE else "NO"] for (what, diff), size in zip(checks, sizes)],
                  title="Checks: the embeddings each way, against each other")
     spread = max(checks[0][1], checks[1][1])
     report.target(f"two engines and two threads return the one-device embeddings (max abs diff <= {TOLERANCE:g})",
@@ -277,6 +313,9 @@ async def run(bench: common.Bench, report: common.Report) -> list[str]:
     scaled = common.ratio(base, best["two engines"])
     report.target(f"two engines >= {SPREAD_TARGET}x one device's sequences/s", _x(scaled),
                   scaled is not None and scaled >= SPREAD_TARGET)
+    long_scaled = common.ratio(long_base, best["long", "two engines"])
+    report.target(f"one long sequence: two engines >= {SPREAD_TARGET}x one device's residues/s", _x(long_scaled),
+                  long_scaled is not None and long_scaled >= SPREAD_TARGET)
     return [what for what, diff in checks if diff > TOLERANCE]
 
 

@@ -168,7 +168,7 @@ def test_batching_device_flags():
 
 def test_embeddings():
     printed = run_bench("embeddings")
-    gateway, sorting, checks = printed.tables
+    gateway, long, sorting, checks = printed.tables
     assert [row["configuration"] for row in gateway.rows] == [
         "one device", "two engines", "two workers on threads", "one device, 2x threads"
     ]
@@ -184,12 +184,15 @@ def test_embeddings():
     assert padded[1] is not None and padded[0] is not None and real[0] <= padded[0] <= padded[1]
     assert all(value is not None and value > 0 for value in sorting.numbers("best s"))
     # The embeddings agree every way (the script exits 1 otherwise); a benchmark of wrong results is no benchmark.
-    assert [row[checks.columns[-1]] for row in checks.rows] == ["yes"] * 5
-    (agree, agreed), (scale, _) = printed.targets
+    assert [row["configuration"] for row in long.rows] == ["one device", "two engines", "two workers on threads"]
+    assert long.numbers("residues") == [10_000] * 3 and all(value is not None and value > 0 for value in long.numbers("residues/s"))
+    assert [row[checks.columns[-1]] for row in checks.rows] == ["yes"] * 7
+    (agree, agreed), (scale, _), (long_scale, _) = printed.targets
     worst = max(checks.rows[:2], key=lambda row: float(row["max abs diff"]))["max abs diff"]
     assert (agree, agreed) == (f"two engines and two threads return the one-device embeddings (max abs diff <= 0.0001): {worst}", "met")
     # A quick run on a shared machine measures nothing worth a verdict; the full run in bench/RESULTS.md does.
     assert scale == f"two engines >= 1.8x one device's sequences/s: {gateway.rows[1]['vs one device']}"
+    assert long_scale == f"one long sequence: two engines >= 1.8x one device's residues/s: {long.rows[1]['vs one device']}"
 
 
 TOOL_SPEED_CASES = [
