@@ -35,10 +35,12 @@ thread (gateway/plumbing/handoff.py `call_between`), if the two fit
 (an 8k-token embed or prefill is one pass of many seconds).
 
 A tool whose work falls into independent chunks (`Tool.spread`: `embed`,
-`pseudo_loglikelihood`) runs one job on every device at once when there are
-several: the job's own device and every idle one take the next chunk as they
-free up, and the results come back in the caller's order, the same as on one
-device.
+`pseudo_loglikelihood`, `logprobs`, `loglikelihood`, `fill_mask`) runs one job
+on every device at once when there are several: the job's own device and every
+idle one take the next chunk as they free up, and the results come back in the
+caller's order, the same as on one device. Each chunk done is kept in its jobs'
+checkpoints as on one device (`ChunkRun`), so a job cut by a crash goes on from
+them here too.
 
 Results are encoded on the worker thread too, as JSON for a gateway's clients
 or msgpack for an executor's: a large result costs the loop nothing.
@@ -74,7 +76,7 @@ from gateway.encoding import to_json
 from gateway.jobs import Job, JobContext
 from gateway.protocol import Code
 from gateway.tools.base import Cancelled, Context, Model, Tool
-from gateway.tools.batching import Batch, Chunk, Chunked, ChunkProgress
+from gateway.tools.batching import Batch, Chunk, Chunked, ChunkRun
 
 log = logging.getLogger("streamgate.worker")
 
@@ -160,17 +162,21 @@ def step(
     return [(ctx, outcome if isinstance(outcome, BaseException) else encoded(ctx, outcome, encode)) for ctx, outcome in ended]
 
 
-def _plan(work: Chunked, model: Model, params: list[Any], ctxs: list[JobContext]) -> tuple[list[Chunk], ChunkProgress]:
+def _plan(work: Chunked, model: Model, params: list[Any], ctxs: list[JobContext]) -> ChunkRun:
+    """The jobs' chunks as they run (`ChunkRun`): planned, less what their checkpoints kept."""
     for ctx in ctxs:
         ctx.begin()
     with torch.inference_mode():
-        chunks = work.plan(model, params, ctxs)
-    return chunks, ChunkProgress(chunks, ctxs, work.unit)
+        return ChunkRun(work, model, params, ctxs)
 
 
-def _run_chunk(work: Chunked, model: Model, params: list[Any], chunk: Chunk) -> list[Any]:
+def _run_chunk(work: Chunked, model: Model, params: list[Any], chunk: Chunk, run: ChunkRun) -> None:
+    """One chunk on this device; its outputs kept in `run` (and its jobs' checkpoints) and its progress
+    told, one device at a time."""
     with torch.inference_mode():
-        return work.run(model, params, chunk)
+        outputs = work.run(model, params, chunk)
+    with run.lock:
+        run.done(chunk, outputs)
 
 
 def _assemble(
@@ -560,9 +566,8 @@ class Worker:
         params = [p for p, _ in added]
         ctxs = [c for _, c in added]
         try:
-            chunks, progress = await self.call(_plan, work, self.model, params, ctxs)
-            left = collections.deque(chunks)
-            outputs: dict[tuple[int, int], Any] = {}
+            run = await self.call(_plan, work, self.model, params, ctxs)
+            left = collections.deque(run.chunks)
             traced = {i: 0 for i, ctx in enumerate(ctxs) if ctx.span.is_recording()}  # a traced job's chunks so far
 
             async def device(worker: Worker) -> None:
@@ -570,7 +575,7 @@ class Worker:
                     chunk = left.popleft()
                     began = time.time_ns()
                     try:
-                        out = await worker.call(_run_chunk, work, worker.model, params, chunk)
+                        await worker.call(_run_chunk, work, worker.model, params, chunk, run)
                     except BaseException as exc:
                         left.clear()  # the others stop after their chunk in flight
                         if (failure := device_failure(exc)) == "oom":
@@ -578,8 +583,6 @@ class Worker:
                         elif failure == "fatal" and worker.on_fatal is not None:
                             worker.on_fatal(exc)
                         raise
-                    outputs.update(zip(chunk.items, out))
-                    progress.advance(chunk)
                     # A chunk is a step of each job it holds items of.
                     for i in {i for i, _ in chunk.items} & traced.keys() if traced else ():
                         tracing.step(ctxs[i], began, len(chunk.items), traced[i], **{"streamgate.device": str(worker.model.device)})
@@ -591,7 +594,7 @@ class Worker:
                 raise failed[0]
             if all(ctx.cancelled for ctx in ctxs):
                 return [(ctx, Cancelled()) for ctx in ctxs]
-            return await self.call(_assemble, work, self.model, params, outputs, ctxs, self.encode)
+            return await self.call(_assemble, work, self.model, params, run.outputs, ctxs, self.encode)
         except Exception:
             log.warning("a spread %s batch failed; running it on one device", tool.name, exc_info=True)
             ended = await self.call(step, batch, added, self.encode)

@@ -86,8 +86,8 @@ def start_gateway(tmp: Path, *models: str, extra: tuple[str, ...] = ()) -> Serve
     port = free_port()
     args = [
         *(arg for model in models for arg in ("--model", model)),
-        "--engine", "process", "--tools", "tests.support.engine_tools", "--port", str(port), "--device", "cpu",
-        "--torch-threads", "1", "--log-level", "warning", *extra,
+        "--engine", "process", "--tools", "tests.support.engine_tools", "--port", str(port),
+        *(() if "--devices" in extra else ("--device", "cpu")), "--torch-threads", "1", "--log-level", "warning", *extra,
     ]
     return start_serve(args, clean_env(), port, tmp / f"gateway-{port}.log")
 

@@ -24,6 +24,7 @@ each chunk is the same padded pass, so the results are the same.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -212,6 +213,7 @@ class ChunkRun:
     def __init__(self, work: Chunked, model: Model, jobs: list[Any], ctxs: Sequence[Context]) -> None:
         self.work, self.model, self.jobs, self.ctxs = work, model, jobs, ctxs
         self.sent = [0] * len(jobs)  # each job's partial events so far, in this run's order
+        self.lock = threading.Lock()  # its chunks `done` one at a time where several devices share them
         chunks = work.plan(model, jobs, ctxs)
         self.progress = ChunkProgress(chunks, ctxs, work.unit)
         self.outputs: dict[tuple[int, int], Any] = {}
