@@ -25,8 +25,9 @@ import redis
 from safetensors.numpy import load as load_safetensors
 
 from gateway.checkpoints import Checkpoint
+from gateway.encoding import to_json
 from gateway.errors import ParamError
-from gateway.tools import embed, fill_mask, loglikelihood, logprobs, windows
+from gateway.tools import embed, fill_mask, loglikelihood, logprobs, pseudo_loglikelihood, windows
 from gateway.tools.base import Cancelled
 from gateway.tools.batching import WindowItem
 from gateway.tools.windows import Sizes, Stitch
@@ -203,6 +204,38 @@ def test_logprobs_partials_are_each_windows_scores_in_order_and_a_run_that_goes_
     assert msgspec.json.encode(again.partials) == msgspec.json.encode(ctx.partials)
 
 
+def test_pseudo_loglikelihood_partials_are_its_positions_scores_in_order_and_sent_again_first_when_it_goes_on(
+    model: Any, tmp_path: Path
+) -> None:
+    sequences = [protein(700, seed=13), protein(300, seed=14)]
+    params = pseudo_loglikelihood.PseudoLoglikelihoodParams(sequences=sequences, per_position=True, partials=True, **STRIDE)
+    checkpoint = Checkpoint(str(tmp_path / "cp"))
+    os.mkdir(checkpoint.folder)
+    ctx = Ctx(checkpoint)
+    result = pseudo_loglikelihood.work.many(model, [params], [ctx])[0]
+    assert result.per_position is not None and result.tokens is not None
+    for s, sequence in enumerate(sequences):
+        parts = [p for p in ctx.partials if p.sequence == s]
+        assert [p.start for p in parts] == [0, *(p.end for p in parts[:-1])] and parts[-1].end == len(sequence)
+        assert [v for p in parts for v in p.scores] == result.per_position[s]
+        assert "".join(t for p in parts for t in p.tokens) == sequence
+    assert len(ctx.partials) > 2 * len(sequences)  # a chunk's copies at a time, as they are scored
+
+    Path(checkpoint.path).write_bytes(b"".join(journal(checkpoint)[:4]))
+    again = Ctx(Checkpoint(checkpoint.folder, resumed=True))
+    assert to_json(pseudo_loglikelihood.work.many(model, [params], [again])[0]) == to_json(result)
+    assert msgspec.json.encode(again.partials) == msgspec.json.encode(ctx.partials)
+
+    for bad, field, why in [
+        ({"window": None, "overlap": None}, "partials", "only with window"),
+        ({"stitch": "mean"}, "partials", "use center or left"),
+        ({"sequences": sequences[:1], "part": [0, 2]}, "part", "not with partials"),
+    ]:
+        with pytest.raises(ParamError) as refused:
+            pseudo_loglikelihood.check(model, msgspec.structs.replace(params, **bad))
+        assert refused.value.field == field and why in refused.value.message
+
+
 def test_logprobs_partials_are_refused_without_window_and_with_file(causal: Any) -> None:
     for params, why in [
         (logprobs.LogprobsParams(prompts=["hello"], partials=True), "only with window"),
@@ -255,7 +288,7 @@ def test_loglikelihood_over_windows_runs_only_the_windows_that_score_its_continu
 
     ran.clear()
     again = counted(loglikelihood.work, ran).many(causal, [params], [Ctx(Checkpoint(first.folder, resumed=True))])[0]
-    assert again == out and ran == [[(0, WindowItem(0, holding[-1]))]]  # a job's last item runs again (batching.ChunkRun)
+    assert again == out and ran == []  # every window it ran was kept
 
 
 @pytest.fixture(scope="module")

@@ -164,10 +164,11 @@ class Chunked:
     # skipped when it runs again after its engine died: its outputs pickle, and a chunk run twice
     # gives what it gave once. None: never.
     resumable: Callable[[Any], bool] | None = None
-    # `partial(model, params, item, output)`: what a `partial` event of the item's job carries once
-    # the item is done (a window's rows), or None; sent in the plan's order, once each (a run that
-    # goes on from a checkpoint sends its finished items' again first, for its gateway to skip).
-    partial: Callable[[Model, Any, Any, Any], Any] | None = None
+    # `partial(model, params, done)`: the `partial` events a job's items carry once done, `done` its
+    # (item, output) pairs of a chunk (or of a run before this one), in its plan's order; sent in that
+    # order, once each (a run that goes on from a checkpoint sends its finished items' again first,
+    # for its gateway to skip). `each_item` makes one from a function of one item.
+    partial: Callable[[Model, Any, list[tuple[Any, Any]]], list[Any]] | None = None
     # A job that may not be cut over engines (one whose partial events name its inputs by index).
     whole: Callable[[Any], bool] | None = None
     # A job of one input, cut over engines by its window plan instead (gateway/tools/windows.py,
@@ -184,6 +185,15 @@ class Chunked:
     def many(self, model: Model, jobs: list[Any], ctxs: list[Context]) -> list[Any]:
         """Every chunk in turn on this device, in one call (a job run alone, or again after a failure)."""
         return run_through(chunk_steps(self, model, jobs, ctxs))
+
+
+def each_item(partial: Callable[[Model, Any, Any, Any], Any]) -> Callable[[Model, Any, list[tuple[Any, Any]]], list[Any]]:
+    """A `Chunked.partial` from `partial(model, params, item, output)`: an event an item, or None."""
+
+    def partials(model: Model, params: Any, done: list[tuple[Any, Any]]) -> list[Any]:
+        return [obj for item, output in done if (obj := partial(model, params, item, output)) is not None]
+
+    return partials
 
 
 def partial_once(ctx: Context, sent: int, obj: Any) -> None:
@@ -229,38 +239,41 @@ class ChunkRun:
         if not any(finished.values()):
             return chunks
         again: list[tuple[int, Any]] = []  # finished, but run again: counted done already
-        for job in finished:
+        writing = {job for chunk in chunks for job in chunk.extra.get(SINKS, {})}
+        for job in finished.keys() & writing:
             # Its last item runs again: a run that writes files opens them with its first rows.
             last = next((key for chunk in reversed(chunks) for key in reversed(chunk.items) if key[0] == job), None)
             if last is not None and finished[job].pop(last[1], _NOT_THERE) is not _NOT_THERE:
                 again.append(last)
         left: list[Chunk] = []
-        restored: list[tuple[int, int]] = []
+        restored: list[list[tuple[int, int]]] = []  # by chunk: their partial events as the chunks sent them
         for chunk in chunks:
             keep = [at for at, (job, item) in enumerate(chunk.items) if item not in finished.get(job, ())]
             if len(keep) == len(chunk.items) or not isinstance(chunk.data, list):
                 left.append(chunk)
                 continue
             sinks = chunk.extra.get(SINKS, {})
+            restored.append([])
             for at, key in enumerate(chunk.items):
                 if at not in keep:
                     output = finished[key[0]][key[1]]
                     self.outputs[key] = sinks[key[0]] if isinstance(output, str) and output == _IN_SINK else output
-                    restored.append(key)
+                    restored[-1].append(key)
             if keep:
                 data = [chunk.data[at] for at in keep]
                 left.append(Chunk([chunk.items[at] for at in keep], data, max(len(row) for row in data), chunk.extra))
-        self.progress.count([*restored, *again])
-        self._partials(restored)
+        self.progress.count([*(key for keys in restored for key in keys), *again])
+        for keys in restored:
+            self._partials(keys)
         return left
 
     def _partials(self, keys: Sequence[tuple[int, Any]]) -> None:
         """The items' partial events, each job's in its plan's order (`partial_once`)."""
         if self.work.partial is None:
             return
-        for job, item in keys:
-            obj = self.work.partial(self.model, self.jobs[job], item, self.outputs[job, item])
-            if obj is not None:
+        for job in dict.fromkeys(job for job, _ in keys):
+            done = [(item, self.outputs[job, item]) for j, item in keys if j == job]
+            for obj in self.work.partial(self.model, self.jobs[job], done):
                 self.sent[job] += 1
                 partial_once(self.ctxs[job], self.sent[job], obj)
 

@@ -42,7 +42,7 @@ from gateway.protocol import ResultFile
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
 from gateway.tools.files import NPY, Array, ArrayFile, file_bytes
 from gateway.tools import windows
-from gateway.tools.batching import SINKS, Chunk, Chunked, WindowItem, chunk_peak, sorted_chunks
+from gateway.tools.batching import SINKS, Chunk, Chunked, WindowItem, chunk_peak, each_item, sorted_chunks
 from gateway.tools.windows import Framed, Share, Sizes, Stitch, WindowIds, WindowParams, WindowPlan
 
 EMBED_BATCH = 16  # texts per forward pass at most
@@ -751,7 +751,7 @@ work = Chunked(
     items="texts",
     per_item=("embeddings", "tokens", "plans", "context"),
     resumable=_resumable,
-    partial=_partial,
+    partial=each_item(_partial),
     whole=lambda params: params.partials,  # a part's partial events would number its texts from 0
     by_windows=_by_windows,
     join=_joined,

@@ -37,7 +37,7 @@ from gateway.errors import ParamError
 from gateway.protocol import ResultFile
 from gateway.models.anatomy import readout_chunks, readout_rows
 from gateway.tools.base import Capability, Context, Model, tool
-from gateway.tools.batching import Chunk, Chunked, WindowItem
+from gateway.tools.batching import Chunk, Chunked, WindowItem, each_item
 from gateway.tools import windows
 from gateway.tools.numbers import floats
 from gateway.tools.windows import Strided, WindowParams, WindowPlan
@@ -374,7 +374,7 @@ def _partial(model: Model, params: LogprobsParams, item: Any, scores: _Scores) -
 # A pass a step: the whole texts, or a pass of windows; each kept in the job's checkpoint, so that
 # a job whose engine died goes on from its last pass.
 work = Chunked(
-    plan=_plan, run=_run, assemble=_assemble, unit="sequences", resumable=lambda params: True, partial=_partial,
+    plan=_plan, run=_run, assemble=_assemble, unit="sequences", resumable=lambda params: True, partial=each_item(_partial),
     whole=lambda params: params.partials,
 )
 

@@ -44,6 +44,24 @@ class PseudoLoglikelihoodParams(WindowParams, forbid_unknown_fields=True):
         bool, msgspec.Meta(description="Also return each own token's log-probability with it masked, and the tokens.")
     ] = False
     part: Annotated[windows.Part, msgspec.Meta(description=windows.PART_DOC + " A part's per_position is always there.")] | None = None
+    partials: Annotated[
+        bool,
+        msgspec.Meta(
+            description="With window and stitch center or left: send the positions' scores as partial events as soon as "
+            "they are computed ({sequence, start, end, scores, tokens}: positions start..end-1 of the sequence's own "
+            "tokens, each its log-probability with it masked), in order within each sequence."
+        ),
+    ] = False
+
+
+class PseudoLoglikelihoodPartial(msgspec.Struct):
+    """With partials: a run of a sequence's positions' scores, as soon as they are computed."""
+
+    sequence: int
+    start: int
+    end: int
+    scores: list[float]
+    tokens: list[str]
 
 
 class PseudoLoglikelihoodResult(msgspec.Struct, omit_defaults=True):
@@ -68,6 +86,13 @@ def _framed(model: Model, params: PseudoLoglikelihoodParams, i: int) -> tuple[Fr
 
 
 def check(model: Model, params: PseudoLoglikelihoodParams) -> None:
+    if params.partials:
+        if params.window is None:
+            raise ParamError("partials", "a partial event is a run of a sequence's windowed positions: only with window")
+        if params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN:
+            raise ParamError("partials", "with stitch mean a position is final only once every window holding it is in: use center or left")
+        if params.part is not None:
+            raise ParamError("part", "not with partials: the job's partial events are the whole's")
     if params.part is not None:
         windows.check_part(params, params.sequences, "sequences", params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN)
     windows.resolve(params, model.context_length)  # window-only params without a window
@@ -105,8 +130,9 @@ def cost(model: Model, params: PseudoLoglikelihoodParams) -> Cost:
     peak = chunk_peak(copies, PLL_ROWS, PLL_TOKENS, lambda rows, width: shape.pass_bytes(rows, width, states=1, logits=rows))
     scores = params.per_position or params.part is not None
     result = len(lengths) * 2 * JSON_FLOAT + (sum(lengths) * (JSON_FLOAT + JSON_TOKEN) if scores else 0)
+    logged = sum(lengths) * (JSON_FLOAT + JSON_TOKEN) if params.partials else 0  # in the job's log until it ends
     return Cost(
-        memory=peak + len(copies) * 64 + result,
+        memory=peak + len(copies) * 64 + result + logged,
         result=result,
         memory_field="window" if params.window is not None else "sequences",
         result_field="per_position" if params.per_position else "sequences",
@@ -244,11 +270,29 @@ def _joined(params: PseudoLoglikelihoodParams, results: list[bytes]) -> bytes:
     return msgspec.json.encode(whole)
 
 
+def _partials(model: Model, params: PseudoLoglikelihoodParams, done: list[tuple[Any, float]]) -> list[PseudoLoglikelihoodPartial]:
+    """A chunk's scores of a job's windowed positions (`partials`), a partial event a run of one
+    sequence's: the copies of a sequence's windows are planned, and run, in its positions' order."""
+    if not params.partials:
+        return []
+    runs: list[list[tuple[Any, float]]] = []
+    for key, value in done:
+        if runs and runs[-1][-1][0][0] == key[0] and runs[-1][-1][0][3] + 1 == key[3]:
+            runs[-1].append((key, value))
+        else:
+            runs.append([(key, value)])
+    texts = model.token_texts(key[2] for key, _ in done)
+    return [
+        PseudoLoglikelihoodPartial(run[0][0][0], run[0][0][3], run[-1][0][3] + 1, [v for _, v in run], [texts[key[2]] for key, _ in run])
+        for run in runs
+    ]
+
+
 def _by_windows(params: PseudoLoglikelihoodParams, context_length: int | None) -> int:
     """The most parts a one-sequence job may be cut into over engines by its window plan (`part`):
-    none for one that is a part already, or with `mean`, where a position's score is summed over
-    windows two parts would each hold."""
-    if params.window is None or params.part is not None or len(params.sequences) != 1:
+    none for one that is a part already, one whose scores stream as partial events, or with `mean`,
+    where a position's score is summed over windows two parts would each hold."""
+    if params.window is None or params.part is not None or len(params.sequences) != 1 or params.partials:
         return 0
     if params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN:
         return 0
@@ -263,6 +307,8 @@ work = Chunked(
     plan=_plan, run=_run, assemble=_assemble, unit="positions",  # type: ignore[arg-type]
     items="sequences", per_item=("pll", "tokens_scored", "per_position", "tokens", "plans", "context"), weight=_weight,
     resumable=lambda params: True,  # each masked copy's log-probability, a float
+    partial=_partials,
+    whole=lambda params: params.partials,  # a part's partial events would number its sequences from 0
     by_windows=_by_windows,
     join=_joined,
 )
@@ -276,6 +322,7 @@ work = Chunked(
     batch=work.batch,
     spread=work,
     needs={Capability.MASKED_LM},
+    partial=PseudoLoglikelihoodPartial,
 )
 def pseudo_loglikelihood(model: Model, params: PseudoLoglikelihoodParams, ctx: Context) -> PseudoLoglikelihoodResult:
     """Each sequence's pseudo-log-likelihood: every own token masked in turn, its log-probability summed."""

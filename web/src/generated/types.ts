@@ -285,7 +285,7 @@ export interface BuiltinTools {
   pseudo_loglikelihood: {
     params: PseudoLoglikelihoodParams
     result: PseudoLoglikelihoodResult
-    partial: null
+    partial: PseudoLoglikelihoodPartial
   }
 }
 /**
@@ -757,6 +757,10 @@ export interface PseudoLoglikelihoodParams {
    */
   per_position?: boolean
   part?: number[] | null
+  /**
+   * With window and stitch center or left: send the positions' scores as partial events as soon as they are computed ({sequence, start, end, scores, tokens}: positions start..end-1 of the sequence's own tokens, each its log-probability with it masked), in order within each sequence.
+   */
+  partials?: boolean
   model?: string | null
   tag?: string | null
   window?: number | null
@@ -775,6 +779,19 @@ export interface PseudoLoglikelihoodResult {
   plans?: WindowPlan[] | null
   context?: unknown[] | null
   span?: [number, number][] | null
+}
+/**
+ * With partials: a run of a sequence's positions' scores, as soon as they are computed.
+ *
+ * This interface was referenced by `BuiltinTools`'s JSON-Schema
+ * via the `definition` "PseudoLoglikelihoodPartial".
+ */
+export interface PseudoLoglikelihoodPartial {
+  sequence: number
+  start: number
+  end: number
+  scores: number[]
+  tokens: string[]
 }
 /**
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
