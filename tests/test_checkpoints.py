@@ -219,7 +219,15 @@ def test_pseudo_loglikelihood_partials_are_its_positions_scores_in_order_and_sen
         assert [p.start for p in parts] == [0, *(p.end for p in parts[:-1])] and parts[-1].end == len(sequence)
         assert [v for p in parts for v in p.scores] == result.per_position[s]
         assert "".join(t for p in parts for t in p.tokens) == sequence
-    assert len(ctx.partials) > 2 * len(sequences)  # a chunk's copies at a time, as they are scored
+    # A window's share an event: the same events whichever chunks its copies fell into, beside another
+    # job's (of other lengths) or alone, or going on from its checkpoint.
+    shares = [windows.shares(windows.plan(len(q), Sizes(100, 30, Stitch.CENTER)), Stitch.CENTER) for q in sequences]
+    assert [(p.sequence, p.start, p.end) for p in ctx.partials] == [(i, w.start, w.end) for i, share in enumerate(shares) for w in share]
+    other = pseudo_loglikelihood.PseudoLoglikelihoodParams(sequences=[protein(200, seed=15)])  # rows longer: planned first
+    beside = Ctx(Checkpoint(str(tmp_path / "none")))
+    stepped(pseudo_loglikelihood.work, model, [(other, Ctx(Checkpoint(str(tmp_path / "none2")))), (params, beside)])
+    assert [(p.sequence, p.start, p.end, p.tokens) for p in beside.partials] == [(p.sequence, p.start, p.end, p.tokens) for p in ctx.partials]
+    assert max(abs(a - b) for p, q in zip(beside.partials, ctx.partials) for a, b in zip(p.scores, q.scores)) <= 1e-4  # padding apart
 
     Path(checkpoint.path).write_bytes(b"".join(journal(checkpoint)[:4]))
     again = Ctx(Checkpoint(checkpoint.folder, resumed=True))

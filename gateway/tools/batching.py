@@ -164,11 +164,13 @@ class Chunked:
     # skipped when it runs again after its engine died: its outputs pickle, and a chunk run twice
     # gives what it gave once. None: never.
     resumable: Callable[[Any], bool] | None = None
-    # `partial(model, params, done)`: the `partial` events a job's items carry once done, `done` its
-    # (item, output) pairs of a chunk (or of a run before this one), in its plan's order; sent in that
-    # order, once each (a run that goes on from a checkpoint sends its finished items' again first,
-    # for its gateway to skip). `each_item` makes one from a function of one item.
-    partial: Callable[[Model, Any, list[tuple[Any, Any]]], list[Any]] | None = None
+    # `partial(model, params, done, carry)`: the `partial` events a job's items carry once done, `done`
+    # its (item, output) pairs of a chunk (or of a run before this one), in its plan's order; sent in
+    # that order, once each (a run that goes on from a checkpoint sends its finished items' again
+    # first, for its gateway to skip, by count: so an event's items must not depend on how the items
+    # fell into chunks, which other jobs share). `carry`, a list of the job's own, keeps items done
+    # for the events of later calls. `each_item` makes one from a function of one item.
+    partial: Callable[[Model, Any, list[tuple[Any, Any]], list[Any]], list[Any]] | None = None
     # A job that may not be cut over engines (one whose partial events name its inputs by index).
     whole: Callable[[Any], bool] | None = None
     # A job of one input, cut over engines by its window plan instead (gateway/tools/windows.py,
@@ -190,7 +192,7 @@ class Chunked:
 def each_item(partial: Callable[[Model, Any, Any, Any], Any]) -> Callable[[Model, Any, list[tuple[Any, Any]]], list[Any]]:
     """A `Chunked.partial` from `partial(model, params, item, output)`: an event an item, or None."""
 
-    def partials(model: Model, params: Any, done: list[tuple[Any, Any]]) -> list[Any]:
+    def partials(model: Model, params: Any, done: list[tuple[Any, Any]], carry: list[Any]) -> list[Any]:
         return [obj for item, output in done if (obj := partial(model, params, item, output)) is not None]
 
     return partials
@@ -223,6 +225,7 @@ class ChunkRun:
     def __init__(self, work: Chunked, model: Model, jobs: list[Any], ctxs: Sequence[Context]) -> None:
         self.work, self.model, self.jobs, self.ctxs = work, model, jobs, ctxs
         self.sent = [0] * len(jobs)  # each job's partial events so far, in this run's order
+        self.carry: list[list[Any]] = [[] for _ in jobs]  # each job's items done, for its partial events to come
         self.lock = threading.Lock()  # its chunks `done` one at a time where several devices share them
         chunks = work.plan(model, jobs, ctxs)
         self.progress = ChunkProgress(chunks, ctxs, work.unit)
@@ -273,7 +276,7 @@ class ChunkRun:
             return
         for job in dict.fromkeys(job for job, _ in keys):
             done = [(item, self.outputs[job, item]) for j, item in keys if j == job]
-            for obj in self.work.partial(self.model, self.jobs[job], done):
+            for obj in self.work.partial(self.model, self.jobs[job], done, self.carry[job]):
                 self.sent[job] += 1
                 partial_once(self.ctxs[job], self.sent[job], obj)
 

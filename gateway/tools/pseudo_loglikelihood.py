@@ -48,14 +48,15 @@ class PseudoLoglikelihoodParams(WindowParams, forbid_unknown_fields=True):
         bool,
         msgspec.Meta(
             description="With window and stitch center or left: send the positions' scores as partial events as soon as "
-            "they are computed ({sequence, start, end, scores, tokens}: positions start..end-1 of the sequence's own "
-            "tokens, each its log-probability with it masked), in order within each sequence."
+            "a window's are all computed ({sequence, start, end, scores, tokens}: positions start..end-1 of the "
+            "sequence's own tokens, a window's share, each its log-probability with it masked), in order within each "
+            "sequence."
         ),
     ] = False
 
 
 class PseudoLoglikelihoodPartial(msgspec.Struct):
-    """With partials: a run of a sequence's positions' scores, as soon as they are computed."""
+    """With partials: a window's share of a sequence's positions' scores, as soon as they are computed."""
 
     sequence: int
     start: int
@@ -168,7 +169,7 @@ def _window_copies(model: Model, params: PseudoLoglikelihoodParams, job: int, s:
         for p in range(share.start, share.end):
             weight = 1.0 if share.weights is None else float(share.weights[p - share.start])
             at = head + p - start
-            items.append(((job, (s, at, ids[at], p, weight)), ids))
+            items.append(((job, (s, at, ids[at], p, weight, share.start, share.end)), ids))
     return items
 
 
@@ -188,8 +189,8 @@ def _assemble(
     by_sequence: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
     windowed: dict[tuple[int, int], dict[int, tuple[int, float]]] = {}
     for (job, key), value in outputs.items():
-        if len(key) == 5:  # a windowed copy: summed into its position, by its weight
-            s, _, token, p, weight = key
+        if len(key) == 7:  # a windowed copy: summed into its position, by its weight
+            s, _, token, p, weight, _, _ = key
             at_p = windowed.setdefault((job, s), {})
             at_p[p] = (token, at_p.get(p, (token, 0.0))[1] + weight * value)
         else:
@@ -270,22 +271,24 @@ def _joined(params: PseudoLoglikelihoodParams, results: list[bytes]) -> bytes:
     return msgspec.json.encode(whole)
 
 
-def _partials(model: Model, params: PseudoLoglikelihoodParams, done: list[tuple[Any, float]]) -> list[PseudoLoglikelihoodPartial]:
-    """A chunk's scores of a job's windowed positions (`partials`), a partial event a run of one
-    sequence's: the copies of a sequence's windows are planned, and run, in its positions' order."""
+def _partials(
+    model: Model, params: PseudoLoglikelihoodParams, done: list[tuple[Any, float]], carry: list[tuple[Any, float]]
+) -> list[PseudoLoglikelihoodPartial]:
+    """A window's share of a sequence's positions' scores (`partials`), once every copy of it is done:
+    an event a share, whichever chunks (and other jobs' copies) its copies fell into."""
     if not params.partials:
         return []
-    runs: list[list[tuple[Any, float]]] = []
-    for key, value in done:
-        if runs and runs[-1][-1][0][0] == key[0] and runs[-1][-1][0][3] + 1 == key[3]:
-            runs[-1].append((key, value))
-        else:
-            runs.append([(key, value)])
-    texts = model.token_texts(key[2] for key, _ in done)
-    return [
-        PseudoLoglikelihoodPartial(run[0][0][0], run[0][0][3], run[-1][0][3] + 1, [v for _, v in run], [texts[key[2]] for key, _ in run])
-        for run in runs
-    ]
+    carry += done
+    events = []
+    while carry:
+        s, start, end = carry[0][0][0], carry[0][0][5], carry[0][0][6]
+        share = [(key, value) for key, value in carry[: end - start] if key[0] == s and key[5] == start]
+        if len(share) < end - start:
+            break  # its copies are planned in order: the rest of the share is still to come
+        del carry[: end - start]
+        texts = model.token_texts(key[2] for key, _ in share)
+        events.append(PseudoLoglikelihoodPartial(s, start, end, [v for _, v in share], [texts[key[2]] for key, _ in share]))
+    return events
 
 
 def _by_windows(params: PseudoLoglikelihoodParams, context_length: int | None) -> int:

@@ -478,10 +478,12 @@ class _Stretch(NamedTuple):
 @dataclass
 class _Encoded:
     """A window's encoded stretches, as a job's checkpoint keeps them, and (the last window of a
-    pass, with `mean`) the stitched rows not final yet and where they start."""
+    pass) the stitched rows not final yet and where they start (`mean`), and each feature's largest
+    value so far (a first run of mode top)."""
 
     stretches: list[_Stretch]
     pending: tuple[torch.Tensor, int] | None = None
+    peaks: torch.Tensor | None = None
 
 
 class _Stream:
@@ -576,8 +578,8 @@ class _Stream:
                 index = torch.tensor(self.chosen, dtype=torch.long, device=f.device)
                 values = f.index_select(1, index).T.float().cpu().numpy()
             stretch = _Stretch(start + a, relative, most, values)
-            if self.log is not None:
-                self.log[-1][2].stretches.append(stretch)
+            if self.log is not None:  # the peaks as they stand once its pass ends, not each stretch's (`logged`)
+                self.log[-1][2].stretches.append(stretch._replace(most=None))
             self._apply(stretch)
 
     def _apply(self, stretch: _Stretch) -> None:
@@ -595,12 +597,15 @@ class _Stream:
 
     def logged(self) -> list[tuple[tuple[int, int], _Encoded]]:
         """The windows encoded since the last call, each by (round, window), for the job's checkpoint;
-        the last one with the stitched rows not final yet (`mean`), which the next window adds to."""
+        the last one with what the next windows go on from: the stitched rows not final yet (`mean`),
+        and, from a first run that chooses the features, each one's largest value so far."""
         if not self.log:
             return []
         done, self.log = self.log, []
         if self.pending is not None:
             done[-1][2].pending = (self.pending.float().cpu(), self.lo)
+        if any(r == 0 for r, _, _ in done) and self.params.mode == "top":
+            done[-1][2].peaks = self.peaks
         return [((r, w), encoded) for r, w, encoded in done]
 
     def replay(self, w: int, encoded: _Encoded) -> None:
@@ -609,6 +614,8 @@ class _Stream:
         self.next += 1
         for stretch in encoded.stretches:
             self._apply(stretch)
+        if encoded.peaks is not None:
+            self.peaks = encoded.peaks
         if encoded.pending is not None:
             rows, self.lo = encoded.pending
             self.pending = rows.to(self.model.device)
@@ -890,6 +897,10 @@ class _Kept:
                         pieces.append(((self.order, s, r, w), encoded))
                         self.order += 1
             checkpoints.keep(self.checkpoints, j, pieces)
+            if j not in self.checkpoints:  # its checkpoint could not be written: nothing more is kept of it
+                for (job, _), stream in self.streams.items():
+                    if job == j:
+                        stream.log = None
 
 
 def _emit(ctx: Context, sent: list[int], j: int, partial: AnnotatePartial) -> None:

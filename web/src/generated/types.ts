@@ -758,7 +758,7 @@ export interface PseudoLoglikelihoodParams {
   per_position?: boolean
   part?: number[] | null
   /**
-   * With window and stitch center or left: send the positions' scores as partial events as soon as they are computed ({sequence, start, end, scores, tokens}: positions start..end-1 of the sequence's own tokens, each its log-probability with it masked), in order within each sequence.
+   * With window and stitch center or left: send the positions' scores as partial events as soon as a window's are all computed ({sequence, start, end, scores, tokens}: positions start..end-1 of the sequence's own tokens, a window's share, each its log-probability with it masked), in order within each sequence.
    */
   partials?: boolean
   model?: string | null
@@ -781,7 +781,7 @@ export interface PseudoLoglikelihoodResult {
   span?: [number, number][] | null
 }
 /**
- * With partials: a run of a sequence's positions' scores, as soon as they are computed.
+ * With partials: a window's share of a sequence's positions' scores, as soon as they are computed.
  *
  * This interface was referenced by `BuiltinTools`'s JSON-Schema
  * via the `definition` "PseudoLoglikelihoodPartial".
