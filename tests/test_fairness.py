@@ -306,6 +306,9 @@ def test_a_predict_waits_one_step_of_another_tokens_long_generation_not_all_of_i
         wait_until(lambda: turnstile.passed == 3, 20, "alice's generation to be under way")
         predict = Follower(server.url, "predict", {"prompt": "hello", "top_k": 2}, bearer(BOB), on_terminal=ended.append)
         wait_until(lambda: len(server.backend.queue) == 1, 20, "bob's predict to queue")
+        # And the running batch asked to pause after its step (the loop sees the arrival first): else the step
+        # let through next may be the batch's own.
+        wait_until(lambda: any(run.pause for run in server.backend.workers[0]._runs), 20, "the batch to pause for it")
         (bob_job,) = jobs_of(jobs, "bob")
         (alice_job,) = jobs_of(jobs, "alice")
         bob_job.on_end.append(lambda _: seen.update(passes=turnstile.passed, alice_done=alice_job.done))

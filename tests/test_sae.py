@@ -597,6 +597,9 @@ def test_a_long_annotation_lets_a_waiting_job_run_between_its_passes(serve: Any,
         wait_until(lambda: turnstile.passed == 2, 20, "the annotation to be under way")
         predict = Follower(server.url, "predict", {"prompt": "hello", "top_k": 2}, on_terminal=ended.append)
         wait_until(lambda: len(server.backend.queue) == 1, 20, "the predict to queue")
+        # And the running batch asked to pause after its step (the loop sees the arrival first): else the step
+        # let through next may be the batch's own.
+        wait_until(lambda: any(run.pause for run in server.backend.workers[0]._runs), 20, "the batch to pause for it")
         turnstile.let(2)  # the pass under way when it queued, then the predict's
         assert predict.done(timeout=20)[-1]["event"] == "data"
         assert ended == ["predict"] and turnstile.passed == 4
