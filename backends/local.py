@@ -32,7 +32,7 @@ from backends.served import ServedModel
 from gateway.models import sae as sae_files
 from gateway.config import Settings
 from gateway import checkpoints
-from gateway.cost import DEFAULT_FILE_BYTES, DEFAULT_RESULT_BYTES, FILE_FIELD, Budget, Cost, default_job_memory, inline_only
+from gateway.cost import DEFAULT_FILE_BYTES, DEFAULT_JOURNAL_BYTES, DEFAULT_RESULT_BYTES, FILE_FIELD, Budget, Cost, default_job_memory, inline_only
 from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
@@ -75,6 +75,7 @@ class LocalBackend(Backend):
         max_job_memory: int | None = None,
         max_result_bytes: int = DEFAULT_RESULT_BYTES,
         max_result_file_bytes: int = DEFAULT_FILE_BYTES,
+        max_checkpoint_bytes: int = DEFAULT_JOURNAL_BYTES,
         result_files: str | None = None,
         checkpoint_folder: str | None = None,
     ) -> None:
@@ -109,6 +110,7 @@ class LocalBackend(Backend):
             memory=max_job_memory or default_job_memory(devices or ([device] if device else None)),
             result=max_result_bytes,
             files=max_result_file_bytes if self.files_folder else 0,
+            journal=max_checkpoint_bytes,
         )
         self.exit_on_device_failure = exit_on_device_failure
         # An engine process (backends/engines.py): its gateway queues the jobs that had not started again.
@@ -279,6 +281,8 @@ class LocalBackend(Backend):
         if own:
             checkpoint = checkpoints.Checkpoint(os.path.join(self.checkpoints, job.id), resumed=job.resumes > 0)
         if checkpoint is not None:  # its files with its checkpoint: a run after this one's crash finds both
+            # A journal priced over its bound is not kept; one that grows past it stops there (gateway/checkpoints.py).
+            checkpoint.most = self.budget.journal if job.cost is None or job.cost.journal else 0
             job.checkpoint = checkpoint
             job.files.folder, job.files.resumed, job.files.in_checkpoint = checkpoint.folder, checkpoint.resumed, True
         served.queue.put(job, retry_after=served.eta(len(served.queue) + 1))
@@ -315,18 +319,21 @@ class LocalBackend(Backend):
 def prepare(tool: Tool, model: Model, params: Any, budget: Budget | None = None) -> Cost | None:
     """The model-dependent checks of a job before it is queued: its sequences cleaned and checked
     against the model's alphabet, then the tool's own check (413, 422), then its price against
-    `budget` (413 `too_large`); the price, where the tool states one."""
+    `budget` (413 `too_large`); the price, where the tool states one. A job that keeps no
+    checkpoint (`Tool.resumable`) has no journal in its price."""
     alphabet.clean_params(model, tool.sequences, params, tool.tagged)
     if tool.check is not None:
         tool.check(model, params)
     if tool.cost is None:
         return None
     cost: Cost = tool.cost(model, params)
+    if cost.journal and not checkpoints.resumable(tool, params):
+        cost = dataclasses.replace(cost, journal=0)
     if budget is not None:
         admitted = budget.admit(cost)
-        if admitted is not cost:  # its result goes to files, as the tool writes them by default
+        if cost.as_files is not None and admitted.as_files is None:  # its result goes to files, as the tool writes them by default
             setattr(params, FILE_FIELD, cost.file_format)
-            cost = admitted
+        cost = admitted
     return cost
 
 
@@ -362,6 +369,7 @@ def from_settings(settings: Settings, **kwargs: Any) -> LocalBackend:
         max_job_memory=settings.max_job_memory,
         max_result_bytes=settings.max_result_bytes,
         max_result_file_bytes=settings.max_result_file_bytes,
+        max_checkpoint_bytes=settings.max_checkpoint_bytes,
         result_files=kwargs.pop("result_files", settings.result_spool or tempfile.gettempdir()),
         exit_on_device_failure=True,
         supervised=settings.engine == "process",

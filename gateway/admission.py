@@ -256,6 +256,7 @@ class Admission:
             priced = job.cost is not None
             if priced:
                 room = self._result_room(job, most_result)
+                _keeps_journal(job)
             if admission.get_span_context().is_valid:
                 # From here the job is its own trace's: it outlives the request, and another process
                 # continues it from this span (the time it waits queued is measured from its start).
@@ -267,6 +268,7 @@ class Admission:
                 except ApiError:
                     self.backend.cancel(job)
                     raise
+                _keeps_journal(job)
         except BaseException as exc:
             release()
             if room is not None:
@@ -298,8 +300,16 @@ class Admission:
                 f"answers with; make {cost.result_field} smaller, or run it with POST /{job.tool}/run",
                 field=cost.result_field,
             )
-        # Result files are kept where results are (gateway/plumbing/spool.py `adopt`): held with them.
-        return self.room.hold(cost.result + cost.files, cost.result_field) if self.room is not None else None
+        # Result files are kept where results are (gateway/plumbing/spool.py `adopt`), and a checkpoint's
+        # journal beside them while its job runs: held with them.
+        return self.room.hold(cost.result + cost.files + cost.journal, cost.result_field) if self.room is not None else None
+
+
+def _keeps_journal(job: Job) -> None:
+    """A job priced without a journal (over --max-checkpoint-bytes) keeps no checkpoint: no other replica
+    can go on with it."""
+    if job.resumable and job.cost is not None and not job.cost.journal:
+        job.resumable = False
 
 
 def _refusal(exc: BaseException) -> tuple[Code, str]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import errno
 import hashlib
 import logging
 import os
@@ -47,12 +48,20 @@ _LENGTH = struct.Struct("<Q")
 
 
 class Checkpoint:
-    """One job's checkpoint folder (`folder`), and whether a run before this one left it (`resumed`)."""
+    """One job's checkpoint folder (`folder`), whether a run before this one left it (`resumed`),
+    and the most bytes its journal may take (`most`, the job's `--max-checkpoint-bytes`; 0: the job
+    keeps none, its price being over it; None: unbounded)."""
 
-    def __init__(self, folder: str, resumed: bool = False) -> None:
+    def __init__(self, folder: str, resumed: bool = False, most: int | None = None) -> None:
         self.folder = folder
         self.resumed = resumed
         self.path = os.path.join(folder, JOURNAL)
+        self.most = most
+
+    @property
+    def keeps(self) -> bool:
+        """Whether pieces are kept in it (its job's journal was priced within its bound)."""
+        return self.most != 0
 
     def finished(self) -> dict[Hashable, Any]:
         """Each piece a run before this one finished, with its output (none if this run is the first)."""
@@ -81,13 +90,17 @@ class Checkpoint:
         return done
 
     def record(self, pieces: list[tuple[Hashable, Any]]) -> None:
-        """Append pieces just finished (their outputs final: their files written)."""
+        """Append pieces just finished (their outputs final: their files written); raises OSError
+        where the journal would grow past `most` (what it holds stays good to go on from)."""
         body = pickle.dumps(pieces, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         except FileNotFoundError:  # its folder is gone with its job (cancelled, timed out): nothing to go on from
             return
         try:
+            if self.most is not None and os.fstat(fd).st_size + _LENGTH.size + len(body) > self.most:
+                # Its price was under the bound: a guard against an estimate gone wrong, not a path taken.
+                raise OSError(errno.EFBIG, f"the journal would pass its {self.most} bytes (--max-checkpoint-bytes)")
             data = memoryview(_LENGTH.pack(len(body)) + body)
             while data:
                 data = data[os.write(fd, data) :]
@@ -110,6 +123,12 @@ def keep(checkpoints: dict[Any, Checkpoint], job: Any, pieces: list[tuple[Hashab
 # The checkpoint of the job being admitted (an executor sets it around its admission, as its gateway
 # asked); the backend that queues the job hands it on (backends/local.py).
 given: contextvars.ContextVar[Checkpoint | None] = contextvars.ContextVar("checkpoint", default=None)
+
+
+def of(ctx: Any) -> Checkpoint | None:
+    """The checkpoint a job's run keeps its finished pieces in (its context's), if it keeps one."""
+    checkpoint = getattr(ctx, "checkpoint", None)
+    return checkpoint if checkpoint is not None and checkpoint.keeps else None
 
 
 def removed_with(job: Any, folder: str) -> None:

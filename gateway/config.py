@@ -26,7 +26,7 @@ import msgspec
 import msgspec.inspect as mi
 from msgspec import Meta
 
-from gateway.cost import DEFAULT_FILE_BYTES, DEFAULT_RESULT_BYTES
+from gateway.cost import DEFAULT_FILE_BYTES, DEFAULT_JOURNAL_BYTES, DEFAULT_RESULT_BYTES
 
 SERVE = {"only": "serve"}
 # --max-job-memory's default under --engine-memory-limit: this share of the limit (a quarter).
@@ -69,6 +69,7 @@ class Settings(msgspec.Struct, kw_only=True):
     max_job_memory: Annotated[int, Meta(ge=1, extra=BYTES, description="Most memory one job may hold at its peak beyond the weights (activations, attention, states and logits kept, its result), as its tool prices it before queueing; more get 413 too_large naming the field to shrink. Batches are cut to fit it too. Default: a quarter of --engine-memory-limit when that is given (more than half of it is refused); else half the smallest GPU's memory, else a quarter of this machine's.")] | None = None
     max_result_bytes: Annotated[int, Meta(ge=1, extra=BYTES, description="Most bytes of one job's result (JSON), as priced before queueing; more get 413 too_large.")] = DEFAULT_RESULT_BYTES
     max_result_file_bytes: Annotated[int, Meta(ge=0, extra=BYTES, description="Most bytes of the files one job writes beside its result (a per-position array as safetensors or npy, feature tracks as bigWig and BED, scores as TSV), as priced before queueing; more get 413 too_large. A per-position result over --max-result-bytes is written as files when its tool can, within this. 0: no result files.")] = DEFAULT_FILE_BYTES
+    max_checkpoint_bytes: Annotated[int, Meta(ge=0, extra=BYTES, description="Most bytes on disk of one job's checkpoint journal (what a windowed or chunked job has finished, kept so that it goes on from there after its engine or gateway stops), as priced before queueing and held with its results in --result-store-bytes. A job priced over it runs without one (after a crash it starts again from nothing); a journal that grows past it is kept no further. 0: no checkpoints.")] = DEFAULT_JOURNAL_BYTES
     # gateway/plumbing/slowclients.py
     max_header_bytes: Annotated[int, Meta(ge=1024, description="Most bytes of a request's line and headers together; more get 431 headers_too_large and the connection is closed.")] = 64 * 1024
     # gateway/plumbing/sendbuffer.py

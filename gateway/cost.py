@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ from gateway.protocol import Code
 
 MIB = 1 << 20
 GIB = 1 << 30
+DEFAULT_JOURNAL_BYTES = GIB
 
 # Bytes one float takes in a JSON result ("-0.123456789," at most, float32's shortest form).
 JSON_FLOAT = 14
@@ -53,6 +55,11 @@ PY_ENTRY = 144
 PY_FLOAT = 32
 
 
+# What a checkpoint's journal keeps beside each piece's numbers: its key, and the pickled tuple and
+# two tensors around them (a tensor's pickle is about 400 bytes before its data).
+JOURNAL_PIECE = 1024
+
+
 # The param by which a job asks for its per-position result as files (gateway/tools/files.py).
 FILE_FIELD = "file"
 
@@ -60,7 +67,8 @@ FILE_FIELD = "file"
 @dataclass(frozen=True)
 class Cost:
     """A job's price: `memory` bytes at its peak (beyond the weights), `result` bytes of JSON,
-    `files` bytes of result files on disk.
+    `files` bytes of result files on disk, `journal` bytes of its checkpoint's journal on disk at
+    most (gateway/checkpoints.py: 0, none kept).
 
     `memory_field` and `result_field` name the param that drives each most (what to shrink);
     `tokens` is the most tokens one forward pass of it runs over. `as_files` is the same job's
@@ -76,6 +84,7 @@ class Cost:
     files: int = 0
     as_files: Cost | None = None
     file_format: str | None = None
+    journal: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,17 +178,24 @@ def _itemsize(dtype: Any) -> int:
 @dataclass(frozen=True)
 class Budget:
     """The bounds every job is priced against (`--max-job-memory`, `--max-result-bytes`,
-    `--max-result-file-bytes`; `files` 0 where the backend keeps no result files)."""
+    `--max-result-file-bytes`, `--max-checkpoint-bytes`; `files` 0 where the backend keeps no
+    result files)."""
 
     memory: int
     result: int
     files: int = 0
+    journal: int = DEFAULT_JOURNAL_BYTES
 
     def admit(self, cost: Cost) -> Cost:
-        """The price admitted (`cost.as_files` for a result over the bound that can be files), or 413
-        `too_large` for a job over a bound: the bound, the estimate, and what to shrink."""
+        """The price admitted (`cost.as_files` for a result over the bound that can be files; its
+        `journal` 0 where it is over `journal`), or 413 `too_large` for a job over a bound: the
+        bound, the estimate, and what to shrink."""
         if cost.result > self.result and cost.as_files is not None and self.files:
             cost = cost.as_files
+        if cost.journal > self.journal:
+            # A checkpoint only lets the job go on after a crash; its answer needs none. Over the
+            # bound the job keeps none, and starts again from nothing after a crash.
+            cost = dataclasses.replace(cost, journal=0)
         # The result first: where it is over, it is also what makes the memory (the result is held).
         if cost.result > self.result:
             _refuse(f"this job's result would be about {_size(cost.result)}", self.result, "--max-result-bytes", cost.result_field)

@@ -172,6 +172,7 @@ def make_server(
         max_job_memory=settings_obj.max_job_memory,
         max_result_bytes=settings_obj.max_result_bytes,
         max_result_file_bytes=settings_obj.max_result_file_bytes,
+        max_checkpoint_bytes=settings_obj.max_checkpoint_bytes,
         result_files=settings_obj.result_spool or tempfile.gettempdir(),
         checkpoint_folder=checkpoints.lasting_folder(settings_obj.result_spool, settings_obj.store),
     )

@@ -5,6 +5,7 @@ transformers."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import glob
@@ -763,3 +764,102 @@ def test_a_run_from_the_start_never_takes_another_runs_journal_for_its_own(tmp_p
     assert fresh.finished() == {}
     fresh.record([((0, 1), "this run's")])
     assert Checkpoint(str(folder), resumed=True).finished() == {(0, 1): "this run's"}
+
+
+JOURNALED = {
+    "embed per_token": ("model", "embed", lambda: embed.EmbedParams(texts=[protein(1500, seed=21), protein(300, seed=22)], pooling="per_token", stitch="mean", **STRIDE)),
+    "embed mean": ("model", "embed", lambda: embed.EmbedParams(texts=[protein(2000, seed=1)], pooling="mean", **STRIDE)),
+    "logprobs": ("causal", "logprobs", lambda: logprobs.LogprobsParams(prompts=[LONG_TEXT], top=2, next_token=True, **STRIDE)),
+    "loglikelihood": ("causal", "loglikelihood", lambda: loglikelihood.LoglikelihoodParams(prompts=[LONG_TEXT[:1000]] * 2, continuations=[" a cat", " the dog"], **STRIDE)),
+    "fill_mask": ("model", "fill_mask", lambda: fill_mask.FillMaskParams(texts=[masked(3000, 60, seed=12)], top_k=3, stitch="mean", **STRIDE)),
+    "pseudo_loglikelihood": ("model", "pseudo_loglikelihood", lambda: pseudo_loglikelihood.PseudoLoglikelihoodParams(sequences=[protein(500, seed=13)], per_position=True, **STRIDE)),
+}
+
+
+@pytest.mark.parametrize("case", list(JOURNALED))
+def test_a_jobs_journal_is_priced_before_it_is_queued_at_no_less_than_it_takes(request: pytest.FixtureRequest, case: str, tmp_path: Path) -> None:
+    """A job's checkpoint lies on disk while it runs: its price (`Cost.journal`) bounds what its run
+    writes there, within a factor of ten."""
+    from backends.local import prepare
+    from gateway.tools import builtin_tools, collect
+
+    which, name, make = JOURNALED[case]
+    model, params = request.getfixturevalue(which), make()
+    tool = collect(builtin_tools())[name]
+    priced = prepare(tool, model, params)
+    assert priced is not None
+    checkpoint = Checkpoint(str(tmp_path / "cp"))
+    os.mkdir(checkpoint.folder)
+    tool.spread.many(model, [params], [Ctx(checkpoint)])
+    taken = os.path.getsize(checkpoint.path)
+    assert 0 < taken <= priced.journal <= 10 * taken, (taken, priced.journal)
+
+
+def test_a_journal_stops_at_its_bound_and_one_priced_over_it_is_not_kept(model: Any, tmp_path: Path) -> None:
+    """--max-checkpoint-bytes: a journal that would grow past it keeps what it holds and no more (the
+    answer the same); a job priced over it keeps none, and no other replica may go on with it."""
+    from backends.local import prepare
+    from gateway.cost import Budget
+    from gateway.tools import builtin_tools, collect
+
+    params = embed.EmbedParams(texts=[protein(2000, seed=1), protein(300, seed=2)], window=100, overlap=30, pooling="mean")
+    whole = embed.work.many(model, [params], [Ctx(Checkpoint(str(tmp_path / "none")))])[0]
+    unbounded = Checkpoint(str(tmp_path / "unbounded"))
+    os.mkdir(unbounded.folder)
+    embed.work.many(model, [params], [Ctx(unbounded)])
+    records = journal(unbounded)
+    assert len(records) >= 3
+
+    bounded = Checkpoint(str(tmp_path / "bounded"), most=len(records[0]) + len(records[1]) + 8)
+    os.mkdir(bounded.folder)
+    assert same(embed.work.many(model, [params], [Ctx(bounded)])[0], whole)
+    assert journal(bounded) == records[:2]  # the third would pass the bound: none after it either
+    again = Ctx(Checkpoint(bounded.folder, resumed=True))
+    assert same(embed.work.many(model, [params], [again])[0], whole)  # what it kept is as good to go on from
+    assert again.frames[0][0] == sum(len(pickle.loads(r[8:])) for r in records[:2])
+
+    none = Checkpoint(str(tmp_path / "none kept"), most=0)
+    os.mkdir(none.folder)
+    assert same(embed.work.many(model, [params], [Ctx(none)])[0], whole)
+    assert not os.path.exists(none.path)
+
+    tool = collect(builtin_tools())["embed"]
+    priced = prepare(tool, model, params)
+    assert priced is not None and priced.journal > 0
+    assert Budget(memory=1 << 30, result=1 << 26, journal=priced.journal).admit(priced).journal == priced.journal
+    assert Budget(memory=1 << 30, result=1 << 26, journal=priced.journal - 1).admit(priced).journal == 0
+    # Rows a `mean` window adds into a file cannot be kept (`_resumable`): such a job has no journal to price.
+    into_file = embed.EmbedParams(texts=[protein(2000, seed=1)], window=100, overlap=30, stitch="mean", pooling="per_token", file="safetensors")
+    assert prepare(tool, model, into_file, Budget(memory=1 << 30, result=1 << 26, files=1 << 30)).journal == 0  # type: ignore[union-attr]
+
+
+async def test_a_gateway_keeps_no_checkpoint_for_a_job_whose_journal_is_priced_over_its_bound(esm_path: Path, tmp_path: Path) -> None:
+    """Admission: the bound chosen at start decides, before the job is queued, whether it keeps a
+    checkpoint (and may go on in another replica); a job that keeps one has it bounded."""
+    from backends.local import LocalBackend
+    from gateway.admission import Admission, Applicant
+    from gateway.config import Settings
+    from gateway.tools import builtin_tools, collect
+
+    tools = collect(builtin_tools())
+    params = embed.EmbedParams(texts=[protein(2000, seed=1)], window=100, overlap=30, pooling="mean")
+    for bound, keeps in [(1 << 30, True), (1000, False)]:
+        backend = LocalBackend(
+            tools, model=str(esm_path), device="cpu", checkpoint_folder=str(tmp_path / str(bound)), max_checkpoint_bytes=bound
+        )
+        await backend.start()
+        try:
+            await backend.wait_ready()
+            job = await Admission(backend, Settings().limits()).admit(tools["embed"], msgspec.structs.replace(params), Applicant("tenant"))
+            assert job.cost is not None and (job.cost.journal > 0) == keeps and job.resumable == keeps
+            if keeps:
+                assert job.checkpoint is not None and job.checkpoint.most == bound
+            else:
+                assert job.checkpoint is None
+            for _ in range(600):
+                if job.done:
+                    break
+                await asyncio.sleep(0.05)
+            assert job.terminal is not None and job.terminal.type == "data"
+        finally:
+            await backend.stop()

@@ -685,6 +685,8 @@ def test_an_annotation_over_windows_goes_on_from_its_last_kept_pass_with_the_sam
         total = ctx.frames[-1][1]
         records = journal(ctx.checkpoint)
         assert len(passes) == 2 * len(records)  # a record a pass
+        taken = os.path.getsize(ctx.checkpoint.path)  # priced before it is queued: no less, within a factor of ten
+        assert taken <= sae_tools._cost_annotate(model, params).journal <= 10 * taken
         assert len(records) == (total + 1) // 2 and total == (14 + 10) * (2 if mode == "top" else 1)
 
         half = len(records) // 2 + 2  # mode top: 4 windows into the second run; pick: 2 into the second sequence

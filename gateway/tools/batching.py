@@ -233,7 +233,7 @@ class ChunkRun:
         self.checkpoints = {
             job: checkpoint
             for job, ctx in enumerate(ctxs)
-            if (checkpoint := getattr(ctx, "checkpoint", None)) is not None and work.resumable is not None and work.resumable(jobs[job])
+            if (checkpoint := checkpoints.of(ctx)) is not None and work.resumable is not None and work.resumable(jobs[job])
         }
         self.chunks = self._resumed(chunks) if self.checkpoints else chunks
 

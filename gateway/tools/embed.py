@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from gateway.encoding import to_json
-from gateway.cost import JSON_FLOAT, JSON_FRAME, JSON_TOKEN, Cost, Shape
+from gateway.cost import JOURNAL_PIECE, JSON_FLOAT, JSON_FRAME, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
 from gateway.protocol import ResultFile
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
@@ -298,12 +298,16 @@ def cost(model: Model, params: EmbedParams) -> Cost:
     if params.window is not None and per_token:
         per_vector += 2 * JSON_FLOAT  # its [left, right] context
     result = vectors * per_vector + 2 * JSON_FLOAT * planned
+    # Its checkpoint keeps each text's or window's output: a vector, or its rows with their ids
+    # (a window's rows: its share, no longer than the window); a window's rows in files, a marker.
+    journal = len(passes) * JOURNAL_PIECE
     inline = Cost(
         memory=peak + held * kept * shape.hidden * 4 + result,
         result=result,
         memory_field="window" if params.window is not None else "texts",
         result_field="pooling" if per_token else "texts",
         tokens=max(passes, default=0),
+        journal=journal + (sum(passes) * (shape.hidden * 4 + 8) if per_token else len(passes) * shape.hidden * 4),
     )
     if params.partials:
         # Each window's rows are in the job's log too (as partial events) until it ends; as
@@ -323,6 +327,7 @@ def cost(model: Model, params: EmbedParams) -> Cost:
         result_field="texts",
         tokens=inline.tokens,
         files=sum(file_bytes([a]) for a in arrays) if params.file is FileFormat.NPY else file_bytes(arrays),
+        journal=journal,
     )
     if params.file is not None:
         return written

@@ -24,7 +24,7 @@ from typing import Annotated, Any
 import msgspec
 import torch
 
-from gateway.cost import JSON_ENTRY, JSON_TOKEN, PY_ENTRY, Cost, Shape
+from gateway.cost import JOURNAL_PIECE, JSON_ENTRY, JSON_TOKEN, PY_ENTRY, Cost, Shape
 from gateway.errors import ParamError
 from gateway.models.anatomy import logits_at
 from gateway.tools.base import Capability, Context, Model, tool
@@ -129,7 +129,9 @@ def cost(model: Model, params: FillMaskParams) -> Cost:
         + masks * params.top_k * PY_ENTRY + result
     )
     return Cost(
-        memory=memory, result=result, memory_field="window" if params.window is not None else "texts", result_field="top_k", tokens=width
+        memory=memory, result=result, memory_field="window" if params.window is not None else "texts", result_field="top_k", tokens=width,
+        # Its checkpoint keeps each row's reads: their weighted probabilities over the vocabulary.
+        journal=len(rows) * JOURNAL_PIECE + reads * shape.vocab * 4,
     )
 
 

@@ -14,13 +14,14 @@ Passes are steps, counted and kept in the job's checkpoint, as `logprobs`'s.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import msgspec
 import torch
 
 from gateway.errors import ParamError
-from gateway.cost import JSON_FLOAT, Cost, Shape
+from gateway.cost import JOURNAL_PIECE, JSON_FLOAT, Cost, Shape
 from gateway.models.anatomy import readout_chunks, readout_rows
 from gateway.tools.base import Capability, Context, Model, tool
 from gateway.tools.batching import Chunk, Chunked, WindowItem
@@ -98,6 +99,11 @@ def cost(model: Model, params: LoglikelihoodParams) -> Cost:
         memory_field="window" if params.window is not None else "continuations",
         result_field="prompts",
         tokens=width,
+        # Its checkpoint keeps each pair's scores, or each window's that scores continuation tokens: a
+        # float and a flag a token.
+        journal=(
+            sum(len(list(_scoring(text, len(c), len(k)))) for text, (c, k) in zip(cut, pairs)) if params.window is not None else len(pairs)
+        ) * JOURNAL_PIECE + positions * 8,
     )
 
 
@@ -108,17 +114,26 @@ def _plan(model: Model, jobs: list[LoglikelihoodParams], ctxs: Any = None) -> li
     passes = windows.ReadPasses(PASS_TOKENS)
     for job, params in enumerate(jobs):
         for i, (context, continuation) in enumerate(_pairs(model, params)):
-            ids, first = context + continuation, len(context) - 1  # logits at position t score token t + 1
+            ids = context + continuation
             if params.window is None:
-                passes.whole((job, i), ids, range(first, len(ids) - 1), continuation)
+                passes.whole((job, i), ids, range(len(context) - 1, len(ids) - 1), continuation)
                 continue
             cut = _strided(model, params, context, continuation, i)
-            for w, (row, (start, end)) in enumerate(zip(cut.rows, cut.spans())):
-                start, end = max(start, first), min(end, len(ids) - 1)
-                if start < end:
-                    at = cut.cut[w][0]
-                    passes.window((job, WindowItem(i, w)), row, range(start - at, end - at), ids[start + 1 : end + 1])
+            rows = cut.rows
+            for w, start, end in _scoring(cut, len(context), len(continuation)):
+                at = cut.cut[w][0]
+                passes.window((job, WindowItem(i, w)), rows[w], range(start - at, end - at), ids[start + 1 : end + 1])
     return passes.chunks()
+
+
+def _scoring(cut: windows.Strided, context: int, continuation: int) -> Iterator[tuple[int, int, int]]:
+    """The windows of a pair's plan that score a continuation token: each one's index and the positions
+    [start, end) it reads for them (logits at position t score token t + 1)."""
+    first, last = context - 1, context + continuation - 1
+    for w, (start, end) in enumerate(cut.spans()):
+        start, end = max(start, first), min(end, last)
+        if start < end:
+            yield w, start, end
 
 
 def _run(model: Model, jobs: list[LoglikelihoodParams], chunk: Chunk) -> list[tuple[torch.Tensor, torch.Tensor]]:

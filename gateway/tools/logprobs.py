@@ -32,7 +32,7 @@ from typing import IO, Annotated, Any, NamedTuple
 import msgspec
 import torch
 
-from gateway.cost import JSON_ENTRY, JSON_FLOAT, JSON_FRAME, JSON_TOKEN, PY_ENTRY, PY_FLOAT, Cost, Shape
+from gateway.cost import JOURNAL_PIECE, JSON_ENTRY, JSON_FLOAT, JSON_FRAME, JSON_TOKEN, PY_ENTRY, PY_FLOAT, Cost, Shape
 from gateway.errors import ParamError
 from gateway.protocol import ResultFile
 from gateway.models.anatomy import readout_chunks, readout_rows
@@ -191,6 +191,10 @@ def cost(model: Model, params: LogprobsParams) -> Cost:
         memory_field="window" if params.window is not None else ("prompts" if params.prompts is not None else "token_ids"),
         result_field="top" if params.top else ("prompts" if params.prompts is not None else "token_ids"),
         tokens=width,
+        # Its checkpoint keeps each text's or window's `_Scores` (six tensors): two ids and two floats a
+        # position, and its top.
+        journal=(sum(len(text.rows) for text in cut) if params.window is not None else len(lengths)) * 3 * JOURNAL_PIECE
+        + positions * (24 + params.top * 12),
     )
     # As a file: a line per token (its numbers, its text, escaped), formatted a block of lines at a
     # time; the JSON keeps each text's length, plan and next token.

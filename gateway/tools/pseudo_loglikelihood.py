@@ -114,6 +114,10 @@ def check(model: Model, params: PseudoLoglikelihoodParams) -> None:
             raise ParamError(f"sequences[{i}]", "already holds the mask token; give the sequence itself")
 
 
+# A masked copy's piece of the checkpoint's journal: its key and its float, pickled in a list.
+JOURNAL_COPY = 128
+
+
 def cost(model: Model, params: PseudoLoglikelihoodParams) -> Cost:
     """The largest chunk of masked copies (each as long as its sequence) with its logits, and a number a copy."""
     shape = Shape.of(model)
@@ -133,6 +137,8 @@ def cost(model: Model, params: PseudoLoglikelihoodParams) -> Cost:
     result = len(lengths) * 2 * JSON_FLOAT + (sum(lengths) * (JSON_FLOAT + JSON_TOKEN) if scores else 0)
     logged = sum(lengths) * (JSON_FLOAT + JSON_TOKEN) if params.partials else 0  # in the job's log until it ends
     return Cost(
+        # Its checkpoint keeps each masked copy's log-probability, a float, under its key (a few ints).
+        journal=len(copies) * JOURNAL_COPY,
         memory=peak + len(copies) * 64 + result + logged,
         result=result,
         memory_field="window" if params.window is not None else "sequences",

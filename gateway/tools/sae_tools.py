@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from gateway import checkpoints
-from gateway.cost import JSON_ENTRY, JSON_FLOAT, JSON_FRAME, JSON_TOKEN, Cost, Shape
+from gateway.cost import JOURNAL_PIECE, JSON_ENTRY, JSON_FLOAT, JSON_FRAME, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
 from gateway.models.anatomy import anatomy
 from gateway.models.decoders import ModelState, Recompute
@@ -603,7 +603,7 @@ class _Stream:
             return []
         done, self.log = self.log, []
         if self.pending is not None:
-            done[-1][2].pending = (self.pending.float().cpu(), self.lo)
+            done[-1][2].pending = (self.pending.float().cpu().clone(), self.lo)  # a view pickles its whole storage
         if any(r == 0 for r, _, _ in done) and self.params.mode == "top":
             done[-1][2].peaks = self.peaks
         return [((r, w), encoded) for r, w, encoded in done]
@@ -693,6 +693,17 @@ def _passes(rows: list[tuple[int, int, Any]]) -> Iterator[tuple[int, list[Any]]]
         yield layer, batch
 
 
+def _journal(params: AnnotateParams, shape: Shape, n_features: int, chosen: int, cut: list[tuple[Framed, WindowPlan, list[Share]]]) -> int:
+    """The most a job's checkpoint keeps (`_Kept`): each window's stretches in each round (a relative
+    error and the chosen features' values a position), and after each pass (at most a window each)
+    the peaks (mode top's first round) and the stitched rows not final yet (`mean`: an overlap's)."""
+    rounds = 1 if params.mode == "pick" else 2
+    windows_count = sum(len(plan.windows) for _, plan, _ in cut)
+    pending = max((plan.overlap for _, plan, _ in cut if plan.stitch is windows.Stitch.MEAN), default=0)
+    per_pass = (n_features * 4 if params.mode == "top" else 0) + pending * shape.hidden * 4
+    return windows_count * rounds * (JOURNAL_PIECE + per_pass) + sum(len(framed.own) for framed, _, _ in cut) * (chosen + 1) * 4
+
+
 def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
     """A pass's residuals at the SAE's layer encoded into every feature, then what is kept per token:
     a prompt's k features each, or each sequence's tracks (a float per chosen feature and position).
@@ -702,7 +713,7 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
     shape = Shape.of(model)
     sae = resolve_sae(model, params.sae)
     chosen = len(params.feature_ids) if params.mode == "pick" and params.feature_ids else min(params.k, sae.n_features)
-    stitched = 0
+    stitched = journal = 0
     if params.window is None:
         lengths = [len(model.encode(t)) for t in ([params.prompt] if params.prompt is not None else params.sequences or [])]
         passes = lengths
@@ -713,6 +724,7 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
         passes = [end - start + framed.around for framed, plan, _ in cut for start, end in plan.windows]
         windows_count = len(passes)
         stitched = 2 * max(passes) * shape.hidden * 4
+        journal = _journal(params, shape, sae.n_features, chosen, cut)
     if params.prompt is not None:
         result = lengths[0] * (JSON_TOKEN + 16 + 2 * JSON_FLOAT + chosen * (JSON_ENTRY + 16))
     else:
@@ -729,6 +741,7 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
         memory_field="window" if params.window is not None else ("sequences" if params.sequences is not None else "prompt"),
         result_field="k" if params.mode == "top" else "feature_ids",
         tokens=widest,
+        journal=journal,
     )
     if params.sequences is None:
         return inline
@@ -867,7 +880,7 @@ class _Kept:
         self.streams = streams
         self.checkpoints = {
             j: checkpoint for j, (params, ctx) in enumerate(zip(jobs, ctxs))
-            if _resumable(params) and (checkpoint := getattr(ctx, "checkpoint", None)) is not None
+            if _resumable(params) and (checkpoint := checkpoints.of(ctx)) is not None
         }
         self.ctxs = ctxs
         self.order = 0  # the windows encoded so far, in this job's runs: each record's place
