@@ -27,10 +27,17 @@ together, read from /proc. The cases, one after the other:
    second's memory while they hold their streams, over before (it reads Redis's one copy of the
    result a piece at a time, gateway/server/redis_store.py).
 
+8. windowed jobs: jobs over a text several windows long (window 512, overlap 128), one after
+   another and each read to its end, in turn `logprobs` with `partials` (an event a window),
+   `loglikelihood` and `embed` per token (each keeping a checkpoint in its engine): the memory
+   after every 10th, against the idle memory; then one such `logprobs` job followed by 100 clients
+   (--quick 30) that never read its partial events: the memory while they hold their streams.
+
 Targets (the issue's): after the sequential results, memory <= idle + the in-memory budget
 (`--result-memory-bytes`, 64 MiB); followers (on either replica) and never-reading MCP clients < +300 MB; MCP within
 1.2x /run's time and memory; another tenant's predict behind any one job <= 1 s plus its own time
-alone; 0 engine restarts and every hostile text a 413.
+alone; 0 engine restarts and every hostile text a 413; after the windowed jobs, memory <= idle + the
+in-memory budget, and their never-reading followers < +300 MB.
 """
 
 from __future__ import annotations
@@ -63,7 +70,8 @@ MCP_HEADERS = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Ve
 
 def options(parser: Any) -> None:
     parser.add_argument("--results", type=int, default=None, help="Sequential results (default 500; --quick 30).")
-    parser.add_argument("--cases", default="1,2,4,5,6,7", help="Which cases to run, by number (2 runs 2 and 3; default all).")
+    parser.add_argument("--cases", default="1,2,4,5,6,7,8", help="Which cases to run, by number (2 runs 2 and 3; default all).")
+    parser.add_argument("--windowed", type=int, default=None, help="Windowed jobs of case 8 (default 300; --quick 30).")
 
 
 def text(chars: int) -> str:
@@ -161,10 +169,10 @@ async def sequential(port: int, pids: list[int], lens: dict[str, Any], count: in
 
 
 async def followers(port: int, pids: list[int], lens: dict[str, Any], count: int,
-                    on: tuple[int, list[int]] | None = None) -> tuple[float, float, int]:
-    """`count` never-reading followers of one big result; `on`: the port and processes of another
-    replica that follows it (the memory and /healthz measured are theirs)."""
-    response = await common.Response.open(port, "POST", "/logit_lens/run", msgspec.json.encode(lens))
+                    on: tuple[int, list[int]] | None = None, tool: str = "logit_lens") -> tuple[float, float, int]:
+    """`count` never-reading followers of one big result (of `tool`, with `lens` its params); `on`: the
+    port and processes of another replica that follows it (the memory and /healthz measured are theirs)."""
+    response = await common.Response.open(port, "POST", f"/{tool}/run", msgspec.json.encode(lens))
     job_id = response.headers["x-job-id"]
     await response.body()
     response.close()
@@ -182,6 +190,36 @@ async def followers(port: int, pids: list[int], lens: dict[str, Any], count: int
     finally:
         for sock in socks:
             sock.close()
+
+
+WINDOW = {"window": 512, "overlap": 128}
+
+
+def windowed_jobs(chars: int) -> list[tuple[str, dict[str, Any]]]:
+    """Case 8's jobs, in turn: each tool's over a text of `chars` characters, in windows."""
+    long = text(chars)
+    return [
+        ("logprobs", {"prompts": [long], "partials": True, **WINDOW}),
+        ("loglikelihood", {"prompts": [long], "continuations": [" and the cat sat on the mat"], **WINDOW}),
+        ("embed", {"texts": [long], "pooling": "per_token", **WINDOW}),
+    ]
+
+
+async def windowed(port: int, pids: list[int], chars: int, count: int) -> tuple[float, list[tuple[int, float]]]:
+    """Case 8's sequence: `count` windowed jobs one after another, each read to its end."""
+    jobs = [(f"/{tool}/run", msgspec.json.encode(params)) for tool, params in windowed_jobs(chars)]
+    for path, body in jobs:
+        await read_to_end(port, path, body)
+    await asyncio.sleep(1)
+    idle = resident_mb(pids)
+    samples = []
+    for n in range(1, count + 1):
+        path, body = jobs[n % len(jobs)]
+        status, _, last, _ = await read_to_end(port, path, body)
+        assert status == 200 and last == "data", (path, status, last)
+        if n % 10 == 0 or n == count:
+            samples.append((n, resident_mb(pids)))
+    return idle, samples
 
 
 async def active_jobs(port: int) -> int:
@@ -450,6 +488,29 @@ async def run(bench: common.Bench, report: common.Report) -> None:
                      [[f"{readers} followers on the other replica", big_mb, before, held, held - before]],
                      title=f"7. followers on another replica, through Redis (/healthz answered in {healthz_ms} ms meanwhile)")
         report.target(f"{readers} never-reading followers on another replica < +300 MB", f"+{held - before:.0f} MB",
+                      held - before < 300)
+    if "8" in cases:
+        gateway = bench.streamgate("serve", model=model, name="windowed")
+        bench.ready(gateway)
+        port, pids = common.port_of(gateway), processes(gateway)
+        chars = 8000 if quick else 6000  # SmolLM2: about 1,350 tokens, four windows
+        count = bench.args.windowed or (30 if quick else 300)
+        common.step(f"windowed: {count} jobs over {chars} characters in windows of 512")
+        idle, samples = await windowed(port, pids, chars, count)
+        readers = 30 if quick else 100
+        common.step(f"windowed: {readers} followers of a logprobs job's partials that never read")
+        before, held, healthz_ms = await followers(port, pids, windowed_jobs(chars)[0][1], readers, tool="logprobs")
+        common.stop(gateway)
+        report.table(["jobs read", "RSS MB", "over idle MB"], [[n, mb, mb - idle] for n, mb in samples],
+                     title=f"8. windowed jobs over {chars} characters (logprobs with partials, loglikelihood, embed per token; "
+                     f"window 512, overlap 128), each read to its end (idle {idle:.0f} MB)")
+        report.table(["readers", "before MB", "while held MB", "over before MB"],
+                     [[f"{readers} followers of a windowed logprobs job's partials, never reading", before, held, held - before]],
+                     title=f"8. idle readers of partial events (/healthz answered in {healthz_ms} ms meanwhile)")
+        last = samples[-1][1] - idle
+        report.target(f"after {count} windowed jobs, gateway + engines <= idle + {BUDGET_MIB} MiB",
+                      f"+{last:.0f} MB (most +{max(mb for _, mb in samples) - idle:.0f} MB)", last <= BUDGET_MIB)
+        report.target(f"{readers} never-reading followers of a windowed job's partials < +300 MB", f"+{held - before:.0f} MB",
                       held - before < 300)
     report.fact("machine", common.machine(f"{info['device']} ({info['dtype']}), model {info['model']}"))
     report.fact("gateway", "defaults (--result-memory-bytes 64 MiB, --retention 600 s, the result spool in the system's "
