@@ -192,7 +192,9 @@ class Session:
 
 
 @dataclass(eq=False)
-class Entry:
+class Held:
+    """A job the executor holds for its gateway: the session that submitted it, when it ended."""
+
     job: Job
     session: Session
     ended: float | None = None
@@ -263,7 +265,7 @@ class Executor:
         self.result_ttl = result_ttl
         self.session_grace = session_grace
         self.sessions: dict[str, Session] = {}
-        self.entries: dict[str, Entry] = {}
+        self.entries: dict[str, Held] = {}
         self.metrics = Metrics(backend)
         self.admission = Admission(backend, self.limits, drain=self.drain, metrics=self.metrics)
 
@@ -317,7 +319,7 @@ class Executor:
             checkpoints.given.reset(given)
         # Held from here on, with no await between: the job cannot have ended yet (the executor keeps no store).
         session = self.session(session_id)
-        entry = Entry(job, session)
+        entry = Held(job, session)
         job.on_end.append(entry.ended_with)
         self.entries[job.id] = entry
         session.jobs[job.id] = job
@@ -355,7 +357,7 @@ class Executor:
         entry = self._entry(request.path_params["job_id"])
         return JSONResponse({"job_id": entry.job.id, "cancelled": self._drop(entry)})
 
-    def _drop(self, entry: Entry) -> bool:
+    def _drop(self, entry: Held) -> bool:
         """Cancel the job if it still runs (True), and forget it and its result."""
         running = not entry.job.done
         if running:
@@ -363,13 +365,13 @@ class Executor:
         self._forget(entry)
         return running
 
-    def _entry(self, job_id: str) -> Entry:
+    def _entry(self, job_id: str) -> Held:
         entry = self.entries.get(job_id)
         if entry is None:
             raise ApiError(Code.NOT_FOUND, f"no job {job_id} here (unknown, deleted or expired)")
         return entry
 
-    def _forget(self, entry: Entry) -> None:
+    def _forget(self, entry: Held) -> None:
         self.entries.pop(entry.job.id, None)
         entry.session.jobs.pop(entry.job.id, None)
         # The entry and its job refer to each other (`Job.on_end`): a cycle that only the cyclic

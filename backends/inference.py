@@ -57,7 +57,7 @@ from gateway.errors import ApiError
 from gateway.jobs import Job, end_span
 from gateway.plumbing import tracing
 from gateway.protocol import Code, ModelInfo, Status, ToolInfo
-from backends.server_requests import WORKS, Chunk, Work, refusal
+from backends.server_requests import WORKS, StreamedChunk, Work, refusal
 from gateway.tools.base import Tool
 
 log = logging.getLogger("streamgate.inference")
@@ -465,7 +465,7 @@ class ServerLink:
                         data = line[5:].strip()
                         if data == "[DONE]":
                             break
-                        chunk = msgspec.json.decode(data, type=Chunk)
+                        chunk = msgspec.json.decode(data, type=StreamedChunk)
                         if chunk.error is not None:
                             status = chunk.error.code if isinstance(chunk.error.code, int) else 400
                             raise refusal(status, msgspec.json.encode({"error": {"message": chunk.error.message}}), server)

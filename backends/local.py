@@ -32,7 +32,7 @@ from backends.served import ServedModel
 from gateway.models import sae as sae_files
 from gateway.config import Settings
 from gateway import checkpoints
-from gateway.cost import DEFAULT_FILE_BYTES, DEFAULT_JOURNAL_BYTES, DEFAULT_RESULT_BYTES, FILE_FIELD, Budget, Cost, default_job_memory, inline_only
+from gateway.cost import FILE_FIELD, Budget, Cost, default_job_memory, inline_only
 from gateway.encoding import to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
@@ -51,87 +51,71 @@ class LocalBackend(Backend):
     def __init__(
         self,
         tools: Mapping[str, Tool],
+        settings: Settings,
         *,
-        model: str | list[str] | None = None,
-        model_loader: str | list[str] | None = None,
-        model_devices: list[str] | None = None,
-        trust_remote_code: bool = False,
-        device: str | None = None,
-        devices: list[str] | None = None,
-        dtype: str | None = None,
-        cache_dir: str | Path | None = None,
-        queue_size: int = 64,
-        max_queued_per_owner: int | None = None,
-        debug: bool = False,
         encode: Callable[[Any], bytes] = to_json,
-        max_batch_size: int = 32,
-        max_decoding_jobs: int = 256,
-        batch_wait: float = 0.005,
-        job_timeout: float = 0.0,
         exit_on_device_failure: bool = False,
         supervised: bool = False,
-        sae: list[str] | None = None,
-        torch_threads: int | None = None,
-        max_job_memory: int | None = None,
-        max_result_bytes: int = DEFAULT_RESULT_BYTES,
-        max_result_file_bytes: int = DEFAULT_FILE_BYTES,
-        max_checkpoint_bytes: int = DEFAULT_JOURNAL_BYTES,
         result_files: str | None = None,
         checkpoint_folder: str | None = None,
     ) -> None:
-        if device and devices:
+        """`tools` on the models of `settings`; `encode`: how results are written; `exit_on_device_failure`:
+        the process exits on a device that cannot be trusted any more; `supervised`: an engine process
+        (backends/engines.py), whose gateway queues its jobs that had not started again; `result_files`:
+        the folder where jobs write their result files (None: none); `checkpoint_folder`: where a job
+        that can go on from its checkpoint keeps it for another gateway process (a shared store's:
+        gateway/checkpoints.py `lasting_folder`; None: only as its gateway asks, an engine's jobs)."""
+        if settings.device and settings.devices:
             raise ValueError("give --device or --devices, not both")
         # Process-wide, as torch's threads are: this backend runs the process's model work.
-        set_torch_threads(torch_threads)
+        set_torch_threads(settings.torch_threads)
         memory.bound_heap()
         self._tools = dict(tools)
         # SAE files are checked here as far as they can be without the model (gateway/models/sae.py).
-        self.sae_specs = sae_files.read_specs(sae or [])
+        self.sae_specs = sae_files.read_specs(settings.sae)
         if self.sae_specs:
             from gateway.tools import collect
             from gateway.tools.sae_tools import sae_tools
 
             self._tools = collect([*self._tools.values(), *sae_tools()])
-        specs = models.specs(_listed(model), _listed(model_loader), model_devices or [])
+        specs = models.specs(settings.model, settings.model_loader, settings.model_devices)
         if served := [spec.name for spec in specs if spec.server is not None]:
             # An inference server is driven from the gateway's engine supervisor (backends/engines.py).
             raise ValueError(f"the model(s) {', '.join(served)} on an inference server need --engine process (the default) on a gateway")
-        self.max_batch_size = max_batch_size
-        self.max_decoding_jobs = max_decoding_jobs
+        self.max_batch_size = settings.max_batch_size
+        self.max_decoding_jobs = settings.max_decoding_jobs
         # Where jobs write their result files (a folder of this process's, gone with it), if anywhere.
-        self.files_folder = files_folder(result_files) if result_files is not None and max_result_file_bytes else None
-        # Where a job that can go on from its checkpoint keeps it, for another gateway process to go on
-        # with it (a shared store's: gateway/checkpoints.py `lasting_folder`); None: only as its gateway
-        # asks (an engine's jobs, `checkpoints.given`).
+        self.files_folder = files_folder(result_files) if result_files is not None and settings.max_result_file_bytes else None
         self.checkpoints = checkpoint_folder
         if checkpoint_folder is not None:
             os.makedirs(checkpoint_folder, 0o700, exist_ok=True)
+        devices = settings.devices or ([settings.device] if settings.device else None)
         self.budget = Budget(
-            memory=max_job_memory or default_job_memory(devices or ([device] if device else None)),
-            result=max_result_bytes,
-            files=max_result_file_bytes if self.files_folder else 0,
-            journal=max_checkpoint_bytes,
+            memory=settings.max_job_memory or default_job_memory(devices),
+            result=settings.max_result_bytes,
+            files=settings.max_result_file_bytes if self.files_folder else 0,
+            journal=settings.max_checkpoint_bytes,
         )
         self.exit_on_device_failure = exit_on_device_failure
-        # An engine process (backends/engines.py): its gateway queues the jobs that had not started again.
         self.supervised = supervised
         self.device_failed: str | None = None
         worker_options = {
-            "encode": encode, "debug": debug, "max_batch_size": max_batch_size, "max_decoding_jobs": max_decoding_jobs, "batch_wait": batch_wait, "job_timeout": job_timeout,
-        "batch_memory": self.budget.memory,
+            "encode": encode, "debug": settings.debug, "max_batch_size": settings.max_batch_size,
+            "max_decoding_jobs": settings.max_decoding_jobs, "batch_wait": settings.batch_wait_ms / 1000,
+            "job_timeout": settings.job_timeout, "batch_memory": self.budget.memory,
         }
         self.served: dict[str, ServedModel] = {
             spec.name: ServedModel(
                 spec,
                 self._tools,
-                devices=devices or ([device] if device else None),
-                dtype=dtype,
-                cache_dir=Path(cache_dir) if cache_dir else None,
-                trust_remote_code=trust_remote_code,
+                devices=devices,
+                dtype=settings.dtype,
+                cache_dir=Path(settings.cache_dir) if settings.cache_dir else None,
+                trust_remote_code=settings.trust_remote_code,
                 # SAEs are read on the default model's layers.
                 sae_specs=self.sae_specs if i == 0 else [],
-                queue_size=queue_size,
-                max_queued_per_owner=max_queued_per_owner,
+                queue_size=settings.queue_size,
+                max_queued_per_owner=settings.max_queued_per_owner,
                 worker_options=worker_options,
                 on_fatal=self._device_failed,
             )
@@ -337,10 +321,6 @@ def prepare(tool: Tool, model: Model, params: Any, budget: Budget | None = None)
     return cost
 
 
-def _listed(value: str | list[str] | None) -> list[str]:
-    return [value] if isinstance(value, str) else list(value or [])
-
-
 def from_settings(settings: Settings, **kwargs: Any) -> LocalBackend:
     """The local backend `streamgate serve` (or an executor, or a Ray replica) builds from its settings:
     the built-in tools and those of `settings.tools`; raises ValueError or ModelError."""
@@ -349,27 +329,7 @@ def from_settings(settings: Settings, **kwargs: Any) -> LocalBackend:
     tools = collect(builtin_tools() + [t for name in settings.tools for t in load_module(name)])
     backend = LocalBackend(
         tools,
-        model=settings.model,
-        model_loader=settings.model_loader,
-        model_devices=settings.model_devices,
-        trust_remote_code=settings.trust_remote_code,
-        device=settings.device,
-        devices=settings.devices,
-        dtype=settings.dtype,
-        cache_dir=settings.cache_dir,
-        queue_size=settings.queue_size,
-        max_queued_per_owner=settings.max_queued_per_owner,
-        debug=settings.debug,
-        max_batch_size=settings.max_batch_size,
-        max_decoding_jobs=settings.max_decoding_jobs,
-        batch_wait=settings.batch_wait_ms / 1000,
-        job_timeout=settings.job_timeout,
-        sae=settings.sae,
-        torch_threads=settings.torch_threads,
-        max_job_memory=settings.max_job_memory,
-        max_result_bytes=settings.max_result_bytes,
-        max_result_file_bytes=settings.max_result_file_bytes,
-        max_checkpoint_bytes=settings.max_checkpoint_bytes,
+        settings,
         result_files=kwargs.pop("result_files", settings.result_spool or tempfile.gettempdir()),
         exit_on_device_failure=True,
         supervised=settings.engine == "process",

@@ -53,11 +53,11 @@ class Server(Protocol):
 
 
 class _StreamChunk(msgspec.Struct):
-    class _Choice(msgspec.Struct):
+    class _ProbeChoice(msgspec.Struct):
         text: str | None = None
         token_ids: list[int] | None = None
 
-    choices: list[_Choice] = msgspec.field(default_factory=list)
+    choices: list[_ProbeChoice] = msgspec.field(default_factory=list)
 
 
 async def _streamed(server: Server) -> tuple[str, list[int] | None]:

@@ -52,16 +52,16 @@ from gateway.tools.predict import PredictResult, TokenProb
 Post = Callable[[str, dict[str, Any]], Awaitable[Any]]
 
 
-class Chunk(msgspec.Struct):
+class StreamedChunk(msgspec.Struct):
     """What one streamed chunk of `/completions` or `/chat/completions` carries that a job reads."""
 
     class _Delta(msgspec.Struct):
         content: str | None = None
 
-    class _Choice(msgspec.Struct):
+    class _StreamedChoice(msgspec.Struct):
         index: int = 0
         text: str | None = None  # /completions
-        delta: Chunk._Delta | None = None  # /chat/completions
+        delta: StreamedChunk._Delta | None = None  # /chat/completions
         finish_reason: str | None = None
         token_ids: list[int] | None = None  # vLLM's, with `return_token_ids`
 
@@ -73,7 +73,7 @@ class Chunk(msgspec.Struct):
         message: str = ""
         code: int | str | None = None
 
-    choices: list[_Choice] = msgspec.field(default_factory=list)
+    choices: list[_StreamedChoice] = msgspec.field(default_factory=list)
     usage: _Usage | None = None
     # A refusal the server makes once its stream has begun (vLLM checks token ids there).
     error: _Error | None = None
@@ -166,7 +166,7 @@ class Work:
     async def prepare(self) -> None:
         pass
 
-    def take(self, chunk: Chunk, job: Job) -> None:
+    def take(self, chunk: StreamedChunk, job: Job) -> None:
         raise NotImplementedError
 
     def result(self) -> Any:
@@ -176,7 +176,7 @@ class Work:
         raise NotImplementedError
 
 
-class Generation(Work):
+class Generating(Work):
     """`generate`: streamed, a partial per chunk."""
 
     stream = True
@@ -222,7 +222,7 @@ class Generation(Work):
         self.usage = Usage(0, 0, 0)
         self.started = False
 
-    def take(self, chunk: Chunk, job: Job) -> None:
+    def take(self, chunk: StreamedChunk, job: Job) -> None:
         for choice in chunk.choices:
             i = choice.index
             if not 0 <= i < len(self.texts):
@@ -388,4 +388,4 @@ class Prediction(Work):
         return PredictResult([TokenProb(id=i, text=texts[i], prob=float(np.float32(math.exp(lp)))) for i, lp in ranked])
 
 
-WORKS: dict[str, type[Work]] = {"generate": Generation, "loglikelihood": Likelihood, "logprobs": PromptScoring, "predict": Prediction}
+WORKS: dict[str, type[Work]] = {"generate": Generating, "loglikelihood": Likelihood, "logprobs": PromptScoring, "predict": Prediction}

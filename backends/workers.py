@@ -232,6 +232,64 @@ class _Steps:
         return added
 
 
+class _Members:
+    """One batch's members, on the event loop: which jobs may join it (its tool, its batch key, and
+    what its members cost together, the running ones included, within --max-job-memory), those in it
+    with when each started, and their ends; `run`, what it shares with the device's thread."""
+
+    def __init__(self, worker: Worker, tool: Tool, first: Job) -> None:
+        self.worker, self.tool = worker, tool
+        self.key = tool.batch_key(first.params) if tool.batch_key is not None else None
+        self.held = _memory(first)
+        self.members: dict[Context, tuple[Job, float]] = {}
+        self.run = _Steps()
+        self.loop = asyncio.get_running_loop()
+
+    def compatible(self, job: Job) -> bool:
+        return job.tool == self.tool.name and (self.tool.batch_key is None or self.tool.batch_key(job.params) == self.key)
+
+    def joins(self, job: Job) -> bool:
+        # A batch is one padded pass (or one step of each member): its members' prices add up,
+        # and it takes no member that would carry it past --max-job-memory (that one waits its turn).
+        limit = self.worker.batch_memory
+        if not self.compatible(job) or (limit and self.held + _memory(job) > limit):
+            return False
+        self.held += _memory(job)
+        return True
+
+    def admit(self, jobs: list[Job]) -> list[tuple[Any, Context]]:
+        """The jobs that start (those a cancel or a timeout ended meanwhile do not), as the batch takes them."""
+        worker, added = self.worker, []
+        for job in jobs:
+            if worker._admit(job):
+                ctx = worker.context(job)
+                self.members[ctx] = (job, self.loop.time())
+                added.append((job.params, ctx))
+            else:
+                self.held -= _memory(job)
+        worker._last_batch[self.tool.name] = max(worker._last_batch.get(self.tool.name, 0), len(self.members))
+        self.run.big = big([job for job, _ in self.members.values()])
+        return added
+
+    def finish(self, ended: list[tuple[Context, Outcome]], size: int | None) -> None:
+        """End the members `ended` with their outcomes; `size`: the step's batch size (None: no step ran)."""
+        if size is not None:
+            self.worker.batch_sizes[size] += 1
+        for ctx, outcome in ended:
+            if (member := self.members.pop(ctx, None)) is None:  # ended already, by a failure of the batch
+                continue
+            job, started = member
+            self.held -= _memory(job)
+            try:
+                self.worker._finish(job, self.tool, outcome, self.loop.time() - started)
+            except Exception:  # one member's bookkeeping must not leave the others unended
+                log.exception("ending job %s failed", job.id, extra={"job_id": job.id})
+                job.fail(Code.INTERNAL, "the job could not be ended normally")
+        if ended:
+            self.run.big = big([job for job, _ in self.members.values()])
+            self.run.changed.set()
+
+
 class Worker:
     """Runs queued jobs on one device, on a thread of its own: alone, or batched."""
 
@@ -400,128 +458,84 @@ class Worker:
         await work
 
     async def _run_batch(self, first: Job, tool: Tool, idle: bool = False, lets_through: bool = True, between: bool = False) -> None:
-        loop = asyncio.get_running_loop()
-        key = tool.batch_key(first.params) if tool.batch_key is not None else None
-
-        held = [_memory(first)]  # what the batch's members cost together, the running ones included
-
-        def compatible(job: Job) -> bool:
-            return job.tool == tool.name and (tool.batch_key is None or tool.batch_key(job.params) == key)
-
-        def joins(job: Job) -> bool:
-            # A batch is one padded pass (or one step of each member): its members' prices add up,
-            # and it takes no member that would carry it past --max-job-memory (that one waits its turn).
-            if not compatible(job) or (self.batch_memory and held[0] + _memory(job) > self.batch_memory):
-                return False
-            held[0] += _memory(job)
-            return True
-
+        group = _Members(self, tool, first)
         batch: Batch = tool.batch(self.model)
         most = self.max_decoding_jobs if batch.continuous else self.max_batch_size
-        joining = [first, *self.queue.take(joins, most - 1)]
+        joining = [first, *self.queue.take(group.joins, most - 1)]
         # A job that came to an idle worker, as the last of its tool did alone, is one client's next
         # job: waiting would only delay it. One that queued behind other work waits, so that clients
         # whose jobs ended together fall into step and batch.
         alone = idle and len(joining) == 1 and self._last_batch.get(tool.name) == 1
         # A batch let through pauses another: it takes what waits, and waits for nobody.
-        wait = 0.0 if alone or not lets_through else self.batch_wait
-        deadline = loop.time() + wait
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (0.0 if alone or not lets_through else self.batch_wait)
         while len(joining) < most and (left := deadline - loop.time()) > 0:
             await self.queue.arrival(left)
-            joining += self.queue.take(joins, most - len(joining))
-        members: dict[Context, tuple[Job, float]] = {}
-        run = _Steps()
-
-        def admit(jobs: list[Job]) -> list[tuple[Any, Context]]:
-            added = []
-            for job in jobs:
-                if self._admit(job):
-                    ctx = self.context(job)
-                    members[ctx] = (job, loop.time())
-                    added.append((job.params, ctx))
-                else:
-                    held[0] -= _memory(job)
-            self._last_batch[tool.name] = max(self._last_batch.get(tool.name, 0), len(members))
-            run.big = big([job for job, _ in members.values()])
-            return added
-
-        def finish(ended: list[tuple[Context, Outcome]], size: int | None) -> None:
-            if size is not None:  # a step's (None: no step ran)
-                self.batch_sizes[size] += 1
-            for ctx, outcome in ended:
-                if (member := members.pop(ctx, None)) is None:  # ended already, by a failure of the batch
-                    continue
-                job, started = member
-                held[0] -= _memory(job)
-                try:
-                    self._finish(job, tool, outcome, loop.time() - started)
-                except Exception:  # one member's bookkeeping must not leave the others unended
-                    log.exception("ending job %s failed", job.id, extra={"job_id": job.id})
-                    job.fail(Code.INTERNAL, "the job could not be ended normally")
-            if ended:
-                run.big = big([job for job, _ in members.values()])
-                run.changed.set()
-
+            joining += self.queue.take(group.joins, most - len(joining))
         self._last_batch[tool.name] = 0
-        added = admit(joining)
-        if not members:
+        added = group.admit(joining)
+        if not group.members:
             return
         whole = (keep := getattr(tool.spread, "whole", None)) is not None and any(keep(p) for p, _ in added)
         if tool.spread is not None and len(self.peers) > 1 and not whole:  # (partial events go out in order from one device)
-            self.batch_sizes[len(members)] += 1
+            self.batch_sizes[len(group.members)] += 1
             try:
                 ended = await self._spread(tool, batch, added)
             except Exception as exc:  # even the one-device rerun failed: every member ends with it
-                ended = [(ctx, exc) for ctx in members]
-            for ctx, outcome in ended:
-                job, started = members.pop(ctx)
-                self._finish(job, tool, outcome, loop.time() - started)
+                ended = [(ctx, exc) for ctx in group.members]
+            group.finish(ended, None)
             return
-        run.inbox.extend(added)
-        self._runs.add(run)
+        group.run.inbox.extend(added)
+        self._runs.add(group.run)
         try:
-            while members:
-                steps = self._call(between)(self._steps, batch, run, finish)
-                try:
-                    # While the device steps: a job the batch cannot take at the head of the queue pauses
-                    # it after its step (let through below), or, short and the step long, runs inside
-                    # the step at its next stop point; compatible ones join it between two steps.
-                    while lets_through and not steps.done():
-                        head = self.queue.head
-                        # (A compatible one too, unless the batch is continuous: one that could join only
-                        # after this step, the long part, and not at all a one-pass batch under way.)
-                        if (head is not None and run.big and not run.pause and (not batch.continuous or not compatible(head))
-                                and self._fits_in(head, held[0])):
-                            self.queue.take(lambda job: job is head, 1)
-                            await self._run(head, idle=False, lets_through=False, between=True)
-                            continue
-                        if head is not None and not compatible(head):
-                            run.pause = True
-                        elif batch.continuous and not run.pause and len(members) < most:
-                            # In turn: a job the batch cannot take keeps those behind it out until it has run.
-                            run.offer(admit(self.queue.take(joins, most - len(members), in_turn=True)))
-                        await self._stepping(steps, run)
-                    left = await steps
-                except Exception as exc:  # the batch as a whole failed: every member ends with it
-                    run.stopped = True  # (if the loop's side failed, the thread stops after its step)
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(steps)
-                    if isinstance(exc, Cancelled) and run.live and all(ctx.cancelled for ctx in run.live) and run.inbox:
-                        # The step stopped because every member in it was cancelled: those end; the
-                        # jobs offered to join it meanwhile were not, and go on in a batch of their own.
-                        finish([(ctx, exc) for ctx in run.live], len(run.live))
-                        run.live, run.stopped = [], False
-                        batch = tool.batch(self.model)
-                        continue
-                    finish([(ctx, exc) for ctx in members], len(members))
-                    return
-                if not left and not run.inbox and members:  # not one of them is in the batch any more
-                    finish([(ctx, RuntimeError("the batch ended without this job")) for ctx in members], None)
-                if run.pause and members:
-                    run.pause = False
-                    await self._let_through(compatible)
+            await self._drive(group, batch, most, lets_through, between)
         finally:
-            self._runs.discard(run)
+            self._runs.discard(group.run)
+
+    async def _drive(self, group: _Members, batch: Batch, most: int, lets_through: bool, between: bool) -> None:
+        """Step `group`'s batch on the device until its members have ended: meanwhile, let a job through
+        between (or inside) its steps, take joining ones between steps, and end members as they end."""
+        run, members = group.run, group.members
+        while members:
+            steps = self._call(between)(self._steps, batch, run, group.finish)
+            try:
+                # While the device steps: a job the batch cannot take at the head of the queue pauses
+                # it after its step (let through below), or, short and the step long, runs inside
+                # the step at its next stop point; compatible ones join it between two steps.
+                while lets_through and not steps.done():
+                    head = self.queue.head
+                    # (A compatible one too, unless the batch is continuous: one that could join only
+                    # after this step, the long part, and not at all a one-pass batch under way.)
+                    if (head is not None and run.big and not run.pause and (not batch.continuous or not group.compatible(head))
+                            and self._fits_in(head, group.held)):
+                        self.queue.take(lambda job: job is head, 1)
+                        await self._run(head, idle=False, lets_through=False, between=True)
+                        continue
+                    if head is not None and not group.compatible(head):
+                        run.pause = True
+                    elif batch.continuous and not run.pause and len(members) < most:
+                        # In turn: a job the batch cannot take keeps those behind it out until it has run.
+                        run.offer(group.admit(self.queue.take(group.joins, most - len(members), in_turn=True)))
+                    await self._stepping(steps, run)
+                left = await steps
+            except Exception as exc:  # the batch as a whole failed: every member ends with it
+                run.stopped = True  # (if the loop's side failed, the thread stops after its step)
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(steps)
+                if isinstance(exc, Cancelled) and run.live and all(ctx.cancelled for ctx in run.live) and run.inbox:
+                    # The step stopped because every member in it was cancelled: those end; the
+                    # jobs offered to join it meanwhile were not, and go on in a batch of their own.
+                    group.finish([(ctx, exc) for ctx in run.live], len(run.live))
+                    run.live, run.stopped = [], False
+                    batch = group.tool.batch(self.model)
+                    continue
+                group.finish([(ctx, exc) for ctx in members], len(members))
+                return
+            if not left and not run.inbox and members:  # not one of them is in the batch any more
+                group.finish([(ctx, RuntimeError("the batch ended without this job")) for ctx in members], None)
+            if run.pause and members:
+                run.pause = False
+                await self._let_through(group.compatible)
 
     async def _stepping(self, steps: asyncio.Future[Any], run: _Steps) -> None:
         """Return when the device's steps end, a member ends or a job is queued."""

@@ -56,7 +56,7 @@ tracer = trace.get_tracer("streamgate")
 # (and an executor's or a replica's subset) are these; admission names no surface's classes.
 
 
-class Principal(Protocol):
+class Token(Protocol):
     """A client's token as admission sees it (gateway/server/auth.py's `Principal`)."""
 
     @property
@@ -117,10 +117,10 @@ class Applicant:
     tenant: str
     weight: float = 1.0
     owner: str | None = None
-    principal: Principal | None = None
+    principal: Token | None = None
 
     @classmethod
-    def of(cls, principal: Principal | None, tenant: str) -> Applicant:
+    def of(cls, principal: Token | None, tenant: str) -> Applicant:
         if principal is None:
             return cls(tenant)
         return cls(tenant, principal.weight, principal.name, principal)
@@ -185,11 +185,13 @@ class Admission:
         assert isinstance(job, Job)  # no key: never attached
         return job
 
-    async def admit_once(self, tool: Tool, params: Any, applicant: Applicant, key: str | None) -> Job | Attached:
+    async def admit_once(
+        self, tool: Tool, params: Any, applicant: Applicant, key: str | None, *, most_result: int | None = None
+    ) -> Job | Attached:
         """`admit`, for a request that may carry an `Idempotency-Key` (`key`): the same request
         with it again, from the same token (one token cannot reach another's job by guessing its
         key), is `Attached` to the job it started; another request with it is a 409."""
-        return await self._admit(tool, params, applicant, None, key)
+        return await self._admit(tool, params, applicant, None, key, most_result)
 
     async def _admit(
         self, tool: Tool, params: Any, applicant: Applicant, job_id: str | None, key: str | None, most_result: int | None = None,

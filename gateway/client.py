@@ -1,6 +1,6 @@
 """Python clients for a streamgate server, built on httpx and httpx-sse: `Client` and `AsyncClient`.
 
-    from gateway.cli.client import Client
+    from gateway.client import Client
 
     with Client("http://127.0.0.1:8000") as client:
         result = client.run("generate", {"prompts": ["Hello"], "max_tokens": 8},

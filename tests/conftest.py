@@ -152,27 +152,11 @@ def make_server(
             settings[key] = [settings[key]]
     models = model_path if isinstance(model_path, list) else [str(model_path)] if model_path else []
     settings_obj = Settings(model=models, **settings)
+    if not settings_obj.devices:
+        settings_obj.device = "cpu"
     backend = LocalBackend(
         collect(builtin_tools() + (tools or [])),
-        model=settings_obj.model,
-        model_loader=settings_obj.model_loader,
-        model_devices=settings_obj.model_devices,
-        trust_remote_code=settings_obj.trust_remote_code,
-        device=None if settings_obj.devices else "cpu",
-        queue_size=settings_obj.queue_size,
-        max_queued_per_owner=settings_obj.max_queued_per_owner,
-        debug=settings_obj.debug,
-        cache_dir=settings_obj.cache_dir,
-        devices=settings_obj.devices or None,
-        max_batch_size=settings_obj.max_batch_size,
-        max_decoding_jobs=settings_obj.max_decoding_jobs,
-        batch_wait=settings_obj.batch_wait_ms / 1000,
-        job_timeout=settings_obj.job_timeout,
-        sae=settings_obj.sae,
-        max_job_memory=settings_obj.max_job_memory,
-        max_result_bytes=settings_obj.max_result_bytes,
-        max_result_file_bytes=settings_obj.max_result_file_bytes,
-        max_checkpoint_bytes=settings_obj.max_checkpoint_bytes,
+        settings_obj,
         result_files=settings_obj.result_spool or tempfile.gettempdir(),
         checkpoint_folder=checkpoints.lasting_folder(settings_obj.result_spool, settings_obj.store),
     )

@@ -25,8 +25,8 @@ import httpx
 import numpy as np
 import pytest
 
-from gateway.cli import client as client_module
-from gateway.cli.client import AsyncClient, Client, HttpError, JobError, Outcome
+from gateway import client as client_module
+from gateway.client import AsyncClient, Client, HttpError, JobError, Outcome
 from gateway.cli.records import Record, RecordError, detect_format, read_fasta, read_jsonl, read_records
 from gateway.tools import load_module
 from tests.conftest import Server, make_server, track_jobs, wait_until

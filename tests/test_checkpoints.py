@@ -845,7 +845,7 @@ async def test_a_gateway_keeps_no_checkpoint_for_a_job_whose_journal_is_priced_o
     params = embed.EmbedParams(texts=[protein(2000, seed=1)], window=100, overlap=30, pooling="mean")
     for bound, keeps in [(1 << 30, True), (1000, False)]:
         backend = LocalBackend(
-            tools, model=str(esm_path), device="cpu", checkpoint_folder=str(tmp_path / str(bound)), max_checkpoint_bytes=bound
+            tools, Settings(model=[str(esm_path)], device="cpu", max_checkpoint_bytes=bound), checkpoint_folder=str(tmp_path / str(bound))
         )
         await backend.start()
         try:

@@ -20,7 +20,7 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.cli.commands import describe_tool
+from gateway.cli.views import describe_tool
 from gateway.cli.commands import serve as serve_command
 from gateway.tools import builtin_tools
 from tests.support.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve

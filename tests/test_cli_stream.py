@@ -27,7 +27,7 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.cli.commands import _printable
+from gateway.cli.views import printable as _printable
 from tests.conftest import Server, build_tiny_model, track_jobs
 from tests.support.processes import ROOT, STREAMGATE, clean_env, free_port
 

@@ -386,7 +386,7 @@ async def test_what_a_backend_loaded_is_out_of_the_collectors_passes(tiny_model_
     from gateway.tools import builtin_tools, collect
 
     gc.unfreeze()
-    backend = LocalBackend(collect(builtin_tools()), model=str(tiny_model_path), device="cpu")
+    backend = LocalBackend(collect(builtin_tools()), Settings(model=[str(tiny_model_path)], device="cpu"))
     await backend.start()
     try:
         await backend.wait_ready()
@@ -694,4 +694,4 @@ def test_a_model_on_an_inference_server_is_told_apart_by_its_source(tiny_model_p
     with pytest.raises(models.ModelError, match="expected openai"):
         models.specs(["x=openai+ftp://host/v1"])
     with pytest.raises(ValueError, match="need --engine process"):
-        LocalBackend(collect(builtin_tools()), model=["base=openai+http://127.0.0.1:9/v1"], device="cpu")
+        LocalBackend(collect(builtin_tools()), Settings(model=["base=openai+http://127.0.0.1:9/v1"], device="cpu"))

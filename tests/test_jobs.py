@@ -14,7 +14,7 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.cli.client import Client
+from gateway.client import Client
 from gateway.tools import Context, Model, tool
 from tests.conftest import parse_sse, run_stream, wait_until
 

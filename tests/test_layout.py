@@ -1,11 +1,11 @@
 """The floors of the code: imports only point down.
 
-    cli        gateway/cli/        the `streamgate` command, the Python client, file runs, config files
+    cli        gateway/cli/        the `streamgate` command, file runs, config files
     server     gateway/server/     routes, streams, job stores, auth, the OpenAI routes
     backends   backends/           (beside the server: neither imports the other)
     plumbing   gateway/plumbing/   draining, logs, metrics, memory, device threads, slow clients, send buffers
     core       gateway/            protocol, jobs, errors, encoding, params, cost, config, tenants, admission,
-                                   the Backend interface, tools/ and models/
+                                   the Backend interface, tools/ and models/, the Python client
 
 and inside the core, the models know no tools. Every `import` of the project's own modules is read
 from the source (function-level ones too, TYPE_CHECKING ones too); one that points up or sideways
@@ -110,3 +110,33 @@ def test_the_architecture_pages_layout_names_every_module_and_no_other() -> None
         if not m.endswith("__init__.py") and m not in named and not any(n.endswith("/") and m.startswith(n) for n in named)
     ]
     assert unnamed == [], "modules the layout in docs/architecture.md does not name"
+
+
+def _defined(kind: type | tuple[type, ...]) -> list[tuple[str, ast.AST]]:
+    """Every definition of `kind` in gateway/ and backends/, nested ones too, with its file."""
+    found = []
+    for package in ("gateway", "backends"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found += [(path.relative_to(ROOT).as_posix(), n) for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, kind)]
+    return found
+
+
+def test_no_two_classes_share_a_name() -> None:
+    """A class is found by its name: two of one name (a `Surface` in two modules) are two things a reader confuses."""
+    where: dict[str, list[str]] = {}
+    for path, node in _defined(ast.ClassDef):
+        where.setdefault(node.name, []).append(path)  # type: ignore[attr-defined]
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
+
+
+MOST_LINES = 80
+
+
+def test_no_function_is_over_80_lines() -> None:
+    """A function a reader holds in mind at once: a longer one is cut into named parts."""
+    long = sorted(
+        (path, node.name)  # type: ignore[attr-defined]
+        for path, node in _defined((ast.FunctionDef, ast.AsyncFunctionDef))
+        if node.end_lineno - node.lineno + 1 > MOST_LINES  # type: ignore[attr-defined,operator]
+    )
+    assert long == []

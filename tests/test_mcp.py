@@ -562,7 +562,7 @@ def test_a_client_that_stops_reading_is_cut_and_frees_its_slot(tiny_model_path, 
         body = msgspec.json.encode({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params})
         host, port = server.url.removeprefix("http://").split(":")
         head = "".join(f"{k}: {v}\r\n" for k, v in {**headers, "Host": host, "Content-Length": len(body)}.items())
-        streams = server.app.state.mcp.surface.streams
+        streams = server.app.state.gateway.streams
         with socket.create_connection((host, int(port))) as reader:
             reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             reader.sendall(f"POST /mcp HTTP/1.1\r\n{head}\r\n".encode() + body)

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from backends import loading as models
 from backends.local import LocalBackend
+from gateway.config import Settings
 from gateway.models import sae as sae_files
 from gateway.errors import ParamError
 from gateway.tools import builtin_tools, collect, windows
@@ -368,7 +369,7 @@ def bad_cases(tmp: Path) -> list[tuple[Path, str]]:
 
 def start(model_path: Path, sae: list[str]) -> None:
     async def go() -> None:
-        backend = LocalBackend(collect(builtin_tools()), model=str(model_path), device="cpu", sae=sae)
+        backend = LocalBackend(collect(builtin_tools()), Settings(model=[str(model_path)], device="cpu", sae=sae))
         await backend.start()
         try:
             await backend.wait_ready()

@@ -23,7 +23,7 @@ import click
 from gateway import config
 from gateway.cli import configfile
 from gateway.config import Settings
-from gateway.server.schema_text import Fields
+from gateway.cli.views import RunView, describe_tool, printable, terminal_width
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -167,16 +167,6 @@ class _HealthChecks(logging.Filter):
         return not (len(args) >= 5 and args[2] in ("/healthz", "/readyz") and args[4] == 200)
 
 
-def _local_backend(settings: Settings, **kwargs: Any) -> Any:
-    from backends.local import from_settings
-    from backends.loading import ModelError
-
-    try:
-        return from_settings(settings, **kwargs)
-    except (ValueError, ModelError) as exc:
-        raise click.ClickException(str(exc)) from None
-
-
 @main.command()
 @_settings_options("serve")
 def serve(**options: Any) -> None:
@@ -192,34 +182,12 @@ def serve(**options: Any) -> None:
         here, servers = on_servers(settings)  # models on inference servers: checked, not started
     if not dry_run:
         _trace("streamgate")
-    if settings.backend == "ray":
-        from backends.ray_serve import INSTALL_HINT, RayBackend, ray_available
+    from backends.build import BackendError, backend_from
 
-        if not ray_available():
-            raise click.ClickException(INSTALL_HINT)
-        backend: Any = RayBackend(settings)
-    elif settings.backend == "remote":
-        from backends.remote import RemoteBackend
-
-        backend = RemoteBackend(
-            settings.executors, token=settings.executor_token, deadline=settings.executor_deadline, result_files=settings.result_spool
-        )
-    elif settings.engine == "process" and not dry_run:
-        from backends.engines import EngineBackend
-        from backends.loading import ModelError
-
-        try:
-            backend = EngineBackend(settings)
-        except (ValueError, ModelError) as exc:
-            raise click.ClickException(str(exc)) from None
-    elif dry_run and servers:
-        # Only models on servers: nothing to load here (no --model would mean the bundled default);
-        # the engines' backend, never started, for the app's checks.
-        from backends.engines import EngineBackend
-
-        backend = _local_backend(here) if here.model else EngineBackend(settings)
-    else:
-        backend = _local_backend(settings)
+    try:
+        backend = backend_from(settings, dry_run=dry_run, here=here if servers else None)
+    except BackendError as exc:
+        raise click.ClickException(str(exc)) from None
     from gateway.server.auth import AuthConfigError
 
     try:
@@ -306,22 +274,12 @@ def _trace(service: str, **resource: str) -> None:
 
 
 def _executor_service(settings: Settings, inline_results: bool = False) -> Any:
-    """The executor service of `settings`: its local backend, with results as msgpack to fetch, or
-    (`inline_results`, an engine's) as JSON in their `completed` frames."""
-    from backends.executor import Executor
-    from gateway.encoding import to_json, to_msgpack
+    from backends.build import BackendError, executor_from
 
-    return Executor(
-        _local_backend(settings, encode=to_json if inline_results else to_msgpack),
-        inline_results=inline_results,
-        token=settings.executor_token,
-        max_body_bytes=settings.max_body_bytes,
-        body_timeout=settings.body_timeout,
-        limits=settings.limits(),
-        result_ttl=settings.result_ttl,
-        session_grace=settings.session_grace,
-        drain_timeout=settings.drain_timeout,
-    )
+    try:
+        return executor_from(settings, inline_results)
+    except BackendError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 # The executor's and an engine's session socket: uvicorn's sans-I/O websockets protocol (its legacy
@@ -387,7 +345,7 @@ def _client_options(command: Any = None, *, model: bool = True) -> Any:
 
 
 def _client(url: str, token: str | None) -> Any:
-    from gateway.cli.client import Client
+    from gateway.client import Client
 
     return Client(url, headers={"Authorization": f"Bearer {token}"} if token else None)
 
@@ -396,7 +354,7 @@ def _fetch(url: str, token: str | None, call: Any) -> Any:
     """`call(client)` on a client of the gateway; a refusal exits 2, a gateway out of reach 3."""
     import httpx
 
-    from gateway.cli.client import HttpError
+    from gateway.client import HttpError
 
     try:
         with _client(url, token) as client:
@@ -409,159 +367,12 @@ def _fetch(url: str, token: str | None, call: Any) -> Any:
         sys.exit(3)
 
 
-def _printable(text: str) -> str:
-    """`text` safe to show on a terminal: control characters but newline and tab as visible symbols.
-
-    Generated text is arbitrary: an escape sequence in it would be run by the
-    terminal, a carriage return would overwrite the line. C0 controls become
-    their Unicode pictures (␛, ␍), DEL ␡, and C1 controls, which some
-    terminals obey too, �. The JSON result keeps the exact text.
-    """
-    return text.translate(_CONTROL_PICTURES)
-
-
-_CONTROL_PICTURES = {
-    **{c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"},
-    0x7F: 0x2421,
-    **{c: 0xFFFD for c in range(0x80, 0xA0)},
-}
-
-
 def _expected_texts(params: dict[str, Any] | None, query: list[tuple[str, str]] | None) -> int:
     """How many texts a job will stream side by side: one per prompt in `prompts`, else one."""
     if params is not None:
         prompts = params.get("prompts")
         return len(prompts) if isinstance(prompts, list) and prompts else 1
     return max(1, sum(1 for key, _ in query or () if key == "prompts"))
-
-
-class _RunView:
-    """What `run` shows on stderr while a job runs: statuses, logs, a progress bar, streamed text.
-
-    One streamed text is written as it comes, token by token, and takes the
-    bar's place: the text is itself the progress, and a bar kept below text
-    that wraps and grows would need the cursor moved back into the text for
-    every token, which breaks on wide characters and on a resized window.
-    Several texts (a job of several prompts, partials with their `index`)
-    arrive interleaved token by token, so they are shown line by line
-    instead, each labelled `[index]`, wrapped at the terminal's width, with
-    the bar kept below them. The bar is drawn only on a terminal: piped, its
-    carriage-return redraws would be mixed into the text.
-    """
-
-    def __init__(self, err: Any, texts: int, quiet: bool) -> None:
-        self.err, self.quiet = err, quiet
-        self.tty = err.isatty()
-        self.labelled = texts > 1
-        self.bar: Any = None
-        self.streamed = False  # one text has streamed: no bar from then on
-        self.mid_line = False  # the cursor is after streamed text, not at a line's start
-        self.first_index: int | None = None
-        self.lines: dict[int, str] = {}  # labelled: each text's line not yet shown
-
-    def status(self, frame: dict[str, Any]) -> None:
-        progress = frame.get("progress")
-        if progress:
-            self._progress(progress)
-            return
-        line = frame["status"]
-        if frame.get("position") is not None:
-            line += f" (position {frame['position']} of {frame.get('queue_size', '?')})"
-        if frame.get("message"):
-            line += f": {frame['message']}"
-        self.line(line)
-
-    def log(self, frame: dict[str, Any]) -> None:
-        self.line(f"[{frame['level']}] {frame['message']}")
-
-    def line(self, text: str) -> None:
-        """Show a whole line above the bar, after any text streamed so far."""
-        if self.quiet:
-            return
-        self._end_line()
-        if self.bar is not None:
-            self.bar.clear()
-        self.err.write(text + "\n")
-        self.err.flush()
-        if self.bar is not None:
-            self.bar.refresh()
-
-    def partial(self, data: Any) -> None:
-        if self.quiet or not isinstance(data, dict) or not isinstance(data.get("text"), str):
-            return
-        index = data.get("index") if isinstance(data.get("index"), int) else 0
-        if self.first_index is None:
-            self.first_index = index
-        if not self.labelled and index != self.first_index:
-            # More texts than the params said: label them from here on.
-            self.labelled = True
-        if self.labelled:
-            self._add_line_text(index, data["text"])
-            return
-        if self.bar is not None:
-            self.bar.close()  # leave=False: clears its line
-            self.bar = None
-        text = _printable(data["text"])
-        if text:
-            self.streamed = True
-            self.err.write(text)
-            self.err.flush()
-            self.mid_line = not text.endswith("\n")
-
-    def finish(self) -> None:
-        """Show what is left of the texts and take the bar away: the job ended."""
-        for index in sorted(self.lines):
-            if self.lines[index]:
-                self.line(f"[{index}] {self.lines[index]}")
-        self.lines.clear()
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-        self._end_line()
-
-    def _progress(self, progress: dict[str, Any]) -> None:
-        if self.quiet or not self.tty or self.streamed:
-            return
-        if self.bar is None:
-            from tqdm import tqdm
-
-            self._end_line()
-            self.bar = tqdm(total=progress.get("total"), unit=progress.get("unit") or "it", file=self.err, leave=False)
-        self.bar.n = progress["done"]
-        self.bar.refresh()
-
-    def _add_line_text(self, index: int, text: str) -> None:
-        width = max(20, _terminal_width(self.err) - len(f"[{index}] "))
-        pending = self.lines.get(index, "") + _printable(text)
-        while True:
-            head, newline, rest = pending.partition("\n")
-            if newline:
-                line, pending = head, rest
-            elif len(head) > width:
-                # Break at the last space that fits, or mid-word in a word longer than the line.
-                cut = head.rfind(" ", 0, width + 1)
-                cut = cut + 1 if cut > 0 else width
-                line, pending = head[:cut].rstrip(" "), head[cut:]
-            else:
-                break
-            self.line(f"[{index}] {line}" if line else f"[{index}]")
-        self.lines[index] = pending
-
-    def _end_line(self) -> None:
-        if self.mid_line:
-            self.err.write("\n")
-            self.err.flush()
-            self.mid_line = False
-
-
-def _terminal_width(stream: Any = None) -> int:
-    """The width of the terminal `stream` (stderr by default) writes to; else $COLUMNS, else 100."""
-    import shutil
-
-    try:
-        return os.get_terminal_size((stream or sys.stderr).fileno()).columns
-    except (OSError, ValueError, AttributeError):  # not a terminal: a pipe, a file, a test's buffer
-        return shutil.get_terminal_size((100, 24)).columns
 
 
 def _fetch_files(client: Any, result: Any, out_dir: str | None, quiet: bool) -> None:
@@ -617,7 +428,7 @@ def run(
     """
     import httpx
 
-    from gateway.cli.client import HttpError, JobError, StreamEndedError
+    from gateway.client import HttpError, JobError, StreamEndedError
 
     if params_json is not None and pairs:
         raise click.UsageError("give KEY=VALUE pairs or --json, not both")
@@ -636,7 +447,7 @@ def run(
         else:
             query = [(k, v) for k, v in query or [] if k != "model"] + [("model", model)]
 
-    shown = _RunView(sys.stderr, _expected_texts(params, query), quiet)
+    shown = RunView(sys.stderr, _expected_texts(params, query), quiet)
     try:
         with _client(url, token) as client:
             try:
@@ -663,7 +474,7 @@ def run(
 
 def _report(exc: Exception, url: str) -> int:
     """Say on stderr why a job gave no result; return the exit code that goes with it."""
-    from gateway.cli.client import HttpError, JobError
+    from gateway.client import HttpError, JobError
 
     if isinstance(exc, HttpError):
         click.echo(f"error: {exc}" + (f" (field: {exc.field})" if exc.field else ""), err=True)
@@ -679,7 +490,7 @@ def _cancel(client: Any) -> None:
     """Cancel the client's job on Ctrl-C, rather than leave it running through the server's detach grace."""
     import httpx
 
-    from gateway.cli.client import ClientError
+    from gateway.client import ClientError
 
     click.echo("cancelled", err=True)
     if client.job_id is not None:
@@ -752,10 +563,10 @@ def _chat_turn(
     """
     import httpx
 
-    from gateway.cli.client import HttpError, JobError, StreamEndedError
+    from gateway.client import HttpError, JobError, StreamEndedError
 
     out = sys.stdout
-    shown = _printable if out.isatty() else str
+    shown = printable if out.isatty() else str
     sent: list[str] = []
 
     def on_partial(data: Any) -> None:
@@ -820,7 +631,7 @@ def tools(tool: str | None, model: str | None, url: str, token: str | None, as_j
             close = difflib.get_close_matches(tool, names, n=1)
             click.echo(message + (f"\ndid you mean {close[0]}?" if close else ""), err=True)
             sys.exit(2)
-        click.echo(json.dumps(entry, indent=2) if as_json else describe_tool(entry, _terminal_width(sys.stdout)))
+        click.echo(json.dumps(entry, indent=2) if as_json else describe_tool(entry, terminal_width(sys.stdout)))
         return
     if as_json:
         click.echo(json.dumps(listed, indent=2))
@@ -854,21 +665,3 @@ def models(url: str, token: str | None, as_json: bool) -> None:
         click.echo(f"{model['name']}{' (default)' if model['default'] else ''}  {', '.join(f for f in facts if f)}{state}")
         if model.get("tools"):
             click.echo(f"  tools: {', '.join(model['tools'])}")
-
-
-def describe_tool(entry: dict[str, Any], width: int = 100) -> str:
-    """One tool of `GET /tools` for a person: what it does, whether it streams, and each param."""
-    import textwrap
-
-    lines = [entry["name"]]
-    for paragraph in (entry.get("description") or "").strip().splitlines():
-        lines += textwrap.wrap(paragraph, max(40, width - 2), initial_indent="  ", subsequent_indent="  ") or [""]
-    lines += ["", f"streams partial results: {'yes' if entry.get('streams_partial') else 'no'}"]
-    unsupported = entry.get("unsupported")
-    lines.append(f"runs on this model: no: {unsupported}" if unsupported else "runs on this model: yes")
-    schema = entry.get("params_schema") or {}
-    fields = Fields(schema, width).of(schema, indent=2)
-    lines += ["", "params:", *fields] if fields else ["", "params: none"]
-    return "\n".join(lines)
-
-

@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from gateway.cli.client import Client
+from gateway.client import Client
 
 MAX_SHOWN_FAILURES = 10  # failures told on stderr one by one; the rest only counted (all are in OUT)
 
@@ -49,7 +49,7 @@ class FileRun:
         import httpx
 
         from gateway.cli import records
-        from gateway.cli.client import HttpError
+        from gateway.client import HttpError
 
         if input_path is None:
             raise click.UsageError("--output goes with --input FILE: the records to run")
@@ -202,7 +202,7 @@ class FileRun:
         model; the gateway out of reach) stops the run: its exit code and why; else None."""
         import httpx
 
-        from gateway.cli.client import HttpError
+        from gateway.client import HttpError
 
         if isinstance(error, HttpError) and error.status in (401, 403, 404):
             return 2, str(error)
@@ -356,7 +356,7 @@ def _typed(key: str, value: str, alternatives: list[dict[str, Any]]) -> Any:
 
 def _error_fields(error: BaseException | None) -> dict[str, Any]:
     """A record's error as its output line has it: code, message, and the HTTP status (and field) of a refusal."""
-    from gateway.cli.client import HttpError, JobError, StreamEndedError
+    from gateway.client import HttpError, JobError, StreamEndedError
 
     if isinstance(error, HttpError):
         fields: dict[str, Any] = {"code": error.code, "message": error.message, "status": error.status}

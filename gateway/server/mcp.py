@@ -81,19 +81,15 @@ from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway import params as params_mod
-from gateway import tenants
-from gateway.admission import Admission, Applicant
 from gateway.errors import ApiError, ParamError
 from gateway.jobs import Job
 from gateway.plumbing import sendbuffer
 from gateway.plumbing.logs import bind_job
-from gateway.plumbing.metrics import Metrics
 from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType, Kept, LogFrame, Status, StatusFrame
-from gateway.server.auth import Auth, Principal
+from gateway.server.gateway import Caller, Gateway
 from gateway.server.mcp_tasks import Tasks
-from gateway.server.store import JobStore
-from gateway.server.stream import Streams, follow
-from gateway.tools.base import MODEL_FIELD
+from gateway.server.stream import follow
+from gateway.tools.base import MODEL_FIELD, Tool
 
 log = logging.getLogger("streamgate.mcp")
 
@@ -116,14 +112,6 @@ MCP_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert"
 
 
 @dataclass(frozen=True)
-class Caller:
-    """Who makes an MCP request: the token (None without tokens) and the tenant it counts against."""
-
-    principal: Principal | None
-    tenant: str
-
-
-@dataclass(frozen=True)
 class Entry:
     """One MCP tool: a gateway tool on one model (None: the default)."""
 
@@ -132,31 +120,13 @@ class Entry:
     listed: types.Tool
 
 
-@dataclass
-class Surface:
-    """What `/mcp` needs from the gateway: the one admission, the job store, auth, streams, settings."""
-
-    backend: Any
-    admission: Admission
-    auth: Auth
-    store: JobStore
-    streams: Streams
-    metrics: Metrics
-    limits: Mapping[str, int]
-    max_body_bytes: int
-    body_timeout: float
-    write_timeout: float
-    retention: float
-    origins: Sequence[str] = ()
-
-
 class McpServer:
     """The `/mcp` endpoint (an ASGI app) and the MCP server behind it; `running()` goes in the app's lifespan."""
 
-    def __init__(self, surface: Surface) -> None:
-        self.surface = surface
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
         self.tasks = Tasks(
-            surface.store, surface.auth, surface.retention, principal=lambda ctx: _caller(ctx).principal, result=self._result
+            gateway.store, gateway.auth, gateway.settings.retention, principal=lambda ctx: _caller(ctx).principal, result=self._result
         )
         self._catalog_key: object = None
         self._entries: dict[str, Entry] = {}
@@ -183,7 +153,7 @@ class McpServer:
         server.add_notification_handler("notifications/cancelled", types.CancelledNotificationParams, self._cancelled)
         self.server = server
         self.manager = StreamableHTTPSessionManager(
-            server, stateless=True, max_request_body_size=surface.max_body_bytes + ENVELOPE_BYTES
+            server, stateless=True, max_request_body_size=gateway.settings.max_body_bytes + ENVELOPE_BYTES
         )
 
     def running(self) -> contextlib.AbstractAsyncContextManager[None]:
@@ -192,19 +162,16 @@ class McpServer:
     # -- HTTP ------------------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        surface = self.surface
+        gateway = self.gateway
         request = Request(scope, receive)
         try:
             origin = request.headers.get("origin")
-            if origin is not None and origin not in surface.origins:
+            if origin is not None and origin not in gateway.settings.cors_origins:
                 raise ApiError(Code.FORBIDDEN, f"/mcp does not take requests from pages at {origin!r} (see --cors-origins)")
-            principal = surface.auth.authenticate(request)
-            tenant = tenants.tenant(principal, request)
-            with surface.streams.slot(tenant):
-                body = await params_mod.read_body(
-                    request, surface.max_body_bytes + ENVELOPE_BYTES, surface.body_timeout, surface.metrics.client_timeout
-                )
-                scope[CALLER] = Caller(principal, tenant)
+            caller = gateway.caller(request)
+            with gateway.streams.slot(caller.tenant):
+                body = await gateway.read_body(request, ENVELOPE_BYTES)
+                scope[CALLER] = caller
                 await self.manager.handle_request(scope, _replay(body, receive), self._bounded(scope, send))
         except ApiError as exc:
             await exc.response()(scope, receive, send)
@@ -213,12 +180,12 @@ class McpServer:
         """`send`, each write within the write timeout (a big body a piece at a time), or the connection
         cut: what is sent after that goes nowhere, and the SDK learns that its client left, as from any
         client that leaves (an exception would reach it as a server fault, traceback and all)."""
-        timeout = self.surface.write_timeout
+        timeout = self.gateway.settings.write_timeout
         cut = False
         start: Message | None = None  # a JSON answer's head, held until its body shows whether it splices
 
         async def bounded(message: Message) -> None:
-            nonlocal cut, start
+            nonlocal start
             if message["type"] == "http.response.start" and _content_type(message) == b"application/json":
                 start = message
                 return
@@ -247,7 +214,7 @@ class McpServer:
                     await send(message)
             except TimeoutError:
                 cut = True
-                await sendbuffer.cut(scope, lambda: self.surface.metrics.client_timeout("write"), timeout)
+                await sendbuffer.cut(scope, lambda: self.gateway.metrics.client_timeout("write"), timeout)
 
         return bounded
 
@@ -255,11 +222,11 @@ class McpServer:
 
     def catalog(self) -> dict[str, Entry]:
         """The MCP tools by name, described again whenever the tools or the models served change."""
-        backend = self.surface.backend
+        backend = self.gateway.backend
         models = tuple(backend.model_names())
         key = (backend.tools_version, models)
         if key != self._catalog_key:
-            self._entries = _describe(backend, self.surface.limits, models)
+            self._entries = _describe(backend, self.gateway.limits, models)
             self._catalog_key = key
         return self._entries
 
@@ -295,28 +262,30 @@ class McpServer:
 
     async def _admit(self, caller: Caller, entry: Entry, arguments: dict[str, Any]) -> Job:
         """The call's job, admitted as a run of the tool with these arguments as its body would be."""
-        surface = self.surface
-        surface.auth.authorize(caller.principal, entry.tool)
-        tool = surface.backend.tool(entry.tool)
-        given = arguments.get(MODEL_FIELD)
-        if given is not None and given != (entry.model or surface.backend.resolve_model(None)):
-            on = entry.model or "the default model"
-            raise ParamError(MODEL_FIELD, f"this tool runs on {on}; the tool's name chooses the model")
-        fields = {**arguments, MODEL_FIELD: entry.model} if entry.model is not None else arguments
-        try:
-            body = msgspec.json.encode(fields)
-        except (msgspec.EncodeError, OverflowError) as exc:
-            raise ApiError(Code.INVALID_PARAMS, f"the arguments cannot be read: {exc}") from None
-        if len(body) > surface.max_body_bytes:
-            raise ApiError(Code.TOO_LARGE, f"the arguments are over the limit of {surface.max_body_bytes} bytes")
-        decoded = await surface.admission.decode(tool, body, what="the arguments")
-        return await surface.admission.admit(
-            tool, decoded, Applicant.of(caller.principal, caller.tenant), most_result=INLINE_RESULT_BYTES
-        )
+        gateway = self.gateway
+        most = gateway.settings.max_body_bytes
+
+        async def params(tool: Tool) -> Any:
+            given = arguments.get(MODEL_FIELD)
+            if given is not None and given != (entry.model or gateway.backend.resolve_model(None)):
+                on = entry.model or "the default model"
+                raise ParamError(MODEL_FIELD, f"this tool runs on {on}; the tool's name chooses the model")
+            fields = {**arguments, MODEL_FIELD: entry.model} if entry.model is not None else arguments
+            try:
+                body = msgspec.json.encode(fields)
+            except (msgspec.EncodeError, OverflowError) as exc:
+                raise ApiError(Code.INVALID_PARAMS, f"the arguments cannot be read: {exc}") from None
+            if len(body) > most:
+                raise ApiError(Code.TOO_LARGE, f"the arguments are over the limit of {most} bytes")
+            return await gateway.admission.decode(tool, body, what="the arguments")
+
+        job = await gateway.enter(caller, entry.tool, params, most_result=INLINE_RESULT_BYTES)
+        assert isinstance(job, Job)  # no key: never attached
+        return job
 
     async def _follow(self, ctx: ServerRequestContext[Any], caller: Caller, job: Job) -> Any:
         """Follow the job to its end, its frames as notifications; the result, or `isError`."""
-        store = self.surface.store
+        store = self.gateway.store
         key = (caller.tenant, _request_key(ctx.request_id))
         self._calls.setdefault(key, []).append(job)
         store.attach(job)  # as a stream's follower: a viewer of the job that leaves does not cancel it
@@ -387,7 +356,7 @@ class McpServer:
             return
         calls = self._calls.get((_caller(ctx).tenant, _request_key(params.request_id)), [])
         if len(calls) == 1:
-            await self.surface.store.cancel(calls[0])
+            await self.gateway.cancel(calls[0])
         elif calls:
             log.info("notifications/cancelled for request %r: %d calls of that id, none cancelled", params.request_id, len(calls))
 

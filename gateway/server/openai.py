@@ -26,9 +26,9 @@ import asyncio
 import contextlib
 import time
 from datetime import datetime, timezone
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 from sse_starlette import ServerSentEvent
@@ -40,9 +40,12 @@ from gateway.errors import ApiError, from_validation_error
 from gateway.jobs import Job
 from gateway.params import check_json, from_fields, off_loop
 from gateway.protocol import Code, EventType
-from gateway.plumbing.metrics import Metrics
 from gateway.plumbing.sendbuffer import WholeResponse
-from gateway.server.stream import EventStream, Streams, follow
+from gateway.server.stream import EventStream, follow
+from gateway.tools.base import Tool
+
+if TYPE_CHECKING:
+    from gateway.server.gateway import Gateway
 
 _STARTED = time.time()  # the `created` of every model in /v1/models
 
@@ -159,26 +162,6 @@ def _prompts(prompt: str | list[Any]) -> tuple[list[str] | None, list[list[int]]
     raise _refuse("prompt", "expected a string, an array of strings, an array of token ids, or an array of those arrays")
 
 
-# -- the surface -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Surface:
-    """What the routes need from the gateway: how to start a job and stop one, streams, settings."""
-
-    backend: Any
-    authenticate: Callable[[Request], Any]
-    tenant: Callable[[Any, Request], str]  # whom a principal's request counts against (gateway/tenants.py)
-    launch: Callable[[Request, str, Any], Awaitable[Job]]
-    cancel: Callable[[Job], Awaitable[None]]
-    streams: Streams
-    metrics: Metrics
-    read_body: Callable[[Request], Awaitable[bytes]]
-    ping_interval: float
-    write_timeout: float
-    max_tokens: int  # the server's --max-tokens: a chat that gives none gets CHAT_MAX_TOKENS, or this if lower
-
-
 @dataclass
 class _Plan:
     """How one OpenAI request runs as a job, and how its answer is written."""
@@ -267,8 +250,8 @@ def _chat_plan(request: ChatRequest, max_tokens_limit: int) -> _Plan:
 _FIELDS = {"prompts": "prompt", "token_ids": "prompt", "top": "logprobs", "next_token": "max_tokens"}
 
 
-def _params(surface: Surface, plan: _Plan) -> Any:
-    return from_fields(surface.backend.tool(plan.tool), {k: v for k, v in plan.params.items() if v is not None})
+def _params(tool: Tool, plan: _Plan) -> Any:
+    return from_fields(tool, {k: v for k, v in plan.params.items() if v is not None})
 
 
 def _openai_field(field: str | None) -> str | None:
@@ -460,11 +443,12 @@ def _checked(kind: type[msgspec.Struct], body: bytes) -> Any:
     return msgspec.json.decode(body, type=kind)
 
 
-def routes(surface: Surface) -> list[Route]:
+def routes(gateway: Gateway) -> list[Route]:
     """The `/v1/…` routes, every answer (errors included) in OpenAI's shape."""
+    settings = gateway.settings
 
     async def decode(request: Request, kind: type[msgspec.Struct]) -> Any:
-        body = await surface.read_body(request)
+        body = await gateway.read_body(request)
         try:
             return await off_loop(_checked, body, kind)
         except msgspec.ValidationError as exc:
@@ -474,25 +458,31 @@ def routes(surface: Surface) -> list[Route]:
 
     async def run(request: Request, plan_of: Callable[[Any], _Plan], kind: type[msgspec.Struct]) -> Response:
         try:
-            principal = surface.authenticate(request)  # before the body is read: a client without a token learns only that
-            with surface.streams.slot(surface.tenant(principal, request)) as slot:
+            caller = gateway.caller(request)  # before the body is read: a client without a token learns only that
+            with gateway.streams.slot(caller.tenant) as slot:
                 plan = plan_of(await decode(request, kind))
-                job = await surface.launch(request, plan.tool, _params(surface, plan))
+
+                async def params(tool: Tool) -> Any:
+                    return _params(tool, plan)
+
+                # Its answer is made of the result: refused (413) rather than written as files.
+                job = await gateway.enter(caller, plan.tool, params, inline=True)
+                assert isinstance(job, Job)  # no key: never attached
                 if not plan.stream:
                     return await _whole(request, plan, job)
 
                 async def ended() -> None:
                     if not job.done:  # the client closed the stream: nobody will read the rest
                         with contextlib.suppress(Exception):
-                            await surface.cancel(job)
+                            await gateway.cancel(job)
 
                 return EventStream(
-                    _stream(plan, job, job.model or "", surface.ping_interval),  # 0: no pings
+                    _stream(plan, job, job.model or "", settings.ping_interval),  # 0: no pings
                     slot=slot,
                     job_id=job.id,
-                    metrics=surface.metrics,
+                    metrics=gateway.metrics,
                     headers={"X-Job-Id": job.id, "Cache-Control": "no-cache"},
-                    send_timeout=surface.write_timeout,
+                    send_timeout=settings.write_timeout,
                     on_end=lambda: asyncio.ensure_future(ended()),
                 )
         except ApiError as exc:
@@ -504,7 +494,7 @@ def routes(surface: Surface) -> list[Route]:
             data = await _result(job, request)
         finally:
             if not job.done:  # the client went away, or this request was cancelled
-                await surface.cancel(job)
+                await gateway.cancel(job)
         if data is None:  # the client went away: nobody will read the answer
             return Response(status_code=499)
         assert job.terminal is not None
@@ -513,23 +503,18 @@ def routes(surface: Surface) -> list[Route]:
             return Response(msgspec.json.encode(body), status_code=status, headers=headers, media_type="application/json")
         answer = _answer(plan, job, job.model or "", msgspec.json.decode(data))
         # Big with echo and logprobs (lm-eval's loglikelihood): sent as a stream's big event is.
-        return WholeResponse(
-            msgspec.json.encode(answer),
-            headers=headers,
-            send_timeout=surface.write_timeout,
-            on_write_timeout=lambda: surface.metrics.client_timeout("write"),
-        )
+        return WholeResponse(msgspec.json.encode(answer), headers=headers, **gateway.sending)
 
     async def completions(request: Request) -> Response:
         return await run(request, _completion_plan, CompletionRequest)
 
     async def chat_completions(request: Request) -> Response:
-        return await run(request, lambda chat: _chat_plan(chat, surface.max_tokens), ChatRequest)
+        return await run(request, lambda chat: _chat_plan(chat, settings.max_tokens), ChatRequest)
 
     async def models(request: Request) -> Response:
         # Open, as `GET /models` is: what is served is no secret.
         data = [
-            {"id": m.name, "object": "model", "created": int(_STARTED), "owned_by": "streamgate"} for m in surface.backend.models()
+            {"id": m.name, "object": "model", "created": int(_STARTED), "owned_by": "streamgate"} for m in gateway.backend.models()
         ]
         return Response(msgspec.json.encode({"object": "list", "data": data}), media_type="application/json")
 

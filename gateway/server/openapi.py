@@ -326,122 +326,133 @@ def _error_responses(ref: Mapping[str, Any]) -> dict[str, Any]:
     return responses
 
 
-def _other_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
-    def json(schema: Any, description: str) -> dict[str, Any]:
-        return {"description": description, "content": {"application/json": {"schema": schema}}}
+def _json(schema: Any, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
 
-    def errors(*statuses: int) -> dict[str, Any]:
-        return {str(s): {"$ref": f"#/components/responses/{s}"} for s in statuses}
 
-    job_id = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string", "pattern": JOB_ID}}
-    ranges = [
-        {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"},
-         "description": "`bytes=a-b`, `bytes=a-` or `bytes=-n`: one range (several are answered whole)."},
-        {"name": "If-Range", "in": "header", "required": False, "schema": {"type": "string"},
-         "description": "The `ETag` of the copy being resumed: the range is sent only if it still matches."},
-    ]
-    last_event_id = {
-        "name": "Last-Event-ID",
-        "in": "header",
-        "schema": {"type": "string"},
-        "description": "`<job_id>:<seq>`: send only the events after this one (also accepted as the `last_event_id` query key).",
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(s): {"$ref": f"#/components/responses/{s}"} for s in statuses}
+
+
+def _op(op_id: str, summary: str, responses: dict[str, Any], **more: Any) -> dict[str, Any]:
+    return {"operationId": op_id, "summary": summary, "responses": {**responses, **_errors(*EVERY_ROUTE)}, **more}
+
+
+def _page(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"text/html": {"schema": {"type": "string"}}}}
+
+
+_JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string", "pattern": JOB_ID}}
+_RANGES = [
+    {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"},
+     "description": "`bytes=a-b`, `bytes=a-` or `bytes=-n`: one range (several are answered whole)."},
+    {"name": "If-Range", "in": "header", "required": False, "schema": {"type": "string"},
+     "description": "The `ETag` of the copy being resumed: the range is sent only if it still matches."},
+]
+_LAST_EVENT_ID = {
+    "name": "Last-Event-ID",
+    "in": "header",
+    "schema": {"type": "string"},
+    "description": "`<job_id>:<seq>`: send only the events after this one (also accepted as the `last_event_id` query key).",
+}
+
+
+def _download(media: str, whole: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """The answers of a route that sends a file, whole (`whole` says what it is) or the range asked for."""
+    return {
+        "200": {"description": whole,
+                "headers": {"ETag": {"schema": {"type": "string"}}, "Accept-Ranges": {"schema": {"type": "string"}}},
+                "content": {media: {"schema": schema}}},
+        "206": {"description": "The bytes the `Range` asked for.",
+                "headers": {"Content-Range": {"schema": {"type": "string"}}, "ETag": {"schema": {"type": "string"}}},
+                "content": {media: {"schema": {"type": "string", "format": "binary"}}}},
+        **_errors(401, 404, 409, 416, 503),
     }
 
-    def op(op_id: str, summary: str, responses: dict[str, Any], **more: Any) -> dict[str, Any]:
-        return {"operationId": op_id, "summary": summary, "responses": {**responses, **errors(*EVERY_ROUTE)}, **more}
 
+def _other_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
+    return {**_job_paths(ref), **_served_paths(ref)}
+
+
+def _job_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
+    """The routes of jobs already made: their list, each one's snapshot, cancel, events, result and files."""
     return {
         "/jobs": {
-            "get": op("jobs", "The caller's jobs (an admin's: everyone's), newest first, a page at a time",
-                      {"200": json(ref["JobList"], "A page of jobs; `next` is the cursor of the next."), **errors(401, 422, 503)},
-                      parameters=[
-                          {"name": "state", "in": "query", "required": False, "description": "A status, or `active` or `finished`.",
-                           "schema": {"type": "string", "enum": list(STATES)}},
-                          {"name": "limit", "in": "query", "required": False,
-                           "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 50}},
-                          {"name": "cursor", "in": "query", "required": False, "description": "The `next` of the page before.",
-                           "schema": {"type": "string"}},
-                      ], tags=["jobs"]),
+            "get": _op("jobs", "The caller's jobs (an admin's: everyone's), newest first, a page at a time",
+                       {"200": _json(ref["JobList"], "A page of jobs; `next` is the cursor of the next."), **_errors(401, 422, 503)},
+                       parameters=[
+                           {"name": "state", "in": "query", "required": False, "description": "A status, or `active` or `finished`.",
+                            "schema": {"type": "string", "enum": list(STATES)}},
+                           {"name": "limit", "in": "query", "required": False,
+                            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 50}},
+                           {"name": "cursor", "in": "query", "required": False, "description": "The `next` of the page before.",
+                            "schema": {"type": "string"}},
+                       ], tags=["jobs"]),
         },
         "/jobs/{job_id}": {
-            "get": op("job", "Where a job stands", {"200": json(ref["JobSnapshot"], "The job's snapshot."), **errors(401, 404, 503)},
-                      parameters=[job_id], tags=["jobs"]),
-            "delete": op("cancel", "Cancel a job", {"200": json(ref["Cancellation"], "Cancelled, or had ended."), **errors(401, 404, 503)},
-                         parameters=[job_id], tags=["jobs"]),
+            "get": _op("job", "Where a job stands", {"200": _json(ref["JobSnapshot"], "The job's snapshot."), **_errors(401, 404, 503)},
+                       parameters=[_JOB_ID], tags=["jobs"]),
+            "delete": _op("cancel", "Cancel a job", {"200": _json(ref["Cancellation"], "Cancelled, or had ended."), **_errors(401, 404, 503)},
+                          parameters=[_JOB_ID], tags=["jobs"]),
         },
         "/jobs/{job_id}/events": {
-            "get": op("events", "A job's stream again, from the start or after Last-Event-ID",
-                      _stream_responses({"$ref": REF.format(name="Event")}, (400, 401, 404, 503)),
-                      parameters=[job_id, last_event_id], tags=["jobs"]),
+            "get": _op("events", "A job's stream again, from the start or after Last-Event-ID",
+                       _stream_responses({"$ref": REF.format(name="Event")}, (400, 401, 404, 503)),
+                       parameters=[_JOB_ID, _LAST_EVENT_ID], tags=["jobs"]),
         },
         "/jobs/{job_id}/result": {
-            "get": op("result", "A finished job's result alone, as a file; Range requests resume a cut download", {
-                "200": {"description": "The result's JSON, the `data` event's data byte for byte.",
-                        "headers": {"ETag": {"schema": {"type": "string"}}, "Accept-Ranges": {"schema": {"type": "string"}}},
-                        "content": {"application/json": {"schema": {"type": "object"}}}},
-                "206": {"description": "The bytes the `Range` asked for.",
-                        "headers": {"Content-Range": {"schema": {"type": "string"}}, "ETag": {"schema": {"type": "string"}}},
-                        "content": {"application/json": {"schema": {"type": "string", "format": "binary"}}}},
-                **errors(401, 404, 409, 416, 503),
-            }, parameters=[job_id, *ranges], tags=["jobs"]),
+            "get": _op("result", "A finished job's result alone, as a file; Range requests resume a cut download",
+                       _download("application/json", "The result's JSON, the `data` event's data byte for byte.", {"type": "object"}),
+                       parameters=[_JOB_ID, *_RANGES], tags=["jobs"]),
         },
         "/jobs/{job_id}/files/{name}": {
-            "get": op("file", "One of the files a finished job wrote beside its result (its result's `files`); Range requests resume a cut download", {
-                "200": {"description": "The file as written (safetensors, npy, bigWig, BED).",
-                        "headers": {"ETag": {"schema": {"type": "string"}}, "Accept-Ranges": {"schema": {"type": "string"}}},
-                        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
-                "206": {"description": "The bytes the `Range` asked for.",
-                        "headers": {"Content-Range": {"schema": {"type": "string"}}, "ETag": {"schema": {"type": "string"}}},
-                        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
-                **errors(401, 404, 409, 416, 503),
-            }, parameters=[job_id,
-                           {"name": "name", "in": "path", "required": True, "schema": {"type": "string"},
-                            "description": "A name from the result's `files`."},
-                           *ranges],
-               tags=["jobs"]),
+            "get": _op("file", "One of the files a finished job wrote beside its result (its result's `files`); Range requests resume a cut download",
+                       _download("application/octet-stream", "The file as written (safetensors, npy, bigWig, BED).",
+                                 {"type": "string", "format": "binary"}),
+                       parameters=[_JOB_ID,
+                                   {"name": "name", "in": "path", "required": True, "schema": {"type": "string"},
+                                    "description": "A name from the result's `files`."},
+                                   *_RANGES],
+                       tags=["jobs"]),
         },
+    }
+
+
+def _served_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
+    """What the gateway serves and how it stands: tools, models, tickets, health, metrics, its documents."""
+    return {
         "/tools": {
-            "get": op("tools", "The tools, with their params, result and partial schemas",
-                      {"200": json({"type": "array", "items": ref["ToolInfo"]}, "One entry per tool."), **errors(404)},
-                      parameters=[{"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
-                                   "description": "Say which tools this served model cannot run (default: the default model)."}],
-                      tags=["discovery"]),
+            "get": _op("tools", "The tools, with their params, result and partial schemas",
+                       {"200": _json({"type": "array", "items": ref["ToolInfo"]}, "One entry per tool."), **_errors(404)},
+                       parameters=[{"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
+                                    "description": "Say which tools this served model cannot run (default: the default model)."}],
+                       tags=["discovery"]),
         },
         "/models": {
-            "get": op("models", "The models served, the default first: kind, context length, device, dtype, tools",
-                      {"200": json(ref["ModelList"], "Every model served.")}, tags=["discovery"]),
+            "get": _op("models", "The models served, the default first: kind, context length, device, dtype, tools",
+                       {"200": _json(ref["ModelList"], "Every model served.")}, tags=["discovery"]),
         },
         "/auth/ticket": {
-            "post": op("ticket", "A short-lived ticket for GET streams",
-                       {"200": json(ref["Ticket"], "The ticket."), **errors(401, 404)}, tags=["auth"]),
+            "post": _op("ticket", "A short-lived ticket for GET streams",
+                        {"200": _json(ref["Ticket"], "The ticket."), **_errors(401, 404)}, tags=["auth"]),
         },
-        "/healthz": {"get": op("healthz", "The process is up", {"200": json(ref["Health"], "Up.")}, tags=["operations"])},
+        "/healthz": {"get": _op("healthz", "The process is up", {"200": _json(ref["Health"], "Up.")}, tags=["operations"])},
         "/readyz": {
-            "get": op("readyz", "Whether runs can start", {
-                "200": json(ref["Readiness"], "Ready."),
-                "503": json(ref["Readiness"], "Not ready: `reason` says why."),
+            "get": _op("readyz", "Whether runs can start", {
+                "200": _json(ref["Readiness"], "Ready."),
+                "503": _json(ref["Readiness"], "Not ready: `reason` says why."),
             }, tags=["operations"]),
         },
         "/metrics": {
-            "get": op("metrics", "Prometheus metrics",
-                      {"200": {"description": "The Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}},
-                      tags=["operations"]),
+            "get": _op("metrics", "Prometheus metrics",
+                       {"200": {"description": "The Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+                       tags=["operations"]),
         },
         "/openapi.json": {
-            "get": op("openapi", "This document",
-                      {"200": json({"type": "object"}, "OpenAPI 3.1.")}, tags=["discovery"]),
+            "get": _op("openapi", "This document", {"200": _json({"type": "object"}, "OpenAPI 3.1.")}, tags=["discovery"]),
         },
-        "/docs": {
-            "get": op("docs", "This document as a page to read", {
-                "200": {"description": "Its page.", "content": {"text/html": {"schema": {"type": "string"}}}},
-            }, tags=["discovery"]),
-        },
-        "/": {
-            "get": op("dashboard", "The dashboard", {
-                "200": {"description": "Its page.", "content": {"text/html": {"schema": {"type": "string"}}}},
-                **errors(404),
-            }, tags=["discovery"]),
-        },
+        "/docs": {"get": _op("docs", "This document as a page to read", {"200": _page("Its page.")}, tags=["discovery"])},
+        "/": {"get": _op("dashboard", "The dashboard", {"200": _page("Its page."), **_errors(404)}, tags=["discovery"])},
     }
 
 

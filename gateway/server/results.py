@@ -62,7 +62,7 @@ def _unsatisfiable(header: str, size: int) -> ApiError:
     )
 
 
-class _Part:
+class _KeptRange:
     """Bytes `start`..`stop` of a kept result, as a part of a body (gateway/plumbing/sendbuffer.py)."""
 
     def __init__(self, kept: Kept, start: int, stop: int) -> None:
@@ -113,11 +113,11 @@ def _ranged(
     }
     wanted = byte_range(range_header, size) if if_range is None or if_range.strip() == etag else None
     start, stop = wanted or (0, size)
-    part: bytes | _Part
+    part: bytes | _KeptRange
     if isinstance(body, bytes):
         part = body[start:stop] if wanted else body
     else:
-        part = _Part(body, start, stop)
+        part = _KeptRange(body, start, stop)
     status = 200
     if wanted is not None:
         status = 206

@@ -656,7 +656,7 @@ def _part_result(model: Model, params: EmbedParams, shared: list[_Shared]) -> Em
     )
 
 
-class _Part(msgspec.Struct):
+class _EmbedPart(msgspec.Struct):
     """A part's result as the gateway reads it to put the parts together: its values as the engine wrote them."""
 
     dim: int
@@ -674,7 +674,7 @@ def _joined(params: EmbedParams, results: list[bytes]) -> bytes:
     """The whole's result from its parts' (`part`: 0..count-1, in order): per-token rows, tokens and
     context put one after another, as written; a pooled vector from every window's sum, as one engine
     sums them. Raises ValueError where the parts do not make one whole."""
-    parts = [msgspec.json.decode(result, type=_Part) for result in results]
+    parts = [msgspec.json.decode(result, type=_EmbedPart) for result in results]
     first = parts[0]
     if any(bytes(part.plans[0]) != bytes(first.plans[0]) or part.layer != first.layer for part in parts):
         raise ValueError("the parts disagree on the plan")

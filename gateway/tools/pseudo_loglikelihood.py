@@ -240,7 +240,7 @@ def _summed(scores: list[list[float]]) -> list[float]:
     return floats(torch.tensor([sum(per) for per in scores], dtype=torch.float64))
 
 
-class _Part(msgspec.Struct):
+class _PllPart(msgspec.Struct):
     """A part's result as the gateway reads it to put the parts together: its values as the engine wrote them."""
 
     pll: list[float]
@@ -255,7 +255,7 @@ class _Part(msgspec.Struct):
 def _joined(params: PseudoLoglikelihoodParams, results: list[bytes]) -> bytes:
     """The whole's result from its parts' (`part`: 0..count-1, in order): their positions' scores one
     after another, summed as one engine sums them. Raises ValueError where they do not make one whole."""
-    parts = [msgspec.json.decode(result, type=_Part) for result in results]
+    parts = [msgspec.json.decode(result, type=_PllPart) for result in results]
     plan = parts[0].plans[0]
     if any(bytes(part.plans[0]) != bytes(plan) for part in parts):
         raise ValueError("the parts disagree on the plan")

@@ -791,22 +791,7 @@ def _annotate_steps(model: Model, jobs: list[AnnotateParams], ctxs: list[Context
 def _annotate_passes(
     model: Model, jobs: list[AnnotateParams], ctxs: list[Context], saes: list[SAE], tracks: dict[int, TrackFiles]
 ) -> Generator[None, None, list[AnnotateResult]]:
-    # Rows of passes: a text within the context, (job, its index, token ids), longest first; or a
-    # window of a long sequence, ((job, sequence), window), in its plan's order.
-    texts: list[tuple[int, int, list[int]]] = []
-    streams: dict[tuple[int, int], _Stream] = {}
-    sent = [0] * len(jobs)  # each job's partial events, in this run's order
-    for j, p in enumerate(jobs):
-        if p.window is not None:
-            for s in range(len(p.sequences or [])):
-                framed, plan, shares = _windowed(model, p, s)
-                files = (tracks[j], _names(p)[s]) if j in tracks else None
-                streams[j, s] = stream = _Stream(model, saes[j], p, framed, plan, shares, files)
-                if p.partials:
-                    stream.sequence, stream.emit = s, functools.partial(_emit, ctxs[j], sent, j)
-            continue
-        texts += [(j, s, model.encode(t)) for s, t in enumerate([p.prompt] if p.prompt is not None else p.sequences or [])]
-    texts.sort(key=lambda row: (saes[row[0]].spec.layer, -len(row[2])))
+    texts, streams = _rows(model, jobs, ctxs, saes, tracks)
     progress = _Progress(jobs, ctxs, texts, streams)
     outputs: dict[tuple[int, int], Any] = {}
     held: dict[tuple[int, int], tuple[torch.Tensor, list[int]]] = {}  # file jobs' texts, written in order at the end
@@ -856,6 +841,35 @@ def _annotate_passes(
         stream = streams.pop(key)
         if not ctxs[key[0]].cancelled:
             outputs[key] = stream.annotation()
+    return _results(jobs, ctxs, saes, tracks, outputs)
+
+
+def _rows(
+    model: Model, jobs: list[AnnotateParams], ctxs: list[Context], saes: list[SAE], tracks: dict[int, TrackFiles]
+) -> tuple[list[tuple[int, int, list[int]]], dict[tuple[int, int], _Stream]]:
+    """What the passes run: the texts within the context, (job, its index, token ids), longest first;
+    and the long sequences' streams by (job, sequence), whose windows run in their plans' order."""
+    texts: list[tuple[int, int, list[int]]] = []
+    streams: dict[tuple[int, int], _Stream] = {}
+    sent = [0] * len(jobs)  # each job's partial events, in this run's order
+    for j, p in enumerate(jobs):
+        if p.window is not None:
+            for s in range(len(p.sequences or [])):
+                framed, plan, shares = _windowed(model, p, s)
+                files = (tracks[j], _names(p)[s]) if j in tracks else None
+                streams[j, s] = stream = _Stream(model, saes[j], p, framed, plan, shares, files)
+                if p.partials:
+                    stream.sequence, stream.emit = s, functools.partial(_emit, ctxs[j], sent, j)
+            continue
+        texts += [(j, s, model.encode(t)) for s, t in enumerate([p.prompt] if p.prompt is not None else p.sequences or [])]
+    texts.sort(key=lambda row: (saes[row[0]].spec.layer, -len(row[2])))
+    return texts, streams
+
+
+def _results(
+    jobs: list[AnnotateParams], ctxs: list[Context], saes: list[SAE], tracks: dict[int, TrackFiles], outputs: dict[tuple[int, int], Any]
+) -> list[AnnotateResult | None]:
+    """Each job's result from its texts' and sequences' outputs (None: cancelled, its files abandoned)."""
     results: list[Any] = []
     for j, (params, sae) in enumerate(zip(jobs, saes)):
         if ctxs[j].cancelled:

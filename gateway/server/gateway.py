@@ -1,0 +1,324 @@
+"""The gateway as one object: the parts every surface shares, the one way a request enters, and
+the routes' handlers.
+
+`Gateway` owns the job store, auth, admission, streams, metrics and the drain. Every surface
+(`POST /{tool}/run`, the OpenAI routes of gateway/server/openai.py, `/mcp` of
+gateway/server/mcp.py) takes the gateway itself, and starts a job the same way:
+
+1. `caller(request)`: the token (401 without a good one) and the tenant it counts against
+   (gateway/tenants.py);
+2. a stream slot of that tenant (gateway/server/stream.py `Streams`), held for the answer;
+3. `enter(caller, tool, params)`: the tool by name (404), the token's right to it (403), the
+   params read (the body, decoded on the parsing thread when big), then admission
+   (gateway/admission.py), which prices and queues the job.
+
+`POST /{tool}/run` answers either an ordinary HTTP error with the protocol's JSON body, or
+`200` and the job's event stream: every check that can fail runs before the stream opens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway import checkpoints, tenants
+from gateway import params as params_mod
+from gateway.admission import Admission, Applicant, Attached
+from gateway.backend import Backend
+from gateway.config import Settings
+from gateway.cost import inline_only
+from gateway.errors import ApiError
+from gateway.jobs import Job
+from gateway.plumbing.drain import Drain
+from gateway.plumbing.metrics import Metrics
+from gateway.plumbing.sendbuffer import WholeResponse
+from gateway.plumbing.spool import ResultSpool
+from gateway.protocol import Code, Kept, encode, parse_event_id, splice
+from gateway.server.auth import Auth, Principal, load_principals
+from gateway.server.results import file_response, result_response
+from gateway.server.store import JobHandle, JobStore, MemoryStore, jobs_query
+from gateway.server.stream import Slot, Streams, job_response
+from gateway.tools.base import Tool
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who makes a request: the token (None without tokens) and the tenant it counts against."""
+
+    principal: Principal | None
+    tenant: str
+
+    @property
+    def applicant(self) -> Applicant:
+        return Applicant.of(self.principal, self.tenant)
+
+
+def open_store(settings: Settings, cancel: Any) -> JobStore:
+    """The job store `settings.store` names: `memory`, or a Redis URL shared by every replica."""
+    results = ResultSpool(settings.result_spool, settings.result_store_bytes, retention=settings.retention)
+    if settings.store == "memory":
+        return MemoryStore(
+            cancel, detach_grace=settings.detach_grace, retention=settings.retention,
+            results=results, memory_budget=settings.result_memory_bytes,
+        )
+    from gateway.server.redis_store import RedisStore
+
+    return RedisStore(
+        settings.store,
+        cancel,
+        detach_grace=settings.detach_grace,
+        retention=settings.retention,
+        outage_grace=settings.store_outage_grace,
+        results=results,
+        memory_budget=settings.result_memory_bytes,
+        checkpoints=checkpoints.lasting_folder(settings.result_spool, settings.store),
+    )
+
+
+def _last_event_id(request: Request) -> tuple[str, int] | None:
+    """`Last-Event-ID` (header, or `last_event_id` query key) as (job id, seq)."""
+    value = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+    if value is None:
+        return None
+    parsed = parse_event_id(value)
+    if parsed is None:
+        raise ApiError(Code.BAD_REQUEST, f"Last-Event-ID {value!r} is not of the form <job_id>:<seq>")
+    return parsed
+
+
+class Gateway:
+    """One gateway over one backend: its parts, the way in, and the handlers of its own routes."""
+
+    def __init__(self, backend: Backend, settings: Settings | None = None) -> None:
+        self.backend = backend
+        self.settings = settings = settings or Settings()
+        self.limits = settings.limits()
+        self.store = open_store(settings, lambda job: backend.cancel(job))
+        self.metrics = Metrics(backend)
+        self.metrics.results(self.store.results_kept)
+        self.auth = Auth(
+            load_principals(
+                settings.tokens_file,
+                settings.tokens,
+                max_concurrent=settings.max_concurrent_per_token,
+                jobs_per_minute=settings.jobs_per_minute_per_token,
+            ),
+            ticket_ttl=settings.ticket_ttl,
+        )
+        self.drain = Drain(settings.drain_timeout)
+        self.admission = Admission(
+            backend, self.limits, drain=self.drain, store=self.store, quota=self.auth.limits, metrics=self.metrics,
+            room=getattr(self.store, "results", None),
+        )
+        self.streams = Streams(settings.max_streams, settings.max_streams_per_owner)
+        # A job another replica ran until it stopped goes on here, admitted as any other (a shared store's).
+        self.store.takes_over(self.admission, lambda: backend.ready and not self.drain.draining)
+        # How a whole answer is sent (gateway/plumbing/sendbuffer.py): a client that stops reading is cut.
+        self.sending: dict[str, Any] = {
+            "send_timeout": settings.write_timeout, "on_write_timeout": lambda: self.metrics.client_timeout("write"),
+        }
+        self._described: tuple[object, bytes] = (None, b"")  # the tools and model last described, and their JSON
+        self._per_model: dict[tuple[object, str | None], bytes] = {}  # `GET /tools?model=`, by tools version and model
+
+    # -- the way in ------------------------------------------------------------------------------
+
+    def caller(self, request: Request) -> Caller:
+        """The request's token (401) and the tenant it counts against."""
+        principal = self.auth.authenticate(request)
+        return Caller(principal, tenants.tenant(principal, request))
+
+    def tool(self, caller: Caller, name: str) -> Tool:
+        """The tool `name` (404), if the caller's token may use it (403)."""
+        tool = self.backend.tool(name)
+        self.auth.authorize(caller.principal, tool.name)
+        return tool
+
+    async def read_body(self, request: Request, extra: int = 0) -> bytes:
+        """A request's body, within the run's limits (413 past --max-body-bytes and `extra`, 408 past --body-timeout)."""
+        settings = self.settings
+        return await params_mod.read_body(request, settings.max_body_bytes + extra, settings.body_timeout, self.metrics.client_timeout)
+
+    async def enter(
+        self, caller: Caller, tool_name: str, params: Callable[[Tool], Awaitable[Any]], *, key: str | None = None,
+        most_result: int | None = None, inline: bool = False,
+    ) -> Job | Attached:
+        """A job of the tool named `tool_name` for `caller`, with the params `params(tool)` reads, as
+        every surface starts one: the tool (404) and the caller's right to it (403), then admission.
+        `key`: the request's `Idempotency-Key` (the job it started again: `Attached`); `most_result`:
+        the most bytes of result the surface answers with; `inline`: the surface answers with the
+        result itself, never files."""
+        tool = self.tool(caller, tool_name)
+        decoded = await params(tool)
+        token = inline_only.set(True) if inline else None
+        try:
+            return await self.admission.admit_once(tool, decoded, caller.applicant, key, most_result=most_result)
+        finally:
+            if token is not None:
+                inline_only.reset(token)
+
+    async def cancel(self, job: JobHandle) -> None:
+        await self.store.cancel(job)
+
+    # -- runs and jobs ---------------------------------------------------------------------------
+
+    def follow(self, job: JobHandle, slot: Slot, after: int = 0) -> Response:
+        """The job's event stream from after seq `after`."""
+        settings = self.settings
+        return job_response(
+            job, self.backend, self.store, metrics=self.metrics, slot=slot, ping_interval=settings.ping_interval,
+            retry_ms=settings.retry_ms, after=after, write_timeout=settings.write_timeout,
+        )
+
+    async def run(self, request: Request) -> Response:
+        """`POST` (and `GET`) `/{tool}/run`: a new job's stream, or a job's again (`Last-Event-ID`, `Idempotency-Key`)."""
+        caller = self.caller(request)
+        name = request.path_params["tool"]
+        with self.streams.slot(caller.tenant) as slot:
+            resumed = _last_event_id(request)
+            if resumed is not None and (request.method == "GET" or not request.headers.get("idempotency-key")):
+                # A client reconnecting to the URL it first opened: an EventSource (GET), or a POST sent
+                # again by a retrying client (fetch-event-source sends Last-Event-ID, no key). The same job.
+                tool = self.tool(caller, name)
+                job = await self._job(resumed[0], caller.principal, to_follow=True)
+                if (its_tool := job.snapshot(kept=[]).tool) != tool.name:
+                    raise ApiError(
+                        Code.BAD_REQUEST,
+                        f"Last-Event-ID {resumed[0]}:{resumed[1]} is an event of a {its_tool} job, not of {tool.name}",
+                    )
+                return self._resume(job, slot, resumed[1])
+
+            async def params(tool: Tool) -> Any:
+                self.admission.refuse_if_draining()  # before reading a request that would be refused anyway
+                if request.method == "POST":
+                    return await self.admission.decode(tool, await self.read_body(request))
+                return self.admission.decode_query(tool, request.query_params)
+
+            admitted = await self.enter(caller, name, params, key=request.headers.get("idempotency-key") or None)
+            if isinstance(admitted, Attached):
+                # The same request again (a client replaying its POST): attach to the job it started.
+                after = resumed[1] if resumed is not None and resumed[0] == admitted.job_id else 0
+                return self._resume(await self._job(admitted.job_id, caller.principal, to_follow=True), slot, after)
+            return self.follow(await self.store.followed(admitted), slot)
+
+    async def _job(self, job_id: str, principal: Principal | None, *, to_follow: bool = False) -> JobHandle:
+        job = await self.store.get(job_id, to_follow=to_follow)
+        # Another token's job is answered as an unknown one: its existence is not the caller's to learn.
+        if job is None or not self.auth.sees(principal, job.snapshot(kept=[]).owner):
+            raise ApiError(Code.NOT_FOUND, f"no job {job_id} (unknown, or finished more than {self.settings.retention:g} s ago)")
+        return job
+
+    def _resume(self, job: JobHandle, slot: Slot, after: int) -> Response:
+        if job.terminal is not None and after >= job.terminal.seq:
+            # The client holds the terminal event: 204 stops an EventSource for good.
+            return Response(status_code=204, headers={"X-Job-Id": job.id})
+        return self.follow(job, slot, after)
+
+    async def job_events(self, request: Request) -> Response:
+        caller = self.caller(request)
+        with self.streams.slot(caller.tenant) as slot:
+            job = await self._job(request.path_params["job_id"], caller.principal, to_follow=True)
+            resumed = _last_event_id(request)
+            if resumed is not None and resumed[0] != job.id:
+                raise ApiError(Code.BAD_REQUEST, f"Last-Event-ID {resumed[0]}:{resumed[1]} is not an event of job {job.id}")
+            return self._resume(job, slot, resumed[1] if resumed else 0)
+
+    def _whole(self, body: bytes, kept: list[Kept]) -> Response:
+        """A JSON answer that may carry results (a snapshot, a page of them): big, it is sent as a
+        stream's big event is, and a result in the spool is read from it a piece at a time."""
+        return WholeResponse(splice(body, kept), **self.sending)
+
+    async def _asked(self, request: Request) -> JobHandle:
+        """The job a `/jobs/{job_id}…` route names, if the caller may see it."""
+        return await self._job(request.path_params["job_id"], self.auth.authenticate(request))
+
+    async def job_snapshot(self, request: Request) -> Response:
+        job = await self._asked(request)
+        kept: list[Kept] = []
+        return self._whole(encode(job.snapshot(kept)), kept)
+
+    async def job_result(self, request: Request) -> Response:
+        job = await self._asked(request)
+        return result_response(job, request.headers.get("range"), request.headers.get("if-range"), **self.sending)
+
+    async def job_file(self, request: Request) -> Response:
+        job = await self._asked(request)
+        name = request.path_params["name"]
+        return file_response(job, name, request.headers.get("range"), request.headers.get("if-range"), **self.sending)
+
+    async def cancel_job(self, request: Request) -> Response:
+        job = await self._asked(request)
+        running = not job.done
+        if running:
+            await self.cancel(job)
+        return JSONResponse({"job_id": job.id, "cancelled": running, "status": job.snapshot(kept=[]).status})
+
+    async def list_jobs(self, request: Request) -> Response:
+        principal = self.auth.authenticate(request)
+        query = jobs_query(request)
+        kept: list[Kept] = []
+        mine = [s for s in await self.store.snapshots(kept) if self.auth.sees(principal, s.owner) and query.wants(s)]
+        return self._whole(encode(query.page(mine)), kept)
+
+    async def ticket(self, request: Request) -> Response:
+        principal = self.auth.authenticate(request)
+        if principal is None:
+            raise ApiError(Code.NOT_FOUND, "this gateway has no tokens configured: GET streams need no ticket")
+        value, ttl = self.auth.issue_ticket(principal)
+        return JSONResponse({"ticket": value, "expires_in": ttl}, headers={"Cache-Control": "no-store"})
+
+    # -- what is served --------------------------------------------------------------------------
+
+    async def tools(self, request: Request) -> Response:
+        """The tools, and which of them the default model (or `?model=NAME`) cannot run."""
+        backend = self.backend
+        model = request.query_params.get("model")
+        if model is not None:
+            name = backend.resolve_model(model)
+            key = (backend.tools_version, name)
+            if key not in self._per_model:
+                self._per_model.clear()  # one version's answers at a time
+                info = params_mod.describe(backend.tools.values(), self.limits, lambda t: backend.unsupported(t, name))
+                self._per_model[key] = encode(info)
+            return Response(self._per_model[key], media_type="application/json")
+        # A remote backend learns its tools after start-up, a local one its model's capabilities: describe each once.
+        if self._described[0] != backend.tools_version:
+            self._described = (backend.tools_version, encode(params_mod.describe(backend.tools.values(), self.limits, backend.unsupported)))
+        return Response(self._described[1], media_type="application/json")
+
+    async def models(self, request: Request) -> Response:
+        return Response(encode(self.backend.model_list()), media_type="application/json")
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(self, request: Request) -> Response:
+        backend, drain = self.backend, self.drain
+        store_problem = getattr(self.store, "problem", None)
+        ready = backend.ready and store_problem is None and not drain.draining
+        body = {"ready": ready, **backend.describe()}
+        if drain.draining:
+            body["reason"] = "shutting down"
+        elif not backend.ready:
+            body["reason"] = backend.not_ready_reason
+        elif store_problem is not None:
+            body["reason"] = store_problem
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    # -- its life --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.backend.start()
+        await self.store.start()
+
+    async def stop_jobs(self) -> None:
+        """The drain's end: jobs that can go on in another replica are left to it, the rest stopped."""
+        await self.store.hand_off()
+        await self.backend.stop()
+
+    async def stop(self) -> None:
+        await self.store.stop()
+        await self.backend.stop()
