@@ -312,8 +312,8 @@ def test_sequences():
 def test_memory():
     printed = run_bench("memory", timeout=300)
     titles = [table.title or "" for table in printed.tables]
-    assert [t.split(" ", 1)[0] for t in titles] == ["1.", "2-3.", "4.", "5.", "6.", "7."], titles
-    sequential, readers, ways, turns, hostile, replicas = printed.tables
+    assert [t.split(" ", 1)[0] for t in titles] == ["1.", "2-3.", "4.", "5.", "6.", "7.", "8.", "8."], titles
+    sequential, readers, ways, turns, hostile, replicas, windowed, partial_readers = printed.tables
     assert all(value is not None for value in sequential.numbers("over idle MB"))
     assert [row["way"] for row in ways.rows] == ["/logit_lens/run", "/mcp"]
     assert all(row["answered"] == row["calls"] for row in ways.rows), ways.rows  # every call answered whole
@@ -322,7 +322,10 @@ def test_memory():
     # What each hostile text gets is a function, not a figure: a 413 each time, before it is tokenized.
     assert all(row["answers"].startswith("413 too_long") for row in hostile.rows), hostile.rows
     assert all(value is not None for value in replicas.numbers("over before MB"))
-    assert len(printed.targets) == 7
+    # Every windowed job read to its end (the script stops at the first that is not a `data`).
+    assert windowed.numbers("jobs read")[-1] == 30 and all(value is not None for value in windowed.numbers("over idle MB"))
+    assert all(value is not None for value in partial_readers.numbers("over before MB"))
+    assert len(printed.targets) == 9
 
 
 @pytest.mark.vllm
