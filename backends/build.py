@@ -70,14 +70,4 @@ def executor_from(settings: Settings, inline_results: bool = False) -> Any:
         backend = from_settings(settings, encode=to_json if inline_results else to_msgpack)
     except (ValueError, ModelError) as exc:
         raise BackendError(str(exc)) from None
-    return Executor(
-        backend,
-        inline_results=inline_results,
-        token=settings.executor_token,
-        max_body_bytes=settings.max_body_bytes,
-        body_timeout=settings.body_timeout,
-        limits=settings.limits(),
-        result_ttl=settings.result_ttl,
-        session_grace=settings.session_grace,
-        drain_timeout=settings.drain_timeout,
-    )
+    return Executor(backend, settings, inline_results=inline_results)

@@ -36,7 +36,7 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,30 +240,18 @@ class ResultResponse(Response):
 class Executor:
     """The executor's state: its backend, sessions, and the jobs it holds results for."""
 
-    def __init__(
-        self,
-        backend: LocalBackend,
-        *,
-        token: str | None = None,
-        max_body_bytes: int = 1 << 20,
-        body_timeout: float = 30.0,
-        limits: Mapping[str, int] | None = None,
-        result_ttl: float = 600.0,
-        session_grace: float = 30.0,
-        drain_timeout: float = 30.0,
-        inline_results: bool = False,
-    ) -> None:
+    def __init__(self, backend: LocalBackend, settings: Settings, *, inline_results: bool = False) -> None:
         self.backend = backend
         # Results in the `completed` frame (JSON: an engine's, backends/engines.py), not fetched apart.
         self.inline_results = inline_results
         # On SIGTERM, as a gateway drains: no new jobs; held ones finish and their results are fetched.
-        self.drain = Drain(drain_timeout)
-        self.token = token
-        self.max_body_bytes = max_body_bytes
-        self.body_timeout = body_timeout
-        self.limits = dict(limits or Settings().limits())
-        self.result_ttl = result_ttl
-        self.session_grace = session_grace
+        self.drain = Drain(settings.drain_timeout)
+        self.token = settings.executor_token
+        self.max_body_bytes = settings.max_body_bytes
+        self.body_timeout = settings.body_timeout
+        self.limits = settings.limits()
+        self.result_ttl = settings.result_ttl
+        self.session_grace = settings.session_grace
         self.sessions: dict[str, Session] = {}
         self.entries: dict[str, Held] = {}
         self.metrics = Metrics(backend)

@@ -25,7 +25,7 @@ together, read from /proc. The cases, one after the other:
 7. another replica: two gateways sharing a redis-server (`--store`); the big result of case 1 run
    on the first, then followed on the second by 200 clients (--quick 50) that never read: the
    second's memory while they hold their streams, over before (it reads Redis's one copy of the
-   result a piece at a time, gateway/server/redis_store.py).
+   result a piece at a time, gateway/server/redis_store/).
 
 8. windowed jobs: jobs over a text several windows long (window 512, overlap 128), one after
    another and each read to its end, in turn `logprobs` with `partials` (an event a window),

@@ -129,7 +129,7 @@ class Applicant:
 @dataclass(frozen=True)
 class GoingOn:
     """A job another gateway replica ran until it stopped, admitted again here to go on from its
-    checkpoint (gateway/server/redis_store.py): its log goes on after seq `after`, where it had sent
+    checkpoint (gateway/server/redis_store/): its log goes on after seq `after`, where it had sent
     `partials` partial events; the idempotency key it holds (scoped), its request's digest, and when
     it was first admitted."""
 
@@ -226,7 +226,7 @@ class Admission:
             after=going_on.after if going_on is not None else None,
         )
         # A job that can go on from its checkpoint may go on in another replica if this one stops: the
-        # store keeps its request (gateway/server/redis_store.py). Not one whose surface holds it here
+        # store keeps its request (gateway/server/redis_store/). Not one whose surface holds it here
         # to build its answer from its result (the OpenAI routes, /mcp): that answer would be lost.
         job.resumable = checkpoints.resumable(tool, params) and not inline_only.get() and most_result is None
         if going_on is not None:

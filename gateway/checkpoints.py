@@ -20,9 +20,9 @@ again, which writes the same rows at the same places.
 With a job store that every gateway replica shares (Redis), the checkpoints
 lie in a folder that outlives the process (`lasting_folder`): a job whose
 gateway stopped goes on in the replica that takes it over
-(gateway/server/redis_store.py), from the same folder where they share a disk,
+(gateway/server/redis_store/), from the same folder where they share a disk,
 and from its start where they do not. Folders whose job has ended everywhere
-are removed by the store's sweep (gateway/server/redis_store.py `_sweep`).
+are removed by the store's sweep (gateway/server/redis_store/replicas.py `_sweep`).
 """
 
 from __future__ import annotations

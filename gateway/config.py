@@ -108,7 +108,7 @@ class Settings(msgspec.Struct, kw_only=True):
     result_store_bytes: Annotated[int, Meta(ge=1, extra={**SERVE, **BYTES}, description="Most bytes of finished results kept in the result spool on disk; a job whose priced result would not fit beside them and the running jobs' is refused before it is queued (503 overloaded, with Retry-After). Default: half the spool folder's free space at start.")] | None = None
     result_spool: Annotated[str, Meta(extra=SERVE, description="The folder of the result spool: results of 64 KiB or more (and any result, past --result-memory-bytes) are written there once, as unnamed files that vanish with the process, and read from there by every reader. Default: the system's temporary folder.")] | None = None
     result_memory_bytes: Annotated[int, Meta(ge=0, extra={**SERVE, **BYTES}, description="Most bytes of finished jobs' events held in memory with --store memory; past it every new result goes to the result spool.")] = 64 << 20
-    # gateway/server/redis_store.py
+    # gateway/server/redis_store/
     store: Annotated[str, Meta(pattern=r"^(memory$|rediss?://|unix://)", extra={**SERVE, "expected": "memory, or a Redis URL: redis://host:port/db (rediss://, unix://)"}, description="Where jobs are kept: memory (this process), or redis://host:port/db, shared by every replica.")] = "memory"
     store_outage_grace: Annotated[float, Meta(ge=1, extra=SERVE, description="Seconds a Redis store may be unreachable while jobs run on and their events wait for it; also how long a silent replica counts as alive.")] = 30.0
     ping_interval: Annotated[float, Meta(ge=0, extra=SERVE, description="Seconds of quiet before a ': ping' comment (0: none).")] = 15.0

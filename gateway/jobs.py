@@ -81,7 +81,7 @@ class Job:
     ) -> None:
         self.id = job_id or uuid.uuid4().hex
         # `after`: the seq its log starts after, for a job another gateway replica ran until it stopped,
-        # that goes on here (gateway/server/redis_store.py): its events before are in the shared store.
+        # that goes on here (gateway/server/redis_store/): its events before are in the shared store.
         self.taken_over = after is not None
         self.base = after or 0
         self.tool = tool

@@ -652,12 +652,13 @@ async def test_the_sweep_removes_the_checkpoints_of_jobs_ended_everywhere_and_ke
     on two sweeps; a running job's stay, and so does a folder just made (its job may not be
     recorded yet)."""
     from gateway.server import redis_store
+    from gateway.server.redis_store import replicas
 
     prefix = f"sweep-{os.getpid()}:"
     root = tmp_path / "checkpoints"
     for name in ("running", "ended", "gone", "new"):
         (root / name).mkdir(parents=True)
-    old = time.time() - 2 * redis_store.SWEEP_S
+    old = time.time() - 2 * replicas.SWEEP_S
     for name in ("running", "ended", "gone"):
         os.utime(root / name, (old, old))
     client = redis.Redis.from_url(redis_server.url)
@@ -729,6 +730,7 @@ async def test_taking_a_job_over_and_leaving_it_give_the_same_answer_when_sent_t
     """redis-py sends a script again after a lost answer: a takeover sent twice answers the same and
     counts once, a leave sent twice leaves once, and a left job is taken over without counting."""
     from gateway.server import redis_store
+    from gateway.server.redis_store import replicas
 
     prefix = f"twice-{os.getpid()}:"
     client = redis.Redis.from_url(redis_server.url)
@@ -738,15 +740,15 @@ async def test_taking_a_job_over_and_leaving_it_give_the_same_answer_when_sent_t
 
     def take(owner: str) -> Any:
         keys = [f"{prefix}replica:{owner}", job, f"{prefix}events:j", f"{prefix}attached:j", f"{prefix}result:j", f"{prefix}resumable"]
-        return store._take_over_script(keys=keys, args=[owner, store.replica_id, 60_000, redis_store.MOST_TAKEOVERS, time.time(), "j"])
+        return store.scripts.take_over(keys=keys, args=[owner, store.replica_id, 60_000, replicas.MOST_TAKEOVERS, time.time(), "j"])
 
     try:
         first = await take("dead")
         assert first == await take("dead") and first[:2] == [b"7", b"2"] and first[4] == 0
         assert client.hget(job, "owner").decode() == store.replica_id and client.hget(job, "taken") == b"1"
         leave = [job, f"{prefix}resumable"], [store.replica_id, "j", time.time()]
-        assert await store._leave_script(keys=leave[0], args=leave[1]) == 1
-        assert await store._leave_script(keys=leave[0], args=leave[1]) == 1
+        assert await store.scripts.leave(keys=leave[0], args=leave[1]) == 1
+        assert await store.scripts.leave(keys=leave[0], args=leave[1]) == 1
         assert client.hget(job, "owner") == b"" and client.hget(job, "taken") == b"0"
         assert (await take(""))[:2] == [b"7", b"2"] and client.hget(job, "taken") == b"1"
     finally:

@@ -297,7 +297,7 @@ async def test_cancel_from_another_replica(replicas: Any) -> None:
 async def test_a_key_bound_without_a_request_digest_reads_as_bound_to_its_job(replicas: Any) -> None:
     a = await replicas("redis")
     k = key()
-    await a.store._redis.set(a.store._idem(k), "job-old")  # as a replica of the last release wrote it
+    await a.store._redis.set(a.store.keys.idem(k), "job-old")  # as a replica of the last release wrote it
     assert await a.store.reserve(k, "job-new", "request") == ("job-old", "")
     await a.store.release(k, "job-old")
     assert await a.store.reserve(k, "job-new", "request") is None
