@@ -4,7 +4,6 @@ the tools and models learned from what those services publish."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import tempfile
@@ -24,15 +23,13 @@ class Relaying(Backend):
     """A backend whose tools and models run in other services (executors, Ray Serve replicas)
     and are learned from what those services publish (`GET /tools`, `GET /models`).
 
-    A tool whose code is loaded here too (`local`: the engines' tool modules, which the gateway
-    imports to start them) decodes its params with its own Structs; any other relays them as they
-    came (gateway/params.py's `Relayed`), for the service that runs it to decode and refuse.
+    Their params are relayed as they came (gateway/params.py's `Relayed`), for the service that runs
+    the job to decode, check and refuse: a request is decoded once, where it runs.
     """
 
-    def __init__(self, local: Iterable[Tool] = ()) -> None:
+    def __init__(self) -> None:
         self._tools: dict[str, Tool] = {}
         self._models: list[ModelInfo] = []
-        self._local = {t.name: t for t in local}
 
     @property
     def tools(self) -> Mapping[str, Tool]:
@@ -47,6 +44,17 @@ class Relaying(Backend):
     def models(self) -> list[ModelInfo]:
         return self._models
 
+    # What every request asks (its model's name, whether the model runs the tool) read from the models as
+    # learned: `models()` may add what it costs more to say (readiness, queue counts) for `GET /models`.
+    def model_names(self) -> list[str]:
+        return [m.name for m in self._models]
+
+    def unsupported(self, tool: Tool, model: str | None = None) -> str | None:
+        for info in self._models:
+            if info.name == model or (model is None and info.default):
+                return info.unsupported.get(tool.name)
+        return tool.info.unsupported if tool.info is not None else None
+
     @property
     def tools_version(self) -> object:
         return (id(self._tools), id(self._models))
@@ -58,15 +66,11 @@ class Relaying(Backend):
         for info in infos:
             if info.name not in learned:
                 known = self._tools.get(info.name)
-                learned[info.name] = known if known is not None and known.info == info else self._learned(info)
+                learned[info.name] = known if known is not None and known.info == info else remote_tool(info)
         if learned.keys() != self._tools.keys() or any(learned[n] is not self._tools.get(n) for n in learned):
             self._tools = learned
         if models != self._models:
             self._models = models
-
-    def _learned(self, info: ToolInfo) -> Tool:
-        here = self._local.get(info.name)
-        return dataclasses.replace(here, info=info) if here is not None else remote_tool(info)
 
 
 def _relayed_only(model: Any, params: Any, ctx: Any) -> Any:
@@ -95,7 +99,7 @@ def sent(params: Any) -> dict[str, Any]:
     """A job's params as the wire carries them to the service that runs it (`SubmitRequest`'s
     `params`, `query` and `model`): relayed ones as their client sent them, others as JSON."""
     if isinstance(params, Relayed):
-        return {"params": params.body or NULL, "query": params.query, "model": params.model}
+        return {"params": params.body, "query": params.query, "model": params.model}
     return {"params": msgspec.Raw(encode(params))}
 
 

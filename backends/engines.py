@@ -49,7 +49,6 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import msgspec
-import websockets
 
 from backends import inference
 from gateway.plumbing import memory, tracing
@@ -64,7 +63,7 @@ from gateway.errors import ApiError
 from gateway.jobs import Job
 from gateway.plumbing.logs import request_id
 from gateway.cost import Cost
-from gateway.protocol import Code, Forget, ModelInfo, Refusal, RemoteFrame, RemoteKind, Status, Submit, encode
+from gateway.protocol import Accepted, Code, Forget, ModelInfo, Refusal, RemoteFrame, RemoteKind, Status, Submit, encode
 from gateway.tools.base import Tool
 from gateway.tools.batching import Chunked
 
@@ -112,6 +111,7 @@ class EngineLink(Link):
         self.waiting: list[Job] = []  # jobs of a lost engine that had not started, in their order
         self.ready_since_start = False
         self.tool_of: Any = None  # a tool by name (the backend's), to submit the waiting jobs again
+        self.checkpointed: frozenset[str] = frozenset()  # the tools that keep checkpoints (`Tool.resumable`)
         self._requeuing: asyncio.Task[None] | None = None
         # The jobs' checkpoints (gateway/checkpoints.py), one folder each: an engine that dies takes none
         # of them with it. In the gateway's own result files folder, or, where another gateway may go on
@@ -122,7 +122,7 @@ class EngineLink(Link):
 
     def _checkpoint(self, job: Job, tool: Tool) -> str | None:
         """The folder of `job`'s checkpoint, if its tool keeps one (`Tool.resumable`), removed when it ends."""
-        if self.checkpoints is None or tool.resumable is None:
+        if self.checkpoints is None or tool.name not in self.checkpointed:
             return None
         folder = os.path.join(self.checkpoints, job.id)
         if job.checkpoint is None:
@@ -157,10 +157,8 @@ class EngineLink(Link):
             checkpoint=self._checkpoint(job, tool), resumed=job.resumes > 0,
         )
         try:
-            await socket.send(encode(op).decode())
+            self._send(encode(op))  # the socket closing fails the answer (`_closed`)
             await answer
-        except websockets.exceptions.ConnectionClosed as exc:
-            raise Unreachable(str(exc)) from None
         finally:
             self.answers.pop(job.id, None)
 
@@ -175,8 +173,11 @@ class EngineLink(Link):
                 if answer is not None and not answer.done():
                     if frame.kind is RemoteKind.ACCEPTED:
                         remote = self.jobs.get(frame.job_id)
-                        if remote is not None and frame.data != NULL:  # its price, as the engine set it
-                            remote.job.cost = msgspec.json.decode(frame.data, type=Cost)
+                        if remote is not None:  # what the engine, which decoded its params, learned of them
+                            accepted = msgspec.json.decode(frame.data, type=Accepted)
+                            if accepted.cost != NULL:  # its price
+                                remote.job.cost = msgspec.json.decode(accepted.cost, type=Cost)
+                            remote.job.resumable = accepted.resumable
                         answer.set_result(None)
                     else:
                         refusal = msgspec.json.decode(frame.data, type=Refusal)
@@ -192,11 +193,12 @@ class EngineLink(Link):
             if not answer.done():
                 answer.set_exception(Unreachable("the engine's socket closed"))
 
-    async def _forget(self, job_id: str) -> None:
+    def forget(self, job_id: str, *, urgent: bool = True) -> None:
         if self._socket is None:
-            await super()._forget(job_id)
+            super().forget(job_id)
         else:
-            self._send(encode(Forget(job_id)))
+            self._forgetting.append(job_id)
+            self._send(encode(Forget(job_id)), urgent=urgent)
 
     async def _poll_loop(self) -> None:
         watch = asyncio.create_task(self._watch_ready())
@@ -501,10 +503,13 @@ class EngineBackend(RemoteBackend):
         from gateway.tools import builtin_tools, load_module
 
         local = [*builtin_tools(), *(t for name in settings.tools for t in load_module(name))]
-        # What the gateway cannot learn from a schema: how a tool's job is cut over engines.
+        # The tools' code, for what the gateway cannot learn from a schema: how a job is cut over engines,
+        # whether it keeps a checkpoint, and the params of the jobs it runs itself (on an inference server).
+        self.local = {t.name: t for t in local}
         self.works: dict[str, Chunked] = {
             t.name: t.spread for t in local if isinstance(t.spread, Chunked) and t.spread.items
         }
+        self.limits = settings.limits()
         self._spreads: dict[str, Spread] = {}
         self.model_order = [spec.name for spec in specs]
         self.max_result_bytes = settings.max_result_bytes
@@ -514,7 +519,8 @@ class EngineBackend(RemoteBackend):
         if self.checkpoints is not None:
             os.makedirs(self.checkpoints, 0o700, exist_ok=True)
         token = secrets.token_urlsafe(24)
-        Relaying.__init__(self, local)  # the tools' code is here: requests are decoded as with threads
+        # The tools as the engines publish them, their params relayed: decoded once, by the engine that runs the job.
+        Relaying.__init__(self)
         infos = params_mod.describe(local, settings.limits())
         self.links: list[Any] = []  # in the models' order: the first one's default model is the gateway's
         self.engines: list[Engine] = []
@@ -532,6 +538,7 @@ class EngineBackend(RemoteBackend):
                     files_folder=self.files_folder, checkpoint_folder=self.checkpoints,
                 )
                 link.tool_of = self.tool
+                link.checkpointed = frozenset(t.name for t in local if t.resumable is not None)
                 settings_of = engine_settings(settings, spec, i == 0, token, device)
                 self.engines.append(Engine(spec.name, device, link, settings.engine_memory_limit, settings_of, path))
                 self.links.append(link)
@@ -598,12 +605,24 @@ class EngineBackend(RemoteBackend):
         job whose inputs split, cut over that model's idle engines when there are several."""
         tool = self.tool(job.tool)
         links = self._candidates(job, tool)
+        if links and isinstance(links[0], inference.ServerLink):
+            # Its requests to the inference server are made here: this is the process that decodes its params.
+            tool = self.local[tool.name]
+            job.params = await self._decoded(tool, job.params)
         work = self.works.get(tool.name)
         if work is not None and len(links) > 1:
             idle = [link for link in links if link.load == 0]
             if len(idle) > 1 and await self._spread(job, tool, work, idle):
                 return
         await self._submit_first(job, tool, links)
+
+    async def _decoded(self, tool: Tool, params: Any) -> Any:
+        """Relayed params decoded here, as the engine would decode them, and held to the server's caps."""
+        if not isinstance(params, params_mod.Relayed):
+            return params  # a Struct a surface built, or a job submitted again
+        decoded = await params_mod.decode_relayed(tool, bytes(params.body), params.query, params.model, "the body")
+        params_mod.apply_caps(tool, decoded, self.limits)
+        return decoded
 
     def _order(self, link: Link) -> Any:
         return (link.backlog, link.load)  # type: ignore[attr-defined]
@@ -612,7 +631,11 @@ class EngineBackend(RemoteBackend):
         """Submit `job` as parts, one to each of `links`; False (nothing submitted) when it does not split
         or an engine refused its part."""
         context = next((m.context_length for m in self._models if m.name == job.model), None)
-        cut = split(job.params, work, len(links), context)
+        try:  # only to cut it: the job refused whole, by an engine, if it must be
+            params = await self._decoded(self.local[tool.name], job.params)
+        except ApiError:
+            return False
+        cut = split(params, work, len(links), context)
         if cut is None:
             return False
         spread = Spread(job, *cut, self._cancel_one)

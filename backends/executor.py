@@ -64,6 +64,7 @@ from gateway.jobs import Job
 from gateway.plumbing.logs import RequestIds, accept_request_id, request_id
 from gateway.plumbing.metrics import Metrics
 from gateway.protocol import (
+    Accepted,
     Code,
     Event,
     EventType,
@@ -391,16 +392,20 @@ class Executor:
                 await old.close()
         session.socket = websocket
         session.detached_since = None
-        decoder = msgspec.json.Decoder(SessionOp)
         try:
             while True:
-                message = await websocket.receive_text()
-                try:
-                    op = decoder.decode(message)
+                received = await websocket.receive()
+                if received["type"] == "websocket.disconnect":
+                    break
+                message = received.get("bytes") or received.get("text") or b""
+                try:  # an op, or the ops of one turn of the gateway's loop
+                    ops = _OPS.decode(message)
                 except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                     log.warning("session %s: bad message %r: %s", session_id, message[:200], exc)
                     continue
-                await self._on_op(session, websocket, op)
+                for op in ops if isinstance(ops, list) else [ops]:
+                    await self._on_op(session, websocket, op)
+                ops = op = None  # a submit's params are not held while the socket waits
         except WebSocketDisconnect:
             pass
         finally:
@@ -435,8 +440,10 @@ class Executor:
             refusal = Refusal(exc.status, exc.info(), exc.retry_after)
             answer = RemoteFrame(op.job_id, 0, RemoteKind.REFUSED, msgspec.Raw(encode(refusal)))
         else:
-            # Its price, for the gateway to find its result room (gateway/admission.py); null if unpriced.
-            answer = RemoteFrame(op.job_id, 0, RemoteKind.ACCEPTED, msgspec.Raw(encode(job.cost)))
+            # Its price, for the gateway to find its result room (gateway/admission.py), and whether it can go on
+            # after a stop: what the gateway, which relays its params undecoded, learns of them.
+            accepted = Accepted(msgspec.Raw(encode(job.cost)), job.resumable)
+            answer = RemoteFrame(op.job_id, 0, RemoteKind.ACCEPTED, msgspec.Raw(encode(accepted)))
         if session.socket is not websocket:  # gone meanwhile: the gateway fails the submit itself
             return
         # Into the outbox, ahead of the job's first frames (added as it was admitted).
@@ -468,6 +475,9 @@ class Executor:
                         self.backend.cancel(job)
                 if not session.jobs:
                     del self.sessions[session.id]
+
+
+_OPS = msgspec.json.Decoder(SessionOp | list[SessionOp])
 
 
 def _files(job: Job) -> list[ResultFile]:

@@ -74,6 +74,9 @@ log = logging.getLogger("streamgate.remote")
 DOWNLOAD_TRIES = 4
 FILE_PIECE = 1 << 20  # of a result file written at once while it is fetched
 BACKOFF_MAX_S = 2.0
+# How long a `forget` of a job that ended waits for the next op to share its message: under load it
+# rides with the next submit, and the executor wakes once for both.
+FORGET_WAIT_S = 0.05
 _FRAMES = msgspec.json.Decoder(RemoteFrame | list[RemoteFrame])  # a message holds one frame, or several
 UNIX = "unix:"  # an executor URL of a Unix socket: unix:/PATH
 ON_SOCKET = "http://executor"  # the URL requests on a Unix socket are made to (the socket decides where they go)
@@ -181,6 +184,10 @@ class Link:
         self.abandoned: set[str] = set()  # jobs given up on while unreachable, to delete there
         self.down_since = time.monotonic()
         self._socket: ClientConnection | None = None
+        self._outbox: list[bytes] = []  # ops for the socket's next message
+        self._forgetting: list[str] = []  # the jobs the outbox's `forget` ops name
+        self._flush: asyncio.Handle | None = None  # when the outbox goes out
+        self._flush_soon = False  # it goes out after this turn of the loop (not after FORGET_WAIT_S)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._on_tools = on_tools
         self.downloads = Downloads(self.http, self.url, self.uds)
@@ -278,7 +285,7 @@ class Link:
                         if remote.accepted:
                             self.resume(remote)
                     for job_id in self.abandoned:
-                        self.spawn(self._forget(job_id))
+                        self.forget(job_id)
                     self.abandoned.clear()
                     async for message in socket:
                         if len(message) <= INLINE_BYTES:
@@ -293,6 +300,9 @@ class Link:
                 if self.connected:
                     self.down_since = time.monotonic()
                 self._socket, self.connected = None, False
+                # Ops for the socket gone: a resume does their work on the next, the jobs to forget wait for it.
+                self.abandoned.update(self._forgetting)
+                self._outbox, self._forgetting = [], []
                 self._closed()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
@@ -309,11 +319,32 @@ class Link:
     def resume(self, remote: RemoteJob) -> None:
         self._send(encode(Resume(remote.job.id, remote.last_seq)))
 
-    def _send(self, data: bytes) -> None:
+    def _send(self, op: bytes, *, urgent: bool = True) -> None:
+        """`op` into the socket's next message: the ops of one turn of the loop (submits from many
+        requests) go out as one message, a JSON array, and wake the executor once; one that is not
+        `urgent` (the `forget` of a job that ended) waits up to FORGET_WAIT_S for others."""
+        if self._socket is None:
+            return
+        self._outbox.append(op)
+        if urgent and not self._flush_soon:
+            if self._flush is not None:
+                self._flush.cancel()
+            self._flush_soon = True
+            self._flush = asyncio.get_running_loop().call_soon(self._send_outbox)
+        elif self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(FORGET_WAIT_S, self._send_outbox)
+
+    def _send_outbox(self) -> None:
+        ops, self._outbox, self._forgetting = self._outbox, [], []
+        self._flush, self._flush_soon = None, False
         socket = self._socket
-        if socket is not None:
+        if socket is not None and ops:
             # A send fails only if the socket is closing; the reconnect resumes everything.
-            self.spawn(_quietly(socket.send(data.decode())))
+            self.spawn(_quietly(socket.send(ops[0] if len(ops) == 1 else b"[" + b",".join(ops) + b"]")))
+
+    def forget(self, job_id: str, *, urgent: bool = True) -> None:
+        """Have the executor drop `job_id`, cancelling it if it still runs there (not `urgent`: it ended)."""
+        self.spawn(self._forget(job_id))
 
     # -- jobs -----------------------------------------------------------------
 
@@ -326,7 +357,7 @@ class Link:
             self.jobs.pop(job.id, None)
             raise
         if job.id not in self.jobs:  # cancelled while the submit was in flight
-            self.spawn(self._forget(job.id))
+            self.forget(job.id)
             return
         remote.accept()
 
@@ -365,7 +396,7 @@ class Link:
         """End a job with the result its `completed` frame carried (JSON already)."""
         if self._take(remote):
             remote.job.succeed(result)
-            self.spawn(self._forget(remote.job.id))
+            self.forget(remote.job.id, urgent=False)
 
     async def deliver(self, remote: RemoteJob) -> None:
         """Fetch a completed job's result, check it, and end the job with it as JSON."""
@@ -392,7 +423,7 @@ class Link:
                 span.end()
             if self._take(remote):
                 remote.job.succeed(result)
-                self.spawn(self._forget(job_id))
+                self.forget(job_id, urgent=False)
             return
         self.finish(remote, Code.BACKEND_UNAVAILABLE, f"the result could not be downloaded intact: {problem}")
 
@@ -450,7 +481,7 @@ class Link:
             return
         remote.job.fail(code, message)
         if self.connected:
-            self.spawn(self._forget(remote.job.id))
+            self.forget(remote.job.id)
         else:
             # It may still run there: delete it once the executor is back (if it is).
             self.abandoned.add(remote.job.id)

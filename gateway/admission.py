@@ -228,7 +228,9 @@ class Admission:
         # A job that can go on from its checkpoint may go on in another replica if this one stops: the
         # store keeps its request (gateway/server/redis_store/). Not one whose surface holds it here
         # to build its answer from its result (the OpenAI routes, /mcp): that answer would be lost.
-        job.resumable = checkpoints.resumable(tool, params) and not inline_only.get() and most_result is None
+        # Params relayed undecoded (an engine's) are judged where they are decoded, as the job is taken.
+        may_go_on = not inline_only.get() and most_result is None
+        job.resumable = may_go_on and checkpoints.resumable(tool, params)
         if going_on is not None:
             job.created = going_on.created or job.created
             job.resumes = 1  # its run goes on from the checkpoint the replica before left
@@ -264,6 +266,7 @@ class Admission:
                 # continues it from this span (the time it waits queued is measured from its start).
                 job.span = tracer.start_span("job", parent, attributes=_attributes(job))
             await self.backend.submit(job)
+            job.resumable = job.resumable and may_go_on
             if not priced and job.cost is not None:
                 try:  # priced by the service that took it (an engine): its result is checked now
                     room = self._result_room(job, most_result)

@@ -25,7 +25,6 @@ import os
 import re
 import tempfile
 import threading
-import uuid
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -79,7 +78,7 @@ class Job:
         weight: float = 1.0,
         after: int | None = None,
     ) -> None:
-        self.id = job_id or uuid.uuid4().hex
+        self.id = job_id or os.urandom(16).hex()  # as uuid4().hex is random, without building a UUID
         # `after`: the seq its log starts after, for a job another gateway replica ran until it stopped,
         # that goes on here (gateway/server/redis_store/): its events before are in the shared store.
         self.taken_over = after is not None

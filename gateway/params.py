@@ -112,7 +112,8 @@ def check_json(body: bytes, what: str = "the body") -> None:
         body.decode("utf-8")
     except UnicodeDecodeError:
         raise ApiError(Code.BAD_REQUEST, f"{what} is not UTF-8") from None
-    if (depth := nesting(body)) > MAX_NESTING:
+    # No deeper than its count of opening brackets: most bodies are judged by two counts in C.
+    if body.count(b"[") + body.count(b"{") > MAX_NESTING and (depth := nesting(body)) > MAX_NESTING:
         raise ApiError(Code.BAD_REQUEST, f"{what} nests {depth} levels deep; params may nest at most {MAX_NESTING}")
 
 
@@ -135,7 +136,7 @@ def decode_body(tool: Tool, body: bytes, what: str = "the body") -> Any:
     """Decode a JSON object of params (`what` names it in error messages)."""
     check_json(body, what)
     if tool.params is Relayed:
-        return _relayed(json_object(body, what), body=msgspec.Raw(body))
+        return relay_body(body, what)
     try:
         return msgspec.json.decode(body, type=tool.params)
     except msgspec.DecodeError as exc:  # a ValidationError too
@@ -233,23 +234,51 @@ def _struct_in(t: Any) -> Any:
 
 
 class Relayed(msgspec.Struct, frozen=True):
-    """The params of a tool another service runs (an executor, a Ray replica), as the request gave
-    them: that service decodes them with the tool's own Structs, so it refuses what a gateway
-    running the tool would refuse, with the same answer. The gateway reads the model they name."""
+    """The params of a tool another service runs (an executor, an engine, a Ray replica), as the
+    request gave them: that service decodes them with the tool's own Structs, so it refuses what a
+    gateway running the tool would refuse, with the same answer. The gateway reads only the model
+    they name, and passes the body's bytes on as they came: a request is decoded once, where it runs."""
 
-    body: msgspec.Raw | None  # a POST's JSON object, as sent
+    body: msgspec.Raw  # a POST's JSON object, as sent (`null`: the GET form's)
     query: list[tuple[str, str]] | None  # or the GET form's pairs, as sent (less GATEWAY_QUERY_KEYS)
     model: str | None  # the model they name, once resolved (None: none, or not a name, refused there)
-    request: str  # the rest, for `digest`: their JSON with its keys sorted, hashed
+    request: str = ""  # the rest, for `digest`: their JSON with its keys sorted, hashed (a body's: when asked)
 
 
-def _relayed(fields: dict[str, Any], body: msgspec.Raw | None = None, query: list[tuple[str, str]] | None = None) -> Relayed:
+class _Named(msgspec.Struct):
+    """All a gateway reads of relayed params: the model they name (any other field skipped unread)."""
+
+    model: Any = None
+
+
+_named = msgspec.json.Decoder(_Named)
+
+
+def relay_body(body: bytes, what: str = "the body") -> Relayed:
+    """A JSON object of params relayed as it came (checked by `check_json`): only its `model` read."""
+    try:
+        model = _named.decode(body).model
+    except msgspec.DecodeError:  # not JSON, or not an object: refused as a gateway running the tool would
+        json_object(body, what)
+        raise
+    return Relayed(msgspec.Raw(body), None, model if isinstance(model, str) and model else None)
+
+
+def _fields_digest(fields: dict[str, Any]) -> str:
+    """What identifies relayed params, less the model they name when it is a name (or absent): keyed once
+    resolved, the default named or not is one request."""
     model = fields.get(MODEL_FIELD)
-    named = model if isinstance(model, str) and model else None
-    if named is not None or model is None:  # keyed once resolved: the default named or not is one request
+    if (isinstance(model, str) and model) or model is None:
         fields = {k: v for k, v in fields.items() if k != MODEL_FIELD}
-    request = hashlib.sha256(msgspec.json.encode(fields, order="sorted")).hexdigest()
-    return Relayed(body, query, named, request)
+    return hashlib.sha256(msgspec.json.encode(fields, order="sorted")).hexdigest()
+
+
+_NULL = msgspec.Raw(b"null")
+
+
+def _relayed(fields: dict[str, Any], body: msgspec.Raw = _NULL, query: list[tuple[str, str]] | None = None) -> Relayed:
+    model = fields.get(MODEL_FIELD)
+    return Relayed(body, query, model if isinstance(model, str) and model else None, _fields_digest(fields))
 
 
 def _relayed_query(pairs: list[tuple[str, str]]) -> Relayed:
@@ -316,7 +345,8 @@ def digest(tool_name: str, params: Any) -> str:
     order, spacing and the model's name do not matter there; a default, or the flat GET form, does.
     """
     if isinstance(params, Relayed):
-        data = f"{params.request}\0{params.model}".encode()
+        request = params.request or _fields_digest(json_object(bytes(params.body), "the body"))
+        data = f"{request}\0{params.model}".encode()
     else:
         data = msgspec.json.encode(params)
     return hashlib.sha256(tool_name.encode() + b"\0" + data).hexdigest()[:32]

@@ -376,6 +376,15 @@ class RemoteFrame(msgspec.Struct):
     files: list[ResultFile] | None = None
 
 
+class Accepted(msgspec.Struct):
+    """An `accepted` frame's data (an engine's answer to a `submit`): the job's price as the engine set
+    it (gateway/cost.py's `Cost`, or null: unpriced), and whether the job keeps a checkpoint that a run
+    after this one can go on from: facts of its params, which only the process that decodes them knows."""
+
+    cost: msgspec.Raw
+    resumable: bool = False
+
+
 class Resume(msgspec.Struct, tag_field="op", tag="resume"):
     """Gateway → executor: send this job's events after `after_seq`."""
 

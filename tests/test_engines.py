@@ -14,13 +14,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncio
+
 import httpx
+import msgspec
 import pytest
 
 from backends import loading as models
-from backends.engines import engine_devices, engine_settings
+from backends.engines import EngineBackend, EngineLink, engine_devices, engine_settings
+from backends.remote import FORGET_WAIT_S
 from gateway.config import Settings
-from tests.conftest import make_server, parse_sse, run_stream, wait_until
+from gateway.params import Relayed
+from gateway.server.app import create_app
+from tests.conftest import Server, make_server, parse_sse, run_stream, wait_until
 from tests.test_observability import scrape, value
 from tests.support.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
 from tests.support.tiny_models import build_tiny_model
@@ -165,6 +171,71 @@ def test_a_refusal_only_the_engine_can_make_comes_back_before_the_stream(gateway
     assert refused.json()["error"]["code"] == "too_long" and "X-Job-Id" not in refused.headers
     assert httpx.get(f"{gateway.url}/jobs", timeout=10).json()["jobs"] == before
     assert all(e["jobs"] == 0 for e in engines(gateway).values())
+
+
+def test_a_request_is_decoded_once_in_the_engine_that_runs_it(tiny_model_path: Path) -> None:
+    """The gateway reads a body's model and passes its bytes on as the client sent them; the engine
+    decodes, checks and prices the params, and says what only a decode tells: the price, and whether
+    the job keeps a checkpoint it can go on from (the tool's own rule, applied to the decoded params)."""
+    settings = Settings(model=[str(tiny_model_path)], device="cpu", torch_threads=1, detach_grace=0)
+    backend = EngineBackend(settings)
+    taken: dict[str, Any] = {}
+    submit = backend.submit
+
+    async def recorded(job: Any) -> None:
+        await submit(job)
+        taken[job.id] = (job.params, job.resumable, job.cost)
+
+    backend.submit = recorded  # type: ignore[method-assign]
+    server = Server(create_app(backend, settings)).start().wait_ready(timeout=120)
+    try:
+        (model,) = backend.model_names()
+        for tool, body in (
+            ("embed", b'{ "texts": ["abc", "de"],\n  "pooling":"mean" }'),  # its spacing kept: never re-encoded
+            ("generate", b'{"prompts": ["hi"], "max_tokens": 2}'),
+        ):
+            ran = run_stream(server.url, tool, content=body)
+            assert ran.terminal["event"] == "data", ran.events
+            params, resumable, cost = taken[ran.headers["x-job-id"]]
+            assert isinstance(params, Relayed) and bytes(params.body) == body and params.model == model
+            local = backend.local[tool]
+            decoded = msgspec.json.decode(body, type=local.params)
+            assert resumable == (local.resumable is not None and local.resumable(decoded)), tool
+            assert cost is not None and cost.result > 0  # priced where it was decoded
+        assert taken and any(resumable for _, resumable, _ in taken.values())
+    finally:
+        server.stop()
+
+
+class _Socket:
+    """What the link writes its messages on (a websockets connection's `send`)."""
+
+    def __init__(self) -> None:
+        self.messages: list[bytes] = []
+
+    async def send(self, message: bytes) -> None:
+        self.messages.append(message)
+
+
+async def test_the_ops_of_one_turn_of_the_loop_go_to_an_engine_in_one_message() -> None:
+    """Submits made in one turn of the loop (many clients' requests) share a message, and so one wake-up
+    of the engine; a finished job's `forget` waits a little for company, and an urgent op takes it along."""
+    link = EngineLink("unix:/nowhere", token=None, deadline=1.0, poll_interval=1.0, on_tools=lambda: None)
+    socket = link._socket = _Socket()  # type: ignore[assignment]
+    link._send(b'{"op":"resume","job_id":"a"}')
+    link._send(b'{"op":"resume","job_id":"b"}')
+    await asyncio.sleep(0.01)
+    assert socket.messages == [b'[{"op":"resume","job_id":"a"},{"op":"resume","job_id":"b"}]']
+    link.forget("c", urgent=False)
+    await asyncio.sleep(FORGET_WAIT_S / 5)
+    assert len(socket.messages) == 1  # not yet: it waits for company
+    link._send(b'{"op":"resume","job_id":"d"}')
+    await asyncio.sleep(0.01)
+    assert msgspec.json.decode(socket.messages[-1]) == [{"op": "forget", "job_id": "c"}, {"op": "resume", "job_id": "d"}]
+    link.forget("e", urgent=False)
+    await asyncio.sleep(FORGET_WAIT_S * 2)
+    assert msgspec.json.decode(socket.messages[-1]) == {"op": "forget", "job_id": "e"}  # alone, once it has waited
+    assert len(socket.messages) == 3
 
 
 def test_a_tools_error_keeps_its_code_through_the_engine(gateway: ServeProcess) -> None:

@@ -84,6 +84,7 @@ class Metrics:
         )
         # Looked up once: `labels()` takes a lock and builds a key, for every event of every stream.
         self._event_children = {kind: self.events.labels(kind.value) for kind in EventType}
+        self._children: dict[tuple[Any, ...], Any] = {}
         self.client_timeouts = Counter(
             "streamgate_client_timeouts",
             "Clients cut for being too slow: sending their headers or body, or reading a stream (phase)",
@@ -113,10 +114,19 @@ class Metrics:
             code = _error_code(terminal.data)
             outcome = "cancelled" if code == Code.CANCELLED.value else "failed"
         model = job.model or ""
-        self.jobs.labels(job.tool, model, outcome, code).inc()
+        self._child(self.jobs, job.tool, model, outcome, code).inc()
         if job.started is not None:
-            self.queue_wait.labels(job.tool, model).observe(max(0.0, job.started - job.created))
-            self.run_time.labels(job.tool, model).observe(max(0.0, (job.finished or job.started) - job.started))
+            self._child(self.queue_wait, job.tool, model).observe(max(0.0, job.started - job.created))
+            self._child(self.run_time, job.tool, model).observe(max(0.0, (job.finished or job.started) - job.started))
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, looked up once: `labels()` takes a lock and builds a key, for every job.
+        As many as the label sets there are (tools, models, outcomes, codes: all finite)."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def stream_opened(self) -> None:
         self.streams.inc()
@@ -125,9 +135,11 @@ class Metrics:
         self.streams.dec()
 
     def sent(self, events: Iterable[Event]) -> None:
-        children = self._event_children
+        counts: dict[EventType, int] = {}
         for event in events:
-            children[event.type].inc()
+            counts[event.type] = counts.get(event.type, 0) + 1
+        for kind, count in counts.items():  # a lock taken per kind, not per event
+            self._event_children[kind].inc(count)
 
     def client_timeout(self, phase: str) -> None:
         """Count a client cut for slowness in `phase`, one of TIMEOUT_PHASES."""

@@ -81,7 +81,8 @@ def open_store(settings: Settings, cancel: Any) -> JobStore:
 
 def _last_event_id(request: Request) -> tuple[str, int] | None:
     """`Last-Event-ID` (header, or `last_event_id` query key) as (job id, seq)."""
-    value = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+    # The query string parsed only if there is one: most requests have none.
+    value = request.headers.get("last-event-id") or (request.query_params.get("last_event_id") if request.scope["query_string"] else None)
     if value is None:
         return None
     parsed = parse_event_id(value)

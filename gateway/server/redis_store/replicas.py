@@ -18,6 +18,7 @@ from gateway import checkpoints
 from gateway.admission import Admission, Applicant, GoingOn
 from gateway.errors import ApiError
 from gateway.jobs import Job
+from gateway.params import Relayed
 from gateway.protocol import RETRYABLE, Code, ErrorFrame, ErrorInfo, TerminalEvent, encode, now
 from gateway.server.redis_store.reading import RedisJobView
 
@@ -169,7 +170,10 @@ class Replicas:
         going_on = GoingOn(last, partials, key, request.digest, request.created)
         try:
             tool = self._admission.backend.tool(request.tool)
-            params = await self._admission.decode(tool, bytes(request.params), "the job's request")
+            if tool.params is Relayed:  # kept as it was relayed, for the engine to decode
+                params = msgspec.json.decode(request.params, type=Relayed)
+            else:
+                params = await self._admission.decode(tool, bytes(request.params), "the job's request")
             applicant = Applicant(request.tenant, request.weight, request.owner)
             await self._admission.admit(tool, params, applicant, job_id=job_id, going_on=going_on)
         except Exception as exc:  # refused here: the job ends, once, with why
