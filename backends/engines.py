@@ -1,22 +1,12 @@
-"""Engine processes: each served model in a child process of its own, supervised by the gateway.
+"""Engine processes: each served model in a child process of its own (`--engine process`), driven as
+the remote backend drives executors (backends/remote.py): one execution path, the same protocol, each
+request decoded, checked and priced once, where the model is (its tokenizer, its price). The processes
+are started, restarted and stopped by backends/engine_processes.py; this module routes jobs to them:
 
-With `--engine process` the gateway holds no model. For each `--model` it starts an
-engine, `python -m gateway engine`: an executor service (backends/executor.py) with
-that one model, listening on a Unix socket in a folder only this user may enter, and
-it drives the engines as the remote backend drives executors (backends/remote.py):
-one execution path, the same protocol, admission run again where the model is (its
-tokenizer, its price). What this module adds is supervision:
-
-- an engine that exits, whatever the cause (a crash, `kill -9`, the kernel's
-  out-of-memory killer, exit 70 after a device failed: backends/local.py), is started
-  again, after a pause that doubles from 0.5 s to 30 s and starts over once an engine
-  has lived a minute;
-- its running jobs end once with `backend_unavailable` (retryable); its jobs that had
-  not started wait in the gateway, `queued`, and go to the new engine in their order
-  once it is ready (if it exits before it is ready, they end as the running ones did);
-- the gateway, its streams and the other models' engines go on untouched;
-- `--engine-memory-limit` caps each engine's address space (RLIMIT_AS), so that a
-  runaway job fails with that job's error instead of taking the host's memory.
+- when an engine exits, its running jobs end once with `backend_unavailable` (retryable), unless they
+  go on from their checkpoint; its jobs that had not started wait in the gateway, `queued`, and go to
+  the new engine in their order once it is ready (if it exits before it is ready, they end as the
+  running ones did); the gateway, its streams and the other models' engines go on untouched.
 
 One engine per model and device (`--devices cuda:0,cuda:1`, or every GPU by default):
 each device's steps hold a GIL of their own, and a device that fails for good (a
@@ -24,37 +14,33 @@ CUDA context lost to an illegal memory access) takes down its own engine, not th
 model's other copies. A new job goes to the model's engine with the fewest jobs not
 started yet; a job whose items split (`Tool.spread`: `embed`'s texts,
 `pseudo_loglikelihood`'s sequences) is cut over the idle ones (backends/spreading.py).
-An engine dies with its gateway (PR_SET_PDEATHSIG).
+A model on an inference server (`vllm:`, `openai+`) is reached by a `ServerLink` (backends/inference.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
-import re
-import resource
 import secrets
 import shlex
 import shutil
-import signal
-import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 
 from backends import inference
 from gateway.plumbing import memory, tracing
 from backends import loading as models
-from backends.base import NULL, Relaying, answers_inline, files_folder, sent
-from backends.remote import UNIX, Link, RemoteBackend, RemoteJob, Unreachable
+from backends.base import NULL, answers_inline, files_folder, remove_files_folder, sent
+from backends.frames import failure
+from backends.remote import UNIX, ExecutorLink, RemoteJob
+from backends.routing import Link, Routing, Unreachable
+from backends.engine_processes import Engine, VllmEngine, engine_devices, engine_settings
 from backends.spreading import Spread, split
 from gateway import checkpoints
 from gateway.config import Settings
@@ -67,43 +53,22 @@ from gateway.protocol import Accepted, Code, Forget, ModelInfo, Refusal, RemoteF
 from gateway.tools.base import Tool
 from gateway.tools.batching import Chunked
 
+
 log = logging.getLogger("streamgate.engines")
 
-BACKOFF_FIRST_S = 0.5
 # Times a job goes on from its checkpoint after its engine died: a job that kills its engine
 # itself (its memory) would otherwise take the next one down too, over and over.
 MAX_RESUMES = 2
-BACKOFF_MAX_S = 30.0
-HEALTHY_AFTER_S = 60.0  # an engine that lived this long starts the backoff over when it exits
-STOP_GRACE_S = 5.0  # on the gateway's stop: SIGTERM, then SIGKILL after this long
 POLL_S = 0.2  # an engine is on this machine: its readiness is cheap to ask often
-SOCKET_VAR = "STREAMGATE_ENGINE_SOCKET"  # an engine's Unix socket; its settings (JSON) arrive on stdin
 
 
-def exit_reason(code: int) -> str:
-    """How a process ended, as `asyncio`'s return code says it."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}" + (" (the out-of-memory killer sends it, among others)" if -code == signal.SIGKILL else "")
-    if code == 70:
-        return "exited after its device failed"
-    return f"exited with status {code}"
-
-
-class EngineLink(Link):
-    """The link to one engine: a `Link` that submits and forgets jobs on the session socket, takes
-    results from their `completed` frames, and keeps its unstarted jobs when the engine dies.
+class EngineLink(ExecutorLink):
+    """The link to one engine: an executor's link that submits and forgets jobs on the session socket,
+    takes results from their `completed` frames, and keeps its unstarted jobs when the engine dies.
 
     The socket, not `POST /jobs` and `DELETE /jobs/{id}`: each HTTP call costs the gateway a
     request's worth of work, which with many short jobs was a third of its time (py-spy).
     """
-
-    inline_results = True
-    passes_codes = True  # an engine's errors are this gateway's own: `tool_error` stays `tool_error`
-    says_dispatched = False  # the engine is this gateway's own: the stream is the one threads give
 
     def __init__(self, url: str, checkpoint_folder: str | None = None, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
@@ -165,6 +130,21 @@ class EngineLink(Link):
     @staticmethod
     def as_json(data: bytes | memoryview) -> msgspec.Raw:
         return msgspec.Raw(data)  # an engine's results are JSON already
+
+    def taken(self, job: Job) -> None:
+        """The engine is this gateway's own: the stream is the one threads give (no DISPATCHED)."""
+
+    @staticmethod
+    def failure(frame: RemoteFrame) -> tuple[Code, str]:
+        """An engine's errors are this gateway's own: `tool_error` stays `tool_error`."""
+        return failure(frame, every_code=True)
+
+    def completed(self, remote: RemoteJob, frame: RemoteFrame) -> None:
+        """The result is in the frame, JSON already; a big one stays behind (`null`), fetched as an executor's is."""
+        if not frame.files and frame.data != NULL:
+            self.succeed(remote, frame.data)
+        else:
+            super().completed(remote, frame)
 
     def _on_frames(self, frames: list[RemoteFrame]) -> None:
         for frame in frames:
@@ -276,221 +256,19 @@ class EngineLink(Link):
 
     @property
     def backlog(self) -> int:
-        """Its jobs that have not started: what a job sent now would wait behind."""
-        return sum(1 for remote in self.jobs.values() if remote.job.started is None) + len(self.waiting)
+        return super().backlog + len(self.waiting)
 
-    def withdraw(self, job: Job) -> bool:
-        """Take `job` out of the waiting ones (a cancel); False if it is not waiting."""
-        if job in self.waiting:
+    def cancel(self, job: Job) -> bool:
+        if job in self.waiting:  # waiting for the engine to be back
             self.waiting.remove(job)
+            job.cancel()
+            job.fail(Code.CANCELLED, "the job was cancelled while its engine restarted")
             return True
-        return False
+        return super().cancel(job)
 
 
-@dataclass(eq=False)
-class Engine:
-    """One engine process: how to start it, and what became of it."""
-
-    name: str  # the model's
-    device: str  # the one device its copy of the model is on
-    link: Any  # an EngineLink; a vLLM server's, a ServerLink (backends/inference.py)
-    memory_limit: int | None = None
-    settings: Settings | None = None
-    socket: Path | None = None
-    restarts: int = 0
-    state: str = "starting"  # starting, running, restarting, failed (to launch; tried again), given up (`unfixable`), stopped
-    pid: int | None = None
-    last_exit: str | None = None
-    process: asyncio.subprocess.Process | None = None
-
-    async def _launch(self) -> asyncio.subprocess.Process:
-        assert self.socket is not None and self.settings is not None
-        with contextlib.suppress(FileNotFoundError):
-            self.socket.unlink()  # a dead engine's socket: the next one binds anew
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway", "engine",
-            stdin=asyncio.subprocess.PIPE,
-            env={**os.environ, SOCKET_VAR: str(self.socket)},
-            start_new_session=True,  # Ctrl-C reaches the gateway, which stops its engines itself
-        )
-        assert process.stdin is not None
-        process.stdin.write(msgspec.json.encode(self.settings))
-        process.stdin.close()
-        return process
-
-    async def supervise(self) -> None:
-        pause = BACKOFF_FIRST_S
-        while True:
-            self.state = "starting" if self.restarts == 0 else "restarting"
-            try:
-                self.process = await self._launch()
-            except Exception as exc:  # nothing to start (vLLM's Python gone, a GGUF that does not convert)
-                self.state, self.last_exit = "failed", f"could not be started: {exc}"
-                self.link.problem = self.last_exit
-                log.error("the engine of model %s on %s %s; trying again in %.1f s", self.name, self.device, self.last_exit, pause)
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, BACKOFF_MAX_S)
-                continue
-            self.pid = self.process.pid
-            born = time.monotonic()
-            self.state = "running"
-            code = await self.process.wait()
-            self.pid = None
-            self.last_exit = exit_reason(code)
-            if (reason := self.unfixable()) is not None:
-                self.state, self.last_exit = "given up", f"{self.last_exit}: {reason}"
-                log.error("the engine of model %s on %s failed to start twice the same way (%s); not started again: "
-                          "fix its settings and restart the gateway", self.name, self.device, reason)
-                self.link.give_up(f"its server failed to start twice the same way, and is not started again: {reason}")
-                return
-            self.restarts += 1
-            log.error("the engine of model %s on %s %s; starting it again in %.1f s", self.name, self.device, self.last_exit, pause)
-            self.state = "restarting"
-            self.link.lost(f"of model {self.name} on {self.device} {self.last_exit}")
-            if time.monotonic() - born > HEALTHY_AFTER_S:
-                pause = BACKOFF_FIRST_S
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, BACKOFF_MAX_S)
-
-    grace_s: ClassVar[float] = STOP_GRACE_S
-
-    def unfixable(self) -> str | None:
-        """Why the process that just ended cannot be fixed by starting it again, if it cannot."""
-        return None
-
-    def _signal(self, process: asyncio.subprocess.Process, sig: signal.Signals) -> None:
-        process.send_signal(sig)
-
-    async def stop(self) -> None:
-        """SIGTERM (it drains), then SIGKILL to what is left after `grace_s`."""
-        self.state = "stopped"
-        process = self.process
-        if process is None or process.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            self._signal(process, signal.SIGTERM)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.grace_s):
-                await process.wait()
-        with contextlib.suppress(ProcessLookupError):
-            self._signal(process, signal.SIGKILL)
-        await process.wait()
-
-    def rss(self) -> int | None:
-        """The engine's resident memory in bytes, while it runs (Linux)."""
-        if self.pid is None:
-            return None
-        try:
-            return int(Path(f"/proc/{self.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            return None
-
-
-@dataclass(eq=False)
-class VllmEngine(Engine):
-    """A vLLM OpenAI server for one model, started from vLLM's own environment; its lines are the gateway's."""
-
-    command: list[str] = field(default_factory=list)
-    spec: models.ModelSpec | None = None
-    cache_dir: str | None = None
-
-    async def _launch(self) -> asyncio.subprocess.Process:
-        assert self.spec is not None
-        if self.process is not None:  # the last server's engine processes, should any outlive it
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-        if self.spec.gguf is not None and self.restarts == 0:
-            # vLLM reads a folder: the GGUF converted once, as for a model here (it is cached).
-            folder = await asyncio.to_thread(models.converted_folder, self.spec, self.cache_dir)
-            self.command[self.command.index(inference.MODEL_PLACEHOLDER)] = str(folder)
-        process = await asyncio.create_subprocess_exec(
-            *self.command,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-        )
-        assert process.stdout is not None
-        self.error = None
-        task = asyncio.create_task(inference.relay_lines(process.stdout, f"{self.name} (vllm)", self._errored))
-        self._relays.add(task)
-        task.add_done_callback(self._relays.discard)
-        return process
-
-    def __post_init__(self) -> None:
-        self._relays: set[asyncio.Task[None]] = set()
-        self.error: str | None = None  # the last exception its server printed, since it was started
-        self._failed_before: str | None = None  # the exception of the last start that never got ready
-
-    def _errored(self, line: str) -> None:
-        self.error = line
-
-    def sizing(self) -> dict[str, Any]:
-        """The server's KV cache and dtype as its command gives them (None: vLLM's own choice)."""
-        def flag(name: str) -> str | None:
-            for i, arg in enumerate(self.command):
-                if arg == name and i + 1 < len(self.command):
-                    return self.command[i + 1]
-                if arg.startswith(name + "="):
-                    return arg.split("=", 1)[1]
-            return None
-
-        kv = flag("--kv-cache-memory-bytes")
-        return {"kv_cache_bytes": int(kv) if kv is not None and kv.isdigit() else kv, "dtype": flag("--dtype")}
-
-    def unfixable(self) -> str | None:
-        """A server that never got ready, twice in a row with the same exception (numbers aside: free
-        memory moves), fails for its settings or its machine: a restart would fail the same way."""
-        error, self.error = self.error, None
-        if self.link.ready_since_start or error is None:
-            self._failed_before = None
-            return None
-        same = re.sub(r"\d+(?:\.\d+)?", "#", error)
-        if same == self._failed_before:
-            return error
-        self._failed_before = same
-        return None
-
-    grace_s: ClassVar[float] = STOP_GRACE_S * 3  # vLLM drains its requests and its engine first
-
-    def _signal(self, process: asyncio.subprocess.Process, sig: signal.Signals) -> None:
-        os.killpg(process.pid, sig)  # the server's group: its own engine processes too
-
-
-def engine_devices(settings: Settings, spec: models.ModelSpec) -> list[str]:
-    """The devices `spec`'s copies go on, an engine each: as a gateway with threads would put them."""
-    if spec.devices:
-        return list(spec.devices)
-    if settings.devices:
-        return list(settings.devices)
-    if settings.device:
-        return [settings.device]
-    return models.default_devices()
-
-
-def engine_settings(settings: Settings, spec: models.ModelSpec, first: bool, token: str, device: str) -> Settings:
-    """The settings of the engine of `spec` on `device`: the gateway's, with that one copy alone."""
-    loader = [f"{spec.name}={spec.loader}"] if spec.loader else []
-    # A GGUF (the bundled default's too) by its path: the engine converts it, or finds it converted, as threads would.
-    source = str(spec.gguf) if spec.gguf is not None else spec.source
-    return msgspec.structs.replace(
-        settings,
-        model=[f"{spec.name}={source}"] if source else [],
-        model_loader=loader,
-        model_devices=[f"{spec.name}={device}"],
-        devices=[device],  # its job memory is that device's (backends/local.py)
-        device=None,
-        sae=settings.sae if first else [],  # SAEs are read on the default model's layers
-        executor_token=token,
-        # The gateway checked the body's size already; what it sends on is its params re-encoded.
-        max_body_bytes=max(settings.max_body_bytes * 2, 1 << 20),
-        tokens=[],
-        tokens_file=None,
-    )
-
-
-class EngineBackend(RemoteBackend):
-    """Every model in an engine process of its own, driven as executors are."""
+class EngineBackend(Routing):
+    """Every model in an engine process of its own, driven as executors are (or on an inference server)."""
 
     def __init__(self, settings: Settings) -> None:
         """Checks what a gateway with threads checks before it starts (raises ValueError, ModelError):
@@ -519,15 +297,13 @@ class EngineBackend(RemoteBackend):
         if self.checkpoints is not None:
             os.makedirs(self.checkpoints, 0o700, exist_ok=True)
         token = secrets.token_urlsafe(24)
-        # The tools as the engines publish them, their params relayed: decoded once, by the engine that runs the job.
-        Relaying.__init__(self)
         infos = params_mod.describe(local, settings.limits())
-        self.links: list[Any] = []  # in the models' order: the first one's default model is the gateway's
+        links: list[Link] = []  # in the models' order: the first one's default model is the gateway's
         self.engines: list[Engine] = []
         for i, spec in enumerate(specs):
             if spec.server is not None:
-                link, engine = self._server(spec, settings, infos)
-                self.links.append(link)
+                server, engine = self._server(spec, settings, infos)
+                links.append(server)
                 if engine is not None:
                     self.engines.append(engine)
                 continue
@@ -541,10 +317,12 @@ class EngineBackend(RemoteBackend):
                 link.checkpointed = frozenset(t.name for t in local if t.resumable is not None)
                 settings_of = engine_settings(settings, spec, i == 0, token, device)
                 self.engines.append(Engine(spec.name, device, link, settings.engine_memory_limit, settings_of, path))
-                self.links.append(link)
+                links.append(link)
+        # The tools as the engines publish them, their params relayed: decoded once, by what runs the job.
+        super().__init__(links)
         self._supervisors: list[asyncio.Task[None]] = []
 
-    def _server(self, spec: models.ModelSpec, settings: Settings, infos: list[Any]) -> tuple[Any, Engine | None]:
+    def _server(self, spec: models.ModelSpec, settings: Settings, infos: list[Any]) -> tuple[inference.ServerLink, Engine | None]:
         """A model an inference server serves: its link, and for vLLM the engine that runs the server."""
         keys = dict(entry.split("=", 1) for entry in settings.model_api_key if "=" in entry)
         if spec.server == "vllm":
@@ -557,7 +335,7 @@ class EngineBackend(RemoteBackend):
             api_key=None if spec.server == "vllm" else inference.api_key(spec.name, keys),
             tools=infos, max_jobs=settings.max_decoding_jobs, queue_size=settings.queue_size,
             per_owner=settings.max_queued_per_owner, job_timeout=settings.job_timeout, deadline=settings.executor_deadline,
-            max_result_bytes=settings.max_result_bytes, on_tools=self._learn_tools,
+            max_result_bytes=settings.max_result_bytes, on_tools=self._learn_tools, code=self.local, limits=self.limits,
         )
         if spec.server != "vllm":
             return link, None
@@ -584,6 +362,7 @@ class EngineBackend(RemoteBackend):
         await super().stop()
         await asyncio.gather(*(engine.stop() for engine in self.engines))
         shutil.rmtree(self.folder, ignore_errors=True)
+        remove_files_folder(self.files_folder)
 
     def _learn_tools(self) -> None:
         super()._learn_tools()
@@ -605,10 +384,6 @@ class EngineBackend(RemoteBackend):
         job whose inputs split, cut over that model's idle engines when there are several."""
         tool = self.tool(job.tool)
         links = self._candidates(job, tool)
-        if links and isinstance(links[0], inference.ServerLink):
-            # Its requests to the inference server are made here: this is the process that decodes its params.
-            tool = self.local[tool.name]
-            job.params = await self._decoded(tool, job.params)
         work = self.works.get(tool.name)
         if work is not None and len(links) > 1:
             idle = [link for link in links if link.load == 0]
@@ -616,13 +391,6 @@ class EngineBackend(RemoteBackend):
                 return
         await self._submit_first(job, tool, links)
 
-    async def _decoded(self, tool: Tool, params: Any) -> Any:
-        """Relayed params decoded here, as the engine would decode them, and held to the server's caps."""
-        if not isinstance(params, params_mod.Relayed):
-            return params  # a Struct a surface built, or a job submitted again
-        decoded = await params_mod.decode_relayed(tool, bytes(params.body), params.query, params.model, "the body")
-        params_mod.apply_caps(tool, decoded, self.limits)
-        return decoded
 
     def _order(self, link: Link) -> Any:
         return (link.backlog, link.load)  # type: ignore[attr-defined]
@@ -632,13 +400,13 @@ class EngineBackend(RemoteBackend):
         or an engine refused its part."""
         context = next((m.context_length for m in self._models if m.name == job.model), None)
         try:  # only to cut it: the job refused whole, by an engine, if it must be
-            params = await self._decoded(self.local[tool.name], job.params)
+            params = await params_mod.decoded(self.local[tool.name], job.params, self.limits)
         except ApiError:
             return False
         cut = split(params, work, len(links), context)
         if cut is None:
             return False
-        spread = Spread(job, *cut, self._cancel_one)
+        spread = Spread(job, *cut, super().cancel)  # a part is cancelled where it runs
         self._spreads[job.id] = spread
         try:
             outcomes = await asyncio.gather(*(link.submit(part, tool) for link, part in zip(links, spread.parts)), return_exceptions=True)
@@ -663,14 +431,6 @@ class EngineBackend(RemoteBackend):
             job.cancel()
             spread.cancel()  # the first part to end cancelled ends the job so
             return
-        self._cancel_one(job)
-
-    def _cancel_one(self, job: Job) -> None:
-        for engine in self.engines:
-            if engine.link.withdraw(job):
-                job.cancel()
-                job.fail(Code.CANCELLED, "the job was cancelled while its engine restarted")
-                return
         super().cancel(job)
 
     @property
@@ -746,23 +506,3 @@ class EngineBackend(RemoteBackend):
                 if self._outside() else {}
             ),
         }
-
-
-def child_settings() -> tuple[Settings, str]:
-    """In an engine process (`python -m gateway engine`): its settings and socket, as its gateway
-    gave them; and from here on it dies with that gateway (Linux: PR_SET_PDEATHSIG), however
-    the gateway dies, and holds no more address space than `--engine-memory-limit`."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the gateway died before the line above ran
-        os._exit(0)
-    settings = msgspec.json.decode(sys.stdin.buffer.read(), type=Settings)
-    if settings.engine_memory_limit:
-        resource.setrlimit(resource.RLIMIT_AS, (settings.engine_memory_limit, settings.engine_memory_limit))
-    return settings, os.environ[SOCKET_VAR]
-
-
-def engine_name(settings: Settings) -> str:
-    """What an engine's log lines call it: its model, and its device."""
-    spec = models.specs(settings.model, settings.model_loader, settings.model_devices)[0]
-    return f"{spec.name} on {','.join(spec.devices)}" if spec.devices else spec.name

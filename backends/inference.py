@@ -35,7 +35,6 @@ Deliberately the gateway's job model over the server's API, not a proxy of it:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
@@ -56,6 +55,7 @@ from gateway.cost import DEFAULT_RESULT_BYTES, Budget
 from gateway.errors import ApiError
 from gateway.jobs import Job, end_span
 from gateway.plumbing import tracing
+from gateway import params as params_mod
 from gateway.protocol import Code, ModelInfo, Status, ToolInfo
 from backends.server_requests import WORKS, StreamedChunk, Work, refusal
 from gateway.tools.base import Tool
@@ -111,6 +111,8 @@ class ServerLink:
         deadline: float,
         on_tools: Callable[[], None],
         max_result_bytes: int = DEFAULT_RESULT_BYTES,
+        code: Mapping[str, Tool] | None = None,
+        limits: Mapping[str, int] | None = None,
     ) -> None:
         self.name = name  # the model's name in this gateway
         self.url = url.rstrip("/")
@@ -128,6 +130,10 @@ class ServerLink:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(1, min(max_jobs, 256))),
         )
         self.all_tools = tools
+        # The tools' code and the server's caps: this gateway makes the server's requests, so it is where
+        # the params are decoded (they arrive relayed, as every engine's do).
+        self.code = code or {}
+        self.limits = limits or {}
         self.queue = JobQueue(queue_size, per_owner=per_owner)
         self.slots = asyncio.Semaphore(max_jobs)
         self.requests = asyncio.Semaphore(JSON_REQUESTS)
@@ -205,9 +211,6 @@ class ServerLink:
                 device=f"{self.kind} server", tools=[t.name for t in self.all_tools if t.name in served], unsupported=reasons,
             )
         ]
-
-    def withdraw(self, job: Job) -> bool:
-        return False
 
     def start(self) -> None:
         self._spawn(self._poll_loop())
@@ -300,6 +303,8 @@ class ServerLink:
         else queue it here."""
         if tool.name not in self.served:
             raise ApiError(Code.UNSUPPORTED_BY_MODEL, f"{tool.name} cannot run on the inference server of model {self.name}")
+        tool = self.code.get(tool.name, tool)
+        job.params = await params_mod.decoded(tool, job.params, self.limits)
         work = WORKS[tool.name](
             job.params, self.upstream or self.name, self.post, token_ids="token_ids" in self.have, context=self.context_length
         )
@@ -337,16 +342,19 @@ class ServerLink:
         if tool.cost is not None:
             self.budget.admit(work.price(tool.cost))
 
-    def cancel(self, job: Job) -> None:
+    def cancel(self, job: Job) -> bool:
+        if job.id not in self.jobs:
+            return False
         job.cancel()
         if self.queue.remove(job):
             self.jobs.pop(job.id, None)
             self.prepared.pop(job.id, None)
             job.fail(Code.CANCELLED, "the job was cancelled")
-            return
+            return True
         task = self.running.get(job.id)
         if task is not None:
             task.cancel()  # closes the request: the server stops generating
+        return True
 
     async def _dispatch_loop(self) -> None:
         while True:

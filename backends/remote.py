@@ -43,9 +43,10 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.asyncio.client import unix_connect as ws_unix_connect
 
-from backends.base import NULL, Relaying, answers_inline, files_folder, remove_files_folder, sent
+from backends.base import answers_inline, files_folder, remove_files_folder, sent
 from backends.download import Downloads, Retry
 from backends.frames import failure, relay
+from backends.routing import Routing, Unreachable
 from gateway.encoding import HASH_INLINE, from_msgpack, to_json
 from gateway.errors import ApiError
 from gateway.jobs import Job
@@ -82,14 +83,10 @@ UNIX = "unix:"  # an executor URL of a Unix socket: unix:/PATH
 ON_SOCKET = "http://executor"  # the URL requests on a Unix socket are made to (the socket decides where they go)
 
 
-class Unreachable(Exception):
-    """The executor could not be reached to submit a job."""
-
-
 class RemoteJob:
     """A gateway job running on an executor: the last executor `seq` applied, and frames held back."""
 
-    def __init__(self, job: Job, link: Link) -> None:
+    def __init__(self, job: Job, link: ExecutorLink) -> None:
         self.job = job
         self.link = link
         self.last_seq = 0
@@ -100,8 +97,7 @@ class RemoteJob:
     def accept(self) -> None:
         """The executor took the job: say DISPATCHED, then apply what arrived before its answer."""
         self.accepted = True
-        if self.link.says_dispatched:
-            self.job.set_status(Status.DISPATCHED)
+        self.link.taken(self.job)
         early, self.early = self.early, []
         for frame in early:
             self.receive(frame)
@@ -127,25 +123,15 @@ class RemoteJob:
 
     def _apply(self, frame: RemoteFrame) -> None:
         if frame.kind is RemoteKind.ERROR:
-            self.link.finish(self, *failure(frame, self.link.passes_codes))
+            self.link.finish(self, *self.link.failure(frame))
         elif frame.kind is RemoteKind.COMPLETED:
-            if frame.files:  # the job's files first, then its result: the job ends with both here
-                self.link.spawn(self.link.collect(self, frame))
-            # A big result stays behind (`null`), to be fetched as the other executors' are.
-            elif self.link.inline_results and frame.data != NULL:
-                self.link.succeed(self, frame.data)
-            else:
-                self.link.spawn(self.link.deliver(self))
+            self.link.completed(self, frame)
         else:
             relay(self.job, frame)
 
 
-class Link:
-    """One executor: the session socket, its health, and this gateway's jobs there."""
-
-    inline_results = False  # results come in their `completed` frames (an engine's, as JSON)
-    says_dispatched = True  # a job's stream says DISPATCHED when the executor takes it
-    passes_codes = False  # an executor's error codes other than frames.PASSED_THROUGH become `remote_error`
+class ExecutorLink:
+    """One executor (backends/routing.py's `Link`): the session socket, its health, and this gateway's jobs there."""
 
     def __init__(
         self,
@@ -199,6 +185,10 @@ class Link:
     @property
     def load(self) -> int:
         return len(self.jobs)
+
+    @property
+    def backlog(self) -> int:
+        return sum(1 for remote in self.jobs.values() if remote.job.started is None)
 
     def counts(self) -> tuple[int, int]:
         """This gateway's jobs there waiting, and running, as their own frames said: current when
@@ -392,6 +382,23 @@ class Link:
         del self.jobs[remote.job.id]
         return True
 
+    def taken(self, job: Job) -> None:
+        """The executor took `job`: its stream says so."""
+        job.set_status(Status.DISPATCHED)
+
+    @staticmethod
+    def failure(frame: RemoteFrame) -> tuple[Code, str]:
+        """An `error` frame's code and message, as this gateway passes them on: the executor's codes
+        other than frames.PASSED_THROUGH become `remote_error`."""
+        return failure(frame)
+
+    def completed(self, remote: RemoteJob, frame: RemoteFrame) -> None:
+        """A `completed` frame: the job's files fetched first, then its result; the job ends with both here."""
+        if frame.files:
+            self.spawn(self.collect(remote, frame))
+        else:
+            self.spawn(self.deliver(remote))
+
     def succeed(self, remote: RemoteJob, result: msgspec.Raw) -> None:
         """End a job with the result its `completed` frame carried (JSON already)."""
         if self._take(remote):
@@ -454,10 +461,8 @@ class Link:
                 break
         if problem:
             self.finish(remote, Code.BACKEND_UNAVAILABLE, f"the job's result files could not be downloaded: {problem}")
-        elif self.inline_results and frame.data != NULL:
-            self.succeed(remote, frame.data)
-        else:
-            await self.deliver(remote)
+        else:  # the files are here: the result, as a completed frame without files brings it
+            self.completed(remote, msgspec.structs.replace(frame, files=None))
 
     async def _fetch_file(self, job: Job, file: ResultFile) -> None:
         """One result file, a piece at a time onto disk (each write on a thread), checked for its length."""
@@ -486,9 +491,13 @@ class Link:
             # It may still run there: delete it once the executor is back (if it is).
             self.abandoned.add(remote.job.id)
 
-    def cancel(self, remote: RemoteJob) -> None:
-        remote.job.cancel()
+    def cancel(self, job: Job) -> bool:
+        remote = self.jobs.get(job.id)
+        if remote is None:
+            return False
+        job.cancel()
         self.finish(remote, Code.CANCELLED, "the job was cancelled")
+        return True
 
     async def _forget(self, job_id: str) -> None:
         """`DELETE /jobs/{id}`: cancels the job there if it still runs, and frees its result."""
@@ -535,10 +544,8 @@ def _relayed(response: httpx.Response, url: str) -> ApiError:
     )
 
 
-class RemoteBackend(Relaying):
+class RemoteBackend(Routing):
     """Runs jobs on one or more executors; new jobs go to the least-loaded ready one."""
-
-    link_class: type[Link] = Link
 
     def __init__(
         self,
@@ -551,49 +558,13 @@ class RemoteBackend(Relaying):
     ) -> None:
         if not executors:
             raise ValueError("the remote backend needs at least one --executor URL")
-        super().__init__()
         self.files_folder = files_folder(result_files)
-        self.links = [
-            self.link_class(
+        super().__init__([
+            ExecutorLink(
                 url, token=token, deadline=deadline, poll_interval=poll_interval, on_tools=self._learn_tools, files_folder=self.files_folder
             )
             for url in executors
-        ]
-
-    @property
-    def in_flight(self) -> int:
-        return sum(link.load for link in self.links)
-
-    def _learn_tools(self) -> None:
-        # The executors in the order given: the first one's default model is the gateway's.
-        models: dict[str, ModelInfo] = {}
-        for link in self.links:
-            for info in link.models:
-                if info.name not in models:
-                    # Queue figures are the executor's at that moment, of every gateway's jobs: not kept.
-                    models[info.name] = msgspec.structs.replace(info, default=not models, queued=0, running=0)
-        self.learn((info for link in self.links for info in link.tools), list(models.values()))
-
-    def _serving(self, model: str | None) -> list[Link]:
-        return [link for link in self.links if link.ready and (model is None or any(m.name == model for m in link.models))]
-
-    def ready_for(self, model: str | None) -> bool:
-        return bool(self._serving(model))
-
-    def models(self) -> list[ModelInfo]:
-        served = []
-        for model in self._models:
-            ready = self.ready_for(model.name)
-            counts = [link.counts() for link in self.links if any(m.name == model.name for m in link.models)]
-            served.append(msgspec.structs.replace(
-                model, ready=ready, problem=None if ready else "no executor serving it is ready",
-                queued=sum(q for q, _ in counts), running=sum(r for _, r in counts),
-            ))
-        return served
-
-    @property
-    def ready(self) -> bool:
-        return any(link.ready for link in self.links)
+        ])
 
     def not_ready_error(self, model: str | None = None) -> ApiError:
         if all(link.refused for link in self.links):
@@ -606,43 +577,9 @@ class RemoteBackend(Relaying):
         problems = "; ".join(f"{link.url}: {link.problem}" for link in self.links if not link.ready)
         return f"no executor is ready ({problems})"
 
-    async def start(self) -> None:
-        for link in self.links:
-            link.start()
-
     async def stop(self) -> None:
-        await asyncio.gather(*(link.stop() for link in self.links))
+        await super().stop()
         remove_files_folder(self.files_folder)
-
-    async def submit(self, job: Job) -> None:
-        tool = self.tool(job.tool)
-        await self._submit_first(job, tool, self._candidates(job, tool))
-
-    def _candidates(self, job: Job, tool: Tool) -> list[Link]:
-        """The ready links that run the job's model and tool, the least loaded first."""
-        serving = [link for link in self._serving(job.model) if any(t.name == tool.name for t in link.tools)]
-        return sorted(serving, key=self._order)
-
-    def _order(self, link: Link) -> Any:
-        return link.load
-
-    async def _submit_first(self, job: Job, tool: Tool, links: list[Link]) -> None:
-        """Submit to the first of `links` that can be reached."""
-        for link in links:
-            try:
-                await link.submit(job, tool)
-                return
-            except Unreachable:
-                continue
-        raise ApiError(Code.NOT_READY, self.not_ready_reason, retry_after=5)
-
-    def cancel(self, job: Job) -> None:
-        for link in self.links:
-            remote = link.jobs.get(job.id)
-            if remote is not None:
-                link.cancel(remote)
-                return
-        job.cancel()
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -20,7 +20,7 @@ token; `precision: 6`, so that arrays travel as float64 and the JSON a client
 gets is quick to write, leaving the hop as the bulk of the difference).
 The gateway logs no download timing, so the download is measured from outside,
 two ways: (1) the job is submitted straight to the executor and its result
-fetched with the remote backend's own download code (`backends.remote.Link`:
+fetched with the remote backend's own download code (`backends.remote.ExecutorLink`:
 the GET read into a buffer of its length, the length and SHA-256 checks, the
 hash on its thread included), several times, in turn with the same code going
 through httpx (what it does behind a proxy), httpx reading the stream without
@@ -53,7 +53,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.remote import Link  # noqa: E402
+from backends.remote import ExecutorLink  # noqa: E402
 from bench import common  # noqa: E402
 from gateway.encoding import from_msgpack, to_json  # noqa: E402
 
@@ -150,7 +150,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     params = embed_params(texts)
     common.step(f"per result byte: embed of {texts} texts, {downloads} downloads, then {rounds} jobs each way")
     job_id = await executor_result(executor.url, params)
-    link = Link(executor.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
+    link = ExecutorLink(executor.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     path = f"/jobs/{job_id}/result"
     try:
         data = bytes(await link.downloads.fetch(job_id))
@@ -205,7 +205,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     labels = {
         "link": "download, the remote backend's code (recv_into its buffer, checks)",
         "via httpx": "download, the same code through httpx (as behind a proxy)",
-        "plain": "download, the Link's httpx client, no checks",
+        "plain": "download, the ExecutorLink's httpx client, no checks",
         "raw": "download, a raw asyncio socket, 64 KiB reads joined, no checks",
         "ceiling": "download, raw ceiling: blocking recv_into, 4 MiB SO_RCVBUF, no checks",
     }
@@ -226,7 +226,7 @@ async def run(bench: common.Bench, report: common.Report) -> None:
     report.note("downloads: the same result fetched from the executor's GET /jobs/{id}/result in turn by "
                 "backends.download.Downloads.fetch (link: what a remote gateway runs, the body read into a buffer of "
                 "its Content-Length, its SHA-256 computed on a thread as it arrives, both checked), by the same code "
-                "reading through the Link's httpx client (via httpx: the path when a proxy is set), by that httpx "
+                "reading through the ExecutorLink's httpx client (via httpx: the path when a proxy is set), by that httpx "
                 "client reading the stream and nothing more (plain), by this script's raw asyncio client (raw), and "
                 "by a blocking socket on a thread (ceiling: the most a Python reader gets from this executor here); "
                 "SHA-256 and msgpack to JSON are the best of 3 in this process")

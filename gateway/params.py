@@ -326,6 +326,15 @@ async def decode_relayed(tool: Tool, body: bytes, query: list[tuple[str, str]] |
     return params
 
 
+async def decoded(tool: Tool, params: Any, limits: Mapping[str, int]) -> Any:
+    """`params` as `tool`'s Struct, held to the server's caps: relayed ones decoded as the service that
+    runs the tool decodes them (where a gateway runs a job's work itself, or must cut it first)."""
+    if isinstance(params, Relayed):
+        params = await decode_relayed(tool, bytes(params.body), params.query, params.model, "the body")
+    apply_caps(tool, params, limits)
+    return params
+
+
 def on_model(params: Any, resolve: Callable[[str | None], str | None]) -> Any:
     """`params` with its `model` resolved to a served model's name (`resolve` answers 404 for
     an unknown one), so that what the job records, routes by and is keyed on never depends

@@ -21,7 +21,8 @@ import msgspec
 import pytest
 
 from backends import loading as models
-from backends.engines import EngineBackend, EngineLink, engine_devices, engine_settings
+from backends.engine_processes import engine_devices, engine_settings
+from backends.engines import EngineBackend, EngineLink
 from backends.remote import FORGET_WAIT_S
 from gateway.config import Settings
 from gateway.params import Relayed

@@ -3,7 +3,7 @@
 The stand-in answers `GET /jobs/{id}/result` on a real loopback socket, one
 answer per request from a script of modes (well-formed, corrupt, cut, stalled,
 without its checks, an error status, a connection dropped as the request
-arrives, bytes past the body). Each download runs both ways a `Link` has: its
+arrives, bytes past the body). Each download runs both ways an `ExecutorLink` has: its
 own reader (`recv_into` a buffer of the Content-Length) and httpx, the way it
 takes behind a proxy. Also here: the executor's `ResultResponse` slices.
 """
@@ -22,7 +22,7 @@ import pytest
 from backends import download
 from backends.executor import RESULT_CHUNK, ResultResponse
 from backends.download import Retry
-from backends.remote import Link
+from backends.remote import ExecutorLink
 from gateway.plumbing.logs import request_id
 
 BODY = os.urandom(5 * download.HASH_STEP + 12345)  # several hashing drains, and a ragged end
@@ -124,8 +124,8 @@ async def stand_in() -> AsyncIterator[StandIn]:
 
 
 @pytest.fixture(params=["direct", "httpx"])
-async def link(request: pytest.FixtureRequest, stand_in: StandIn) -> AsyncIterator[Link]:
-    made = Link(stand_in.url, token=TOKEN, deadline=30, poll_interval=1, on_tools=lambda: None)
+async def link(request: pytest.FixtureRequest, stand_in: StandIn) -> AsyncIterator[ExecutorLink]:
+    made = ExecutorLink(stand_in.url, token=TOKEN, deadline=30, poll_interval=1, on_tools=lambda: None)
     made.downloads.direct = request.param == "direct"
     try:
         yield made
@@ -133,7 +133,7 @@ async def link(request: pytest.FixtureRequest, stand_in: StandIn) -> AsyncIterat
         await made.stop()
 
 
-async def test_an_intact_result_arrives_whole_and_the_connection_is_kept(link: Link, stand_in: StandIn) -> None:
+async def test_an_intact_result_arrives_whole_and_the_connection_is_kept(link: ExecutorLink, stand_in: StandIn) -> None:
     for _ in range(3):
         assert bytes(await link.downloads.fetch("j1")) == BODY
     assert stand_in.connections == 1
@@ -143,12 +143,12 @@ async def test_an_intact_result_arrives_whole_and_the_connection_is_kept(link: L
 
 
 @pytest.mark.parametrize("size", [0, 1, download.HASH_INLINE, download.HASH_STEP, download.HASH_STEP + 1])
-async def test_results_of_every_size_arrive_whole(link: Link, stand_in: StandIn, size: int) -> None:
+async def test_results_of_every_size_arrive_whole(link: ExecutorLink, stand_in: StandIn, size: int) -> None:
     stand_in.body = os.urandom(size)
     assert bytes(await link.downloads.fetch("j1")) == stand_in.body
 
 
-async def test_the_request_id_goes_along(link: Link, stand_in: StandIn) -> None:
+async def test_the_request_id_goes_along(link: ExecutorLink, stand_in: StandIn) -> None:
     token = request_id.set("rid-123")
     try:
         await link.downloads.fetch("j1")
@@ -170,7 +170,7 @@ async def test_the_request_id_goes_along(link: Link, stand_in: StandIn) -> None:
     ],
 )
 async def test_a_broken_answer_is_an_error_and_the_next_one_arrives(
-    link: Link, stand_in: StandIn, mode: str, error: type[Exception], says: str | None
+    link: ExecutorLink, stand_in: StandIn, mode: str, error: type[Exception], says: str | None
 ) -> None:
     stand_in.modes = [mode]
     with pytest.raises(error, match=says):
@@ -179,7 +179,7 @@ async def test_a_broken_answer_is_an_error_and_the_next_one_arrives(
 
 
 async def test_a_cut_body_says_how_much_came(stand_in: StandIn) -> None:
-    link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
+    link = ExecutorLink(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     stand_in.modes = ["cut"]
     try:
         with pytest.raises(Retry, match=rf"truncated: \d+ of {len(BODY)} bytes"):
@@ -188,7 +188,7 @@ async def test_a_cut_body_says_how_much_came(stand_in: StandIn) -> None:
         await link.stop()
 
 
-async def test_a_stalled_answer_times_out(link: Link, stand_in: StandIn) -> None:
+async def test_a_stalled_answer_times_out(link: ExecutorLink, stand_in: StandIn) -> None:
     link.http.timeout = httpx.Timeout(5.0, read=0.3)
     stand_in.modes = ["stall"]
     started = asyncio.get_running_loop().time()
@@ -198,7 +198,7 @@ async def test_a_stalled_answer_times_out(link: Link, stand_in: StandIn) -> None
 
 
 async def test_a_kept_connection_dropped_as_the_request_arrives_is_replaced(stand_in: StandIn) -> None:
-    link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
+    link = ExecutorLink(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     try:
         await link.downloads.fetch("j1")
         stand_in.modes = ["drop"]  # the executor's keep-alive ran out just as the request went
@@ -211,13 +211,13 @@ async def test_a_kept_connection_dropped_as_the_request_arrives_is_replaced(stan
         await link.stop()
 
 
-async def test_interim_answers_are_passed_over(link: Link, stand_in: StandIn) -> None:
+async def test_interim_answers_are_passed_over(link: ExecutorLink, stand_in: StandIn) -> None:
     stand_in.modes = ["interim"]
     assert bytes(await link.downloads.fetch("j1")) == BODY
 
 
 async def test_an_answer_that_closes_its_connection_is_not_kept(stand_in: StandIn) -> None:
-    link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
+    link = ExecutorLink(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     try:
         stand_in.modes = ["close"]
         assert bytes(await link.downloads.fetch("j1")) == BODY
@@ -229,7 +229,7 @@ async def test_an_answer_that_closes_its_connection_is_not_kept(stand_in: StandI
 
 
 async def test_silence_on_a_kept_connection_is_one_try_not_a_request_per_connection(stand_in: StandIn) -> None:
-    link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
+    link = ExecutorLink(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     link.http.timeout = httpx.Timeout(5.0, read=0.3)
     try:
         await asyncio.gather(*(link.downloads.fetch("j1") for _ in range(download.IDLE_CONNECTIONS)))
@@ -244,7 +244,7 @@ async def test_silence_on_a_kept_connection_is_one_try_not_a_request_per_connect
 
 
 async def test_no_more_than_a_few_connections_are_kept(stand_in: StandIn) -> None:
-    link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
+    link = ExecutorLink(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     try:
         many = download.IDLE_CONNECTIONS + 2
         results = await asyncio.gather(*(link.downloads.fetch("j1") for _ in range(many)))
@@ -272,18 +272,18 @@ def test_downloads_take_a_proxy_where_httpx_would(
 ) -> None:
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
     monkeypatch.setenv("NO_PROXY", no_proxy)
-    link = Link(url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
+    link = ExecutorLink(url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     assert link.downloads.direct is direct
 
 
 def test_without_a_proxy_downloads_are_direct(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
-    assert Link("http://example.com:8000", token=None, deadline=30, poll_interval=1, on_tools=lambda: None).downloads.direct
+    assert ExecutorLink("http://example.com:8000", token=None, deadline=30, poll_interval=1, on_tools=lambda: None).downloads.direct
 
 
 async def test_bytes_past_the_body_retire_the_connection(stand_in: StandIn) -> None:
-    link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
+    link = ExecutorLink(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     try:
         stand_in.modes = ["extra"]
         assert bytes(await link.downloads.fetch("j1")) == BODY
@@ -294,7 +294,7 @@ async def test_bytes_past_the_body_retire_the_connection(stand_in: StandIn) -> N
 
 
 async def test_a_download_cancelled_midway_leaves_no_connection_out_of_step(stand_in: StandIn) -> None:
-    link = Link(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
+    link = ExecutorLink(stand_in.url, token=None, deadline=30, poll_interval=1, on_tools=lambda: None)
     try:
         stand_in.modes = ["stall"]
         download = asyncio.ensure_future(link.downloads.fetch("j1"))

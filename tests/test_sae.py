@@ -27,16 +27,9 @@ from gateway.models import sae as sae_files
 from gateway.errors import ParamError
 from gateway.tools import builtin_tools, collect, windows
 from gateway.tools.generate import GenerateParams, generate
-from gateway.tools.sae_tools import (
-    AnnotateParams,
-    Clamp,
-    FeaturesParams,
-    SteerParams,
-    Steering,
-    sae_annotate,
-    sae_features,
-    sae_steer,
-)
+from gateway.tools.sae_annotate import AnnotateParams, sae_annotate
+from gateway.tools.sae_steer import Clamp, SteerParams, Steering, sae_steer
+from gateway.tools.sae_tools import FeaturesParams, sae_features
 from tests.conftest import floats_not_float32_shortest, run_stream, wait_until
 from tests.test_batching import Recorder
 
@@ -213,10 +206,10 @@ def test_annotate_a_sequence_longer_than_the_context_in_windows(model: Any, stit
     stream stitched from the windows (each run here with the BOS before it) and encoded here gives
     the same tracks, errors and summaries; the plan and each position's context are in the answer.
     The stream is encoded 37 positions at a time, as a long one is."""
-    from gateway.tools import sae_tools, windows
+    from gateway.tools import sae_stream, windows
     from gateway.tools.windows import Sizes, Stitch
 
-    monkeypatch.setattr(sae_tools, "ENCODE_FLOATS", N * 37)
+    monkeypatch.setattr(sae_stream, "ENCODE_FLOATS", N * 37)
 
     sequence = "".join("ACGT"[(i * 7 + i // 3) % 4] for i in range(1000))
     ids = model.encode(sequence, bounded=False)
@@ -303,7 +296,7 @@ def test_steering_only_generated_leaves_the_prompt_untouched(model: Any) -> None
     prompt_ids = model.encode("The cat")
     clamps = [Clamp(0, 200.0), Clamp(2, -50.0)]
     # The prompt's logits under `steer: generated` are the unsteered model's, exactly.
-    from gateway.tools.sae_tools import SteeredRows, steering
+    from gateway.tools.sae_steer import SteeredRows, steering
 
     with torch.inference_mode():
         input_ids = torch.tensor([prompt_ids])
@@ -582,10 +575,10 @@ def test_tracks_over_the_result_bound_are_written_as_files_not_refused(serve: An
 def test_a_long_annotation_lets_a_waiting_job_run_between_its_passes(serve: Any, sae_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sequence's windows are many passes, a step each: a `predict` that queues while they run waits
     for the pass under way, not for the whole annotation."""
-    from gateway.tools import sae_tools
+    import gateway.tools.sae_annotate as annotating
     from tests.test_fairness import Follower, Turnstile
 
-    monkeypatch.setattr(sae_tools, "PASS_TOKENS", 256)  # two windows of 100 a pass: 10 passes
+    monkeypatch.setattr(annotating, "PASS_TOKENS", 256)  # two windows of 100 a pass: 10 passes
     server = serve(sae=[str(sae_path)])
     turnstile = Turnstile()
     handle = server.backend.model.module.register_forward_pre_hook(turnstile)
@@ -616,9 +609,9 @@ def test_a_long_annotation_lets_a_waiting_job_run_between_its_passes(serve: Any,
 def test_a_job_cancelled_in_a_shared_batch_has_no_rows_in_the_next_passes(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two jobs' windows in one batch, two windows a pass: once one job is cancelled, the passes after
     carry only the other's windows, and the other's answer is what it is alone."""
-    from gateway.tools import sae_tools
+    import gateway.tools.sae_annotate as annotating
 
-    monkeypatch.setattr(sae_tools, "PASS_TOKENS", 256)
+    monkeypatch.setattr(annotating, "PASS_TOKENS", 256)
     sequence = "".join("ACGT"[(i * 7 + i // 3) % 4] for i in range(1000))
     params = AnnotateParams(sequences=[sequence], window=100, overlap=0, mode="pick", feature_ids=[0, 1])
     rows: list[int] = []
@@ -627,13 +620,13 @@ def test_a_job_cancelled_in_a_shared_batch_has_no_rows_in_the_next_passes(model:
     )
     try:
         with torch.inference_mode():
-            alone = sae_tools._annotate_many(model, [params], [Recorder()])[0]
+            alone = annotating._annotate_many(model, [params], [Recorder()])[0]
             rows.clear()
             mine, theirs = Recorder("mine"), Recorder("theirs")
-            steps = sae_tools._annotate_steps(model, [params, params], [mine, theirs])
+            steps = annotating._annotate_steps(model, [params, params], [mine, theirs])
             next(steps)  # the first pass: two windows, both the first job's
             theirs.cancel_now = True
-            results = sae_tools.run_through(steps)
+            results = annotating.run_through(steps)
     finally:
         handle.remove()
     assert results[1] is None and sum(rows) == 10  # the first job's ten windows; none of the second's
@@ -656,10 +649,10 @@ def test_an_annotation_over_windows_goes_on_from_its_last_kept_pass_with_the_sam
 
     from gateway.checkpoints import Checkpoint
     from gateway.encoding import to_json
-    from gateway.tools import sae_tools
+    import gateway.tools.sae_annotate as annotating
     from tests.test_checkpoints import FileCtx, journal
 
-    monkeypatch.setattr(sae_tools, "PASS_TOKENS", 256)  # two windows of 100 a pass
+    monkeypatch.setattr(annotating, "PASS_TOKENS", 256)  # two windows of 100 a pass
     sequences = ["".join("ACGT"[(i * 7 + i // 3 + k) % 4] for i in range(n)) for k, n in enumerate([1000, 700])]
     params = AnnotateParams(
         sequences=sequences, window=100, overlap=30, stitch=stitch, mode=mode, k=3,
@@ -671,7 +664,7 @@ def test_an_annotation_over_windows_goes_on_from_its_last_kept_pass_with_the_sam
     def run(folder: Path, resumed: bool = False) -> tuple[bytes, dict[str, bytes], FileCtx]:
         ctx = FileCtx(Checkpoint(str(folder), resumed=resumed))
         with torch.inference_mode():
-            out = sae_tools._annotate_many(model, [params], [ctx])[0]
+            out = annotating._annotate_many(model, [params], [ctx])[0]
         files = {name: Path(path).read_bytes() for name, path in ctx.files.take().items()}
         return to_json(out), files, ctx
 
@@ -687,7 +680,7 @@ def test_an_annotation_over_windows_goes_on_from_its_last_kept_pass_with_the_sam
         records = journal(ctx.checkpoint)
         assert len(passes) == 2 * len(records)  # a record a pass
         taken = os.path.getsize(ctx.checkpoint.path)  # priced before it is queued: no less, within a factor of ten
-        assert taken <= sae_tools._cost_annotate(model, params).journal <= 10 * taken
+        assert taken <= annotating._cost_annotate(model, params).journal <= 10 * taken
         assert len(records) == (total + 1) // 2 and total == (14 + 10) * (2 if mode == "top" else 1)
 
         half = len(records) // 2 + 2  # mode top: 4 windows into the second run; pick: 2 into the second sequence
@@ -764,10 +757,10 @@ def test_annotation_partials_are_each_stretchs_final_values_in_order_and_sent_on
 
     from gateway.checkpoints import Checkpoint
     from gateway.encoding import to_json
-    from gateway.tools import sae_tools
+    import gateway.tools.sae_annotate as annotating
     from tests.test_checkpoints import Ctx, journal
 
-    monkeypatch.setattr(sae_tools, "PASS_TOKENS", 256)
+    monkeypatch.setattr(annotating, "PASS_TOKENS", 256)
     sequences = ["".join("ACGT"[(i * 5 + i // 4 + k) % 4] for i in range(n)) for k, n in enumerate([900, 400])]
     params = AnnotateParams(
         sequences=sequences, window=100, overlap=30, mode=mode, k=3, feature_ids=[2, 0] if mode == "pick" else None, partials=True,
@@ -775,7 +768,7 @@ def test_annotation_partials_are_each_stretchs_final_values_in_order_and_sent_on
     os.mkdir(tmp_path / "cp")
     ctx = Ctx(Checkpoint(str(tmp_path / "cp")))
     with torch.inference_mode():
-        result = sae_tools._annotate_many(model, [params], [ctx])[0]
+        result = annotating._annotate_many(model, [params], [ctx])[0]
     for s, annotation in enumerate(result.sequences):
         parts = [p for p in ctx.partials if p.sequence == s]
         assert parts and [p.start for p in parts] == [0, *(p.end for p in parts[:-1])] and parts[-1].end == len(sequences[s])
@@ -787,10 +780,10 @@ def test_annotation_partials_are_each_stretchs_final_values_in_order_and_sent_on
     Path(ctx.checkpoint.path).write_bytes(b"".join(journal(ctx.checkpoint)[:5]))
     again = Ctx(Checkpoint(str(tmp_path / "cp"), resumed=True))
     with torch.inference_mode():
-        assert to_json(sae_tools._annotate_many(model, [params], [again])[0]) == to_json(result)
+        assert to_json(annotating._annotate_many(model, [params], [again])[0]) == to_json(result)
     assert msgspec.json.encode(again.partials) == msgspec.json.encode(ctx.partials)
 
     for bad, why in [({"window": None, "overlap": None}, "only with sequences and window"), ({"file": "bigwig"}, "not with file")]:
         with pytest.raises(ParamError) as refused:
-            sae_tools._check_annotate(model, msgspec.structs.replace(params, **bad))
+            annotating._check_annotate(model, msgspec.structs.replace(params, **bad))
         assert refused.value.field == "partials" and why in refused.value.message

@@ -242,7 +242,7 @@ def executor(**options: Any) -> None:
 @main.command(hidden=True)
 def engine() -> None:
     """An engine process of a gateway with --engine process (backends/engines.py): its settings on stdin."""
-    from backends.engines import child_settings, engine_name
+    from backends.engine_processes import child_settings, engine_name
     from backends.executor import create_executor_app
     from gateway.plumbing.logs import configure_logging
 

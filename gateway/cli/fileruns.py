@@ -239,7 +239,7 @@ class _BatchError(Exception):
     """A batch run that cannot start: exit 2 with the message."""
 
 
-# What a tool's `names` takes (a chromosome's name in a bigWig: gateway/tools/sae_tools.py).
+# What a tool's `names` takes (a chromosome's name in a bigWig: gateway/tools/sae_annotate.py).
 TRACK_NAME = re.compile(r"[A-Za-z0-9_.:|-]{1,128}")
 
 

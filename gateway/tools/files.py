@@ -204,7 +204,7 @@ class TrackFiles:
 
     def _opened(self, name: str) -> IO[bytes]:
         """The job's file `name`, empty: a run that goes on from a checkpoint writes its tracks again
-        from the start (gateway/tools/sae_tools.py `_Kept`), over what the run before it left."""
+        from the start (gateway/tools/sae_annotate.py `_Kept`), over what the run before it left."""
         file = self.open_file(name)
         file.truncate(0)
         return file

@@ -433,11 +433,15 @@ class Generation:
         self.decoder.keep(keep)
 
 
+# The server's caps on a generation's params (`sae_steer`'s too).
+CAPS = {"prompts": "max_prompts", "token_ids": "max_prompts", "max_tokens": "max_tokens"}
+
+
 @tool(
     partial=GeneratePartial,
     check=check,
     cost=cost,
-    caps={"prompts": "max_prompts", "token_ids": "max_prompts", "max_tokens": "max_tokens"},
+    caps=CAPS,
     sequences=("prompts",),
     batch=Generation,
     needs={Capability.NEXT_TOKEN},

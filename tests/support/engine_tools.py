@@ -16,12 +16,12 @@ import torch
 from gateway.tools import Cancelled, Context, Model, tool
 from gateway.tools import embed as embed_tool
 from gateway.tools import logprobs as logprobs_tool
-from gateway.tools import sae_tools
+import gateway.tools.sae_annotate as annotating
 from gateway.tools.base import Capability
 from gateway.tools.batching import Chunk, Chunked, WindowItem, in_steps, one_pass, sorted_chunks
 from gateway.tools.embed import EmbedParams
 from gateway.tools.logprobs import LogprobsParams
-from gateway.tools.sae_tools import AnnotateParams
+from gateway.tools.sae_annotate import AnnotateParams
 
 
 class NapParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -175,7 +175,7 @@ def logprobs_dying(model: Model, params: DyingLogprobsParams, ctx: Context) -> l
 def _annotate_or_die(model: Model, jobs: list[Any], ctxs: list[Context]) -> Any:
     """`sae_annotate`'s passes; its engine killed once its first job has run `die_at` of them (each kept
     in its checkpoint as it ended)."""
-    steps = sae_tools._annotate_steps(model, jobs, ctxs)
+    steps = annotating._annotate_steps(model, jobs, ctxs)
     passes = 0
     while True:
         try:
@@ -191,9 +191,9 @@ def _annotate_or_die(model: Model, jobs: list[Any], ctxs: list[Context]) -> Any:
 
 
 @tool(
-    check=sae_tools._check_annotate, cost=sae_tools._cost_annotate, sequences=("sequences",), batch=in_steps(_annotate_or_die),
-    resumable=sae_tools._resumable, needs={Capability.LAYERS, Capability.SAE},
+    check=annotating._check_annotate, cost=annotating._cost_annotate, sequences=("sequences",), batch=in_steps(_annotate_or_die),
+    resumable=annotating._resumable, needs={Capability.LAYERS, Capability.SAE},
 )
-def sae_annotate_dying(model: Model, params: DyingAnnotateParams, ctx: Context) -> sae_tools.AnnotateResult:
+def sae_annotate_dying(model: Model, params: DyingAnnotateParams, ctx: Context) -> annotating.AnnotateResult:
     """`sae_annotate`, whose engine is killed once after `die_at` passes: its job goes on from its checkpoint in the next one."""
-    return sae_tools.run_through(_annotate_or_die(model, [params], [ctx]))[0]
+    return annotating.run_through(_annotate_or_die(model, [params], [ctx]))[0]
