@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 import pytest
 
-from gateway import client as client_module
+from gateway.client import asynchronous, synchronous
 from gateway.client import AsyncClient, Client, HttpError, JobError, Outcome
 from gateway.cli.records import Record, RecordError, detect_format, read_fasta, read_jsonl, read_records
 from gateway.tools import load_module
@@ -472,7 +472,7 @@ def test_run_many_reads_its_input_as_jobs_start(serve):
         outcomes = client.run_many("echo", params(), concurrency=2)
         first = next(outcomes)
         assert first.index == 0 and first.result["text"] == "0"
-        assert len(read) <= 2 + client_module.LOOKAHEAD * 2 + 1
+        assert len(read) <= 2 + asynchronous.LOOKAHEAD * 2 + 1
         outcomes.close()
 
 
@@ -516,7 +516,7 @@ def test_an_interrupt_while_work_is_handed_to_the_clients_loop_still_closes_it_f
     """Ctrl-C can land inside the hand-over itself (waking the loop's thread), after the work was
     queued there or before: queued, it is started, cancelled and waited for before the interrupt
     goes on; not queued, it never runs."""
-    loop = client_module._Loop()
+    loop = synchronous._Loop()
     handover = asyncio.run_coroutine_threadsafe
     ran: list[str] = []
 
@@ -537,10 +537,10 @@ def test_an_interrupt_while_work_is_handed_to_the_clients_loop_still_closes_it_f
         finally:
             ran.append("closed")
 
-    monkeypatch.setattr(client_module.asyncio, "run_coroutine_threadsafe", interrupted)
+    monkeypatch.setattr(synchronous.asyncio, "run_coroutine_threadsafe", interrupted)
     with pytest.raises(KeyboardInterrupt):
         loop.call(work())
-    monkeypatch.setattr(client_module.asyncio, "run_coroutine_threadsafe", handover)
+    monkeypatch.setattr(synchronous.asyncio, "run_coroutine_threadsafe", handover)
 
     async def others() -> int:
         return len(asyncio.all_tasks() - {asyncio.current_task()})
