@@ -34,8 +34,10 @@ Batched. B concurrent one-prompt jobs through the gateway (`--batch-sizes`,
 default 4 and 16; the gateway batches them), from the first request to the
 last `data` event, against one `model.generate()` call on the same B prompts,
 left-padded, greedy, N new tokens, in this process. jobs/s, tokens/s (tokens
-generated, EOS included, over the wall time), the median of the rounds, and
-how many of the B completions are token for token the same on both sides.
+generated, EOS included, over the wall time), the median of the rounds, how
+many of the B completions are token for token the same on both sides, and the
+CPU time the gateway and its engine processes spent per token event a client
+got (their user + system time over the rounds, the model's steps included).
 
 `--device cuda` runs both sides on the GPU, in bfloat16 unless `--dtype` says
 otherwise (bench/common.py's flags; without `--device`, the device the gateway
@@ -229,12 +231,12 @@ async def gateway_job(port: int, ids: list[int], n: int) -> GatewayJob:
     return GatewayJob(tokens, arrivals, run.latency, first, run.terminal.at)
 
 
-async def gateway_batch(port: int, rows: list[list[int]], n: int) -> tuple[list[list[int]], float, list[float]]:
+async def gateway_batch(port: int, rows: list[list[int]], n: int) -> tuple[list[list[int]], float, list[float], int]:
     """B concurrent one-prompt jobs: each one's tokens, the seconds from the first request to the last result,
-    and each one's seconds from its request to its first token."""
+    each one's seconds from its request to its first token, and the token events (partials) they sent."""
     start = time.time()
     jobs = await asyncio.gather(*(gateway_job(port, ids, n) for ids in rows))
-    return [job.tokens for job in jobs], max(job.done for job in jobs) - start, [job.first for job in jobs]
+    return [job.tokens for job in jobs], max(job.done for job in jobs) - start, [job.first for job in jobs], sum(len(job.arrivals) for job in jobs)
 
 
 def median(values: list[float | None]) -> float | None:
@@ -340,17 +342,23 @@ async def run(bench: common.Bench, report: common.Report) -> list[str] | None:
                 "decoding steps / their count; first token: request to first partial (gateway), prefill and "
                 "argmax (plain)")
 
+    # The CPU the gateway and its engine processes (with --engine process) spend per token event a client gets.
+    pids = [gateway.proc.pid, *(e["pid"] for e in ready.get("engines", []) if e.get("pid"))]
     batch_rows = []
     for size in sizes:
         batch = [plain.encode(PROMPTS[i % len(PROMPTS)]) for i in range(size)]
         await gateway_batch(port, batch, n)  # warm-up: a first batch of this size on each side
         plain.generate(batch, n)
         walls, plain_walls, firsts, gateway_tokens, plain_tokens, matched = [], [], [], 0, 0, size
+        cpu, token_events = 0.0, 0
         for r in range(max(2, rounds // 2)):
             common.step(f"batched: {size} jobs, round {r + 1}")
             if r % 2:
                 theirs, plain_wall = plain.generate(batch, n)
-            ours, wall, first_s = await gateway_batch(port, batch, n)
+            used = sum(map(common.cpu_seconds, pids))
+            ours, wall, first_s, events = await gateway_batch(port, batch, n)
+            cpu += sum(map(common.cpu_seconds, pids)) - used
+            token_events += events
             firsts += first_s
             if not r % 2:
                 theirs, plain_wall = plain.generate(batch, n)
@@ -363,14 +371,17 @@ async def run(bench: common.Bench, report: common.Report) -> list[str] | None:
         jobs_s, plain_jobs_s = size / wall, size / plain_wall
         tokens_s, plain_tokens_s = gateway_tokens / wall, plain_tokens / plain_wall
         batch_rows.append([size, jobs_s, plain_jobs_s, _x(common.ratio(jobs_s, plain_jobs_s)), tokens_s,
-                           plain_tokens_s, _x(common.ratio(tokens_s, plain_tokens_s)), ms(median(firsts)), f"{matched}/{size}"])
+                           plain_tokens_s, _x(common.ratio(tokens_s, plain_tokens_s)), ms(median(firsts)), f"{matched}/{size}",
+                           f"{cpu / max(1, token_events) * 1e6:.0f}"])
     report.table(["jobs", "gateway jobs/s", "generate() jobs/s", "jobs/s ratio", "gateway tokens/s",
-                  "generate() tokens/s", "tokens/s ratio", "first token p50 ms", "same tokens"], batch_rows,
+                  "generate() tokens/s", "tokens/s ratio", "first token p50 ms", "same tokens", "CPU us per token event"], batch_rows,
                  title=f"batched: concurrent one-prompt jobs of {n} tokens vs one model.generate() call")
     report.note("gateway: first request to last data event; generate(): the call, prompts left-padded; first token: "
                 "each job's request to its first partial event, the median over every job of every round; median of "
                 f"{max(2, rounds // 2)} rounds; same tokens: completions identical token for token in every round "
-                "(left padding may change the last bits of a row's numbers, and so a near-tie)")
+                "(left padding may change the last bits of a row's numbers, and so a near-tie); CPU per token event: the "
+                "user + system time of the gateway and its engine processes over every round, over the partial events "
+                "the clients got (the model's steps included)")
 
     ratio = common.ratio(median(span), plain_p50)
     report.target(f"a lone job's per-token time <= {TARGET_PER_TOKEN:g}x the plain decoding loop's (partial span, "

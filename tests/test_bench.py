@@ -225,7 +225,7 @@ def test_generation():
     # The partial span is 0 where a busy machine's client read every partial event in one burst.
     assert gateway[0] >= 0 and gateway[2] > 0 and plain[0] > 0 and plain[2] > 0, lone.rows
     assert batched.numbers("jobs") == [4]  # --quick: one batch size
-    for column in ("gateway jobs/s", "generate() jobs/s", "gateway tokens/s", "generate() tokens/s"):
+    for column in ("gateway jobs/s", "generate() jobs/s", "gateway tokens/s", "generate() tokens/s", "CPU us per token event"):
         assert all(value is not None and value > 0 for value in batched.numbers(column)), (column, batched.rows)
     assert re.fullmatch(r"\d/4", batched.rows[0]["same tokens"]), batched.rows
     (speed, speed_verdict), (same, same_verdict) = printed.targets
