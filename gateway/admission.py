@@ -238,7 +238,7 @@ class Admission:
         digest, scoped = "", None
         if key is not None:
             assert self.store is not None, "an idempotency key needs a store to bind it in"
-            digest, scoped = params_mod.digest(tool.name, params), f"{applicant.owner or ''}:{key}"
+            digest, scoped = await params_mod.digest_of(tool.name, params), f"{applicant.owner or ''}:{key}"
             if (bound := await self.store.reserve(scoped, job.id, digest)) is not None:
                 # A key bound before requests were recorded with it (an older replica) has no digest: it attaches.
                 if bound.request and bound.request != digest:

@@ -361,6 +361,13 @@ def digest(tool_name: str, params: Any) -> str:
     return hashlib.sha256(tool_name.encode() + b"\0" + data).hexdigest()[:32]
 
 
+async def digest_of(tool_name: str, params: Any) -> str:
+    """`digest`, on the parsing thread where it must read a big relayed body (never on the event loop)."""
+    if isinstance(params, Relayed) and not params.request and len(params.body) > INLINE_BYTES:
+        return await off_loop(lambda body: digest(tool_name, params), bytes(params.body))
+    return digest(tool_name, params)
+
+
 def apply_caps(tool: Tool, params: Any, limits: Mapping[str, int]) -> None:
     """Enforce the server limits bound by `tool.caps`.
 
