@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Protocol
 
 import msgspec
 
-from backends import inference
+from backends import vllm_server
 from backends import loading as models
 from gateway.config import Settings
 
@@ -185,7 +185,7 @@ class VllmEngine(Engine):
         if self.spec.gguf is not None and self.restarts == 0:
             # vLLM reads a folder: the GGUF converted once, as for a model here (it is cached).
             folder = await asyncio.to_thread(models.converted_folder, self.spec, self.cache_dir)
-            self.command[self.command.index(inference.MODEL_PLACEHOLDER)] = str(folder)
+            self.command[self.command.index(vllm_server.MODEL_PLACEHOLDER)] = str(folder)
         process = await asyncio.create_subprocess_exec(
             *self.command,
             stdin=asyncio.subprocess.DEVNULL,
@@ -195,7 +195,7 @@ class VllmEngine(Engine):
         )
         assert process.stdout is not None
         self.error = None
-        task = asyncio.create_task(inference.relay_lines(process.stdout, f"{self.name} (vllm)", self._errored))
+        task = asyncio.create_task(vllm_server.relay_lines(process.stdout, f"{self.name} (vllm)", self._errored))
         self._relays.add(task)
         task.add_done_callback(self._relays.discard)
         return process

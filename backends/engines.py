@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from backends import inference
+from backends import inference, vllm_server
 from gateway.plumbing import memory, tracing
 from backends import loading as models
 from backends.base import NULL, answers_inline, files_folder, remove_files_folder, sent
@@ -339,9 +339,9 @@ class EngineBackend(Routing):
         )
         if spec.server != "vllm":
             return link, None
-        source = inference.MODEL_PLACEHOLDER if spec.gguf is not None else spec.source
-        command = inference.vllm_command(
-            inference.vllm_python(settings.vllm_python), source, spec.name, port, settings.dtype, shlex.split(settings.vllm_args),
+        source = vllm_server.MODEL_PLACEHOLDER if spec.gguf is not None else spec.source
+        command = vllm_server.vllm_command(
+            vllm_server.vllm_python(settings.vllm_python), source, spec.name, port, settings.dtype, shlex.split(settings.vllm_args),
             kv_cache_bytes=settings.vllm_kv_cache_bytes,
         )
         return link, VllmEngine(spec.name, "vllm server", link, command=command, spec=spec, cache_dir=settings.cache_dir)

@@ -61,22 +61,24 @@ import logging
 import os
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import msgspec
 import torch
 
 from gateway.plumbing import memory, tracing
 from gateway.plumbing.handoff import DeviceThread, Handoff
 from gateway.plumbing.memory import free_device_memory
+from backends.device_work import (
+    StepOutcome, BatchSteps, assemble_chunks, device_failure, execute, plan_chunks, run_chunk, step,
+)
 from backends.queue import JobQueue
-from backends.stopping import big, stoppable
+from backends.stopping import big
 from gateway.encoding import to_json
 from gateway.jobs import Job, JobContext
 from gateway.protocol import Code
 from gateway.tools.base import Cancelled, Context, Model, Tool
-from gateway.tools.batching import Batch, Chunk, Chunked, ChunkRun
+from gateway.tools.batching import Batch
 
 log = logging.getLogger("streamgate.worker")
 
@@ -100,136 +102,8 @@ def set_torch_threads(threads: int | None) -> int:
     return threads
 
 
-def execute(
-    tool: Tool, model: Model, params: Any, ctx: JobContext, encode: Callable[[Any], bytes], stop: bool = False
-) -> msgspec.Raw:
-    """Run one tool call on the current thread and encode its result; with `stop`, its passes stop
-    between blocks once it is cancelled (backends/stopping.py)."""
-    ctx.raise_if_cancelled()
-    ctx.begin()
-    began = time.time_ns()
-    # Inference mode is per thread, so it is set here, on the worker's thread.
-    with torch.inference_mode(), (stoppable(model, [ctx]) if stop else contextlib.nullcontext()):
-        result = tool.run(model, params, ctx)
-    if ctx.span.is_recording():  # alone, its run is one step
-        tracing.step(ctx, began, 1, 0)
-    return encoded(ctx, result, encode)
-
-
-def encoded(ctx: Context, result: Any, encode: Callable[[Any], bytes]) -> msgspec.Raw:
-    """`result` encoded (under its job's `encoding` span, when traced)."""
-    with tracing.encoding(ctx) as span:
-        data = encode(result)
-        span.set_attribute("streamgate.result.bytes", len(data))
-    return msgspec.Raw(data)
-
-
-Outcome = msgspec.Raw | BaseException
-
-
-def step(
-    batch: Batch,
-    joining: list[tuple[Any, JobContext]],
-    encode: Callable[[Any], bytes],
-    model: Model | None = None,
-    members: Sequence[Context] = (),
-    traced: tracing.Steps | None = None,
-) -> list[tuple[Context, Outcome]]:
-    """Add `joining` to `batch`, run one step, and encode the results of the members that ended.
-    With `model` and every member's context, the step's passes stop between blocks once all of
-    them are cancelled (backends/stopping.py); with `traced`, its traced members' step spans."""
-    ended: list[tuple[Context, Outcome]] = []
-    with torch.inference_mode(), (stoppable(model, members) if model is not None else contextlib.nullcontext()):
-        for params, ctx in joining:
-            ctx.begin()
-            try:
-                batch.add(params, ctx)
-            except Exception as exc:  # this job's input alone is at fault
-                ended.append((ctx, exc))
-            else:
-                if traced is not None:
-                    traced.join(ctx)
-        if len(batch):
-            size = len(batch)
-            began = time.time_ns() if traced else 0
-            ended.extend(batch.step())
-            if traced:
-                traced.stepped(began, size)
-            if not batch.continuous:  # a chunked job's next chunk (a continuous batch's steps hold what they grow)
-                memory.trim_heap()
-    if traced:
-        traced.leave(ctx for ctx, _ in ended)
-    return [(ctx, outcome if isinstance(outcome, BaseException) else encoded(ctx, outcome, encode)) for ctx, outcome in ended]
-
-
-def _plan(work: Chunked, model: Model, params: list[Any], ctxs: list[JobContext]) -> ChunkRun:
-    """The jobs' chunks as they run (`ChunkRun`): planned, less what their checkpoints kept."""
-    for ctx in ctxs:
-        ctx.begin()
-    with torch.inference_mode():
-        return ChunkRun(work, model, params, ctxs)
-
-
-def _run_chunk(work: Chunked, model: Model, params: list[Any], chunk: Chunk, run: ChunkRun) -> None:
-    """One chunk on this device; its outputs kept in `run` (and its jobs' checkpoints) and its progress
-    told, one device at a time."""
-    with torch.inference_mode():
-        outputs = work.run(model, params, chunk)
-    with run.lock:
-        run.done(chunk, outputs)
-
-
-def _assemble(
-    work: Chunked, model: Model, params: list[Any], outputs: dict[tuple[int, int], Any], ctxs: list[Context], encode: Callable[[Any], bytes]
-) -> list[tuple[Context, Outcome]]:
-    with torch.inference_mode():
-        results = work.assemble(model, params, outputs, ctxs)
-    return [(ctx, Cancelled() if ctx.cancelled else encoded(ctx, result, encode)) for ctx, result in zip(ctxs, results)]
-
-
 def _memory(job: Job) -> int:
     return job.cost.memory if job.cost is not None else 0
-
-
-def device_failure(exc: BaseException) -> str | None:
-    """`"oom"` for a device out of memory (the job fails, memory is freed, work goes on),
-    `"fatal"` for a device that can no longer be trusted (an illegal access, a device-side
-    assert: the process must restart), None for anything else."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return "oom"
-    if isinstance(exc, torch.AcceleratorError):
-        return "fatal"
-    if isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("CUDA error", "device-side assert")):
-        return "fatal"
-    return None
-
-
-class _Steps:
-    """What a batch stepping on the device's thread shares with the event loop.
-
-    The loop hands joining members through `inbox` and asks for a pause (to let a
-    job through) or a stop; the thread reads them between two steps. `big`: the
-    members' passes are long enough to stop inside (backends/stopping.py).
-    """
-
-    def __init__(self) -> None:
-        self.inbox: collections.deque[tuple[Any, Context]] = collections.deque()
-        # The members in the batch, on the device's thread: kept across a pause, whose batch goes on after it.
-        self.live: list[Context] = []
-        self.pause = False
-        self.stopped = False
-        self.big = False
-        self.changed = asyncio.Event()  # set on the loop when members end
-        self.traced = tracing.Steps()  # its members whose traces are recorded, on the device's thread
-
-    def offer(self, added: list[tuple[Any, Context]]) -> None:
-        self.inbox.extend(added)
-
-    def drain(self) -> list[tuple[Any, Context]]:
-        added = []
-        while self.inbox:
-            added.append(self.inbox.popleft())
-        return added
 
 
 class _Members:
@@ -242,7 +116,7 @@ class _Members:
         self.key = tool.batch_key(first.params) if tool.batch_key is not None else None
         self.held = _memory(first)
         self.members: dict[Context, tuple[Job, float]] = {}
-        self.run = _Steps()
+        self.run = BatchSteps()
         self.loop = asyncio.get_running_loop()
 
     def compatible(self, job: Job) -> bool:
@@ -271,7 +145,7 @@ class _Members:
         self.run.big = big([job for job, _ in self.members.values()])
         return added
 
-    def finish(self, ended: list[tuple[Context, Outcome]], size: int | None) -> None:
+    def finish(self, ended: list[tuple[Context, StepOutcome]], size: int | None) -> None:
         """End the members `ended` with their outcomes; `size`: the step's batch size (None: no step ran)."""
         if size is not None:
             self.worker.batch_sizes[size] += 1
@@ -332,7 +206,7 @@ class Worker:
         # Every worker of the backend, this one included: the devices a spread job's chunks run on.
         self.peers: list[Worker] = [self]
         # The batches stepping on the device's thread now (one, and one let through while it waits).
-        self._runs: set[_Steps] = set()
+        self._runs: set[BatchSteps] = set()
 
     @property
     def busy(self) -> bool:
@@ -445,7 +319,7 @@ class Worker:
 
         def run() -> None:
             try:
-                outcome: Outcome = execute(tool, self.model, job.params, ctx, self.encode, stop=long)
+                outcome: StepOutcome = execute(tool, self.model, job.params, ctx, self.encode, stop=long)
             except Exception as exc:
                 outcome = exc
             # The job ends in the hand-off that carries its frames: a short job's RUNNING, partials and
@@ -537,7 +411,7 @@ class Worker:
                 run.pause = False
                 await self._let_through(group.compatible)
 
-    async def _stepping(self, steps: asyncio.Future[Any], run: _Steps) -> None:
+    async def _stepping(self, steps: asyncio.Future[Any], run: BatchSteps) -> None:
         """Return when the device's steps end, a member ends or a job is queued."""
         run.changed.clear()
         waiters = [asyncio.ensure_future(self.queue.next_arrival()), asyncio.ensure_future(run.changed.wait())]
@@ -547,7 +421,7 @@ class Worker:
             for waiter in waiters:
                 waiter.cancel()
 
-    def _steps(self, batch: Batch, run: _Steps, finish: Callable[[list[tuple[Context, Outcome]], int | None], None]) -> int:
+    def _steps(self, batch: Batch, run: BatchSteps, finish: Callable[[list[tuple[Context, StepOutcome]], int | None], None]) -> int:
         """A batch's steps, back to back on the device's thread, until it is empty, paused or
         stopped; the members left in it.
 
@@ -567,7 +441,7 @@ class Worker:
             if run.pause or run.stopped or (not len(batch) and not run.inbox):
                 return len(batch)
 
-    async def _spread(self, tool: Tool, batch: Batch, added: list[tuple[Any, Context]]) -> list[tuple[Context, Outcome]]:
+    async def _spread(self, tool: Tool, batch: Batch, added: list[tuple[Any, Context]]) -> list[tuple[Context, StepOutcome]]:
         """Run a batch's chunks on every device at once; its members' outcomes, encoded.
 
         Busy peers take no chunks (this worker always does), so a chunk never waits
@@ -580,7 +454,7 @@ class Worker:
         params = [p for p, _ in added]
         ctxs = [c for _, c in added]
         try:
-            run = await self.call(_plan, work, self.model, params, ctxs)
+            run = await self.call(plan_chunks, work, self.model, params, ctxs)
             left = collections.deque(run.chunks)
             traced = {i: 0 for i, ctx in enumerate(ctxs) if ctx.span.is_recording()}  # a traced job's chunks so far
 
@@ -589,7 +463,7 @@ class Worker:
                     chunk = left.popleft()
                     began = time.time_ns()
                     try:
-                        await worker.call(_run_chunk, work, worker.model, params, chunk, run)
+                        await worker.call(run_chunk, work, worker.model, params, chunk, run)
                     except BaseException as exc:
                         left.clear()  # the others stop after their chunk in flight
                         if (failure := device_failure(exc)) == "oom":
@@ -608,7 +482,7 @@ class Worker:
                 raise failed[0]
             if all(ctx.cancelled for ctx in ctxs):
                 return [(ctx, Cancelled()) for ctx in ctxs]
-            return await self.call(_assemble, work, self.model, params, run.outputs, ctxs, self.encode)
+            return await self.call(assemble_chunks, work, self.model, params, run.outputs, ctxs, self.encode)
         except Exception:
             log.warning("a spread %s batch failed; running it on one device", tool.name, exc_info=True)
             ended = await self.call(step, batch, added, self.encode)
@@ -638,7 +512,7 @@ class Worker:
         job.fail(Code.TIMEOUT, f"the job ran past its limit of {self.job_timeout:g} s and was stopped")
         job.cancel()
 
-    def _finish(self, job: Job, tool: Tool, outcome: Outcome, elapsed: float) -> None:
+    def _finish(self, job: Job, tool: Tool, outcome: StepOutcome, elapsed: float) -> None:
         self.running.discard(job)
         # A tool that raised after its job was cancelled still reports its error;
         # a result that came after a cancel is not delivered.

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from backends.inference import KV_CACHE_CPU
+from backends.vllm_server import KV_CACHE_CPU
 from tests.support import traces
 from tests.conftest import VLLM_START_S, run_stream, server_url, wait_until
 from tests.support.processes import ROOT, STREAMGATE, ServeProcess, clean_env, free_port, start_serve
@@ -639,7 +639,7 @@ def test_a_vllm_server_is_sized_and_typed_for_its_device_in_flags_vllm_takes() -
     """On a CPU: a KV cache of the gateway's budget (never a share of the host's memory), and float32
     where the CPU has no bfloat16 instructions; --vllm-args and --dtype win; on a GPU, vLLM sizes its
     cache itself unless told. vLLM's own parser reads every one of these command lines."""
-    from backends.inference import vllm_command, vllm_python
+    from backends.vllm_server import vllm_command, vllm_python
 
     plain = "flags : fpu avx2 fma"
     bf16 = "flags : fpu avx2 avx512f avx512_bf16"

@@ -140,3 +140,17 @@ def test_no_function_is_over_80_lines() -> None:
         if node.end_lineno - node.lineno + 1 > MOST_LINES  # type: ignore[attr-defined,operator]
     )
     assert long == []
+
+
+MOST_MODULE_LINES = 600
+
+
+def test_no_module_is_over_600_lines() -> None:
+    """A module is one concept: past this, it holds two, each of which deserves its own file name."""
+    long = sorted(
+        (path.relative_to(ROOT).as_posix(), n)
+        for package in ("gateway", "backends")
+        for path in (ROOT / package).rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MOST_MODULE_LINES
+    )
+    assert long == []

@@ -34,7 +34,8 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
 from gateway.protocol import Event, EventType, Progress, Status, StatusFrame, encode
-from gateway.server.mcp import INLINE_RESULT_BYTES, Rising
+from gateway.server.mcp import INLINE_RESULT_BYTES
+from gateway.server.mcp_frames import Rising
 from gateway.tools import Context, Model, tool
 from tests.conftest import make_server, wait_until
 from tests.support.processes import ROOT

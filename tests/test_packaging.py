@@ -610,7 +610,7 @@ def test_vllm_takes_the_baselines_args_and_answers_its_probes():
     """vLLM's own parser and routes, from .vllm: the release the image is pinned to."""
     import subprocess
 
-    from backends.inference import vllm_python
+    from backends.vllm_server import vllm_python
 
     server = container(vllm_baseline(), "vllm-baseline")
     compose, _ = load_compose(COMPOSE.read_text())

@@ -44,6 +44,12 @@ SOURCES = {
 _FIELDS = set(Settings.__struct_fields__)
 
 
+def option(name: str, *decls: str, **kwargs: Any) -> Any:
+    """A click option that its `STREAMGATE_*` variable also sets (shown in `--help`)."""
+    env = "STREAMGATE_" + name.lstrip("-").replace("-", "_").upper()
+    return click.option(name, *decls, envvar=env, show_envvar=True, show_default=True, **kwargs)
+
+
 def load(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     """The `--config` callback: check the file and make its values the command's defaults."""
     if value is None:

@@ -23,7 +23,7 @@ from gateway.cli.configfile import redact_url
 
 def on_servers(settings: Settings) -> tuple[Settings, list[str]]:
     """The settings with only the models served here, and a line for each model on an inference server."""
-    from backends.inference import vllm_python
+    from backends.vllm_server import vllm_python
     from backends.loading import ModelError, _named, resolve
 
     kept, lines = [], []

@@ -26,10 +26,8 @@ the attention of one layer (`cost` prices the largest before the job is queued).
 from __future__ import annotations
 
 import dataclasses
-import enum
-import threading
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -38,136 +36,20 @@ import torch
 from gateway.encoding import to_json
 from gateway.cost import JOURNAL_PIECE, JSON_FLOAT, JSON_FRAME, JSON_TOKEN, Cost, Shape
 from gateway.errors import ParamError
-from gateway.protocol import ResultFile
 from gateway.tools.base import Capability, Context, Model, right_padded, tool
-from gateway.tools.files import NPY, Array, ArrayFile, file_bytes
+from gateway.tools.files import file_bytes
 from gateway.tools import windows
 from gateway.tools.batching import SINKS, Chunk, Chunked, WindowItem, chunk_peak, each_item, sorted_chunks
-from gateway.tools.windows import Framed, Share, Sizes, Stitch, WindowIds, WindowParams, WindowPlan
+from gateway.tools.windows import Framed, Share, Sizes, Stitch, WindowIds, WindowPlan
+from gateway.tools.embed_files import EmbedFiles, file_arrays
+from gateway.tools.embed_params import EmbedParams, EmbedPartial, EmbedResult, FileFormat, Pooling, as_array, is_per_token
 
 EMBED_BATCH = 16  # texts per forward pass at most
 EMBED_TOKENS = 16384  # padded tokens per forward pass at most (a longer text runs alone)
 
 
-class Pooling(str, enum.Enum):
-    MEAN = "mean"
-    CLS = "cls"
-    LAST = "last"
-    PER_TOKEN = "per_token"
-    NONE = "none"  # the older name of per_token
-
-
-class FileFormat(str, enum.Enum):
-    SAFETENSORS = "safetensors"
-    NPY = "npy"
-
-
-FILE_DOC = (
-    "Write the per-token vectors as files (pooling per_token), fetched from GET /jobs/{id}/files/{name}: "
-    "safetensors, one file of embeddings.<i> (tokens × dim, float32), token_ids.<i> and, with window, context.<i> "
-    "(per token, the fewest tokens of context on its left and right) for each text i; npy (one text), "
-    "embeddings.npy, token_ids.npy and context.npy. Default: none, or safetensors when the result as JSON "
-    "would be over the gateway's --max-result-bytes."
-)
-
-
-PARTIALS_DOC = (
-    "With window, pooling per_token and stitch center or left: send each window's share of a text's per-token "
-    "vectors as a partial event as soon as it is computed ({text, start, end, embeddings, tokens}: positions "
-    "start..end-1 of the text's own tokens, final), in order within each text; the result still holds them all."
-)
-
-
-class EmbedParams(WindowParams, forbid_unknown_fields=True):
-    texts: Annotated[list[str], msgspec.Meta(min_length=1, description="Texts, or protein or DNA sequences.")]
-    layer: Annotated[
-        int,
-        msgspec.Meta(description="Hidden state index: 0 = token embeddings, i = after the i-th block, -1 = the last (after the final norm)."),
-    ] = -1
-    pooling: Annotated[
-        Pooling,
-        msgspec.Meta(
-            description=(
-                "mean (the default): the average over the text's own tokens, the special tokens the tokenizer adds "
-                "(<cls>, <eos>, BOS) left out: for a protein, the mean over its residues. "
-                "cls: the first token's vector (<cls>; encoders only). last: the text's last own token "
-                "(for a causal model, the one that has seen the whole text). "
-                "per_token: one vector per own token (a residue), with the tokens. none: the older name of per_token."
-            )
-        ),
-    ] = Pooling.MEAN
-    normalize: Annotated[bool, msgspec.Meta(description="Scale each vector to unit length.")] = False
-    precision: Annotated[
-        int, msgspec.Meta(ge=0, le=10, description="Round to this many decimals. Default: float32's shortest exact form.")
-    ] | None = None
-    file: Annotated[FileFormat, msgspec.Meta(description=FILE_DOC)] | None = None
-    partials: Annotated[bool, msgspec.Meta(description=PARTIALS_DOC)] = False
-    part: Annotated[windows.Part, msgspec.Meta(description=windows.PART_DOC)] | None = None
-
-
-class EmbedPartial(msgspec.Struct):
-    """With partials: one window's share of a text's per-token vectors, as soon as it is computed."""
-
-    text: int
-    """The text's index in texts."""
-    start: int
-    """The first of its positions (the text's own tokens, from 0)."""
-    end: int
-    """Past the last of them: the vectors are those of positions start..end-1, final."""
-    embeddings: list[Any]
-    tokens: list[str]
-
-
-class EmbedResult(msgspec.Struct, omit_defaults=True):
-    dim: int
-    """The length of every vector returned."""
-    layer: int
-    pooling: Pooling
-    embeddings: Annotated[
-        list[Any],
-        msgspec.Meta(
-            description="Per text: a vector (mean, cls, last) or a list of per-token vectors (per_token); none when they are in files.",
-            extra_json_schema={
-                "items": {
-                    "anyOf": [
-                        {"type": "array", "items": {"type": "number"}},
-                        {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
-                    ]
-                }
-            },
-        ),
-    ] | None = None
-    tokens: list[list[str]] | None = None
-    """With pooling per_token: each text's own tokens, one per vector."""
-    plans: list[WindowPlan] | None = None
-    """With window: how each text was cut and stitched (gateway/tools/windows.py)."""
-    context: list[Any] | None = None
-    """With window and pooling per_token: per text, per own token, the fewest tokens of context it had
-    on its left and on its right, [left, right]."""
-    files: list[ResultFile] | None = None
-    """With file: the files holding the vectors, their tokens' ids and context."""
-    span: list[tuple[int, int]] | None = None
-    """With part and pooling per_token: the positions [start, end) of the text that its embeddings, tokens
-    and context hold, the part's."""
-    sums: list[Any] | None = None
-    """With part and a pooled vector (embeddings left out), per text (one): mean, the sum of the vectors
-    of the positions the part's windows give, weighted as stitch says (the parts' sums added up over
-    the text's length are the mean); last, the text's last vector where the part holds it, else null.
-    Neither normalized nor rounded: that is done to the whole."""
-
-
-def _array(t: torch.Tensor, precision: int | None) -> np.ndarray:
-    """float32 as computed; float64 rounded to `precision` decimals when asked."""
-    array = t.detach().to("cpu", torch.float32).numpy()
-    return array if precision is None else np.round(array.astype(np.float64), precision)
-
-
 def _n_states(model: Model) -> int:
     return model.memo["n_states"]
-
-
-def _per_token(pooling: Pooling) -> bool:
-    return pooling in (Pooling.PER_TOKEN, Pooling.NONE)
 
 
 def _framed(model: Model, text: str, field: str) -> Framed:
@@ -195,7 +77,7 @@ def check(model: Model, params: EmbedParams) -> None:
 
 
 def _check_file(params: EmbedParams) -> None:
-    if not _per_token(Pooling(params.pooling)):
+    if not is_per_token(Pooling(params.pooling)):
         raise ParamError("file", "files hold per-token vectors: use pooling per_token (a pooled result is one vector a text)")
     if params.precision is not None:
         raise ParamError("precision", "a file holds float32 as computed; leave out precision")
@@ -204,7 +86,7 @@ def _check_file(params: EmbedParams) -> None:
 
 
 def _check_part(params: EmbedParams) -> None:
-    summed = params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN and _per_token(Pooling(params.pooling))
+    summed = params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN and is_per_token(Pooling(params.pooling))
     windows.check_part(params, params.texts, "texts", summed)
     if params.file is not None:
         raise ParamError("part", "a part's vectors come back in its result, to be put together with the other parts': not with file")
@@ -215,7 +97,7 @@ def _check_part(params: EmbedParams) -> None:
 def _check_partials(params: EmbedParams) -> None:
     if params.window is None:
         raise ParamError("partials", "a partial event is a window's rows: only with window")
-    if not _per_token(Pooling(params.pooling)):
+    if not is_per_token(Pooling(params.pooling)):
         raise ParamError("partials", "a partial event holds per-token vectors: use pooling per_token")
     if params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN:
         raise ParamError("partials", "with stitch mean a position is final only once every window holding it is in: use center or left")
@@ -265,7 +147,7 @@ def cost(model: Model, params: EmbedParams) -> Cost:
     Written as files (`file`), a per-token result is the files' bytes on disk, and in memory one
     window's rows at a time: the price is the largest pass's, whatever the length."""
     shape = Shape.of(model)
-    per_token = _per_token(params.pooling)
+    per_token = is_per_token(params.pooling)
     planned = 0  # windows in the plans the result states
     if params.window is None:
         lengths = [len(model.encode(text)) for text in params.texts]
@@ -319,7 +201,7 @@ def cost(model: Model, params: EmbedParams) -> Cost:
         return inline
     # The plans' windows stay in the JSON (two numbers each), the rest is in the files.
     plans = JSON_FRAME * (len(n_own) + 1) + 2 * JSON_FLOAT * planned
-    arrays = [array for i, n in enumerate(n_own) for array in _arrays(i, n, shape.hidden, params.window is not None)]
+    arrays = [array for i, n in enumerate(n_own) for array in file_arrays(i, n, shape.hidden, params.window is not None)]
     written = Cost(
         memory=peak + plans,
         result=plans,
@@ -334,14 +216,6 @@ def cost(model: Model, params: EmbedParams) -> Cost:
     return dataclasses.replace(inline, as_files=written, file_format=FileFormat.SAFETENSORS.value)
 
 
-def _arrays(i: int, n: int, width: int, windowed: bool) -> list[Array]:
-    """Text `i`'s arrays in a result file: its `n` vectors of `width`, their token ids, and their context."""
-    arrays = [Array(f"embeddings.{i}", np.dtype("<f4"), (n, width)), Array(f"token_ids.{i}", np.dtype("<i4"), (n,))]
-    if windowed:
-        arrays.append(Array(f"context.{i}", np.dtype("<i4"), (n, 2)))
-    return arrays
-
-
 @dataclass(frozen=True)
 class _InWindow:
     """A window's row of a chunk: where the text's own tokens begin in it, its share of the stitched
@@ -352,84 +226,14 @@ class _InWindow:
     n: int
 
 
-class _Files:
-    """A job's per-token vectors written to its result files as they are computed (`file`): each
-    window's share at its place, so that the job holds one window's rows, whatever the length.
-
-    The files are opened at the first rows, whose width is the vectors'. Shares that overlap
-    (`mean`) are added where they fall, normalized (`normalize`) once all are in; the others are
-    final as they come."""
-
-    def __init__(self, ctx: Context, params: EmbedParams, lengths: list[int]) -> None:
-        self.ctx, self.params, self.lengths = ctx, params, lengths
-        self.windowed = params.window is not None
-        self.files: dict[str, ArrayFile] = {}  # by array name
-        self.width = 0
-        self.summed = False  # some rows were added, not written: normalized at the end
-        self._lock = threading.Lock()
-
-    def _open(self, width: int) -> None:
-        with self._lock:
-            if self.files:
-                return
-            self.width = width
-            arrays = [a for i, n in enumerate(self.lengths) for a in _arrays(i, n, width, self.windowed)]
-            meta = {"layer": str(self.params.layer), "pooling": "per_token", "dim": str(width)}
-            if FileFormat(self.params.file) is FileFormat.NPY:
-                for a in arrays:
-                    name = f"{a.name.rsplit('.', 1)[0]}.npy"
-                    self.files[a.name] = ArrayFile(self.ctx.file(name), name, NPY, [a])
-            else:
-                shared = ArrayFile(self.ctx.file("embeddings.safetensors"), "embeddings.safetensors", "safetensors", arrays, meta)
-                self.files = dict.fromkeys((a.name for a in arrays), shared)
-
-    def put(self, i: int, start: int, rows: np.ndarray, ids: list[int], summed: bool, normalized: bool = False) -> None:
-        """Text `i`'s rows from position `start`; `summed`: one weighted share of positions others share too."""
-        self._open(rows.shape[-1])
-        if summed:
-            self.summed = True
-            self.files[f"embeddings.{i}"].add(f"embeddings.{i}", start, rows)
-        else:
-            if self.params.normalize and not normalized:
-                rows = _normalized(rows)
-            self.files[f"embeddings.{i}"].write(f"embeddings.{i}", start, rows)
-        self.files[f"token_ids.{i}"].write(f"token_ids.{i}", start, np.asarray(ids, dtype=np.int32))
-
-    def close(self, plans: list[WindowPlan] | None) -> list[ResultFile]:
-        """The context arrays written, summed rows normalized, the files closed: what the result names."""
-        if plans is not None:
-            for i, plan in enumerate(plans):
-                for start in range(0, self.lengths[i], CONTEXT_ROWS):
-                    stop = min(self.lengths[i], start + CONTEXT_ROWS)
-                    self.files[f"context.{i}"].write(f"context.{i}", start, windows.context(plan.windows, plan.stitch, start, stop))
-        if self.summed and self.params.normalize:
-            for i, n in enumerate(self.lengths):
-                for start in range(0, n, NORMALIZE_ROWS):
-                    stop = min(n, start + NORMALIZE_ROWS)
-                    self.files[f"embeddings.{i}"].write(f"embeddings.{i}", start, _normalized(self.files[f"embeddings.{i}"].read(f"embeddings.{i}", start, stop)))
-        closed: dict[int, ResultFile] = {}
-        for file in self.files.values():
-            if id(file) not in closed:
-                closed[id(file)] = file.close()
-        return list(closed.values())
-
-
-NORMALIZE_ROWS = 4096  # rows read back at once to normalize a file's summed vectors
-CONTEXT_ROWS = 1 << 16  # positions' context computed and written at once (1 MB)
-
-
-def _normalized(rows: np.ndarray) -> np.ndarray:
-    return torch.nn.functional.normalize(torch.from_numpy(np.ascontiguousarray(rows)), dim=-1).numpy()
-
-
 def _plan(model: Model, jobs: list[EmbedParams], ctxs: Any = None, by_length: bool = True) -> list[Chunk]:
     items: list[tuple[Any, list[int]]] = []
     placed: dict[Any, _InWindow] = {}
-    sinks: dict[int, _Files] = {}
+    sinks: dict[int, EmbedFiles] = {}
     for job, params in enumerate(jobs):
         if params.file is not None:
             lengths = [len(model.own(model.encode(text, bounded=False))) for text in params.texts]
-            sinks[job] = _Files(ctxs[job], params, lengths)
+            sinks[job] = EmbedFiles(ctxs[job], params, lengths)
         for i, text in enumerate(params.texts):
             if params.window is None:
                 items.append(((job, i), model.encode(text)))
@@ -468,12 +272,12 @@ def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
         params = jobs[job]
         # Pooling(…): params built in Python (not decoded) may hold the plain string.
         pooling = Pooling(params.pooling)
-        pooling = Pooling.PER_TOKEN if _per_token(pooling) else pooling
+        pooling = Pooling.PER_TOKEN if is_per_token(pooling) else pooling
         groups.setdefault((params.layer % n_states, pooling, params.normalize, params.precision), []).append(row)
     out: list[Any] = [None] * len(chunk.items)
     owns: dict[int, list[int]] = {}  # each pooled row's own token positions (CLS reads none)
     in_windows = chunk.extra.get("windows", {})
-    sinks: dict[int, _Files] = chunk.extra.get(SINKS, {})
+    sinks: dict[int, EmbedFiles] = chunk.extra.get(SINKS, {})
     for row, key in enumerate(chunk.items):
         if key in in_windows:
             params = jobs[key[0]]
@@ -505,7 +309,7 @@ def _run(model: Model, jobs: list[EmbedParams], chunk: Chunk) -> list[Any]:
                 vectors = vectors[torch.tensor(counts, device=device).cumsum(0) - 1]
         if normalize:
             vectors = torch.nn.functional.normalize(vectors, dim=-1)
-        array = _array(vectors, precision)
+        array = as_array(vectors, precision)
         if pooling is Pooling.PER_TOKEN:
             for row, part in zip(rows, np.split(array, np.cumsum(counts)[:-1])):
                 ids = [data[row][at] for at in owns[row]]
@@ -542,10 +346,10 @@ def _window_share(states: torch.Tensor, ids: list[int], at: _InWindow, pooling: 
         rows = rows * torch.from_numpy(share.weights).to(rows.device)[:, None]
     own = ids[begin : begin + share.end - share.start]
     if pooling is Pooling.MEAN:
-        return _Shared(share.start, share.end, _array(rows.sum(0), None), [])
+        return _Shared(share.start, share.end, as_array(rows.sum(0), None), [])
     if pooling is Pooling.LAST:
-        return _Shared(share.start, share.end, _array(rows[-1], None) if share.end == at.n else None, [])
-    return _Shared(share.start, share.end, _array(rows, None), own)
+        return _Shared(share.start, share.end, as_array(rows[-1], None) if share.end == at.n else None, [])
+    return _Shared(share.start, share.end, as_array(rows, None), own)
 
 
 def _stitched(params: EmbedParams, shared: list[_Shared], precision: int | None, start: int = 0) -> tuple[Any, list[int]]:
@@ -554,7 +358,7 @@ def _stitched(params: EmbedParams, shared: list[_Shared], precision: int | None,
     n = max(part.end for part in shared)
     pooling = Pooling(params.pooling)
     ids: list[int] = []
-    if not _per_token(pooling):
+    if not is_per_token(pooling):
         return _pooled(params, [part.rows for part in shared if part.rows is not None], n), ids
     width = next(part.rows.shape[-1] for part in shared if part.rows is not None)
     vector = torch.zeros((n - start, width))
@@ -577,12 +381,12 @@ def _pooled(params: EmbedParams, sums: list[np.ndarray], n: int) -> np.ndarray:
 def _finished(params: EmbedParams, vector: torch.Tensor, precision: int | None) -> np.ndarray:
     if params.normalize:
         vector = torch.nn.functional.normalize(vector, dim=-1)
-    return _array(vector, precision)
+    return as_array(vector, precision)
 
 
 def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any], ctxs: Any = None) -> list[EmbedResult]:
-    # A job writing files has its `_Files` as every item's output: its rows are in them already.
-    sinks = {job: output for (job, _), output in outputs.items() if isinstance(output, _Files)}
+    # A job writing files has its `EmbedFiles` as every item's output: its rows are in them already.
+    sinks = {job: output for (job, _), output in outputs.items() if isinstance(output, EmbedFiles)}
     shared: dict[tuple[int, int], list[_Shared]] = {}
     for (job, item), output in outputs.items():
         if job in sinks:
@@ -593,7 +397,7 @@ def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any], ct
         if jobs[key[0]].part is not None:
             continue  # `_part_result`
         outputs[key] = _stitched(jobs[key[0]], sorted(parts, key=lambda part: part.start), jobs[key[0]].precision)
-        if not _per_token(jobs[key[0]].pooling):
+        if not is_per_token(jobs[key[0]].pooling):
             outputs[key] = outputs[key][0]
     texts = model.token_texts(t for key, output in outputs.items() if not isinstance(key[1], tuple) and isinstance(output, tuple) for t in output[1])
     results = []
@@ -608,12 +412,12 @@ def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any], ct
             continue
         vectors = [outputs[job, i] for i in range(len(params.texts))]
         tokens = None
-        if _per_token(params.pooling):
+        if is_per_token(params.pooling):
             tokens = [[texts[t] for t in ids] for _, ids in vectors]
             vectors = [v for v, _ in vectors]
         plans = context = None
         if params.window is not None:
-            plans, context = _plans(model, params, context=_per_token(params.pooling))
+            plans, context = _plans(model, params, context=is_per_token(params.pooling))
         results.append(
             EmbedResult(
                 dim=int(vectors[0].shape[-1]),
@@ -622,7 +426,7 @@ def _assemble(model: Model, jobs: list[EmbedParams], outputs: dict[Any, Any], ct
                 embeddings=vectors,
                 tokens=tokens,
                 plans=plans,
-                context=context if _per_token(params.pooling) else None,
+                context=context if is_per_token(params.pooling) else None,
             )
         )
     return results
@@ -633,7 +437,7 @@ def _part_result(model: Model, params: EmbedParams, shared: list[_Shared]) -> Em
     or its windows' sums (pooled), as the whole would have them before they are put together (`_joined`)."""
     (plan,), _ = _plans(model, params, context=False)
     layer = params.layer % _n_states(model)
-    if not _per_token(Pooling(params.pooling)):
+    if not is_per_token(Pooling(params.pooling)):
         rows = [part.rows for part in shared if part.rows is not None]
         total = np.sum(rows, axis=0) if rows else None
         return EmbedResult(dim=int(total.shape[-1]) if total is not None else 0, layer=layer, pooling=params.pooling, plans=[plan], sums=[total])
@@ -681,7 +485,7 @@ def _joined(params: EmbedParams, results: list[bytes]) -> bytes:
     plan = msgspec.json.decode(first.plans[0], type=WindowPlan)
     n = plan.windows[-1][1]
     dim = max(part.dim for part in parts)
-    if not _per_token(Pooling(params.pooling)):
+    if not is_per_token(Pooling(params.pooling)):
         sums = [np.asarray(vector, dtype=np.float32) for part in parts for vector in (part.sums or [None])[:1] if vector is not None]
         if not sums:
             raise ValueError("no part holds the text's vectors")
@@ -725,7 +529,7 @@ def _partial(model: Model, params: EmbedParams, item: Any, output: Any) -> Embed
     if params.normalize:
         rows = torch.nn.functional.normalize(rows, dim=-1)
     texts = model.token_texts(output.ids)
-    return EmbedPartial(item.item, output.start, output.end, _array(rows, params.precision), [texts[t] for t in output.ids])
+    return EmbedPartial(item.item, output.start, output.end, as_array(rows, params.precision), [texts[t] for t in output.ids])
 
 
 def _by_windows(params: EmbedParams, context_length: int | None) -> int:
@@ -735,7 +539,7 @@ def _by_windows(params: EmbedParams, context_length: int | None) -> int:
     share of."""
     if params.window is None or params.part is not None or len(params.texts) != 1 or params.file is not None or params.partials:
         return 0
-    if _per_token(Pooling(params.pooling)) and params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN:
+    if is_per_token(Pooling(params.pooling)) and params.stitch is not None and Stitch(params.stitch) is Stitch.MEAN:
         return 0
     return windows.most_windows(params, params.texts[0], context_length)
 
