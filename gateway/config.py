@@ -122,6 +122,14 @@ class Settings(msgspec.Struct, kw_only=True):
     max_concurrent_per_token: Annotated[int, Meta(ge=1, extra=SERVE, description="Jobs one token may run at once (429 rate_limited past it).")] | None = None
     jobs_per_minute_per_token: Annotated[int, Meta(ge=1, extra=SERVE, description="Jobs one token may start per minute (429 rate_limited past it).")] | None = None
     ticket_ttl: Annotated[float, Meta(ge=1, le=60, extra=SERVE, description="Seconds a ticket from POST /auth/ticket is valid.")] = 60.0
+    # gateway/server/signin.py
+    oidc_issuer: Annotated[str, Meta(extra=SERVE, description="An OpenID Connect issuer's URL: bearer JWTs it signs are accepted beside the tokens, checked against its keys (its discovery document's jwks_uri). Needs --oidc-audience.")] | None = None
+    oidc_audience: Annotated[str, Meta(extra=SERVE, description="The audience (aud) a JWT must name: this gateway's client id at the issuer.")] | None = None
+    oidc_jwks_url: Annotated[str, Meta(extra=SERVE, description="Where the issuer's keys (JWKS) are, instead of its discovery document's jwks_uri.")] | None = None
+    oidc_tenant_claim: Annotated[str, Meta(min_length=1, extra=SERVE, description="The JWT claim naming the user, whose jobs and limits are theirs (sub, email, preferred_username…).")] = "sub"
+    oidc_groups_claim: Annotated[str, Meta(min_length=1, extra=SERVE, description="The JWT claim listing the user's groups.")] = "groups"
+    oidc_algorithms: Annotated[list[str], Meta(extra={**SERVE, "split": ","}, description="The signature algorithms a JWT may use, comma-separated; asymmetric ones only.")] = msgspec.field(default_factory=lambda: ["RS256", "PS256", "ES256", "EdDSA"])
+    oidc_jwks_refresh: Annotated[float, Meta(ge=10, extra=SERVE, description="Seconds after which the issuer's keys are fetched again (also at once for a key id they lack, at most every 10 s).")] = 300.0
     write_timeout: Annotated[float, Meta(ge=1, extra=SERVE, description="Seconds a stream's write may block (a half-open connection) before the client is detached.")] = 30.0
     cors_origins: Annotated[list[str], Meta(extra={**SERVE, "split": ","}, description="Origins allowed to call from a browser, comma-separated (none by default).")] = msgspec.field(default_factory=list)
 

@@ -32,6 +32,13 @@ A job belongs to the token that started it (`JobSnapshot.owner`): every job
 route answers another token 404, exactly as for an id that does not exist, so
 that a job's existence leaks nothing. A token with `admin = true` in the
 tokens file sees and cancels every job, for operators.
+
+With an OpenID Connect issuer (`--oidc-issuer`, gateway/server/signin.py), a bearer token that is
+none of the static ones is verified as the issuer's JWT: its user is a principal named
+`oidc:<tenant claim>`, with the per-token defaults (`--max-concurrent-per-token`,
+`--jobs-per-minute-per-token`), every tool, and the groups its token lists. Its tickets are
+signed with a key of this process (a signed-in user has no token of its own to key them by): they
+are checked only by the replica that issued them, and none outlives the JWT it was issued for.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import collections
 import hashlib
 import hmac
 import math
+import secrets
 import time
 import tomllib
 from collections.abc import Callable, Iterable
@@ -51,6 +59,7 @@ from starlette.requests import Request
 
 from gateway.errors import ApiError
 from gateway.protocol import Code
+from gateway.server.signin import NAME_PREFIX, Issuer, SignInError
 
 TICKET_TTL_MAX = 60.0
 # Query keys where a credential would be a mistake: refused, so it is noticed.
@@ -72,6 +81,8 @@ class Principal:
     jobs_per_minute: int | None = None
     admin: bool = False  # sees and cancels every token's jobs (operators)
     weight: float = 1.0  # its share of the queue's turns against other tokens' (backends/queue.py)
+    groups: frozenset[str] = frozenset()  # a signed-in user's, from the issuer's groups claim
+    expires: float | None = None  # a signed-in user's: when the JWT that proved it expires
 
     @property
     def digest(self) -> bytes:
@@ -130,6 +141,8 @@ def load_principals(
     for p in found:
         if len(p.token) < 16:
             raise AuthConfigError(f"token {p.name!r}: use at least 16 characters (e.g. `openssl rand -hex 32`)")
+    if reserved := [p.name for p in found if p.name.startswith(NAME_PREFIX)]:
+        raise AuthConfigError(f"token names starting {NAME_PREFIX!r} are signed-in users': rename {sorted(reserved)}")
     names = [p.name for p in found]
     if len(set(names)) != len(names):
         raise AuthConfigError(f"token names must be unique: {sorted(n for n in set(names) if names.count(n) > 1)}")
@@ -139,16 +152,30 @@ def load_principals(
 class Auth:
     """Checks requests against the configured tokens; a no-op without any."""
 
-    def __init__(self, principals: list[Principal], *, ticket_ttl: float = TICKET_TTL_MAX) -> None:
+    def __init__(
+        self, principals: list[Principal], *, ticket_ttl: float = TICKET_TTL_MAX, issuer: Issuer | None = None,
+        max_concurrent: int | None = None, jobs_per_minute: int | None = None,
+    ) -> None:
         self.principals = {p.name: p for p in principals}
         self.ticket_ttl = min(ticket_ttl, TICKET_TTL_MAX)
         self.limits = Limits()
+        self.issuer = issuer
+        self._signed_in_limits = {"max_concurrent": max_concurrent, "jobs_per_minute": jobs_per_minute}
+        self._ticket_key = secrets.token_bytes(32)  # signed-in users' tickets
 
     @property
     def enabled(self) -> bool:
-        return bool(self.principals)
+        return bool(self.principals) or self.issuer is not None
 
-    def authenticate(self, request: Request) -> Principal | None:
+    async def start(self) -> None:
+        if self.issuer is not None:
+            await self.issuer.start()
+
+    async def stop(self) -> None:
+        if self.issuer is not None:
+            await self.issuer.stop()
+
+    async def authenticate(self, request: Request) -> Principal | None:
         """The request's principal (None with auth off); 401 without a valid credential."""
         if not self.enabled:
             return None
@@ -165,7 +192,7 @@ class Auth:
                 raise _unauthorized("expected `Authorization: Bearer <token>`")
             principal = self._by_token(token.strip())
             if principal is None:
-                raise _unauthorized("unknown token")
+                principal = await self._signed_in(token.strip())
             return principal
         ticket = request.query_params.get("ticket")
         if ticket is not None:
@@ -173,6 +200,19 @@ class Auth:
                 raise _unauthorized("a ticket is only for GET streams; send `Authorization: Bearer …`")
             return self._check_ticket(ticket)
         raise _unauthorized("this gateway needs `Authorization: Bearer <token>` (or, for a GET stream, ?ticket=)")
+
+    async def _signed_in(self, token: str) -> Principal:
+        """The user a JWT of the issuer proves (401 with the reason it does not)."""
+        if self.issuer is None:
+            raise _unauthorized("unknown token")
+        try:
+            identity = await self.issuer.verify(token)
+        except SignInError as exc:
+            raise _unauthorized(str(exc)) from None
+        return self._user(identity.name, identity.groups, identity.expires)
+
+    def _user(self, name: str, groups: frozenset[str] = frozenset(), expires: float | None = None) -> Principal:
+        return Principal(name=name, token="", groups=groups, expires=expires, **self._signed_in_limits)
 
     def sees(self, principal: Principal | None, owner: str | None) -> bool:
         """Whether `principal` may see (read, follow, cancel) a job started by the token named `owner`."""
@@ -186,9 +226,11 @@ class Auth:
     def issue_ticket(self, principal: Principal, now: float | None = None) -> tuple[str, float]:
         """A ticket for `principal`'s GET streams, and its lifetime in seconds."""
         # In milliseconds: whole seconds would cut up to one off the ticket's life.
-        expiry = int(((now if now is not None else time.time()) + self.ticket_ttl) * 1000)
+        now = now if now is not None else time.time()
+        ttl = self.ticket_ttl if principal.expires is None else max(0.0, min(self.ticket_ttl, principal.expires - now))
+        expiry = int((now + ttl) * 1000)
         payload = f"{principal.name}.{expiry}"
-        return f"{_b64(principal.name.encode())}.{expiry}.{_sign(principal, payload)}", self.ticket_ttl
+        return f"{_b64(principal.name.encode())}.{expiry}.{self._sign(principal, payload)}", ttl
 
     def _check_ticket(self, ticket: str, now: float | None = None) -> Principal:
         parts = ticket.split(".")
@@ -200,13 +242,19 @@ class Auth:
         except (ValueError, UnicodeDecodeError):
             raise _unauthorized("malformed ticket") from None
         principal = self.principals.get(name)
+        if principal is None and self.issuer is not None and name.startswith(NAME_PREFIX):
+            principal = self._user(name)
         # Sign even for an unknown name, so that timing does not tell which names exist.
-        expected = _sign(principal or Principal(name, "\0" * 16), f"{name}.{parts[1]}")
+        expected = self._sign(principal or Principal(name, "\0" * 16), f"{name}.{parts[1]}")
         if not hmac.compare_digest(expected, parts[2]) or principal is None:
             raise _unauthorized("invalid ticket")
         if int(parts[1]) / 1000 < (now if now is not None else time.time()):
             raise _unauthorized("the ticket expired: get a new one from POST /auth/ticket")
         return principal
+
+    def _sign(self, principal: Principal, payload: str) -> str:
+        key = principal.token.encode() if principal.token else self._ticket_key
+        return _b64(hmac.new(key, payload.encode(), hashlib.sha256).digest())
 
     def _by_token(self, token: str) -> Principal | None:
         digest = hashlib.sha256(token.encode()).digest()
@@ -257,10 +305,6 @@ class Limits:
                 self.running[name] -= 1
 
         return release
-
-
-def _sign(principal: Principal, payload: str) -> str:
-    return _b64(hmac.new(principal.token.encode(), payload.encode(), hashlib.sha256).digest())
 
 
 def _b64(data: bytes) -> str:

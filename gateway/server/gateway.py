@@ -38,7 +38,8 @@ from gateway.plumbing.metrics import Metrics
 from gateway.plumbing.sendbuffer import WholeResponse
 from gateway.plumbing.spool import ResultSpool
 from gateway.protocol import Code, Kept, encode, parse_event_id, splice
-from gateway.server.auth import Auth, Principal, load_principals
+from gateway.server.auth import Auth, AuthConfigError, Principal, load_principals
+from gateway.server.signin import Issuer, IssuerConfigError
 from gateway.server.results import file_response, result_response
 from gateway.server.store import JobHandle, JobStore, MemoryStore, jobs_query
 from gateway.server.stream import Slot, Streams, job_response
@@ -79,6 +80,21 @@ def open_store(settings: Settings, cancel: Any) -> JobStore:
     )
 
 
+def _issuer(settings: Settings) -> Issuer | None:
+    """The OpenID Connect issuer whose JWTs sign users in (gateway/server/signin.py), if one is set."""
+    if settings.oidc_issuer is None:
+        if settings.oidc_audience is not None or settings.oidc_jwks_url is not None:
+            raise AuthConfigError("--oidc-audience and --oidc-jwks-url need --oidc-issuer")
+        return None
+    try:
+        return Issuer(
+            settings.oidc_issuer, settings.oidc_audience, jwks_url=settings.oidc_jwks_url, tenant_claim=settings.oidc_tenant_claim,
+            groups_claim=settings.oidc_groups_claim, algorithms=settings.oidc_algorithms, refresh_s=settings.oidc_jwks_refresh,
+        )
+    except IssuerConfigError as exc:
+        raise AuthConfigError(str(exc)) from None
+
+
 def _last_event_id(request: Request) -> tuple[str, int] | None:
     """`Last-Event-ID` (header, or `last_event_id` query key) as (job id, seq)."""
     # The query string parsed only if there is one: most requests have none.
@@ -109,6 +125,9 @@ class Gateway:
                 jobs_per_minute=settings.jobs_per_minute_per_token,
             ),
             ticket_ttl=settings.ticket_ttl,
+            issuer=_issuer(settings),
+            max_concurrent=settings.max_concurrent_per_token,
+            jobs_per_minute=settings.jobs_per_minute_per_token,
         )
         self.drain = Drain(settings.drain_timeout)
         self.admission = Admission(
@@ -127,9 +146,9 @@ class Gateway:
 
     # -- the way in ------------------------------------------------------------------------------
 
-    def caller(self, request: Request) -> Caller:
+    async def caller(self, request: Request) -> Caller:
         """The request's token (401) and the tenant it counts against."""
-        principal = self.auth.authenticate(request)
+        principal = await self.auth.authenticate(request)
         return Caller(principal, tenants.tenant(principal, request))
 
     def tool(self, caller: Caller, name: str) -> Tool:
@@ -176,7 +195,7 @@ class Gateway:
 
     async def run(self, request: Request) -> Response:
         """`POST` (and `GET`) `/{tool}/run`: a new job's stream, or a job's again (`Last-Event-ID`, `Idempotency-Key`)."""
-        caller = self.caller(request)
+        caller = await self.caller(request)
         name = request.path_params["tool"]
         with self.streams.slot(caller.tenant) as slot:
             resumed = _last_event_id(request)
@@ -219,7 +238,7 @@ class Gateway:
         return self.follow(job, slot, after)
 
     async def job_events(self, request: Request) -> Response:
-        caller = self.caller(request)
+        caller = await self.caller(request)
         with self.streams.slot(caller.tenant) as slot:
             job = await self._job(request.path_params["job_id"], caller.principal, to_follow=True)
             resumed = _last_event_id(request)
@@ -234,7 +253,7 @@ class Gateway:
 
     async def _asked(self, request: Request) -> JobHandle:
         """The job a `/jobs/{job_id}…` route names, if the caller may see it."""
-        return await self._job(request.path_params["job_id"], self.auth.authenticate(request))
+        return await self._job(request.path_params["job_id"], await self.auth.authenticate(request))
 
     async def job_snapshot(self, request: Request) -> Response:
         job = await self._asked(request)
@@ -258,14 +277,14 @@ class Gateway:
         return JSONResponse({"job_id": job.id, "cancelled": running, "status": job.snapshot(kept=[]).status})
 
     async def list_jobs(self, request: Request) -> Response:
-        principal = self.auth.authenticate(request)
+        principal = await self.auth.authenticate(request)
         query = jobs_query(request)
         kept: list[Kept] = []
         mine = [s for s in await self.store.snapshots(kept) if self.auth.sees(principal, s.owner) and query.wants(s)]
         return self._whole(encode(query.page(mine)), kept)
 
     async def ticket(self, request: Request) -> Response:
-        principal = self.auth.authenticate(request)
+        principal = await self.auth.authenticate(request)
         if principal is None:
             raise ApiError(Code.NOT_FOUND, "this gateway has no tokens configured: GET streams need no ticket")
         value, ttl = self.auth.issue_ticket(principal)
@@ -312,6 +331,7 @@ class Gateway:
     # -- its life --------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await self.auth.start()
         await self.backend.start()
         await self.store.start()
 
@@ -323,3 +343,4 @@ class Gateway:
     async def stop(self) -> None:
         await self.store.stop()
         await self.backend.stop()
+        await self.auth.stop()

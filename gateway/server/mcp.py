@@ -162,7 +162,7 @@ class McpServer:
             origin = request.headers.get("origin")
             if origin is not None and origin not in gateway.settings.cors_origins:
                 raise ApiError(Code.FORBIDDEN, f"/mcp does not take requests from pages at {origin!r} (see --cors-origins)")
-            caller = gateway.caller(request)
+            caller = await gateway.caller(request)
             with gateway.streams.slot(caller.tenant):
                 body = await gateway.read_body(request, ENVELOPE_BYTES)
                 scope[CALLER] = caller

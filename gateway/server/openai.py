@@ -458,7 +458,7 @@ def routes(gateway: Gateway) -> list[Route]:
 
     async def run(request: Request, plan_of: Callable[[Any], _Plan], kind: type[msgspec.Struct]) -> Response:
         try:
-            caller = gateway.caller(request)  # before the body is read: a client without a token learns only that
+            caller = await gateway.caller(request)  # before the body is read: a client without a token learns only that
             with gateway.streams.slot(caller.tenant) as slot:
                 plan = plan_of(await decode(request, kind))
 
