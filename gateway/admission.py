@@ -42,7 +42,7 @@ from gateway import params as params_mod
 from gateway.errors import ApiError
 from gateway.jobs import Job, end_span
 from gateway.protocol import Code
-from gateway.tools.base import Tool
+from gateway.tools.base import MODEL_FIELD, Tool
 
 if TYPE_CHECKING:
     from starlette.datastructures import QueryParams
@@ -64,6 +64,9 @@ class Token(Protocol):
 
     @property
     def weight(self) -> float: ...
+
+    @property
+    def models(self) -> frozenset[str] | None: ...  # the models it may run on (None: every one)
 
 
 class Quota(Protocol):
@@ -218,7 +221,7 @@ class Admission:
     ) -> Job | Attached:
         self.refuse_if_draining()
         # Its model by name, so that what the job records, routes by and is keyed on never depends on the default.
-        params = params_mod.on_model(params, self.backend.resolve_model)
+        params = _may_run_on(applicant, params_mod.on_model(params, self.backend.resolve_model))
         if (problem := getattr(self.store, "problem", None)) is not None:  # a shared store that is unreachable
             raise ApiError(Code.STORE_UNAVAILABLE, problem, retry_after=5)
         job = Job(
@@ -308,6 +311,14 @@ class Admission:
         # Result files are kept where results are (gateway/plumbing/spool.py `adopt`), and a checkpoint's
         # journal beside them while its job runs: held with them.
         return self.room.hold(cost.result + cost.files + cost.journal, cost.result_field) if self.room is not None else None
+
+
+def _may_run_on(applicant: Applicant, params: Any) -> Any:
+    """`params`, unless their model is one the applicant's token (or its class) may not run on: 403."""
+    allowed = applicant.principal.models if applicant.principal is not None else None
+    if allowed is not None and hasattr(params, MODEL_FIELD) and (model := getattr(params, MODEL_FIELD)) not in allowed:
+        raise ApiError(Code.FORBIDDEN, f"this token may not run jobs on the model {model!r} (it may on {', '.join(sorted(allowed)) or 'none'})")
+    return params
 
 
 def _keeps_journal(job: Job) -> None:

@@ -120,6 +120,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             Route("/jobs/{job_id}/result", gateway.job_result, methods=["GET"]),
             Route("/jobs/{job_id}/files/{name}", gateway.job_file, methods=["GET"]),
             Route("/auth/ticket", gateway.ticket, methods=["POST"]),
+            Route("/me", gateway.me, methods=["GET"]),
             *openai.routes(gateway),
             Route("/mcp", agents, methods=["POST"]),
             Route("/", dashboard, methods=["GET"]),

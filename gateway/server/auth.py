@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import dataclasses
 import hashlib
 import hmac
 import math
@@ -54,11 +55,13 @@ import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from starlette.requests import Request
 
 from gateway.errors import ApiError
 from gateway.protocol import Code
+from gateway.server.classes import ClassConfigError, UserClass, check_count, check_names, check_weight, class_of_groups, default_class, parse_classes
 from gateway.server.signin import NAME_PREFIX, Issuer, SignInError
 
 TICKET_TTL_MAX = 60.0
@@ -82,11 +85,25 @@ class Principal:
     admin: bool = False  # sees and cancels every token's jobs (operators)
     weight: float = 1.0  # its share of the queue's turns against other tokens' (backends/queue.py)
     groups: frozenset[str] = frozenset()  # a signed-in user's, from the issuer's groups claim
+    models: frozenset[str] | None = None  # None: every model
+    user_class: str | None = None  # its class (gateway/server/classes.py), if any
+    priority: int = 0  # its class's
     expires: float | None = None  # a signed-in user's: when the JWT that proved it expires
 
     @property
     def digest(self) -> bytes:
         return hashlib.sha256(self.token.encode()).digest()
+
+
+TOKEN_KEYS = frozenset({"token", "class", "tools", "models", "max_concurrent", "jobs_per_minute", "admin", "weight"})
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may come in: the tokens, and the classes of users (gateway/server/classes.py)."""
+
+    principals: list[Principal]
+    classes: dict[str, UserClass] = field(default_factory=dict)
 
 
 def load_principals(
@@ -97,47 +114,40 @@ def load_principals(
     jobs_per_minute: int | None = None,
 ) -> list[Principal]:
     """Tokens from a TOML file (a `[tokens.<name>]` table each) and `name=token` (or bare token) entries."""
+    return load_access(tokens_file, tokens, max_concurrent=max_concurrent, jobs_per_minute=jobs_per_minute).principals
+
+
+def load_access(
+    tokens_file: str | None,
+    tokens: Iterable[str] = (),
+    *,
+    max_concurrent: int | None = None,
+    jobs_per_minute: int | None = None,
+) -> Access:
+    """`load_principals`, with the file's `[classes.<name>]` tables: each token of a class (or, there
+    being a default class, of none named) takes the class's values for the keys it does not set."""
     found: list[Principal] = []
+    classes: dict[str, UserClass] = {}
+    defaults = {"max_concurrent": max_concurrent, "jobs_per_minute": jobs_per_minute}
     if tokens_file:
         try:
             data = tomllib.loads(Path(tokens_file).read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise AuthConfigError(f"--tokens-file {tokens_file}: {exc}") from None
-        for name, entry in (data.get("tokens") or {}).items():
-            where = f"--tokens-file {tokens_file}: [tokens.{name}]"
-            if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
-                raise AuthConfigError(f"{where}: needs token = \"…\"")
-            unknown = set(entry) - {"token", "tools", "max_concurrent", "jobs_per_minute", "admin", "weight"}
-            if unknown:
-                raise AuthConfigError(f"{where}: unknown keys {sorted(unknown)}")
-            tools = entry.get("tools")
-            if tools is not None and not (isinstance(tools, list) and all(isinstance(t, str) for t in tools)):
-                raise AuthConfigError(f"{where}: tools must be a list of tool names")
-            if not isinstance(entry.get("admin", False), bool):
-                raise AuthConfigError(f"{where}: admin must be true or false")
-            weight = entry.get("weight", 1.0)
-            if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
-                raise AuthConfigError(f"{where}: weight must be a number > 0")
-            for key in ("max_concurrent", "jobs_per_minute"):
-                value = entry.get(key)
-                if value is not None and not (isinstance(value, int) and value >= 1):
-                    raise AuthConfigError(f"{where}: {key} must be an integer >= 1")
-            found.append(
-                Principal(
-                    name=name,
-                    token=entry["token"],
-                    tools=frozenset(tools) if tools is not None else None,
-                    max_concurrent=entry.get("max_concurrent", max_concurrent),
-                    jobs_per_minute=entry.get("jobs_per_minute", jobs_per_minute),
-                    admin=entry.get("admin", False),
-                    weight=float(weight),
-                )
-            )
+        where = f"--tokens-file {tokens_file}"
+        if unknown := set(data) - {"tokens", "classes"}:
+            raise AuthConfigError(f"{where}: unknown tables {sorted(unknown)} (tokens, classes)")
+        try:
+            classes = parse_classes(data.get("classes"), where)
+            found = [_token(name, entry, f"{where}: [tokens.{name}]", classes, defaults) for name, entry in (data.get("tokens") or {}).items()]
+        except ClassConfigError as exc:
+            raise AuthConfigError(str(exc)) from None
+    fallback = default_class(classes)
     for i, item in enumerate(t.strip() for t in tokens):
         if not item:
             continue
         name, _, token = item.rpartition("=") if "=" in item else (f"token-{i + 1}", "", item)
-        found.append(Principal(name=name, token=token, max_concurrent=max_concurrent, jobs_per_minute=jobs_per_minute))
+        found.append(member(Principal(name=name, token=token, weight=0.0), fallback, defaults))
     for p in found:
         if len(p.token) < 16:
             raise AuthConfigError(f"token {p.name!r}: use at least 16 characters (e.g. `openssl rand -hex 32`)")
@@ -146,7 +156,49 @@ def load_principals(
     names = [p.name for p in found]
     if len(set(names)) != len(names):
         raise AuthConfigError(f"token names must be unique: {sorted(n for n in set(names) if names.count(n) > 1)}")
-    return found
+    return Access(found, classes)
+
+
+def _token(name: str, entry: Any, where: str, classes: dict[str, UserClass], defaults: dict[str, int | None]) -> Principal:
+    if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
+        raise AuthConfigError(f"{where}: needs token = \"…\"")
+    if unknown := set(entry) - TOKEN_KEYS:
+        raise AuthConfigError(f"{where}: unknown keys {sorted(unknown)}")
+    if not isinstance(entry.get("admin", False), bool):
+        raise AuthConfigError(f"{where}: admin must be true or false")
+    named = entry.get("class")
+    if named is not None and named not in classes:
+        raise AuthConfigError(f"{where}: class {named!r} is not one of the [classes.<name>] tables {sorted(classes)}")
+    own = Principal(
+        name=name,
+        token=entry["token"],
+        tools=check_names(entry, "tools", where),
+        models=check_names(entry, "models", where),
+        max_concurrent=check_count(entry, "max_concurrent", where),
+        jobs_per_minute=check_count(entry, "jobs_per_minute", where),
+        admin=entry.get("admin", False),
+        weight=check_weight(entry.get("weight"), where) or 0.0,
+    )
+    return member(own, classes[named] if named is not None else default_class(classes), defaults)
+
+
+def member(own: Principal, of: UserClass | None, defaults: dict[str, int | None]) -> Principal:
+    """`own` (its unset keys None, its weight 0) in the class `of`: the class's values where it sets
+    none, then the gateway's defaults."""
+
+    def pick(key: str) -> Any:
+        mine = getattr(own, key)
+        if mine is not None:
+            return mine
+        theirs = getattr(of, key) if of is not None else None
+        return theirs if theirs is not None else defaults.get(key)
+
+    weight = own.weight or (of.weight if of is not None and of.weight is not None else 1.0)
+    return dataclasses.replace(
+        own, tools=pick("tools"), models=pick("models"), max_concurrent=pick("max_concurrent"),
+        jobs_per_minute=pick("jobs_per_minute"), weight=weight,
+        user_class=of.name if of is not None else None, priority=of.priority if of is not None else 0,
+    )
 
 
 class Auth:
@@ -154,9 +206,10 @@ class Auth:
 
     def __init__(
         self, principals: list[Principal], *, ticket_ttl: float = TICKET_TTL_MAX, issuer: Issuer | None = None,
-        max_concurrent: int | None = None, jobs_per_minute: int | None = None,
+        max_concurrent: int | None = None, jobs_per_minute: int | None = None, classes: dict[str, UserClass] | None = None,
     ) -> None:
         self.principals = {p.name: p for p in principals}
+        self.classes = classes or {}
         self.ticket_ttl = min(ticket_ttl, TICKET_TTL_MAX)
         self.limits = Limits()
         self.issuer = issuer
@@ -212,7 +265,8 @@ class Auth:
         return self._user(identity.name, identity.groups, identity.expires)
 
     def _user(self, name: str, groups: frozenset[str] = frozenset(), expires: float | None = None) -> Principal:
-        return Principal(name=name, token="", groups=groups, expires=expires, **self._signed_in_limits)
+        own = Principal(name=name, token="", groups=groups, expires=expires, weight=0.0)
+        return member(own, class_of_groups(self.classes, groups), self._signed_in_limits)
 
     def sees(self, principal: Principal | None, owner: str | None) -> bool:
         """Whether `principal` may see (read, follow, cancel) a job started by the token named `owner`."""
@@ -221,7 +275,7 @@ class Auth:
     def authorize(self, principal: Principal | None, tool: str) -> None:
         """403 if `principal` may not use `tool`."""
         if principal is not None and principal.tools is not None and tool not in principal.tools:
-            raise ApiError(Code.FORBIDDEN, f"this token may not use the tool {tool!r}")
+            raise ApiError(Code.FORBIDDEN, f"this token may not use the tool {tool!r}" + _in_class(principal))
 
     def issue_ticket(self, principal: Principal, now: float | None = None) -> tuple[str, float]:
         """A ticket for `principal`'s GET streams, and its lifetime in seconds."""
@@ -273,6 +327,11 @@ class Limits:
         self.running: collections.Counter[str] = collections.Counter()
         self.started: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
 
+    def usage(self, name: str) -> tuple[int, int]:
+        """The jobs `name` runs now, and those it started in the last minute."""
+        now = self.clock()
+        return self.running.get(name, 0), sum(1 for t in self.started.get(name, ()) if t > now - 60)
+
     def admit(self, principal: Principal | None) -> Callable[[], None]:
         """Count a job for `principal` (429 if over a limit); call the returned function when it ends."""
         if principal is None:
@@ -305,6 +364,10 @@ class Limits:
                 self.running[name] -= 1
 
         return release
+
+
+def _in_class(principal: Principal) -> str:
+    return f" (its class {principal.user_class!r})" if principal.user_class is not None else ""
 
 
 def _b64(data: bytes) -> str:

@@ -38,8 +38,9 @@ from gateway.plumbing.metrics import Metrics
 from gateway.plumbing.sendbuffer import WholeResponse
 from gateway.plumbing.spool import ResultSpool
 from gateway.protocol import Code, Kept, encode, parse_event_id, splice
-from gateway.server.auth import Auth, AuthConfigError, Principal, load_principals
+from gateway.server.auth import Auth, AuthConfigError, Principal, load_access
 from gateway.server.signin import Issuer, IssuerConfigError
+from gateway.server.openapi import Allowance, Me
 from gateway.server.results import file_response, result_response
 from gateway.server.store import JobHandle, JobStore, MemoryStore, jobs_query
 from gateway.server.stream import Slot, Streams, job_response
@@ -117,17 +118,17 @@ class Gateway:
         self.store = open_store(settings, lambda job: backend.cancel(job))
         self.metrics = Metrics(backend)
         self.metrics.results(self.store.results_kept)
+        access = load_access(
+            settings.tokens_file, settings.tokens,
+            max_concurrent=settings.max_concurrent_per_token, jobs_per_minute=settings.jobs_per_minute_per_token,
+        )
         self.auth = Auth(
-            load_principals(
-                settings.tokens_file,
-                settings.tokens,
-                max_concurrent=settings.max_concurrent_per_token,
-                jobs_per_minute=settings.jobs_per_minute_per_token,
-            ),
+            access.principals,
             ticket_ttl=settings.ticket_ttl,
             issuer=_issuer(settings),
             max_concurrent=settings.max_concurrent_per_token,
             jobs_per_minute=settings.jobs_per_minute_per_token,
+            classes=access.classes,
         )
         self.drain = Drain(settings.drain_timeout)
         self.admission = Admission(
@@ -282,6 +283,20 @@ class Gateway:
         kept: list[Kept] = []
         mine = [s for s in await self.store.snapshots(kept) if self.auth.sees(principal, s.owner) and query.wants(s)]
         return self._whole(encode(query.page(mine)), kept)
+
+    async def me(self, request: Request) -> Response:
+        """`GET /me`: who the caller is, their class, limits and what of them is in use here."""
+        caller = await self.caller(request)
+        p = caller.principal
+        if p is None:
+            return Response(encode(Me(name=None, tenant=caller.tenant, user_class=None)), media_type="application/json")
+        running, started = self.auth.limits.usage(p.name)
+        me = Me(
+            name=p.name, tenant=caller.tenant, user_class=p.user_class, priority=p.priority, groups=sorted(p.groups), admin=p.admin,
+            weight=p.weight, tools=sorted(p.tools) if p.tools is not None else None, models=sorted(p.models) if p.models is not None else None,
+            usage=Allowance(p.max_concurrent, p.jobs_per_minute, running, started),
+        )
+        return Response(encode(me), media_type="application/json", headers={"Cache-Control": "no-store"})
 
     async def ticket(self, request: Request) -> Response:
         principal = await self.auth.authenticate(request)

@@ -80,8 +80,32 @@ class Ticket(msgspec.Struct):
     expires_in: float
 
 
+class Allowance(msgspec.Struct):
+    """A caller's limits, and what of them is in use in this gateway process."""
+
+    max_concurrent: int | None
+    jobs_per_minute: int | None
+    running: int
+    started_last_minute: int
+
+
+class Me(msgspec.Struct):
+    """`GET /me`: who the caller is (name null on a gateway without auth), their class and limits."""
+
+    name: str | None
+    tenant: str
+    user_class: str | None = msgspec.field(name="class")
+    priority: int = 0
+    groups: list[str] = []
+    admin: bool = False
+    weight: float = 1.0
+    tools: list[str] | None = None
+    models: list[str] | None = None
+    usage: Allowance | None = None
+
+
 PROTOCOL = (
-    StatusFrame, LogFrame, ErrorFrame, ErrorBody, JobSnapshot, JobList, ToolInfo, ModelList, Health, Readiness, Cancellation, Ticket,
+    StatusFrame, LogFrame, ErrorFrame, ErrorBody, JobSnapshot, JobList, ToolInfo, ModelList, Health, Readiness, Cancellation, Ticket, Me,
 )
 
 # What each error status means, from the codes that answer it.
@@ -435,6 +459,10 @@ def _served_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
         "/auth/ticket": {
             "post": _op("ticket", "A short-lived ticket for GET streams",
                         {"200": _json(ref["Ticket"], "The ticket."), **_errors(401, 404)}, tags=["auth"]),
+        },
+        "/me": {
+            "get": _op("me", "Who the caller is: their class, limits and what is in use",
+                       {"200": _json(ref["Me"], "The caller."), **_errors(401)}, tags=["auth"]),
         },
         "/healthz": {"get": _op("healthz", "The process is up", {"200": _json(ref["Health"], "Up.")}, tags=["operations"])},
         "/readyz": {

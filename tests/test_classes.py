@@ -1,0 +1,128 @@
+"""Classes of users (`[classes.<name>]` in the tokens file): what a token or a signed-in user's groups
+put them in, what the class allows and limits, and `GET /me` saying it. Real gateways on loopback,
+a real OIDC issuer (tests/test_signin.py's) for the groups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.server.auth import AuthConfigError, load_access
+from tests.conftest import run_stream
+from tests.support.user_tools import echo
+from tests.test_signin import AUDIENCE, LocalIssuer
+
+STAFF = "staff-token-0123456789abcdef"
+STUDENT = "student-token-0123456789abcd"
+GUEST = "guest-token-0123456789abcdef"
+PREDICT = {"prompt": "x", "top_k": 2}
+
+TOKENS = f"""
+[classes.staff]
+priority = 10
+weight = 2
+max_concurrent = 8
+jobs_per_minute = 120
+groups = ["lab-staff"]
+
+[classes.students]
+tools = ["predict", "echo"]
+max_concurrent = 1
+default = true
+
+[classes.nowhere]
+models = ["a-model-not-served"]
+
+[tokens.ci]
+token = "{STAFF}"
+class = "staff"
+
+[tokens.stu]
+token = "{STUDENT}"
+
+[tokens.guest]
+token = "{GUEST}"
+class = "nowhere"
+tools = ["echo"]
+weight = 3
+"""
+
+
+@pytest.fixture
+def tokens_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens.toml"
+    path.write_text(TOKENS)
+    return path
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def me(url: str, token: str) -> dict[str, Any]:
+    answer = httpx.get(f"{url}/me", headers=bearer(token))
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_a_token_takes_its_class_and_its_own_keys_win(serve: Any, tokens_file: Path) -> None:
+    gateway = serve(tools=[echo], tokens_file=str(tokens_file), jobs_per_minute_per_token=30)
+    staff = me(gateway.url, STAFF)
+    assert (staff["name"], staff["class"], staff["priority"], staff["weight"]) == ("ci", "staff", 10, 2.0)
+    assert staff["tools"] is None and staff["models"] is None
+    assert staff["usage"] == {"max_concurrent": 8, "jobs_per_minute": 120, "running": 0, "started_last_minute": 0}
+    # No class named: the default class; what it leaves unset, the gateway's defaults.
+    student = me(gateway.url, STUDENT)
+    assert (student["class"], student["priority"], student["weight"], student["tools"]) == ("students", 0, 1.0, ["echo", "predict"])
+    assert student["usage"]["max_concurrent"] == 1 and student["usage"]["jobs_per_minute"] == 30
+    guest = me(gateway.url, GUEST)
+    assert (guest["class"], guest["weight"], guest["tools"], guest["models"]) == ("nowhere", 3.0, ["echo"], ["a-model-not-served"])
+    # What is in use shows up.
+    assert run_stream(gateway.url, "predict", PREDICT, headers=bearer(STUDENT)).terminal["event"] == "data"
+    assert me(gateway.url, STUDENT)["usage"]["started_last_minute"] == 1
+    assert httpx.get(f"{gateway.url}/me").status_code == 401
+
+
+def test_what_a_class_does_not_allow_is_refused_with_403_naming_it(serve: Any, tokens_file: Path) -> None:
+    gateway = serve(tools=[echo], tokens_file=str(tokens_file))
+    refused = run_stream(gateway.url, "embed", {"texts": ["x"]}, headers=bearer(STUDENT))
+    assert refused.status == 403 and "its class 'students'" in refused.body["error"]["message"]
+    on_model = run_stream(gateway.url, "echo", {"text": "hi"}, headers=bearer(GUEST))
+    assert on_model.status == 403 and "may not run jobs on the model" in on_model.body["error"]["message"]
+    assert run_stream(gateway.url, "embed", {"texts": ["x"]}, headers=bearer(STAFF)).terminal["event"] == "data"
+
+
+def test_a_signed_in_users_groups_put_them_in_a_class(serve: Any, tokens_file: Path) -> None:
+    issuer = LocalIssuer()
+    issuer.add_key("k1")
+    try:
+        gateway = serve(tools=[echo], tokens_file=str(tokens_file), oidc_issuer=issuer.url, oidc_audience=AUDIENCE)
+        lead = me(gateway.url, issuer.token("k1", sub="lead", groups=["lab-staff", "other"]))
+        assert (lead["name"], lead["class"], lead["priority"], lead["groups"]) == ("oidc:lead", "staff", 10, ["lab-staff", "other"])
+        newcomer = me(gateway.url, issuer.token("k1", sub="new"))
+        assert (newcomer["class"], newcomer["tools"]) == ("students", ["echo", "predict"])
+    finally:
+        issuer.stop()
+
+
+def test_without_auth_me_names_only_the_tenant(serve: Any) -> None:
+    answer = httpx.get(f"{serve(tools=[echo]).url}/me").json()
+    assert answer["name"] is None and answer["class"] is None and answer["tenant"]
+
+
+def test_class_config_errors_are_one_line_naming_the_key(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    for text, message in [
+        ("[classes.a]\npriority = 'high'\n", "[classes.a]: priority must be an integer"),
+        ("[classes.a]\nlimit = 3\n", "[classes.a]: unknown keys ['limit']"),
+        ("[classes.a]\ndefault = true\n[classes.b]\ndefault = true\n", "one class may be the default"),
+        (f"[tokens.x]\ntoken = '{STAFF}'\nclass = 'gold'\n", "[tokens.x]: class 'gold' is not one of"),
+        ("[classes.a]\ngroups = 'staff'\n", "[classes.a]: groups must be a list"),
+        ("[tokenz.x]\n", "unknown tables ['tokenz']"),
+    ]:
+        bad.write_text(text)
+        with pytest.raises(AuthConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            load_access(str(bad))
