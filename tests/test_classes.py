@@ -126,3 +126,17 @@ def test_class_config_errors_are_one_line_naming_the_key(tmp_path: Path) -> None
         bad.write_text(text)
         with pytest.raises(AuthConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
             load_access(str(bad))
+
+
+def test_the_cli_says_who_a_token_is(serve: Any, tokens_file: Path) -> None:
+    from click.testing import CliRunner
+
+    from gateway.cli import commands as cli
+
+    gateway = serve(tools=[echo], tokens_file=str(tokens_file))
+    shown = CliRunner().invoke(cli.main, ["me", "--url", gateway.url, "--token", STUDENT])
+    assert shown.exit_code == 0, shown.output
+    assert "stu: class students (priority 0), weight 1" in shown.output
+    assert "tools: echo, predict" in shown.output and "running: 0 of 1 (max concurrent)" in shown.output
+    refused = CliRunner().invoke(cli.main, ["me", "--url", gateway.url, "--token", "not-a-token-of-this-gateway"])
+    assert refused.exit_code == 2 and "unknown token" in refused.output

@@ -1,5 +1,5 @@
 """The `streamgate` commands that talk to a gateway: `run` (one job, or one a record of a file), `chat`,
-`tools` and `models`; gateway/cli/commands.py adds them to the `streamgate` group. Exit codes are
+`tools`, `models` and `me`; gateway/cli/commands.py adds them to the `streamgate` group. Exit codes are
 in commands.py's docstring.
 """
 
@@ -373,3 +373,27 @@ def models(url: str, token: str | None, as_json: bool) -> None:
         click.echo(f"{model['name']}{' (default)' if model['default'] else ''}  {', '.join(f for f in facts if f)}{state}")
         if model.get("tools"):
             click.echo(f"  tools: {', '.join(model['tools'])}")
+
+
+@click.command()
+@_client_options(model=False)
+@click.option("--json", "as_json", is_flag=True, help="Print GET /me as it is.")
+def me(url: str, token: str | None, as_json: bool) -> None:
+    """Say who the token is to the gateway: its name, class and priority, what it may use, and its limits in use."""
+    caller = _fetch(url, token, lambda client: client.me())
+    if as_json:
+        click.echo(json.dumps(caller, indent=2))
+        return
+    if caller["name"] is None:
+        click.echo(f"this gateway has no auth: jobs count against {caller['tenant']}")
+        return
+    in_class = f"class {caller['class']} (priority {caller['priority']})" if caller["class"] is not None else "no class"
+    click.echo(f"{caller['name']}: {in_class}, weight {caller['weight']:g}{', admin' if caller['admin'] else ''}")
+    if caller["groups"]:
+        click.echo(f"  groups: {', '.join(caller['groups'])}")
+    for key in ("tools", "models"):
+        click.echo(f"  {key}: {', '.join(caller[key]) if caller[key] is not None else 'all'}")
+    usage = caller["usage"]
+    for key, used in (("max_concurrent", "running"), ("jobs_per_minute", "started_last_minute")):
+        limit = usage[key] if usage[key] is not None else "no limit"
+        click.echo(f"  {used.replace('_', ' ')}: {usage[used]} of {limit} ({key.replace('_', ' ')})")

@@ -1,4 +1,4 @@
-"""The `streamgate` command: `serve`, `executor`, `run`, `chat` and `tools`.
+"""The `streamgate` command: `serve`, `executor`, `run`, `chat`, `tools`, `models` and `me`.
 
 Every `serve` and `executor` flag can also be set with a `STREAMGATE_*` variable (shown in `--help`).
 `run` and `chat` exit 0 with the result (`chat`: the reply) on stdout, 1 on an
@@ -301,5 +301,5 @@ def _run_server(app: Any, settings: Settings, client_timeout: Callable[[str], No
 
 
 # The commands that talk to a gateway (gateway/cli/client_commands.py).
-for _command in (client_commands.run, client_commands.chat, client_commands.tools, client_commands.models):
+for _command in (client_commands.run, client_commands.chat, client_commands.tools, client_commands.models, client_commands.me):
     main.add_command(_command)

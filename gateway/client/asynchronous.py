@@ -67,6 +67,10 @@ class AsyncClient:
         """`GET /models`, as `Client.models`."""
         return _json_of(await self._http.get("/models"))
 
+    async def me(self) -> dict[str, Any]:
+        """`GET /me`, as `Client.me`."""
+        return _json_of(await self._http.get("/me"))
+
     async def ready(self) -> dict[str, Any]:
         """`GET /readyz`, as `Client.ready`."""
         return _readiness(await self._http.get("/readyz"))

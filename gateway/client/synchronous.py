@@ -74,6 +74,10 @@ class Client:
         """`GET /models`: `{"default", "models": [{name, kind, context_length, device, dtype, tools, …}]}`."""
         return self._loop.call(self._async.models())
 
+    def me(self) -> dict[str, Any]:
+        """`GET /me`: who this client's token says it is: `{"name", "tenant", "class", "priority", "groups", "tools", "models", "usage", …}`."""
+        return self._loop.call(self._async.me())
+
     def ready(self) -> dict[str, Any]:
         """`GET /readyz`, ready (200) or not (503) alike: `{"ready", "model", "kind", "context_length", "max_batch_size"?, …}`."""
         return self._loop.call(self._async.ready())
