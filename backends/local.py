@@ -116,6 +116,7 @@ class LocalBackend(Backend):
                 sae_specs=self.sae_specs if i == 0 else [],
                 queue_size=settings.queue_size,
                 max_queued_per_owner=settings.max_queued_per_owner,
+                min_share=settings.class_min_share,
                 worker_options=worker_options,
                 on_fatal=self._device_failed,
             )

@@ -19,6 +19,16 @@ Every waiting job is told its 1-based place in that order whenever it changes
 length per change; a flooding tenant's next job, put at the end, moves no
 one. `take` gathers jobs for a batch in the same order.
 
+Classes of users (gateway/server/classes.py) come before fairness: a job's
+`priority` (its class's) ranks it ahead of every job of a lower one, and
+tenants take turns within their own class, each class on its own clock. A
+lower class is not starved: while it has jobs waiting, at least `min_share` of
+the jobs taken are its (`--class-min-share`): once that many turns went by
+without one of its jobs, its first job is the next served, the class waiting
+longest first. The places each waiting job is told count that turn for the job
+it promotes; behind it, the order is by class. With one class, the order is as
+if there were none.
+
 Two limits refuse a job before it waits: the queue's size (429 `queue_full`)
 and the jobs one tenant may have waiting (`per_owner`, by default half the
 queue's size, rounded up; 429 `rate_limited`), so that one client cannot fill
@@ -34,6 +44,7 @@ import asyncio
 import bisect
 import contextlib
 import itertools
+import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -52,19 +63,23 @@ class _Turns(msgspec.Struct):
     next: float = 0.0
 
 
+MIN_SHARE = 0.1  # of the jobs taken, the least a waiting lower class gets
+
+
 class _Place(msgspec.Struct):
-    """A job's place in line: the line is sorted by `rank`, its start, then its arrival."""
+    """A job's place in line: the line is sorted by `rank`, its class first (the higher the sooner),
+    then its start, then its arrival."""
 
     start: float
     seq: int
     job: Job
 
     @property
-    def rank(self) -> tuple[float, int]:
-        return self.start, self.seq
+    def rank(self) -> tuple[int, float, int]:
+        return -self.job.priority, self.start, self.seq
 
 
-def _rank(place: _Place) -> tuple[float, int]:
+def _rank(place: _Place) -> tuple[int, float, int]:
     return place.rank
 
 
@@ -72,14 +87,20 @@ class JobQueue:
     """Jobs waiting for a worker, in fair order; full at `maxsize`, `per_owner` jobs per tenant at most."""
 
     def __init__(
-        self, maxsize: int, eta: Callable[[int], float | None] = lambda n: None, per_owner: int | None = None
+        self, maxsize: int, eta: Callable[[int], float | None] = lambda n: None, per_owner: int | None = None,
+        min_share: float = MIN_SHARE,
     ) -> None:
         self.maxsize = maxsize
         self.per_owner = per_owner if per_owner is not None else -(-maxsize // 2)
         self._line: list[_Place] = []
         self._places: dict[Job, _Place] = {}
         self._tenants: dict[str, _Turns] = {}  # only those with jobs waiting
-        self._clock = 0.0
+        self._clocks: dict[int, float] = {}  # each class's virtual time (by priority); only classes with jobs waiting
+        # A lower class waiting this many turns of others since its last is served next (0: never,
+        # strictly by class): one turn in every `1 / min_share` at least.
+        self._every = math.ceil(1 / min_share) - 1 if min_share > 0 else 0
+        self._taken = 0  # jobs taken so far
+        self._last_turn: dict[int, int] = {}  # by priority, of the classes waiting: `_taken` at their last turn
         self._arrivals = itertools.count()
         self._ready = asyncio.Event()
         self._eta = eta
@@ -93,7 +114,10 @@ class JobQueue:
     @property
     def head(self) -> Job | None:
         """The job served next, if any waits."""
-        return self._line[0].job if self._line else None
+        if not self._line:
+            return None
+        due = self._due()
+        return due.job if due is not None else self._line[0].job
 
     def put(self, job: Job, retry_after: float | None = None) -> None:
         if len(self._line) >= self.maxsize:
@@ -105,9 +129,11 @@ class JobQueue:
         turns = self._tenants.get(job.tenant)
         if turns is not None and turns.waiting >= self.per_owner:
             raise over_share(job.tenant, f"has {turns.waiting} jobs waiting", "--max-queued-per-owner", self._first_turn(job.tenant))
+        clock = self._clocks.setdefault(job.priority, 0.0)
         if turns is None:
-            turns = self._tenants[job.tenant] = _Turns(next=self._clock)
-        start = max(self._clock, turns.next)
+            turns = self._tenants[job.tenant] = _Turns(next=clock)
+        start = max(clock, turns.next)
+        self._last_turn.setdefault(job.priority, self._taken)
         turns.next = start + 1 / job.weight
         turns.waiting += 1
         place = _Place(start, next(self._arrivals), job)
@@ -128,6 +154,7 @@ class JobQueue:
             # unused, so that the tenant's later jobs keep their places.
             turns.next = place.start
         self._left(job.tenant)
+        self._forget_idle_classes()
         self._announce()
         return True
 
@@ -135,7 +162,8 @@ class JobQueue:
         while not self._line:
             self._ready.clear()
             await self._ready.wait()
-        place = self._line.pop(0)
+        place = self._due() or self._line[0]
+        del self._line[self._index(place)]
         self._served([place])
         self._announce()
         return place.job
@@ -146,7 +174,7 @@ class JobQueue:
         `in_turn`: none past the first job that is not wanted, which keeps its turn.
         """
         taken: list[_Place] = []
-        for place in self._line:
+        for place in self._order():
             if len(taken) >= n:
                 break
             if wanted(place.job):
@@ -180,11 +208,43 @@ class JobQueue:
     def _index(self, place: _Place) -> int:
         return bisect.bisect_left(self._line, place.rank, key=_rank)
 
+    def _order(self) -> list[_Place]:
+        """The line in the order it is served: a lower class's job due a turn first (`_due`)."""
+        due = self._due()
+        if due is None:
+            return self._line
+        return [due, *(place for place in self._line if place is not due)]
+
+    def _due(self) -> _Place | None:
+        """The first job of the lower class owed a turn (the one owed longest), if any is."""
+        if not self._every or len(self._last_turn) < 2:
+            return None
+        top = -self._line[0].rank[0]
+        owed = [(last, priority) for priority, last in self._last_turn.items() if priority != top and self._taken - last >= self._every]
+        if not owed:
+            return None
+        priority = min(owed)[1]
+        return self._line[bisect.bisect_left(self._line, (-priority, -math.inf, -1), key=_rank)]
+
     def _served(self, places: list[_Place]) -> None:
         for place in places:
             del self._places[place.job]
-            self._clock = max(self._clock, place.start)
+            priority = place.job.priority
+            self._clocks[priority] = max(self._clocks[priority], place.start)
+            self._taken += 1
+            self._last_turn[priority] = self._taken
             self._left(place.job.tenant)
+        self._forget_idle_classes()
+
+    def _forget_idle_classes(self) -> None:
+        """A class with nothing waiting starts afresh when a job of it comes: its clock, and its count of turns."""
+        for priority in [p for p in self._clocks if not self._waiting(p)]:
+            del self._clocks[priority]
+            self._last_turn.pop(priority, None)
+
+    def _waiting(self, priority: int) -> bool:
+        at = bisect.bisect_left(self._line, (-priority, -math.inf, -1), key=_rank)
+        return at < len(self._line) and self._line[at].job.priority == priority
 
     def _left(self, tenant: str) -> None:
         turns = self._tenants[tenant]
@@ -199,7 +259,7 @@ class JobQueue:
 
     def _announce(self) -> None:
         size = len(self._line)
-        for index, place in enumerate(self._line):
+        for index, place in enumerate(self._order()):
             job = place.job
             if job.position != index + 1:
                 fields: dict[str, Any] = {"position": index + 1, "queue_size": size}

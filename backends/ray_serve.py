@@ -182,15 +182,17 @@ class Replica:
     async def run(
         self, tool_name: str, params: msgspec.Raw, job_id: str, tenant: str = "", weight: float = 1.0,
         query: list[tuple[str, str]] | None = None, model: str | None = None, traceparent: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[bytes]:
-        """Run one job, queued as the gateway's `tenant` with its `weight`; its Dispatch, frames and result.
+        """Run one job, queued as the gateway's `tenant` with its `weight` and its class's `priority`; its
+        Dispatch, frames and result.
         The params come as the gateway's client sent them (`SubmitRequest` says how), decoded here; its
         spans here join the trace of the gateway's job that `traceparent` names."""
         try:
             tool = self.backend.tool(tool_name)
             decoded = await params_mod.decode_relayed(tool, bytes(params), query, model, "the body")
             with tracing.continued(traceparent):
-                job = await self.admission.admit(tool, decoded, Applicant(tenant, weight), job_id=job_id)
+                job = await self.admission.admit(tool, decoded, Applicant(tenant, weight, priority=priority), job_id=job_id)
         except ApiError as exc:
             yield encode(Dispatch(error=exc.info(), status=exc.status, retry_after=exc.retry_after))
             return
@@ -366,8 +368,9 @@ class RayBackend(Relaying):
         tool = self.tool(job.tool)
         # Only when traced: a replica deployed by an older gateway takes no `traceparent`.
         traced = {"traceparent": value} if (value := tracing.traceparent(job.span)) else {}
+        classed = {"priority": job.priority} if job.priority else {}  # nor a priority (a gateway without classes sends none)
         call = self._handle.options(stream=True).run.remote(
-            tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, **sent(job.params), **traced
+            tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, **sent(job.params), **traced, **classed
         )
         try:
             dispatch = msgspec.json.decode(await call.__anext__(), type=Dispatch)

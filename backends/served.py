@@ -17,7 +17,7 @@ from typing import Any
 
 from backends import loading as models
 from backends.workers import Worker
-from backends.queue import JobQueue
+from backends.queue import MIN_SHARE, JobQueue
 from gateway.models import sae as sae_files
 from gateway.jobs import Job
 from gateway.models import capabilities
@@ -44,6 +44,7 @@ class ServedModel:
         queue_size: int,
         max_queued_per_owner: int | None,
         worker_options: dict[str, Any],
+        min_share: float = MIN_SHARE,
         on_fatal: Callable[[BaseException], None],
     ) -> None:
         self.spec = spec
@@ -56,7 +57,7 @@ class ServedModel:
         self.sae_specs = sae_specs
         self.worker_options = worker_options
         self.on_fatal = on_fatal
-        self.queue = JobQueue(queue_size, eta=self.eta, per_owner=max_queued_per_owner)
+        self.queue = JobQueue(queue_size, eta=self.eta, per_owner=max_queued_per_owner, min_share=min_share)
         self.model: Model | None = None
         self.error: str | None = None
         self.workers: list[Worker] = []

@@ -68,6 +68,9 @@ class Token(Protocol):
     @property
     def models(self) -> frozenset[str] | None: ...  # the models it may run on (None: every one)
 
+    @property
+    def priority(self) -> int: ...  # its class's
+
 
 class Quota(Protocol):
     """Per-token concurrency and rate (gateway/server/auth.py's `Limits`): `admit` raises 429, or
@@ -121,12 +124,13 @@ class Applicant:
     weight: float = 1.0
     owner: str | None = None
     principal: Token | None = None
+    priority: int = 0  # its class's: served before lower classes (backends/queue.py)
 
     @classmethod
     def of(cls, principal: Token | None, tenant: str) -> Applicant:
         if principal is None:
             return cls(tenant)
-        return cls(tenant, principal.weight, principal.name, principal)
+        return cls(tenant, principal.weight, principal.name, principal, principal.priority)
 
 
 @dataclass(frozen=True)
@@ -226,7 +230,7 @@ class Admission:
             raise ApiError(Code.STORE_UNAVAILABLE, problem, retry_after=5)
         job = Job(
             tool.name, params, job_id=job_id, owner=applicant.owner, tenant=applicant.tenant, weight=applicant.weight,
-            after=going_on.after if going_on is not None else None,
+            after=going_on.after if going_on is not None else None, priority=applicant.priority,
         )
         # A job that can go on from its checkpoint may go on in another replica if this one stops: the
         # store keeps its request (gateway/server/redis_store/). Not one whose surface holds it here

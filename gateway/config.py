@@ -57,6 +57,7 @@ class Settings(msgspec.Struct, kw_only=True):
     job_timeout: Annotated[float, Meta(ge=0, description="Seconds a job may run before it ends with error timeout and its work is stopped (0: no limit).")] = 600.0
     queue_size: Annotated[int, Meta(ge=1, description="Jobs that may wait; more get 429 queue_full.")] = 64
     # backends/queue.py
+    class_min_share: Annotated[float, Meta(ge=0, le=0.5, description="Of the jobs a queue starts, the least a lower class of users gets while it has jobs waiting (higher classes are served first; 0: strictly by class).")] = 0.1
     max_queued_per_owner: Annotated[int, Meta(ge=1, description="Jobs one owner (a token; without tokens, a client address) may have waiting; more get 429 rate_limited. Default: half of --queue-size, rounded up.")] | None = None
     max_batch_size: Annotated[int, Meta(ge=1, description="Most jobs of one tool run together (1: no batching).")] = 32
     max_decoding_jobs: Annotated[int, Meta(ge=1, description="Most generate jobs decoding together in one continuous batch; new ones join it up to this count and as long as the priced memory of all of them fits --max-job-memory (--max-batch-size 1 turns batching off for them too).")] = 256

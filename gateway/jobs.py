@@ -77,6 +77,7 @@ class Job:
         tenant: str | None = None,
         weight: float = 1.0,
         after: int | None = None,
+        priority: int = 0,
     ) -> None:
         self.id = job_id or os.urandom(16).hex()  # as uuid4().hex is random, without building a UUID
         # `after`: the seq its log starts after, for a job another gateway replica ran until it stopped,
@@ -88,6 +89,7 @@ class Job:
         # Whom its queue place counts against, and its share of turns (gateway/tenants.py, backends/queue.py).
         self.tenant = tenant if tenant is not None else owner or ""
         self.weight = weight
+        self.priority = priority  # its class's (gateway/server/classes.py): served before lower ones
         self.params = params
         self.created = now()
         self.started: float | None = None

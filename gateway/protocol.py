@@ -420,6 +420,7 @@ class SubmitRequest(msgspec.Struct):
     job_id: str
     tenant: str | None = None
     weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    priority: int = 0  # the class of the gateway's client: the executor's queue serves higher ones first
     query: list[tuple[str, str]] | None = None
     model: str | None = None
     traceparent: str | None = None

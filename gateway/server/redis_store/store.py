@@ -299,7 +299,10 @@ class RedisStore(Writing, Reading, Replicas, Leases, JobStore):
             fields: dict[str, Any] = {"owner": self.replica_id, "snapshot": encode(job.snapshot()), "last_seq": 0, "key": key or ""}
             if job.resumable:  # another replica can go on with it if this one stops
                 fields["request"] = encode(
-                    KeptRequest(job.tool, msgspec.Raw(encode(job.params)), job.tenant, job.weight, job.owner, job.request_digest, job.created)
+                    KeptRequest(
+                        job.tool, msgspec.Raw(encode(job.params)), job.tenant, job.weight, job.owner, job.request_digest, job.created,
+                        priority=job.priority,
+                    )
                 )
                 fields["resumable"] = 1
                 pipe.zadd(self.keys.resumable, {job.id: time.time()})
