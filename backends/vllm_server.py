@@ -85,7 +85,9 @@ def vllm_command(
       memory and refuse to start on a machine with other work on it. On a GPU, without it, vLLM
       sizes its cache itself, from its share of the GPU's memory;
     - on a CPU without bfloat16 instructions (AVX512-BF16, AMX), float32: vLLM casts a float32
-      checkpoint to bfloat16 by default, which such a CPU runs 2.5-3.6x slower.
+      checkpoint to bfloat16 by default, which such a CPU runs 2.5-3.6x slower;
+    - scheduled by request priority (`--scheduling-policy priority`), which the gateway sets from the
+      job's class of users (`priority_scheduling` says whether a command line has it).
     """
     command = [
         python, "-c", _LAUNCH, str(os.getpid()), "--model", path, "--served-model-name", name,
@@ -96,11 +98,26 @@ def vllm_command(
         command += ["--dtype", dtype]
     elif dtype is None and not on_gpu and not _given(extra, "--dtype") and not cpu_has_bf16(cpuinfo):
         command += ["--dtype", "float32"]
+    if not _given(extra, "--scheduling-policy"):
+        command += ["--scheduling-policy", "priority"]
     if not _given(extra, "--kv-cache-memory-bytes", "--gpu-memory-utilization"):
         budget = kv_cache_bytes if kv_cache_bytes is not None else None if on_gpu else KV_CACHE_CPU
         if budget is not None:
             command += ["--kv-cache-memory-bytes", str(budget)]
     return command + extra
+
+
+def priority_scheduling(command: list[str]) -> bool:
+    """Whether a vLLM command line schedules by request priority (the gateway's, or --vllm-args')."""
+    for i, arg in enumerate(command):
+        if arg == "--scheduling-policy" and i + 1 < len(command):
+            policy = command[i + 1]
+        elif arg.startswith("--scheduling-policy="):
+            policy = arg.split("=", 1)[1]
+        else:
+            continue
+        return policy == "priority"
+    return False
 
 
 KV_CACHE_CPU = 2 << 30  # a vLLM server's KV cache on a CPU without --vllm-kv-cache-bytes

@@ -352,6 +352,13 @@ def test_lm_eval_through_the_gateway_scores_as_on_the_vllm_server_itself(vllm_ga
     assert through["acc"] == own["acc"]
 
 
+def test_the_server_the_gateway_starts_schedules_by_the_priority_a_jobs_class_gives_its_request(vllm_gateway: ServeProcess) -> None:
+    """A request with a priority other than 0 is refused by a vLLM server that does not schedule by
+    priority: this one takes it (the gateway started it so; its jobs' requests carry their class's)."""
+    answer = direct(vllm_gateway, "/completions", {"prompt": "Hello", "max_tokens": 2, "priority": -10})
+    assert answer["choices"][0]["text"] is not None
+
+
 def test_the_servers_refusals_are_the_protocols(vllm_gateway: ServeProcess) -> None:
     url = vllm_gateway.url
     before = httpx.get(f"{url}/jobs", timeout=10).json()["jobs"]
@@ -639,7 +646,7 @@ def test_a_vllm_server_is_sized_and_typed_for_its_device_in_flags_vllm_takes() -
     """On a CPU: a KV cache of the gateway's budget (never a share of the host's memory), and float32
     where the CPU has no bfloat16 instructions; --vllm-args and --dtype win; on a GPU, vLLM sizes its
     cache itself unless told. vLLM's own parser reads every one of these command lines."""
-    from backends.vllm_server import vllm_command, vllm_python
+    from backends.vllm_server import priority_scheduling, vllm_command, vllm_python
 
     plain = "flags : fpu avx2 fma"
     bf16 = "flags : fpu avx2 avx512f avx512_bf16"
@@ -656,6 +663,7 @@ def test_a_vllm_server_is_sized_and_typed_for_its_device_in_flags_vllm_takes() -
         "cpu_told": args(on_gpu=False, cpuinfo=plain, dtype="bfloat16", extra=["--gpu-memory-utilization", "0.5"]),
         "gpu": args(on_gpu=True, cpuinfo=plain),
         "gpu_sized": args(on_gpu=True, kv_cache_bytes=8 << 30),
+        "fcfs": args(on_gpu=False, cpuinfo=plain, extra=["--scheduling-policy", "fcfs"]),
     }
     script = (
         "import json, sys\n"
@@ -663,7 +671,7 @@ def test_a_vllm_server_is_sized_and_typed_for_its_device_in_flags_vllm_takes() -
         "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
         "cases = json.loads(sys.argv[1])\n"
         "print(json.dumps({k: {f: vars(make_arg_parser(FlexibleArgumentParser()).parse_args(a))[f] for f in "
-        "('dtype', 'kv_cache_memory_bytes', 'gpu_memory_utilization')} for k, a in cases.items()}))\n"
+        "('dtype', 'kv_cache_memory_bytes', 'gpu_memory_utilization', 'scheduling_policy')} for k, a in cases.items()}))\n"
     )
     run = subprocess.run([python, "-c", script, json.dumps(cases)], capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -675,6 +683,9 @@ def test_a_vllm_server_is_sized_and_typed_for_its_device_in_flags_vllm_takes() -
     assert parsed["cpu_told"]["gpu_memory_utilization"] == 0.5
     assert parsed["gpu"]["dtype"] == "auto" and parsed["gpu"]["kv_cache_memory_bytes"] is None
     assert parsed["gpu_sized"]["kv_cache_memory_bytes"] == 8 << 30
+    # Scheduled by request priority (the job's class of users), unless --vllm-args says otherwise.
+    assert {k: v["scheduling_policy"] for k, v in parsed.items()} == {**dict.fromkeys(cases, "priority"), "fcfs": "fcfs"}
+    assert [priority_scheduling(command) for command in cases.values()] == [True] * (len(cases) - 1) + [False]
 
 
 def test_a_vllm_server_that_cannot_start_is_not_started_again_and_readyz_says_why(tmp_path: Path) -> None:
