@@ -37,7 +37,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from gateway import checkpoints
-from gateway.cost import inline_only
+from gateway.cost import inline_only, refuse_memory
 from gateway import params as params_mod
 from gateway.errors import ApiError
 from gateway.jobs import Job, end_span
@@ -70,6 +70,9 @@ class Token(Protocol):
 
     @property
     def priority(self) -> int: ...  # its class's
+
+    @property
+    def max_job_memory(self) -> int | None: ...  # its class's bound on one job's priced memory
 
 
 class Quota(Protocol):
@@ -266,8 +269,7 @@ class Admission:
             job.cost = await self.backend.admit(tool, params, self.limits)
             priced = job.cost is not None
             if priced:
-                room = self._result_room(job, most_result)
-                _keeps_journal(job)
+                room = self._priced(job, applicant, most_result)
             if admission.get_span_context().is_valid:
                 # From here the job is its own trace's: it outlives the request, and another process
                 # continues it from this span (the time it waits queued is measured from its start).
@@ -275,12 +277,11 @@ class Admission:
             await self.backend.submit(job)
             job.resumable = job.resumable and may_go_on
             if not priced and job.cost is not None:
-                try:  # priced by the service that took it (an engine): its result is checked now
-                    room = self._result_room(job, most_result)
+                try:  # priced by the service that took it (an engine): checked now
+                    room = self._priced(job, applicant, most_result)
                 except ApiError:
                     self.backend.cancel(job)
                     raise
-                _keeps_journal(job)
         except BaseException as exc:
             release()
             if room is not None:
@@ -300,6 +301,16 @@ class Admission:
             await self.store.add(job)
         return job
 
+
+    def _priced(self, job: Job, applicant: Applicant, most_result: int | None) -> Callable[[], None] | None:
+        """A priced job's checks: its memory within its class's bound (413), its result within the
+        surface's and held in the room for results (what gives it back), its checkpoint's journal."""
+        principal = applicant.principal
+        if principal is not None and principal.max_job_memory is not None:
+            refuse_memory(job.cost, principal.max_job_memory, "max_job_memory of this token's class")
+        room = self._result_room(job, most_result)
+        _keeps_journal(job)
+        return room
 
     def _result_room(self, job: Job, most_result: int | None) -> Callable[[], None] | None:
         """A priced job's result against the surface's bound (413), then the room kept for results

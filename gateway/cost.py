@@ -203,9 +203,14 @@ class Budget:
             if not self.files:
                 raise ApiError(Code.TOO_LARGE, "this backend keeps no result files: leave out file", field=FILE_FIELD)
             _refuse(f"this job's result files would be about {_size(cost.files)}", self.files, "--max-result-file-bytes", cost.result_field)
-        if cost.memory > self.memory:
-            _refuse(f"this job needs about {_size(cost.memory)} of memory at its peak", self.memory, "--max-job-memory", cost.memory_field)
+        refuse_memory(cost, self.memory, "--max-job-memory")
         return cost
+
+
+def refuse_memory(cost: Cost, bound: int, limit: str) -> None:
+    """413 `too_large` if `cost`'s peak memory is over `bound` (`limit` names whose bound it is)."""
+    if cost.memory > bound:
+        _refuse(f"this job needs about {_size(cost.memory)} of memory at its peak", bound, limit, cost.memory_field)
 
 
 def _refuse(what: str, bound: int, flag: str, field: str) -> None:

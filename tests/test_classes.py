@@ -18,6 +18,7 @@ from tests.test_signin import AUDIENCE, LocalIssuer
 STAFF = "staff-token-0123456789abcdef"
 STUDENT = "student-token-0123456789abcd"
 GUEST = "guest-token-0123456789abcdef"
+TIGHT = "tight-token-0123456789abcdef"
 PREDICT = {"prompt": "x", "top_k": 2}
 
 TOKENS = f"""
@@ -36,12 +37,19 @@ default = true
 [classes.nowhere]
 models = ["a-model-not-served"]
 
+[classes.frugal]
+max_job_memory = "1KiB"
+
 [tokens.ci]
 token = "{STAFF}"
 class = "staff"
 
 [tokens.stu]
 token = "{STUDENT}"
+
+[tokens.tight]
+token = "{TIGHT}"
+class = "frugal"
 
 [tokens.guest]
 token = "{GUEST}"
@@ -73,7 +81,8 @@ def test_a_token_takes_its_class_and_its_own_keys_win(serve: Any, tokens_file: P
     staff = me(gateway.url, STAFF)
     assert (staff["name"], staff["class"], staff["priority"], staff["weight"]) == ("ci", "staff", 10, 2.0)
     assert staff["tools"] is None and staff["models"] is None
-    assert staff["usage"] == {"max_concurrent": 8, "jobs_per_minute": 120, "running": 0, "started_last_minute": 0}
+    assert staff["usage"] == {"max_concurrent": 8, "jobs_per_minute": 120, "running": 0, "started_last_minute": 0, "max_job_memory": None}
+    assert me(gateway.url, TIGHT)["usage"]["max_job_memory"] == 1024
     # No class named: the default class; what it leaves unset, the gateway's defaults.
     student = me(gateway.url, STUDENT)
     assert (student["class"], student["priority"], student["weight"], student["tools"]) == ("students", 0, 1.0, ["echo", "predict"])
@@ -93,6 +102,29 @@ def test_what_a_class_does_not_allow_is_refused_with_403_naming_it(serve: Any, t
     on_model = run_stream(gateway.url, "echo", {"text": "hi"}, headers=bearer(GUEST))
     assert on_model.status == 403 and "may not run jobs on the model" in on_model.body["error"]["message"]
     assert run_stream(gateway.url, "embed", {"texts": ["x"]}, headers=bearer(STAFF)).terminal["event"] == "data"
+
+
+def test_a_job_priced_over_its_class_memory_is_refused_with_413(serve: Any, tokens_file: Path) -> None:
+    gateway = serve(tools=[echo], tokens_file=str(tokens_file))
+    refused = run_stream(gateway.url, "embed", {"texts": ["x"]}, headers=bearer(TIGHT))
+    assert refused.status == 413, refused.body
+    error = refused.body["error"]
+    assert error["code"] == "too_large" and "max_job_memory of this token's class" in error["message"] and error["field"] == "texts"
+    assert run_stream(gateway.url, "embed", {"texts": ["x"]}, headers=bearer(STAFF)).terminal["event"] == "data"
+
+
+def test_an_engine_prices_the_job_and_the_gateway_holds_it_to_its_class(tiny_model_path: Path, tokens_file: Path, tmp_path: Path) -> None:
+    """The default set-up: the engine prices a relayed job, and the gateway refuses it once it knows
+    the price (the job is cancelled in the engine): the same 413 as on a model in process."""
+    from tests.test_engines import start_gateway
+
+    gateway = start_gateway(tmp_path, str(tiny_model_path), extra=("--tokens-file", str(tokens_file)))
+    try:
+        refused = run_stream(gateway.url, "embed", {"texts": ["x"]}, headers=bearer(TIGHT))
+        assert refused.status == 413 and "max_job_memory of this token's class" in refused.body["error"]["message"]
+        assert run_stream(gateway.url, "embed", {"texts": ["x"]}, headers=bearer(STAFF)).terminal["event"] == "data"
+    finally:
+        gateway.stop()
 
 
 def test_a_signed_in_users_groups_put_them_in_a_class(serve: Any, tokens_file: Path) -> None:
@@ -122,6 +154,7 @@ def test_class_config_errors_are_one_line_naming_the_key(tmp_path: Path) -> None
         (f"[tokens.x]\ntoken = '{STAFF}'\nclass = 'gold'\n", "[tokens.x]: class 'gold' is not one of"),
         ("[classes.a]\ngroups = 'staff'\n", "[classes.a]: groups must be a list"),
         ("[tokenz.x]\n", "unknown tables ['tokenz']"),
+        ("[classes.a]\nmax_job_memory = 'lots'\n", "[classes.a]: max_job_memory must be a size"),
     ]:
         bad.write_text(text)
         with pytest.raises(AuthConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -397,3 +397,5 @@ def me(url: str, token: str | None, as_json: bool) -> None:
     for key, used in (("max_concurrent", "running"), ("jobs_per_minute", "started_last_minute")):
         limit = usage[key] if usage[key] is not None else "no limit"
         click.echo(f"  {used.replace('_', ' ')}: {usage[used]} of {limit} ({key.replace('_', ' ')})")
+    if usage.get("max_job_memory") is not None:
+        click.echo(f"  memory one job may be priced at: {usage['max_job_memory']} bytes")

@@ -13,6 +13,7 @@ priority = 0
 tools = ["generate", "embed"]   # 403 for the others
 models = ["smollm2"]            # 403 for a run on another model
 max_concurrent = 2
+max_job_memory = "2GiB"         # 413 for a job priced over it (within the gateway's --max-job-memory)
 default = true                  # everyone without a class of their own
 [tokens.ci]
 token = "…"
@@ -32,7 +33,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-CLASS_KEYS = frozenset({"priority", "weight", "max_concurrent", "jobs_per_minute", "tools", "models", "groups", "default"})
+from gateway.config import parse_size
+
+CLASS_KEYS = frozenset({"priority", "weight", "max_concurrent", "jobs_per_minute", "max_job_memory", "tools", "models", "groups", "default"})
 
 
 class ClassConfigError(ValueError):
@@ -48,6 +51,7 @@ class UserClass:
     weight: float | None = None
     max_concurrent: int | None = None
     jobs_per_minute: int | None = None
+    max_job_memory: int | None = None  # bytes; the gateway's --max-job-memory bounds it too
     tools: frozenset[str] | None = None  # None: every tool
     models: frozenset[str] | None = None  # None: every model
     groups: frozenset[str] = frozenset()
@@ -83,6 +87,7 @@ def _parse(name: str, entry: Any, where: str) -> UserClass:
         weight=check_weight(entry.get("weight"), where),
         max_concurrent=check_count(entry, "max_concurrent", where),
         jobs_per_minute=check_count(entry, "jobs_per_minute", where),
+        max_job_memory=check_size(entry, "max_job_memory", where),
         tools=check_names(entry, "tools", where),
         models=check_names(entry, "models", where),
         groups=check_names(entry, "groups", where) or frozenset(),
@@ -103,6 +108,20 @@ def check_count(entry: Mapping[str, Any], key: str, where: str) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ClassConfigError(f"{where}: {key} must be an integer >= 1")
     return value
+
+
+def check_size(entry: Mapping[str, Any], key: str, where: str) -> int | None:
+    """A size in bytes: an integer, or a string such as "512MiB" or "2GiB"."""
+    value = entry.get(key)
+    if value is None:
+        return None
+    try:
+        size = value if isinstance(value, int) and not isinstance(value, bool) else parse_size(value) if isinstance(value, str) else None
+    except ValueError:
+        size = None
+    if size is None or size < 1:
+        raise ClassConfigError(f"{where}: {key} must be a size (bytes, or \"512MiB\", \"2GiB\")")
+    return size
 
 
 def check_names(entry: Mapping[str, Any], key: str, where: str) -> frozenset[str] | None:

@@ -87,6 +87,7 @@ class Allowance(msgspec.Struct):
     jobs_per_minute: int | None
     running: int
     started_last_minute: int
+    max_job_memory: int | None = None  # bytes one job may be priced at (its class's; --max-job-memory bounds it too)
 
 
 class Me(msgspec.Struct):
