@@ -117,7 +117,7 @@ class EngineLink(ExecutorLink):
             raise Unreachable("the engine's socket is not open")
         answer = self.answers[job.id] = asyncio.get_running_loop().create_future()
         op = Submit(
-            tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, priority=job.priority, request_id=request_id.get(),
+            tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, priority=job.priority, timeout=job.timeout, request_id=request_id.get(),
             traceparent=tracing.traceparent(job.span), files=not answers_inline(job), **sent(job.params),
             checkpoint=self._checkpoint(job, tool), resumed=job.resumes > 0,
         )

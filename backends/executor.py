@@ -302,7 +302,7 @@ class Executor:
         )
         try:
             with tracing.continued(submitted.traceparent):  # the job's spans here are of the gateway's job's trace
-                job = await self.admission.admit(tool, params, Applicant(tenant, submitted.weight, priority=submitted.priority), job_id=submitted.job_id)
+                job = await self.admission.admit(tool, params, Applicant(tenant, submitted.weight, priority=submitted.priority, timeout=submitted.timeout), job_id=submitted.job_id)
         finally:
             inline_only.reset(inline)
             checkpoints.given.reset(given)

@@ -51,7 +51,7 @@ from backends import server_probes
 from backends.queue import JobQueue
 from gateway.cost import DEFAULT_RESULT_BYTES, Budget
 from gateway.errors import ApiError
-from gateway.jobs import Job, end_span
+from gateway.jobs import Job, end_span, time_limit
 from gateway.plumbing import tracing
 from gateway import params as params_mod
 from gateway.protocol import Code, ModelInfo, Status, ToolInfo
@@ -466,8 +466,9 @@ class ServerLink:
         """Read the answer into the job's events; whatever ends it, the request is closed and the slot freed."""
         started = time.monotonic()
         server = f"the inference server of model {self.name}"
+        limit = time_limit(self.job_timeout, job)
         try:
-            async with asyncio.timeout(self.job_timeout or None):
+            async with asyncio.timeout(limit or None):
                 if work.stream:
                     async for line in response.aiter_lines():
                         if not line.startswith("data:"):
@@ -492,7 +493,7 @@ class ServerLink:
         except ApiError as exc:
             job.fail(exc.code, exc.message)
         except TimeoutError:
-            job.fail(Code.TIMEOUT, f"the job ran past --job-timeout ({self.job_timeout:g} s)")
+            job.fail(Code.TIMEOUT, f"the job ran past its limit of {limit:g} s")
         except (httpx.HTTPError, msgspec.DecodeError) as exc:
             job.fail(Code.BACKEND_UNAVAILABLE, f"{server} broke off its answer: {exc}")
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:

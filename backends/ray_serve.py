@@ -182,7 +182,7 @@ class Replica:
     async def run(
         self, tool_name: str, params: msgspec.Raw, job_id: str, tenant: str = "", weight: float = 1.0,
         query: list[tuple[str, str]] | None = None, model: str | None = None, traceparent: str | None = None,
-        priority: int = 0,
+        priority: int = 0, timeout: float | None = None,
     ) -> AsyncIterator[bytes]:
         """Run one job, queued as the gateway's `tenant` with its `weight` and its class's `priority`; its
         Dispatch, frames and result.
@@ -192,7 +192,7 @@ class Replica:
             tool = self.backend.tool(tool_name)
             decoded = await params_mod.decode_relayed(tool, bytes(params), query, model, "the body")
             with tracing.continued(traceparent):
-                job = await self.admission.admit(tool, decoded, Applicant(tenant, weight, priority=priority), job_id=job_id)
+                job = await self.admission.admit(tool, decoded, Applicant(tenant, weight, priority=priority, timeout=timeout), job_id=job_id)
         except ApiError as exc:
             yield encode(Dispatch(error=exc.info(), status=exc.status, retry_after=exc.retry_after))
             return
@@ -368,7 +368,8 @@ class RayBackend(Relaying):
         tool = self.tool(job.tool)
         # Only when traced: a replica deployed by an older gateway takes no `traceparent`.
         traced = {"traceparent": value} if (value := tracing.traceparent(job.span)) else {}
-        classed = {"priority": job.priority} if job.priority else {}  # nor a priority (a gateway without classes sends none)
+        # Nor a class's priority or timeout (a gateway without classes sends neither).
+        classed = {k: v for k, v in (("priority", job.priority), ("timeout", job.timeout)) if v}
         call = self._handle.options(stream=True).run.remote(
             tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, **sent(job.params), **traced, **classed
         )

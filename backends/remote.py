@@ -354,7 +354,7 @@ class ExecutorLink:
     async def _submit(self, job: Job, tool: Tool) -> None:
         """`POST /jobs`: returns once the executor took the job; raises `Unreachable`, or its refusal."""
         body = encode(SubmitRequest(
-            tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, priority=job.priority, traceparent=tracing.traceparent(job.span),
+            tool.name, job_id=job.id, tenant=job.tenant, weight=job.weight, priority=job.priority, timeout=job.timeout, traceparent=tracing.traceparent(job.span),
             files=not answers_inline(job), **sent(job.params),
         ))
         try:

@@ -135,7 +135,7 @@ class Part(Job):
     def __init__(self, spread: Spread, index: int, params: Any) -> None:
         self.spread, self.index = spread, index  # before Job's own first status
         parent = spread.job
-        super().__init__(parent.tool, params, f"{parent.id}.{index}", parent.owner, parent.tenant, parent.weight, priority=parent.priority)
+        super().__init__(parent.tool, params, f"{parent.id}.{index}", parent.owner, parent.tenant, parent.weight, priority=parent.priority, timeout=parent.timeout)
         # Its engine's spans go under it, in the job's trace.
         self.span = tracing.child(parent.span, "part", **{"streamgate.job.id": self.id, "streamgate.part": index})
 

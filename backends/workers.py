@@ -75,7 +75,7 @@ from backends.device_work import (
 from backends.queue import JobQueue
 from backends.stopping import big
 from gateway.encoding import to_json
-from gateway.jobs import Job, JobContext
+from gateway.jobs import Job, JobContext, time_limit
 from gateway.protocol import Code
 from gateway.tools.base import Cancelled, Context, Model, Tool
 from gateway.tools.batching import Batch
@@ -502,14 +502,14 @@ class Worker:
         self.running.add(job)
         # RUNNING itself is sent from the device's thread as the work starts (`JobContext.begin`):
         # with the frames and the result of a short job, in one burst and one write to its client.
-        if self.job_timeout:
-            timer = asyncio.get_running_loop().call_later(self.job_timeout, self._expire, job)
+        if limit := time_limit(self.job_timeout, job):
+            timer = asyncio.get_running_loop().call_later(limit, self._expire, job, limit)
             job.on_end.append(lambda _: timer.cancel())
         return True
 
-    def _expire(self, job: Job) -> None:
+    def _expire(self, job: Job, limit: float) -> None:
         """End a job past its deadline now; its work stops at its next step (a batch's member leaves it)."""
-        job.fail(Code.TIMEOUT, f"the job ran past its limit of {self.job_timeout:g} s and was stopped")
+        job.fail(Code.TIMEOUT, f"the job ran past its limit of {limit:g} s and was stopped")
         job.cancel()
 
     def _finish(self, job: Job, tool: Tool, outcome: StepOutcome, elapsed: float) -> None:

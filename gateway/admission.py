@@ -74,6 +74,9 @@ class Token(Protocol):
     @property
     def max_job_memory(self) -> int | None: ...  # its class's bound on one job's priced memory
 
+    @property
+    def job_timeout(self) -> float | None: ...  # its class's bound on one job's run, in seconds
+
 
 class Quota(Protocol):
     """Per-token concurrency and rate (gateway/server/auth.py's `Limits`): `admit` raises 429, or
@@ -128,12 +131,13 @@ class Applicant:
     owner: str | None = None
     principal: Token | None = None
     priority: int = 0  # its class's: served before lower classes (backends/queue.py)
+    timeout: float | None = None  # its class's job_timeout
 
     @classmethod
     def of(cls, principal: Token | None, tenant: str) -> Applicant:
         if principal is None:
             return cls(tenant)
-        return cls(tenant, principal.weight, principal.name, principal, principal.priority)
+        return cls(tenant, principal.weight, principal.name, principal, principal.priority, principal.job_timeout)
 
 
 @dataclass(frozen=True)
@@ -233,7 +237,7 @@ class Admission:
             raise ApiError(Code.STORE_UNAVAILABLE, problem, retry_after=5)
         job = Job(
             tool.name, params, job_id=job_id, owner=applicant.owner, tenant=applicant.tenant, weight=applicant.weight,
-            after=going_on.after if going_on is not None else None, priority=applicant.priority,
+            after=going_on.after if going_on is not None else None, priority=applicant.priority, timeout=applicant.timeout,
         )
         # A job that can go on from its checkpoint may go on in another replica if this one stops: the
         # store keeps its request (gateway/server/redis_store/). Not one whose surface holds it here

@@ -78,6 +78,7 @@ class Job:
         weight: float = 1.0,
         after: int | None = None,
         priority: int = 0,
+        timeout: float | None = None,
     ) -> None:
         self.id = job_id or os.urandom(16).hex()  # as uuid4().hex is random, without building a UUID
         # `after`: the seq its log starts after, for a job another gateway replica ran until it stopped,
@@ -90,6 +91,7 @@ class Job:
         self.tenant = tenant if tenant is not None else owner or ""
         self.weight = weight
         self.priority = priority  # its class's (gateway/server/classes.py): served before lower ones
+        self.timeout = timeout  # its class's job_timeout, in seconds: the runner's own limit bounds it too
         self.params = params
         self.created = now()
         self.started: float | None = None
@@ -471,6 +473,13 @@ def terminal_event(event: Event, kept: list[Kept] | None = None) -> TerminalEven
     if event.kept is not None and kept is not None:
         return TerminalEvent(event.type.value, kept_marker(kept, event.kept))
     return TerminalEvent(event.type.value, msgspec.Raw(event.data))
+
+
+def time_limit(runner: float, job: Job) -> float:
+    """The seconds `job` may run: the runner's limit (`--job-timeout`; 0: none) and its class's, the
+    smaller; 0 for no limit."""
+    limits = [limit for limit in (runner, job.timeout) if limit]
+    return min(limits) if limits else 0.0
 
 
 def end_span(span: trace.Span, code: Code, message: str) -> None:

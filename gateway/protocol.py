@@ -421,6 +421,7 @@ class SubmitRequest(msgspec.Struct):
     tenant: str | None = None
     weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     priority: int = 0  # the class of the gateway's client: the executor's queue serves higher ones first
+    timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None  # its class's job_timeout: bounds the executor's own
     query: list[tuple[str, str]] | None = None
     model: str | None = None
     traceparent: str | None = None

@@ -19,6 +19,7 @@ STAFF = "staff-token-0123456789abcdef"
 STUDENT = "student-token-0123456789abcd"
 GUEST = "guest-token-0123456789abcdef"
 TIGHT = "tight-token-0123456789abcdef"
+HASTY = "hasty-token-0123456789abcdef"
 PREDICT = {"prompt": "x", "top_k": 2}
 
 TOKENS = f"""
@@ -40,6 +41,9 @@ models = ["a-model-not-served"]
 [classes.frugal]
 max_job_memory = "1KiB"
 
+[classes.hasty]
+job_timeout = 0.5
+
 [tokens.ci]
 token = "{STAFF}"
 class = "staff"
@@ -50,6 +54,10 @@ token = "{STUDENT}"
 [tokens.tight]
 token = "{TIGHT}"
 class = "frugal"
+
+[tokens.hasty]
+token = "{HASTY}"
+class = "hasty"
 
 [tokens.guest]
 token = "{GUEST}"
@@ -81,8 +89,9 @@ def test_a_token_takes_its_class_and_its_own_keys_win(serve: Any, tokens_file: P
     staff = me(gateway.url, STAFF)
     assert (staff["name"], staff["class"], staff["priority"], staff["weight"]) == ("ci", "staff", 10, 2.0)
     assert staff["tools"] is None and staff["models"] is None
-    assert staff["usage"] == {"max_concurrent": 8, "jobs_per_minute": 120, "running": 0, "started_last_minute": 0, "max_job_memory": None}
+    assert staff["usage"] == {"max_concurrent": 8, "jobs_per_minute": 120, "running": 0, "started_last_minute": 0, "max_job_memory": None, "job_timeout": None}
     assert me(gateway.url, TIGHT)["usage"]["max_job_memory"] == 1024
+    assert me(gateway.url, HASTY)["usage"]["job_timeout"] == 0.5
     # No class named: the default class; what it leaves unset, the gateway's defaults.
     student = me(gateway.url, STUDENT)
     assert (student["class"], student["priority"], student["weight"], student["tools"]) == ("students", 0, 1.0, ["echo", "predict"])
@@ -113,6 +122,23 @@ def test_a_job_priced_over_its_class_memory_is_refused_with_413(serve: Any, toke
     assert run_stream(gateway.url, "embed", {"texts": ["x"]}, headers=bearer(STAFF)).terminal["event"] == "data"
 
 
+def test_a_job_past_its_class_time_limit_ends_with_timeout(serve: Any, tokens_file: Path) -> None:
+    from tests.test_fairness import GATES, hold, new_gate
+
+    gateway = serve(tools=[echo, hold], tokens_file=str(tokens_file))
+    gate = new_gate()
+    try:
+        ended = run_stream(gateway.url, "hold", {"gate": gate}, headers=bearer(HASTY)).terminal
+        assert ended["event"] == "error" and ended["data"]["error"]["code"] == "timeout"
+        assert "its limit of 0.5 s" in ended["data"]["error"]["message"]
+    finally:
+        GATES[gate].set()
+    # Another class's job has the gateway's own limit (600 s): it ends when its gate opens.
+    other = new_gate()
+    GATES[other].set()
+    assert run_stream(gateway.url, "hold", {"gate": other}, headers=bearer(STAFF)).terminal["event"] == "data"
+
+
 def test_an_engine_prices_the_job_and_the_gateway_holds_it_to_its_class(tiny_model_path: Path, tokens_file: Path, tmp_path: Path) -> None:
     """The default set-up: the engine prices a relayed job, and the gateway refuses it once it knows
     the price (the job is cancelled in the engine): the same 413 as on a model in process."""
@@ -123,6 +149,9 @@ def test_an_engine_prices_the_job_and_the_gateway_holds_it_to_its_class(tiny_mod
         refused = run_stream(gateway.url, "embed", {"texts": ["x"]}, headers=bearer(TIGHT))
         assert refused.status == 413 and "max_job_memory of this token's class" in refused.body["error"]["message"]
         assert run_stream(gateway.url, "embed", {"texts": ["x"]}, headers=bearer(STAFF)).terminal["event"] == "data"
+        # Its class's time limit goes with the job to the engine, whose worker stops it.
+        ended = run_stream(gateway.url, "nap", {"seconds": 30}, headers=bearer(HASTY)).terminal
+        assert ended["event"] == "error" and ended["data"]["error"]["code"] == "timeout", ended
     finally:
         gateway.stop()
 
@@ -155,6 +184,7 @@ def test_class_config_errors_are_one_line_naming_the_key(tmp_path: Path) -> None
         ("[classes.a]\ngroups = 'staff'\n", "[classes.a]: groups must be a list"),
         ("[tokenz.x]\n", "unknown tables ['tokenz']"),
         ("[classes.a]\nmax_job_memory = 'lots'\n", "[classes.a]: max_job_memory must be a size"),
+        ("[classes.a]\njob_timeout = 0\n", "[classes.a]: job_timeout must be a number of seconds > 0"),
     ]:
         bad.write_text(text)
         with pytest.raises(AuthConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

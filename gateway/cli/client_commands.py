@@ -399,3 +399,5 @@ def me(url: str, token: str | None, as_json: bool) -> None:
         click.echo(f"  {used.replace('_', ' ')}: {usage[used]} of {limit} ({key.replace('_', ' ')})")
     if usage.get("max_job_memory") is not None:
         click.echo(f"  memory one job may be priced at: {usage['max_job_memory']} bytes")
+    if usage.get("job_timeout") is not None:
+        click.echo(f"  seconds one job may run: {usage['job_timeout']:g}")

@@ -61,7 +61,7 @@ from starlette.requests import Request
 
 from gateway.errors import ApiError
 from gateway.protocol import Code
-from gateway.server.classes import ClassConfigError, UserClass, check_count, check_names, check_size, check_weight, class_of_groups, default_class, parse_classes
+from gateway.server.classes import ClassConfigError, UserClass, check_count, check_names, check_seconds, check_size, check_weight, class_of_groups, default_class, parse_classes
 from gateway.server.signin import NAME_PREFIX, Issuer, SignInError
 
 TICKET_TTL_MAX = 60.0
@@ -89,6 +89,7 @@ class Principal:
     user_class: str | None = None  # its class (gateway/server/classes.py), if any
     priority: int = 0  # its class's
     max_job_memory: int | None = None  # bytes a job of it may be priced at (its class's), within --max-job-memory
+    job_timeout: float | None = None  # seconds a job of it may run (its class's), within --job-timeout
     expires: float | None = None  # a signed-in user's: when the JWT that proved it expires
 
     @property
@@ -96,7 +97,7 @@ class Principal:
         return hashlib.sha256(self.token.encode()).digest()
 
 
-TOKEN_KEYS = frozenset({"token", "class", "tools", "models", "max_concurrent", "jobs_per_minute", "max_job_memory", "admin", "weight"})
+TOKEN_KEYS = frozenset({"token", "class", "tools", "models", "max_concurrent", "jobs_per_minute", "max_job_memory", "job_timeout", "admin", "weight"})
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,7 @@ def _token(name: str, entry: Any, where: str, classes: dict[str, UserClass], def
         max_concurrent=check_count(entry, "max_concurrent", where),
         jobs_per_minute=check_count(entry, "jobs_per_minute", where),
         max_job_memory=check_size(entry, "max_job_memory", where),
+        job_timeout=check_seconds(entry, "job_timeout", where),
         admin=entry.get("admin", False),
         weight=check_weight(entry.get("weight"), where) or 0.0,
     )
@@ -198,7 +200,8 @@ def member(own: Principal, of: UserClass | None, defaults: dict[str, int | None]
     weight = own.weight or (of.weight if of is not None and of.weight is not None else 1.0)
     return dataclasses.replace(
         own, tools=pick("tools"), models=pick("models"), max_concurrent=pick("max_concurrent"),
-        jobs_per_minute=pick("jobs_per_minute"), max_job_memory=pick("max_job_memory"), weight=weight,
+        jobs_per_minute=pick("jobs_per_minute"), max_job_memory=pick("max_job_memory"),
+        job_timeout=pick("job_timeout"), weight=weight,
         user_class=of.name if of is not None else None, priority=of.priority if of is not None else 0,
     )
 

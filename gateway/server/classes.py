@@ -14,6 +14,7 @@ tools = ["generate", "embed"]   # 403 for the others
 models = ["smollm2"]            # 403 for a run on another model
 max_concurrent = 2
 max_job_memory = "2GiB"         # 413 for a job priced over it (within the gateway's --max-job-memory)
+job_timeout = 120               # seconds a job may run (within the gateway's --job-timeout)
 default = true                  # everyone without a class of their own
 [tokens.ci]
 token = "…"
@@ -35,7 +36,7 @@ from typing import Any
 
 from gateway.config import parse_size
 
-CLASS_KEYS = frozenset({"priority", "weight", "max_concurrent", "jobs_per_minute", "max_job_memory", "tools", "models", "groups", "default"})
+CLASS_KEYS = frozenset({"priority", "weight", "max_concurrent", "jobs_per_minute", "max_job_memory", "job_timeout", "tools", "models", "groups", "default"})
 
 
 class ClassConfigError(ValueError):
@@ -52,6 +53,7 @@ class UserClass:
     max_concurrent: int | None = None
     jobs_per_minute: int | None = None
     max_job_memory: int | None = None  # bytes; the gateway's --max-job-memory bounds it too
+    job_timeout: float | None = None  # seconds; the gateway's --job-timeout bounds it too
     tools: frozenset[str] | None = None  # None: every tool
     models: frozenset[str] | None = None  # None: every model
     groups: frozenset[str] = frozenset()
@@ -88,6 +90,7 @@ def _parse(name: str, entry: Any, where: str) -> UserClass:
         max_concurrent=check_count(entry, "max_concurrent", where),
         jobs_per_minute=check_count(entry, "jobs_per_minute", where),
         max_job_memory=check_size(entry, "max_job_memory", where),
+        job_timeout=check_seconds(entry, "job_timeout", where),
         tools=check_names(entry, "tools", where),
         models=check_names(entry, "models", where),
         groups=check_names(entry, "groups", where) or frozenset(),
@@ -108,6 +111,15 @@ def check_count(entry: Mapping[str, Any], key: str, where: str) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ClassConfigError(f"{where}: {key} must be an integer >= 1")
     return value
+
+
+def check_seconds(entry: Mapping[str, Any], key: str, where: str) -> float | None:
+    value = entry.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ClassConfigError(f"{where}: {key} must be a number of seconds > 0")
+    return float(value)
 
 
 def check_size(entry: Mapping[str, Any], key: str, where: str) -> int | None:

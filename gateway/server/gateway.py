@@ -294,7 +294,7 @@ class Gateway:
         me = Me(
             name=p.name, tenant=caller.tenant, user_class=p.user_class, priority=p.priority, groups=sorted(p.groups), admin=p.admin,
             weight=p.weight, tools=sorted(p.tools) if p.tools is not None else None, models=sorted(p.models) if p.models is not None else None,
-            usage=Allowance(p.max_concurrent, p.jobs_per_minute, running, started, p.max_job_memory),
+            usage=Allowance(p.max_concurrent, p.jobs_per_minute, running, started, p.max_job_memory, p.job_timeout),
         )
         return Response(encode(me), media_type="application/json", headers={"Cache-Control": "no-store"})
 

@@ -88,6 +88,7 @@ class Allowance(msgspec.Struct):
     running: int
     started_last_minute: int
     max_job_memory: int | None = None  # bytes one job may be priced at (its class's; --max-job-memory bounds it too)
+    job_timeout: float | None = None  # seconds one job may run (its class's; --job-timeout bounds it too)
 
 
 class Me(msgspec.Struct):

@@ -44,6 +44,7 @@ class KeptRequest(msgspec.Struct, frozen=True):
     digest: str = ""
     created: float = 0.0
     priority: int = 0
+    timeout: float | None = None
 
 
 class Replicas:
@@ -175,7 +176,7 @@ class Replicas:
                 params = msgspec.json.decode(request.params, type=Relayed)
             else:
                 params = await self._admission.decode(tool, bytes(request.params), "the job's request")
-            applicant = Applicant(request.tenant, request.weight, request.owner, priority=request.priority)
+            applicant = Applicant(request.tenant, request.weight, request.owner, priority=request.priority, timeout=request.timeout)
             await self._admission.admit(tool, params, applicant, job_id=job_id, going_on=going_on)
         except Exception as exc:  # refused here: the job ends, once, with why
             if isinstance(exc, ApiError) and exc.code in RETRYABLE:  # (busy, not ready, stopping): another may take it

@@ -301,7 +301,7 @@ class RedisStore(Writing, Reading, Replicas, Leases, JobStore):
                 fields["request"] = encode(
                     KeptRequest(
                         job.tool, msgspec.Raw(encode(job.params)), job.tenant, job.weight, job.owner, job.request_digest, job.created,
-                        priority=job.priority,
+                        priority=job.priority, timeout=job.timeout,
                     )
                 )
                 fields["resumable"] = 1
