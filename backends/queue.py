@@ -98,7 +98,7 @@ class JobQueue:
         self._clocks: dict[int, float] = {}  # each class's virtual time (by priority); only classes with jobs waiting
         # A lower class waiting this many turns of others since its last is served next (0: never,
         # strictly by class): one turn in every `1 / min_share` at least.
-        self._every = math.ceil(1 / min_share) - 1 if min_share > 0 else 0
+        self._every = max(1, math.ceil(1 / min_share) - 1) if min_share > 0 else 0
         self._taken = 0  # jobs taken so far
         self._last_turn: dict[int, int] = {}  # by priority, of the classes waiting: `_taken` at their last turn
         self._arrivals = itertools.count()

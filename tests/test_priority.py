@@ -46,6 +46,13 @@ async def test_a_lower_class_keeps_its_minimum_share_while_a_higher_one_floods()
     assert sum(name.startswith("s") for name in first_twenty) == 5  # one in four, never more
     assert first_twenty[:8] == ["l0", "l1", "l2", "s0", "l3", "l4", "l5", "s1"]
     assert [name for name in served if name.startswith("s")] == [f"s{i}" for i in range(5)]
+    # Half the turns at most: the classes alternate while both wait.
+    even = JobQueue(100, min_share=0.5)
+    for i in range(3):
+        queued(even, "S", f"s{i}")
+    for i in range(3):
+        queued(even, "L", f"l{i}", priority=10)
+    assert await drain(even) == ["l0", "s0", "l1", "s1", "l2", "s2"]
     # Strictly by class with min_share 0.
     strict = JobQueue(1000, per_owner=1000, min_share=0)
     for i in range(3):
