@@ -163,6 +163,10 @@ def test_a_signed_in_users_groups_put_them_in_a_class(serve: Any, tokens_file: P
         gateway = serve(tools=[echo], tokens_file=str(tokens_file), oidc_issuer=issuer.url, oidc_audience=AUDIENCE)
         lead = me(gateway.url, issuer.token("k1", sub="lead", groups=["lab-staff", "other"]))
         assert (lead["name"], lead["class"], lead["priority"], lead["groups"]) == ("oidc:lead", "staff", 10, ["lab-staff", "other"])
+        # A ticket carries no groups: the class it checks as is the one the user's JWT proved.
+        lead_token = issuer.token("k1", sub="lead", groups=["lab-staff"])
+        ticket = httpx.post(f"{gateway.url}/auth/ticket", headers=bearer(lead_token)).json()["ticket"]
+        assert httpx.get(f"{gateway.url}/me", params={"ticket": ticket}).json()["class"] == "staff"
         newcomer = me(gateway.url, issuer.token("k1", sub="new"))
         assert (newcomer["class"], newcomer["tools"]) == ("students", ["echo", "predict"])
     finally:

@@ -61,10 +61,13 @@ from starlette.requests import Request
 
 from gateway.errors import ApiError
 from gateway.protocol import Code
-from gateway.server.classes import ClassConfigError, UserClass, check_count, check_names, check_seconds, check_size, check_weight, class_of_groups, default_class, parse_classes
+from gateway.server.classes import (
+    SHARED_KEYS, ClassConfigError, UserClass, check_weight, class_of_groups, default_class, parse_classes, shared_keys,
+)
 from gateway.server.signin import NAME_PREFIX, Issuer, SignInError
 
 TICKET_TTL_MAX = 60.0
+SIGNED_IN_KEPT = 10_000  # signed-in users whose tickets can be checked (a ticket lives a minute at most)
 # Query keys where a credential would be a mistake: refused, so it is noticed.
 LONG_LIVED_IN_QUERY = ("token", "access_token", "api_key")
 
@@ -97,7 +100,7 @@ class Principal:
         return hashlib.sha256(self.token.encode()).digest()
 
 
-TOKEN_KEYS = frozenset({"token", "class", "tools", "models", "max_concurrent", "jobs_per_minute", "max_job_memory", "job_timeout", "admin", "weight"})
+TOKEN_KEYS = frozenset({"token", "class", "admin", "weight", *SHARED_KEYS})
 
 
 @dataclass(frozen=True)
@@ -174,12 +177,7 @@ def _token(name: str, entry: Any, where: str, classes: dict[str, UserClass], def
     own = Principal(
         name=name,
         token=entry["token"],
-        tools=check_names(entry, "tools", where),
-        models=check_names(entry, "models", where),
-        max_concurrent=check_count(entry, "max_concurrent", where),
-        jobs_per_minute=check_count(entry, "jobs_per_minute", where),
-        max_job_memory=check_size(entry, "max_job_memory", where),
-        job_timeout=check_seconds(entry, "job_timeout", where),
+        **shared_keys(entry, where),
         admin=entry.get("admin", False),
         weight=check_weight(entry.get("weight"), where) or 0.0,
     )
@@ -199,9 +197,7 @@ def member(own: Principal, of: UserClass | None, defaults: dict[str, int | None]
 
     weight = own.weight or (of.weight if of is not None and of.weight is not None else 1.0)
     return dataclasses.replace(
-        own, tools=pick("tools"), models=pick("models"), max_concurrent=pick("max_concurrent"),
-        jobs_per_minute=pick("jobs_per_minute"), max_job_memory=pick("max_job_memory"),
-        job_timeout=pick("job_timeout"), weight=weight,
+        own, **{key: pick(key) for key in SHARED_KEYS}, weight=weight,
         user_class=of.name if of is not None else None, priority=of.priority if of is not None else 0,
     )
 
@@ -220,6 +216,9 @@ class Auth:
         self.issuer = issuer
         self._signed_in_limits = {"max_concurrent": max_concurrent, "jobs_per_minute": jobs_per_minute}
         self._ticket_key = secrets.token_bytes(32)  # signed-in users' tickets
+        # The users whose tickets this process issued, as their JWT proved them (their class comes from
+        # its groups, which a ticket does not carry); the most recent `SIGNED_IN_KEPT`.
+        self._ticketed: collections.OrderedDict[str, Principal] = collections.OrderedDict()
 
     @property
     def enabled(self) -> bool:
@@ -286,6 +285,11 @@ class Auth:
         """A ticket for `principal`'s GET streams, and its lifetime in seconds."""
         # In milliseconds: whole seconds would cut up to one off the ticket's life.
         now = now if now is not None else time.time()
+        if not principal.token:  # a signed-in user: kept as its JWT proved it, for its tickets' checks
+            self._ticketed.pop(principal.name, None)
+            self._ticketed[principal.name] = principal
+            while len(self._ticketed) > SIGNED_IN_KEPT:
+                self._ticketed.popitem(last=False)
         ttl = self.ticket_ttl if principal.expires is None else max(0.0, min(self.ticket_ttl, principal.expires - now))
         expiry = int((now + ttl) * 1000)
         payload = f"{principal.name}.{expiry}"
@@ -301,8 +305,8 @@ class Auth:
         except (ValueError, UnicodeDecodeError):
             raise _unauthorized("malformed ticket") from None
         principal = self.principals.get(name)
-        if principal is None and self.issuer is not None and name.startswith(NAME_PREFIX):
-            principal = self._user(name)
+        if principal is None and name.startswith(NAME_PREFIX):
+            principal = self._ticketed.get(name)
         # Sign even for an unknown name, so that timing does not tell which names exist.
         expected = self._sign(principal or Principal(name, "\0" * 16), f"{name}.{parts[1]}")
         if not hmac.compare_digest(expected, parts[2]) or principal is None:

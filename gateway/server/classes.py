@@ -36,7 +36,9 @@ from typing import Any
 
 from gateway.config import parse_size
 
-CLASS_KEYS = frozenset({"priority", "weight", "max_concurrent", "jobs_per_minute", "max_job_memory", "job_timeout", "tools", "models", "groups", "default"})
+# What a token and its class both may set: a token's own value wins over its class's (auth.py `member`).
+SHARED_KEYS = ("tools", "models", "max_concurrent", "jobs_per_minute", "max_job_memory", "job_timeout")
+CLASS_KEYS = frozenset({"priority", "weight", "groups", "default", *SHARED_KEYS})
 
 
 class ClassConfigError(ValueError):
@@ -87,15 +89,22 @@ def _parse(name: str, entry: Any, where: str) -> UserClass:
         name=name,
         priority=priority,
         weight=check_weight(entry.get("weight"), where),
-        max_concurrent=check_count(entry, "max_concurrent", where),
-        jobs_per_minute=check_count(entry, "jobs_per_minute", where),
-        max_job_memory=check_size(entry, "max_job_memory", where),
-        job_timeout=check_seconds(entry, "job_timeout", where),
-        tools=check_names(entry, "tools", where),
-        models=check_names(entry, "models", where),
+        **shared_keys(entry, where),
         groups=check_names(entry, "groups", where) or frozenset(),
         default=entry.get("default", False),
     )
+
+
+def shared_keys(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """`SHARED_KEYS` of a token's or a class's table, checked (None where not set)."""
+    return {
+        "tools": check_names(entry, "tools", where),
+        "models": check_names(entry, "models", where),
+        "max_concurrent": check_count(entry, "max_concurrent", where),
+        "jobs_per_minute": check_count(entry, "jobs_per_minute", where),
+        "max_job_memory": check_size(entry, "max_job_memory", where),
+        "job_timeout": check_seconds(entry, "job_timeout", where),
+    }
 
 
 def check_weight(value: Any, where: str) -> float | None:
