@@ -10,7 +10,7 @@ import collections
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -19,7 +19,7 @@ from backends.stopping import stoppable
 from gateway.jobs import JobContext
 from gateway.plumbing import memory, tracing
 from gateway.tools.base import Cancelled, Context, Model, Tool
-from gateway.tools.batching import Batch, Chunk, Chunked, ChunkRun
+from gateway.tools.batching import Batch, Chunk, Chunked, ChunkRun, Preemptible, Resumed
 
 
 def execute(
@@ -65,7 +65,10 @@ def step(
         for params, ctx in joining:
             ctx.begin()
             try:
-                batch.add(params, ctx)
+                if isinstance(params, Resumed):  # a preempted job taken back where it stopped
+                    cast(Preemptible, batch).resume(params.kept, ctx)
+                else:
+                    batch.add(params, ctx)
             except Exception as exc:  # this job's input alone is at fault
                 ended.append((ctx, exc))
             else:
@@ -126,7 +129,8 @@ class BatchSteps:
     """What a batch stepping on the device's thread shares with the event loop.
 
     The loop hands joining members through `inbox` and asks for a pause (to let a
-    job through) or a stop; the thread reads them between two steps. `big`: the
+    job through), a stop, or members to leave (`evict`); the thread reads them
+    between two steps. `big`: the
     members' passes are long enough to stop inside (backends/stopping.py).
     """
 
@@ -136,12 +140,28 @@ class BatchSteps:
         self.live: list[Context] = []
         self.pause = False
         self.stopped = False
+        # Members to take out after the step under way, for a job of a higher class (`Preemptible`):
+        # some of `live`, chosen on the loop.
+        self.evict: collections.deque[Context] = collections.deque()
         self.big = False
         self.changed = asyncio.Event()  # set on the loop when members end
         self.traced = tracing.Steps()  # its members whose traces are recorded, on the device's thread
 
     def offer(self, added: list[tuple[Any, Context]]) -> None:
         self.inbox.extend(added)
+
+    def preempt(self, batch: Batch) -> list[tuple[Context, Any]]:
+        """On the device's thread, between two steps: the members asked to leave taken out of the
+        batch, each with what the batch kept of it (`Preemptible.preempt`)."""
+        evict = set()
+        while self.evict:
+            evict.add(self.evict.popleft())
+        if not evict:
+            return []
+        out = cast(Preemptible, batch).preempt(evict)
+        gone = {ctx for ctx, _ in out}
+        self.live = [ctx for ctx in self.live if ctx not in gone]
+        return out
 
     def drain(self) -> list[tuple[Any, Context]]:
         added = []

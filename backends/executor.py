@@ -141,9 +141,9 @@ class Session:
         slowly lets the outbox grow by what its jobs' logs hold anyway.
         """
         inline = self.inline and event.size <= INLINE_RESULT_BYTES
-        job = self.jobs.get(event.job_id) if event.type is EventType.DATA else None
-        files = _files(job) if job is not None and job.files else None
-        self.outbox.append(encode(remote_frame(event, inline, files)))
+        job = self.jobs.get(event.job_id) if event.terminal else None
+        files = _files(job) if job is not None and event.type is EventType.DATA and job.files else None
+        self.outbox.append(encode(remote_frame(event, inline, files, job.usage if job is not None else None)))
         if event.terminal:
             self.followed.pop(event.job_id, None)
         if self.socket is not None:

@@ -22,7 +22,7 @@ def relay(job: Job, frame: RemoteFrame) -> None:
             # them, and coalescing again would drop the ones a resume replays at once.
             job.set_status(Status.RUNNING, progress=status.progress)
         elif status.status is Status.QUEUED:
-            job.set_status(Status.QUEUED, position=status.position, queue_size=status.queue_size, eta_s=status.eta_s)
+            job.set_status(Status.QUEUED, position=status.position, queue_size=status.queue_size, eta_s=status.eta_s, message=status.message)
         elif status.status is Status.RUNNING:
             job.set_status(Status.RUNNING, message=status.message)
     elif frame.kind is RemoteKind.LOG:

@@ -68,11 +68,12 @@ MIN_SHARE = 0.1  # of the jobs taken, the least a waiting lower class gets
 
 class _Place(msgspec.Struct):
     """A job's place in line: the line is sorted by `rank`, its class first (the higher the sooner),
-    then its start, then its arrival."""
+    then its start, then its arrival. `reason`: why it waits again, told with its place (it was preempted)."""
 
     start: float
     seq: int
     job: Job
+    reason: str | None = None
 
     @property
     def rank(self) -> tuple[int, float, int]:
@@ -91,6 +92,7 @@ class JobQueue:
         min_share: float = MIN_SHARE,
     ) -> None:
         self.maxsize = maxsize
+        self.min_share = min_share
         self.per_owner = per_owner if per_owner is not None else -(-maxsize // 2)
         self._line: list[_Place] = []
         self._places: dict[Job, _Place] = {}
@@ -102,6 +104,8 @@ class JobQueue:
         self._taken = 0  # jobs taken so far
         self._last_turn: dict[int, int] = {}  # by priority, of the classes waiting: `_taken` at their last turn
         self._arrivals = itertools.count()
+        # A job put back goes ahead of every arrival (their seqs count from 0), and behind those put back before it.
+        self._returns = itertools.count(-(2**62))
         self._ready = asyncio.Event()
         self._eta = eta
 
@@ -137,6 +141,24 @@ class JobQueue:
         turns.next = start + 1 / job.weight
         turns.waiting += 1
         place = _Place(start, next(self._arrivals), job)
+        bisect.insort(self._line, place, key=_rank)
+        self._places[job] = place
+        self._ready.set()
+        self._announce()
+
+    def put_back(self, job: Job, reason: str) -> None:
+        """Put a job that was running back at the head of its class (it was preempted, `reason`), ahead
+        of the jobs that came before it was taken out. It was admitted once: no limit refuses it, and
+        its tenant's turns are not counted again."""
+        clock = self._clocks.setdefault(job.priority, 0.0)
+        at = bisect.bisect_left(self._line, (-job.priority, -math.inf, -1), key=_rank)
+        waiting = at < len(self._line) and self._line[at].job.priority == job.priority
+        start = min(clock, self._line[at].start) if waiting else clock
+        turns = self._tenants.setdefault(job.tenant, _Turns(next=clock))
+        turns.waiting += 1
+        self._last_turn.setdefault(job.priority, self._taken)
+        job.position = None  # its place is told afresh, with the reason
+        place = _Place(start, next(self._returns), job, reason)
         bisect.insort(self._line, place, key=_rank)
         self._places[job] = place
         self._ready.set()
@@ -263,6 +285,8 @@ class JobQueue:
             job = place.job
             if job.position != index + 1:
                 fields: dict[str, Any] = {"position": index + 1, "queue_size": size}
+                if place.reason is not None:
+                    fields["message"] = place.reason
                 eta = self._eta(index + 1)
                 if eta is not None:
                     fields["eta_s"] = round(eta, 2)

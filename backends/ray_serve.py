@@ -202,7 +202,7 @@ class Replica:
             while True:
                 for event in await job.wait_events(seen):
                     seen = event.seq
-                    yield encode(remote_frame(event))
+                    yield encode(remote_frame(event, usage=job.usage))
                     if event.type is EventType.DATA:
                         yield event.data  # the msgpack result, through the object store
                 if job.terminal is not None and seen >= job.terminal.seq:
@@ -393,6 +393,8 @@ class RayBackend(Relaying):
         try:
             async for item in call:
                 frame = msgspec.json.decode(item, type=RemoteFrame)
+                if frame.usage is not None:  # a terminal frame's: counted in the replica
+                    job.usage.add(frame.usage)
                 if frame.kind is RemoteKind.COMPLETED:
                     result = await call.__anext__()
                     job.succeed(await asyncio.to_thread(as_json, result))

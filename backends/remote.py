@@ -122,6 +122,8 @@ class RemoteJob:
         self._apply(frame)
 
     def _apply(self, frame: RemoteFrame) -> None:
+        if frame.usage is not None:  # a terminal frame's: counted where the job ran
+            self.job.usage.add(frame.usage)
         if frame.kind is RemoteKind.ERROR:
             self.link.finish(self, *self.link.failure(frame))
         elif frame.kind is RemoteKind.COMPLETED:

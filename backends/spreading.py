@@ -152,11 +152,13 @@ class Part(Job):
             # Ended without its result in its own log: nobody reads a part's events, and a big result
             # would be held (and copied) once more until the job ends.
             super().succeed(_HELD)
+            self.spread.job.usage.add(self.usage)  # what its engine counted, the whole job's
             self.spread.succeeded(self, result)
 
     def fail(self, code: Code, message: str) -> None:
         if not self.done:
             super().fail(code, message)
+            self.spread.job.usage.add(self.usage)
             self.spread.failed(code, message)
 
 

@@ -34,6 +34,13 @@ thread (gateway/plumbing/handoff.py `call_between`), if the two fit
 `--max-job-memory` together; it then waits one block of the pass, not the pass
 (an 8k-token embed or prefill is one pass of many seconds).
 
+A continuous batch that is full (its member count, or their priced memory) and
+`Preemptible` (`generate`'s) makes room for a job of a higher class at the head
+of the queue: after the step under way, the lowest class's members leave it
+(backends/batch_members.py `victims`), queued again at the head of their class
+with what the batch kept of them, and go on where they stopped when their turn
+comes (gateway/tools/generate.py: the same completions).
+
 A tool whose work falls into independent chunks (`Tool.spread`: `embed`,
 `pseudo_loglikelihood`, `logprobs`, `loglikelihood`, `fill_mask`) runs one job
 on every device at once when there are several: the job's own device and every
@@ -64,6 +71,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
 import torch
 
 from gateway.plumbing import memory, tracing
@@ -72,15 +80,18 @@ from gateway.plumbing.memory import free_device_memory
 from backends.device_work import (
     StepOutcome, BatchSteps, assemble_chunks, device_failure, execute, plan_chunks, run_chunk, step,
 )
+from backends.batch_members import BatchMembers, job_memory
 from backends.queue import JobQueue
 from backends.stopping import big
 from gateway.encoding import to_json
 from gateway.jobs import Job, JobContext, time_limit
 from gateway.protocol import Code
 from gateway.tools.base import Cancelled, Context, Model, Tool
-from gateway.tools.batching import Batch
+from gateway.tools.batching import Batch, Preemptible
 
 log = logging.getLogger("streamgate.worker")
+
+PREEMPTED = "preempted for a job of a higher class; it goes on where it stopped"
 
 
 def set_torch_threads(threads: int | None) -> int:
@@ -100,68 +111,6 @@ def set_torch_threads(threads: int | None) -> int:
     with contextlib.suppress(RuntimeError):  # only before the first parallel work; a second call keeps the first
         torch.set_num_interop_threads(1)
     return threads
-
-
-def _memory(job: Job) -> int:
-    return job.cost.memory if job.cost is not None else 0
-
-
-class _Members:
-    """One batch's members, on the event loop: which jobs may join it (its tool, its batch key, and
-    what its members cost together, the running ones included, within --max-job-memory), those in it
-    with when each started, and their ends; `run`, what it shares with the device's thread."""
-
-    def __init__(self, worker: Worker, tool: Tool, first: Job) -> None:
-        self.worker, self.tool = worker, tool
-        self.key = tool.batch_key(first.params) if tool.batch_key is not None else None
-        self.held = _memory(first)
-        self.members: dict[Context, tuple[Job, float]] = {}
-        self.run = BatchSteps()
-        self.loop = asyncio.get_running_loop()
-
-    def compatible(self, job: Job) -> bool:
-        return job.tool == self.tool.name and (self.tool.batch_key is None or self.tool.batch_key(job.params) == self.key)
-
-    def joins(self, job: Job) -> bool:
-        # A batch is one padded pass (or one step of each member): its members' prices add up,
-        # and it takes no member that would carry it past --max-job-memory (that one waits its turn).
-        limit = self.worker.batch_memory
-        if not self.compatible(job) or (limit and self.held + _memory(job) > limit):
-            return False
-        self.held += _memory(job)
-        return True
-
-    def admit(self, jobs: list[Job]) -> list[tuple[Any, Context]]:
-        """The jobs that start (those a cancel or a timeout ended meanwhile do not), as the batch takes them."""
-        worker, added = self.worker, []
-        for job in jobs:
-            if worker._admit(job):
-                ctx = worker.context(job)
-                self.members[ctx] = (job, self.loop.time())
-                added.append((job.params, ctx))
-            else:
-                self.held -= _memory(job)
-        worker._last_batch[self.tool.name] = max(worker._last_batch.get(self.tool.name, 0), len(self.members))
-        self.run.big = big([job for job, _ in self.members.values()])
-        return added
-
-    def finish(self, ended: list[tuple[Context, StepOutcome]], size: int | None) -> None:
-        """End the members `ended` with their outcomes; `size`: the step's batch size (None: no step ran)."""
-        if size is not None:
-            self.worker.batch_sizes[size] += 1
-        for ctx, outcome in ended:
-            if (member := self.members.pop(ctx, None)) is None:  # ended already, by a failure of the batch
-                continue
-            job, started = member
-            self.held -= _memory(job)
-            try:
-                self.worker._finish(job, self.tool, outcome, self.loop.time() - started)
-            except Exception:  # one member's bookkeeping must not leave the others unended
-                log.exception("ending job %s failed", job.id, extra={"job_id": job.id})
-                job.fail(Code.INTERNAL, "the job could not be ended normally")
-        if ended:
-            self.run.big = big([job for job, _ in self.members.values()])
-            self.run.changed.set()
 
 
 class Worker:
@@ -207,6 +156,8 @@ class Worker:
         self.peers: list[Worker] = [self]
         # The batches stepping on the device's thread now (one, and one let through while it waits).
         self._runs: set[BatchSteps] = set()
+        # The running jobs with a time limit: each one's timer, and when it was set.
+        self._timers: dict[Job, tuple[asyncio.TimerHandle, float]] = {}
 
     @property
     def busy(self) -> bool:
@@ -278,7 +229,7 @@ class Worker:
         """Whether `job` may run inside a long pass that holds `held` priced bytes: priced and short
         itself (no stop points of its own, so it ends within its own pass; a job with no price could
         run for as long as it likes there), and both within --max-job-memory."""
-        return job.cost is not None and not big([job]) and (not self.batch_memory or held + _memory(job) <= self.batch_memory)
+        return job.cost is not None and not big([job]) and (not self.batch_memory or held + job_memory(job) <= self.batch_memory)
 
     async def _let_in(self, work: asyncio.Future[Any], held: int) -> None:
         """While a long pass runs (`work`), each job at the head of the queue that `_fits_in` it runs
@@ -318,21 +269,23 @@ class Worker:
         long = big([job])
 
         def run() -> None:
+            began = time.perf_counter()
             try:
                 outcome: StepOutcome = execute(tool, self.model, job.params, ctx, self.encode, stop=long)
             except Exception as exc:
                 outcome = exc
+            ctx.usage.device_s += time.perf_counter() - began
             # The job ends in the hand-off that carries its frames: a short job's RUNNING, partials and
             # terminal event reach its client in one write.
             self._thread_post(lambda: self._finish(job, tool, outcome, loop.time() - started))
 
         work = self._call(between)(run)
         if long and not between:
-            await self._let_in(work, _memory(job))
+            await self._let_in(work, job_memory(job))
         await work
 
     async def _run_batch(self, first: Job, tool: Tool, idle: bool = False, lets_through: bool = True, between: bool = False) -> None:
-        group = _Members(self, tool, first)
+        group = BatchMembers(self, tool, first)
         batch: Batch = tool.batch(self.model)
         most = self.max_decoding_jobs if batch.continuous else self.max_batch_size
         joining = [first, *self.queue.take(group.joins, most - 1)]
@@ -366,12 +319,12 @@ class Worker:
         finally:
             self._runs.discard(group.run)
 
-    async def _drive(self, group: _Members, batch: Batch, most: int, lets_through: bool, between: bool) -> None:
+    async def _drive(self, group: BatchMembers, batch: Batch, most: int, lets_through: bool, between: bool) -> None:
         """Step `group`'s batch on the device until its members have ended: meanwhile, let a job through
         between (or inside) its steps, take joining ones between steps, and end members as they end."""
         run, members = group.run, group.members
         while members:
-            steps = self._call(between)(self._steps, batch, run, group.finish)
+            steps = self._call(between)(self._steps, batch, run, group)
             try:
                 # While the device steps: a job the batch cannot take at the head of the queue pauses
                 # it after its step (let through below), or, short and the step long, runs inside
@@ -387,9 +340,18 @@ class Worker:
                         continue
                     if head is not None and not group.compatible(head):
                         run.pause = True
-                    elif batch.continuous and not run.pause and len(members) < most:
-                        # In turn: a job the batch cannot take keeps those behind it out until it has run.
-                        run.offer(group.admit(self.queue.take(group.joins, most - len(members), in_turn=True)))
+                    elif batch.continuous and not run.pause:
+                        if len(members) < most and (owed := group.owed(head, most)) is not None:
+                            # The lower classes below their share of the places: theirs first, out of turn.
+                            run.offer(group.admit(self.queue.take(owed, 1)))
+                        if len(members) < most:
+                            # In turn: a job the batch cannot take keeps those behind it out until it has run.
+                            run.offer(group.admit(self.queue.take(group.joins, most - len(members), in_turn=True)))
+                        if (head := self.queue.head) is not None and isinstance(batch, Preemptible):
+                            # A higher class's job the batch has no room for: lower ones leave after this step.
+                            leave = group.victims(head, most)
+                            run.evict.extend(leave)
+                            group.leaving.update(leave)
                     await self._stepping(steps, run)
                 left = await steps
             except Exception as exc:  # the batch as a whole failed: every member ends with it
@@ -421,23 +383,30 @@ class Worker:
             for waiter in waiters:
                 waiter.cancel()
 
-    def _steps(self, batch: Batch, run: BatchSteps, finish: Callable[[list[tuple[Context, StepOutcome]], int | None], None]) -> int:
+    def _steps(self, batch: Batch, run: BatchSteps, group: BatchMembers) -> int:
         """A batch's steps, back to back on the device's thread, until it is empty, paused or
         stopped; the members left in it.
 
         The event loop is not asked between two steps, so that a step never waits for the loop's
         turn: each step's frames and ended members go to it in one hand-off, and jobs join through
-        `run`'s inbox.
+        `run`'s inbox (and leave, preempted, through its `evict`).
         """
         while True:
+            if run.evict and (out := run.preempt(batch)):
+                self._thread_post(lambda out=out: group.preempted(out))
             added = run.drain()
             run.live += [ctx for _, ctx in added]
+            began = time.perf_counter()
             ended = step(batch, added, self.encode, *((self.model, run.live) if run.big else ()), traced=run.traced)
             size = len(run.live)
+            if size:  # the step's device time, shared by the members it ran for
+                share = (time.perf_counter() - began) / size
+                for ctx in run.live:
+                    ctx.usage.device_s += share
             if ended:
                 gone = {ctx for ctx, _ in ended}
                 run.live = [ctx for ctx in run.live if ctx not in gone]
-            self._thread_post(lambda ended=ended, size=size: finish(ended, size))
+            self._thread_post(lambda ended=ended, size=size: group.finish(ended, size))
             if run.pause or run.stopped or (not len(batch) and not run.inbox):
                 return len(batch)
 
@@ -464,6 +433,9 @@ class Worker:
                     began = time.time_ns()
                     try:
                         await worker.call(run_chunk, work, worker.model, params, chunk, run)
+                        share = (time.time_ns() - began) / 1e9 / len(chunk.items)  # by items, each a row of the pass
+                        for i, _ in chunk.items:
+                            ctxs[i].usage.device_s += share
                     except BaseException as exc:
                         left.clear()  # the others stop after their chunk in flight
                         if (failure := device_failure(exc)) == "oom":
@@ -503,9 +475,29 @@ class Worker:
         # RUNNING itself is sent from the device's thread as the work starts (`JobContext.begin`):
         # with the frames and the result of a short job, in one burst and one write to its client.
         if limit := time_limit(self.job_timeout, job):
-            timer = asyncio.get_running_loop().call_later(limit, self._expire, job, limit)
-            job.on_end.append(lambda _: timer.cancel())
+            # Its time runs while it runs: a job preempted and queued again has what it had left.
+            loop = asyncio.get_running_loop()
+            self._timers[job] = (loop.call_later(max(0.0, limit - job.ran_s), self._expire, job, limit), loop.time())
+            if self._stop_timer not in job.on_end:
+                job.on_end.append(self._stop_timer)
         return True
+
+    def _stop_timer(self, job: Job) -> float:
+        """Stop the job's timer; the seconds it ran since it was set."""
+        timer, since = self._timers.pop(job, (None, 0.0))
+        if timer is None:
+            return 0.0
+        timer.cancel()
+        return asyncio.get_running_loop().time() - since
+
+    def _preempted(self, job: Job, kept: Any) -> None:
+        """`job` left its batch for a higher class's: queued again at the head of its class, to go on
+        from what its batch `kept` (its client is told it waits, where, and why)."""
+        self.running.discard(job)
+        job.ran_s += self._stop_timer(job)
+        job.kept = kept
+        job.preemptions += 1
+        self.queue.put_back(job, PREEMPTED)
 
     def _expire(self, job: Job, limit: float) -> None:
         """End a job past its deadline now; its work stops at its next step (a batch's member leaves it)."""
@@ -514,6 +506,11 @@ class Worker:
 
     def _finish(self, job: Job, tool: Tool, outcome: StepOutcome, elapsed: float) -> None:
         self.running.discard(job)
+        usage = job.usage
+        if not usage.tokens_in and job.cost is not None:  # a tool that counts no tokens read those it was priced for
+            usage.tokens_in = job.cost.tokens
+        if isinstance(outcome, msgspec.Raw):
+            usage.result_bytes += len(outcome)
         # A tool that raised after its job was cancelled still reports its error;
         # a result that came after a cancel is not delivered.
         if isinstance(outcome, Cancelled) or (job.cancel_requested.is_set() and not isinstance(outcome, BaseException)):

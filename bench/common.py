@@ -323,9 +323,11 @@ class JobRun:
         return self.events[0].at - self.sent
 
 
-async def run_job(port: int, path: str, params: Any, *, method: str = "POST", source: str | None = None) -> JobRun:
+async def run_job(
+    port: int, path: str, params: Any, *, method: str = "POST", source: str | None = None, headers: dict[str, str] | None = None
+) -> JobRun:
     """POST `params` to `path` and follow the stream to its terminal event (or its end)."""
-    response = await Response.open(port, method, path, msgspec.json.encode(params), source=source)
+    response = await Response.open(port, method, path, msgspec.json.encode(params), headers=headers, source=source)
     run = JobRun(response.status, response.headers.get("x-job-id", ""), response.sent)
     try:
         if response.status != 200:

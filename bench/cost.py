@@ -57,6 +57,9 @@ class Quiet:
     def partial(self, obj: Any) -> None:
         pass
 
+    def count(self, tokens_in: int = 0, tokens_out: int = 0) -> None:
+        pass
+
     def raise_if_cancelled(self) -> None:
         pass
 

@@ -7,7 +7,9 @@ and says who asks (`Applicant`). The steps, in the protocol's order (shared/PROT
 1. not shutting down (503 `shutting_down`);
 2. params decoded (on the parsing thread when big, gateway/params.py) and put on a served model;
 3. the store reachable, and the request's idempotency key bound, or the job it started found;
-4. the applicant's token quota (429 `rate_limited`);
+4. the applicant's token quota, and its class's quotas on what it used (gateway/server/metering.py):
+   429 `rate_limited`; a completion webhook's URL (`Callback-URL`, gateway/server/webhooks.py),
+   checked with the request's (400, 403) and kept for the job's end;
 5. the backend's checks: server caps, readiness, the model's capabilities, the tool's own
    check and the job's price (gateway/cost.py: 413 `too_large`);
 6. room for its priced result where finished results are kept (gateway/plumbing/spool.py: 503
@@ -77,12 +79,36 @@ class Token(Protocol):
     @property
     def job_timeout(self) -> float | None: ...  # its class's bound on one job's run, in seconds
 
+    @property
+    def user_class(self) -> str | None: ...
+
+    @property
+    def quotas(self) -> Any: ...  # its class's quotas on its use (gateway/server/classes.py `Quotas`)
+
 
 class Quota(Protocol):
     """Per-token concurrency and rate (gateway/server/auth.py's `Limits`): `admit` raises 429, or
     returns what gives the place back."""
 
     def admit(self, principal: Any) -> Callable[[], None]: ...
+
+
+class Metering(Protocol):
+    """What jobs use, settled as they end, and the quotas on it (gateway/server/metering.py `Meter`):
+    `check` raises 429 for a tenant that used up one of its class's quotas."""
+
+    async def check(self, tenant: str, quotas: Any, user_class: str | None) -> None: ...
+
+    def settle(self, job: Job, user_class: str | None) -> None: ...
+
+
+class Callbacks(Protocol):
+    """Completion webhooks (gateway/server/webhooks.py): `check` a run's callback URL for its caller
+    (400, 403), and have a job's terminal event delivered to it (`waiting`)."""
+
+    def check(self, url: str, principal: Any) -> str: ...
+
+    async def waiting(self, job: Job, url: str) -> None: ...
 
 
 class Binding(NamedTuple):
@@ -172,6 +198,8 @@ class Admission:
     quota: Quota | None = None
     metrics: Tracking | None = None
     room: Room | None = None
+    meter: Metering | None = None
+    webhooks: Callbacks | None = None
 
     def refuse_if_draining(self) -> None:
         if self.drain is not None:
@@ -200,24 +228,27 @@ class Admission:
         return job
 
     async def admit_once(
-        self, tool: Tool, params: Any, applicant: Applicant, key: str | None, *, most_result: int | None = None
+        self, tool: Tool, params: Any, applicant: Applicant, key: str | None, *, most_result: int | None = None,
+        callback: str | None = None,
     ) -> Job | Attached:
         """`admit`, for a request that may carry an `Idempotency-Key` (`key`): the same request
         with it again, from the same token (one token cannot reach another's job by guessing its
-        key), is `Attached` to the job it started; another request with it is a 409."""
-        return await self._admit(tool, params, applicant, None, key, most_result)
+        key), is `Attached` to the job it started; another request with it is a 409. `callback`:
+        the URL its terminal event is to be delivered to (`Callback-URL`)."""
+        return await self._admit(tool, params, applicant, None, key, most_result, callback=callback)
 
     async def _admit(
         self, tool: Tool, params: Any, applicant: Applicant, job_id: str | None, key: str | None, most_result: int | None = None,
-        going_on: GoingOn | None = None,
+        going_on: GoingOn | None = None, callback: str | None = None,
     ) -> Job | Attached:
         parent = otel_context.get_current()
         span = tracer.start_span("admission", parent, attributes={"streamgate.tool": tool.name})
+        steps = functools.partial(self._steps, tool, params, applicant, job_id, key, parent, span, most_result, going_on, callback)
         if not span.get_span_context().is_valid:  # no tracing: not even the API's no-op context manager (5 µs)
-            return await self._steps(tool, params, applicant, job_id, key, parent, span, most_result, going_on)
+            return await steps()
         try:
             with trace.use_span(span, record_exception=False, set_status_on_exception=False):
-                admitted = await self._steps(tool, params, applicant, job_id, key, parent, span, most_result, going_on)
+                admitted = await steps()
         except BaseException as exc:
             end_span(span, *_refusal(exc))
             raise
@@ -229,26 +260,23 @@ class Admission:
     async def _steps(
         self, tool: Tool, params: Any, applicant: Applicant, job_id: str | None, key: str | None,
         parent: otel_context.Context, admission: trace.Span, most_result: int | None = None, going_on: GoingOn | None = None,
+        callback: str | None = None,
     ) -> Job | Attached:
         self.refuse_if_draining()
+        if callback is not None:
+            if self.webhooks is None:
+                raise ApiError(Code.BAD_REQUEST, "this surface sends no webhooks: leave out Callback-URL")
+            callback = self.webhooks.check(callback, applicant.principal)
         # Its model by name, so that what the job records, routes by and is keyed on never depends on the default.
         params = _may_run_on(applicant, params_mod.on_model(params, self.backend.resolve_model))
         if (problem := getattr(self.store, "problem", None)) is not None:  # a shared store that is unreachable
             raise ApiError(Code.STORE_UNAVAILABLE, problem, retry_after=5)
-        job = Job(
-            tool.name, params, job_id=job_id, owner=applicant.owner, tenant=applicant.tenant, weight=applicant.weight,
-            after=going_on.after if going_on is not None else None, priority=applicant.priority, timeout=applicant.timeout,
-        )
         # A job that can go on from its checkpoint may go on in another replica if this one stops: the
         # store keeps its request (gateway/server/redis_store/). Not one whose surface holds it here
         # to build its answer from its result (the OpenAI routes, /mcp): that answer would be lost.
         # Params relayed undecoded (an engine's) are judged where they are decoded, as the job is taken.
         may_go_on = not inline_only.get() and most_result is None
-        job.resumable = may_go_on and checkpoints.resumable(tool, params)
-        if going_on is not None:
-            job.created = going_on.created or job.created
-            job.resumes = 1  # its run goes on from the checkpoint the replica before left
-            job.partials_earlier = job.skip_partials = going_on.partials
+        job = _new_job(tool, params, applicant, job_id, may_go_on, going_on)
         digest, scoped = "", None
         if key is not None:
             assert self.store is not None, "an idempotency key needs a store to bind it in"
@@ -268,12 +296,13 @@ class Admission:
         release = lambda: None  # noqa: E731
         room = None
         try:
-            if self.quota is not None:
-                release = self.quota.admit(applicant.principal)
+            release = await self._quotas(applicant)
             job.cost = await self.backend.admit(tool, params, self.limits)
             priced = job.cost is not None
             if priced:
                 room = self._priced(job, applicant, most_result)
+            if callback is not None and self.webhooks is not None:
+                await self.webhooks.waiting(job, callback)
             if admission.get_span_context().is_valid:
                 # From here the job is its own trace's: it outlives the request, and another process
                 # continues it from this span (the time it waits queued is measured from its start).
@@ -298,6 +327,9 @@ class Admission:
             given_back = room
             job.on_end.append(lambda _: given_back())
         job.on_end.append(lambda _: release())
+        if (meter := self.meter) is not None:
+            user_class = applicant.principal.user_class if applicant.principal is not None else None
+            job.on_end.append(lambda ended: meter.settle(ended, user_class))
         job.idempotency_key, job.request_digest = scoped, digest
         if going_on is not None:  # bound before, by the replica that first admitted it
             job.idempotency_key, job.request_digest = going_on.key, going_on.digest
@@ -305,6 +337,19 @@ class Admission:
             await self.store.add(job)
         return job
 
+
+    async def _quotas(self, applicant: Applicant) -> Callable[[], None]:
+        """The token's place within its limits (429; what gives it back), and its class's quotas on
+        what it used (429)."""
+        release = self.quota.admit(applicant.principal) if self.quota is not None else lambda: None
+        principal = applicant.principal
+        try:
+            if self.meter is not None and principal is not None and principal.quotas:
+                await self.meter.check(applicant.tenant, principal.quotas, principal.user_class)
+        except BaseException:
+            release()
+            raise
+        return release
 
     def _priced(self, job: Job, applicant: Applicant, most_result: int | None) -> Callable[[], None] | None:
         """A priced job's checks: its memory within its class's bound (413), its result within the
@@ -330,6 +375,19 @@ class Admission:
         # Result files are kept where results are (gateway/plumbing/spool.py `adopt`), and a checkpoint's
         # journal beside them while its job runs: held with them.
         return self.room.hold(cost.result + cost.files + cost.journal, cost.result_field) if self.room is not None else None
+
+
+def _new_job(tool: Tool, params: Any, applicant: Applicant, job_id: str | None, may_go_on: bool, going_on: GoingOn | None) -> Job:
+    job = Job(
+        tool.name, params, job_id=job_id, owner=applicant.owner, tenant=applicant.tenant, weight=applicant.weight,
+        after=going_on.after if going_on is not None else None, priority=applicant.priority, timeout=applicant.timeout,
+    )
+    job.resumable = may_go_on and checkpoints.resumable(tool, params)
+    if going_on is not None:
+        job.created = going_on.created or job.created
+        job.resumes = 1  # its run goes on from the checkpoint the replica before left
+        job.partials_earlier = job.skip_partials = going_on.partials
+    return job
 
 
 def _may_run_on(applicant: Applicant, params: Any) -> Any:

@@ -131,6 +131,11 @@ class Settings(msgspec.Struct, kw_only=True):
     oidc_groups_claim: Annotated[str, Meta(min_length=1, extra=SERVE, description="The JWT claim listing the user's groups.")] = "groups"
     oidc_algorithms: Annotated[list[str], Meta(extra={**SERVE, "split": ","}, description="The signature algorithms a JWT may use, comma-separated; asymmetric ones only.")] = msgspec.field(default_factory=lambda: ["RS256", "PS256", "ES256", "EdDSA"])
     oidc_jwks_refresh: Annotated[float, Meta(ge=10, extra=SERVE, description="Seconds after which the issuer's keys are fetched again (also at once for a key id they lack, at most every 10 s).")] = 300.0
+    # gateway/server/webhooks.py
+    webhook_secret: Annotated[str, Meta(extra=SERVE, description="The Standard Webhooks secret (whsec_ and base64) completion webhooks are signed with; with it, a run may name a Callback-URL (prefer the env var).")] | None = None
+    callback_hosts: Annotated[list[str], Meta(extra={**SERVE, "split": ","}, description="The hosts a Callback-URL may name, comma-separated (exact, or *.domain); none given: any public host. A private or loopback address only when listed exactly.")] = msgspec.field(default_factory=list)
+    webhook_attempts: Annotated[int, Meta(ge=1, le=30, extra=SERVE, description="Tries to deliver a completion webhook, apart by a backoff from 1 s doubling up to 10 minutes.")] = 10
+    webhook_timeout: Annotated[float, Meta(gt=0, le=60, extra=SERVE, description="Seconds a webhook receiver has to answer one try.")] = 10.0
     write_timeout: Annotated[float, Meta(ge=1, extra=SERVE, description="Seconds a stream's write may block (a half-open connection) before the client is detached.")] = 30.0
     cors_origins: Annotated[list[str], Meta(extra={**SERVE, "split": ","}, description="Origins allowed to call from a browser, comma-separated (none by default).")] = msgspec.field(default_factory=list)
 

@@ -32,6 +32,7 @@ import msgspec
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
+from gateway.usage import JobUsage
 from gateway.protocol import (
     RETRYABLE,
     JobSnapshot,
@@ -91,6 +92,14 @@ class Job:
         self.tenant = tenant if tenant is not None else owner or ""
         self.weight = weight
         self.priority = priority  # its class's (gateway/server/classes.py): served before lower ones
+        # Preempted for a higher class's job (backends/workers.py): how often, the seconds it had run
+        # (its time limit counts only those), and what its batch kept of it to go on from.
+        # What it used (gateway/usage.py): written by the thread its work runs on, or from the terminal
+        # frame of the process that ran it; read once it has ended.
+        self.usage = JobUsage()
+        self.preemptions = 0
+        self.ran_s = 0.0
+        self.kept: Any = None
         self.timeout = timeout  # its class's job_timeout, in seconds: the runner's own limit bounds it too
         self.params = params
         self.created = now()
@@ -519,6 +528,18 @@ class JobContext:
 
     def log(self, message: str, level: str = "info") -> None:
         self._call(self._job.log, str(message), level)
+
+    def count(self, tokens_in: int = 0, tokens_out: int = 0) -> None:
+        # On the thread the work runs on, straight into the job's count: only that thread writes it
+        # while the job runs, and the loop reads it after the job's end, which that thread posts.
+        usage = self._job.usage
+        usage.tokens_in += tokens_in
+        usage.tokens_out += tokens_out
+
+    @property
+    def usage(self) -> JobUsage:
+        """The job's count, for its worker to add device-seconds to."""
+        return self._job.usage
 
     def partial(self, obj: Any) -> None:
         # Encode now, on the worker thread: the tool may reuse `obj` afterwards.

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Protocol
 
 import msgspec
 
+from gateway.usage import JobUsage
+
 
 class Status(str, enum.Enum):
     RECEIVED = "RECEIVED"
@@ -178,6 +180,19 @@ class TerminalEvent(msgspec.Struct):
     data: msgspec.Raw
 
 
+class Callback(msgspec.Struct, omit_defaults=True):
+    """A job's completion webhook (`Callback-URL`), as `GET /jobs/{id}` shows it: `state` is `waiting`
+    (the job runs), `pending` (its terminal event is being delivered, or waits for its next try),
+    `delivered` or `failed` (every try failed, or the receiver refused it for good)."""
+
+    url: str
+    state: str
+    attempts: int = 0
+    last_status: int | None = None  # the receiver's last HTTP status
+    last_error: str | None = None
+    next_try_in_s: float | None = None
+
+
 class JobSnapshot(msgspec.Struct, omit_defaults=True):
     """`GET /jobs/{id}`: where a job stands.
 
@@ -198,6 +213,7 @@ class JobSnapshot(msgspec.Struct, omit_defaults=True):
     terminal: TerminalEvent | None = None
     # The name of the token that started the job (none without tokens): only it, or an admin, sees the job.
     owner: str | None = None
+    callback: Callback | None = None
 
 
 class ResultFile(msgspec.Struct, omit_defaults=True):
@@ -358,7 +374,7 @@ class RemoteKind(str, enum.Enum):
     REFUSED = "refused"
 
 
-class RemoteFrame(msgspec.Struct):
+class RemoteFrame(msgspec.Struct, omit_defaults=True):
     """One event of a job, executor → gateway on the session socket.
 
     `seq` is the executor's sequence number for the job (what `resume` counts
@@ -366,7 +382,8 @@ class RemoteFrame(msgspec.Struct):
     `completed` carries `null`, the result to be fetched from `GET /jobs/{id}/result`,
     or, from an executor whose results are JSON (an engine), the result itself; `files`
     names the result files the job wrote beside it, each fetched from `GET /jobs/{id}/files/{name}`
-    before the gateway ends the job.
+    before the gateway ends the job. A terminal frame (`completed`, `error`) carries what the job
+    used (`usage`, gateway/usage.py), for the gateway's meter.
     """
 
     job_id: str
@@ -374,6 +391,7 @@ class RemoteFrame(msgspec.Struct):
     kind: RemoteKind
     data: msgspec.Raw
     files: list[ResultFile] | None = None
+    usage: JobUsage | None = None
 
 
 class Accepted(msgspec.Struct):
@@ -465,10 +483,12 @@ REMOTE_KIND = {
 }
 
 
-def remote_frame(event: Event, inline: bool = False, files: list[ResultFile] | None = None) -> RemoteFrame:
+def remote_frame(event: Event, inline: bool = False, files: list[ResultFile] | None = None, usage: JobUsage | None = None) -> RemoteFrame:
     """An executor job's event as a session frame; its result stays behind to be fetched, unless
     `inline` (the result is JSON, and the gateway is an engine's, on the same machine); `files`:
-    the result files a `completed` job wrote."""
+    the result files a `completed` job wrote; `usage`: what it used (a terminal event's)."""
     kind = REMOTE_KIND[event.type]
     data = msgspec.Raw(b"null" if kind is RemoteKind.COMPLETED and not inline else event.data)
-    return RemoteFrame(event.job_id, event.seq, kind, data, files if kind is RemoteKind.COMPLETED and files else None)
+    return RemoteFrame(
+        event.job_id, event.seq, kind, data, files if kind is RemoteKind.COMPLETED and files else None, usage if event.terminal else None
+    )

@@ -48,12 +48,15 @@ from tests.support.tiny_models import (  # noqa: F401  (the tests' names for the
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test`: `--dist loadgroup`), each file's tests run in one process, so
     that its module fixtures start once; every test of the one vLLM server (`vllm_gateway`, and the
-    benchmark that starts its own) in one process, first, as they take longest; Ray's in one."""
+    benchmark that starts its own) in one process, first, as they take longest; Ray's in one; those of
+    the gateway with classes (`classed_engine`) in one."""
     for item in items:
         if item.get_closest_marker("vllm") is not None or "vllm_gateway" in getattr(item, "fixturenames", ()):
             group = "vllm"
         elif item.get_closest_marker("ray") is not None:
             group = "ray"
+        elif "classed_engine" in getattr(item, "fixturenames", ()):
+            group = "classed"
         else:
             group = item.nodeid.split("::", 1)[0]
         item.add_marker(pytest.mark.xdist_group(group))
@@ -473,3 +476,30 @@ def server_url(gateway: ServeProcess) -> str:
     """The URL of the vLLM server a gateway started."""
     (engine,) = [e for e in httpx.get(f"{gateway.url}/readyz", timeout=10).json()["engines"] if e["device"] == "vllm server"]
     return engine["url"]
+
+
+# -- classes of users: two tokens in two classes, and a gateway with its engine process on them ------
+
+LAB = "lab-token-0123456789abcdef00"
+STUDENT = "student-token-0123456789abcd"
+CLASSES = (
+    '[classes.lab]\npriority = 10\n[classes.students]\ndefault = true\n'
+    f'[tokens.lab]\ntoken = "{LAB}"\nclass = "lab"\n[tokens.student]\ntoken = "{STUDENT}"\n'
+)
+
+
+@pytest.fixture(scope="session")
+def classed_engine(wide_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The default set-up (a gateway and its engine process) with the lab and students classes, one
+    job running at a time (--max-batch-size 1: one member a continuous batch too), strictly by class."""
+    from tests.test_engines import start_gateway
+
+    tmp = tmp_path_factory.mktemp("classed")
+    tokens = tmp / "tokens.toml"
+    tokens.write_text(CLASSES)
+    gateway = start_gateway(
+        tmp, str(wide_model_path),
+        extra=("--tokens-file", str(tokens), "--max-batch-size", "1", "--class-min-share", "0", "--max-tokens", "300"),
+    )
+    yield gateway
+    gateway.stop()

@@ -39,6 +39,7 @@ class Recorder:
         self.partials: list[Any] = []
         self.progressed: list[tuple[int, int | None]] = []
         self.cancel_now = False
+        self.tokens_in = self.tokens_out = 0
 
     def progress(self, done: int, total: int | None = None, unit: str | None = None) -> None:
         self.progressed.append((done, total))
@@ -48,6 +49,10 @@ class Recorder:
 
     def partial(self, obj: Any) -> None:
         self.partials.append(msgspec.to_builtins(obj))
+
+    def count(self, tokens_in: int = 0, tokens_out: int = 0) -> None:
+        self.tokens_in += tokens_in
+        self.tokens_out += tokens_out
 
     @property
     def cancelled(self) -> bool:

@@ -344,3 +344,15 @@ def test_engines():
         for clients in (1, 4)
         for target in (" >= 0.95x bare vLLM's tokens/s", "'s first token p50 within +10 ms of bare vLLM's")
     ]
+
+
+def test_priority():
+    printed = run_bench("priority")
+    wait, share, cost = printed.tables
+    assert [row["measure"] for row in wait.rows][:2] == ["predict alone, p50", "predict alone, p99"]
+    assert all(value is not None and value > 0 for value in wait.numbers("ms")), wait.rows
+    assert [row["class"] for row in share.rows] == ["lab", "students"]
+    assert sum(share.numbers("jobs finished")) > 0, share.rows  # type: ignore[arg-type]
+    assert [row["gateway"] for row in cost.rows] == ["classes", "no classes"]
+    assert all(value is not None and value > 0 for value in cost.numbers("jobs/s (median)")), cost.rows
+    assert len(printed.targets) == 3

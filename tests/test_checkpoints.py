@@ -66,6 +66,9 @@ class Ctx:
     def partial(self, obj: Any) -> None:
         self.partials.append(obj)
 
+    def count(self, tokens_in: int = 0, tokens_out: int = 0) -> None:
+        pass
+
     def progress(self, done: int, total: int | None = None, unit: str | None = None) -> None:
         self.frames.append((done, total, unit))
 

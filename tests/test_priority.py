@@ -7,13 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+
 from backends.queue import JobQueue
+from backends.workers import PREEMPTED
 from gateway.jobs import Job
-from tests.conftest import wait_until
+from tests.conftest import LAB, STUDENT, wait_until
 from tests.test_fairness import GATES, Follower, bearer, drain, hold, jobs_of, new_gate, places, start_job, track_jobs
 
-LAB = "lab-token-0123456789abcdef00"
-STUDENT = "student-token-0123456789abcd"
 
 
 def queued(queue: JobQueue, tenant: str, name: str, priority: int = 0) -> Job:
@@ -103,33 +103,45 @@ def test_a_higher_class_job_starts_before_a_lower_class_backlog(serve: Any, tmp_
             GATES[gate].set()
 
 
-def test_an_engine_process_queues_by_the_class_the_gateway_sends(tiny_model_path: Path, tmp_path: Path) -> None:
-    """The default set-up: the job's class travels with it to the engine, whose queue orders by it."""
+def test_an_engine_process_queues_by_the_class_the_gateway_sends(classed_engine: Any) -> None:
+    """The job's class travels with it to the engine, whose queue orders by it."""
     import httpx
 
-    from tests.test_engines import follow, start_gateway
+    from tests.test_engines import follow
 
-    tokens = tmp_path / "tokens.toml"
-    tokens.write_text(
-        f'[classes.lab]\npriority = 10\n[classes.students]\ndefault = true\n'
-        f'[tokens.lab]\ntoken = "{LAB}"\nclass = "lab"\n[tokens.student]\ntoken = "{STUDENT}"\n'
-    )
-    gateway = start_gateway(tmp_path, str(tiny_model_path), extra=("--tokens-file", str(tokens), "--max-batch-size", "1"))
-    try:
-        blocker = follow(gateway.url, "nap", {"seconds": 60, "tag": "blocker"}, bearer(STUDENT))
-        wait_until(lambda: "running" in blocker.statuses(), 60, "the student's first nap to run")
-        waiting = [follow(gateway.url, "nap", {"seconds": 0, "tag": f"s{i}"}, bearer(STUDENT)) for i in range(3)]
-        for i, follower in enumerate(waiting):
-            wait_until(lambda f=follower: "queued" in f.statuses(), 60, f"the student's nap s{i} to queue")
-        lab = follow(gateway.url, "nap", {"seconds": 0, "tag": "lab"}, bearer(LAB))
-        wait_until(lambda: "queued" in lab.statuses(), 60, "the lab's nap to queue")
-        # The engine put the lab's job first in line, ahead of the three queued before it.
-        first = next(e["data"] for e in lab.events if e["event"] == "status" and e["data"]["status"] == "QUEUED")
-        assert first["position"] == 1, first
-        job = blocker.events[0]["data"]["job_id"]
-        assert httpx.delete(f"{gateway.url}/jobs/{job}", headers=bearer(STUDENT)).status_code == 200
-        assert lab.ended()["event"] == "data"
-        ends = {f.params["tag"]: f.ended() for f in waiting}
-        assert all(end["event"] == "data" for end in ends.values())
-    finally:
-        gateway.stop()
+    gateway = classed_engine
+    blocker = follow(gateway.url, "nap", {"seconds": 60, "tag": "blocker"}, bearer(STUDENT))
+    wait_until(lambda: "running" in blocker.statuses(), 60, "the student's first nap to run")
+    waiting = [follow(gateway.url, "nap", {"seconds": 0, "tag": f"s{i}"}, bearer(STUDENT)) for i in range(3)]
+    for i, follower in enumerate(waiting):
+        wait_until(lambda f=follower: "queued" in f.statuses(), 60, f"the student's nap s{i} to queue")
+    lab = follow(gateway.url, "nap", {"seconds": 0, "tag": "lab"}, bearer(LAB))
+    wait_until(lambda: "queued" in lab.statuses(), 60, "the lab's nap to queue")
+    # The engine put the lab's job first in line, ahead of the three queued before it.
+    first = next(e["data"] for e in lab.events if e["event"] == "status" and e["data"]["status"] == "QUEUED")
+    assert first["position"] == 1, first
+    job = blocker.events[0]["data"]["job_id"]
+    assert httpx.delete(f"{gateway.url}/jobs/{job}", headers=bearer(STUDENT)).status_code == 200
+    assert lab.ended()["event"] == "data"
+    ends = {f.params["tag"]: f.ended() for f in waiting}
+    assert all(end["event"] == "data" for end in ends.values())
+
+
+def test_an_engine_process_preempts_and_its_client_is_told(classed_engine: Any) -> None:
+    """The default set-up: the class travels to the engine, whose worker preempts; the reason reaches
+    the client through the gateway, and the completion is the one the job makes alone. The student's
+    generation is hundreds of steps long (seconds): the lab's job, sent once its first token streamed, finds
+    it decoding."""
+    from tests.test_engines import follow
+
+    gateway = classed_engine
+    params = {"prompts": ["the cat sat on the mat"], "max_tokens": 300}
+    alone = follow(gateway.url, "generate", params, bearer(STUDENT)).ended()
+    student = follow(gateway.url, "generate", params, bearer(STUDENT))
+    wait_until(lambda: any(e["event"] == "partial" for e in student.events), 60, "the student's first token")
+    lab = follow(gateway.url, "generate", {"prompts": ["hello"], "max_tokens": 4}, bearer(LAB))
+    assert lab.ended()["event"] == "data"
+    assert student.ended()["data"] == alone["data"]
+    told = [e["data"] for e in student.events if e["event"] == "status" and e["data"]["status"] == "QUEUED"]
+    assert told and told[-1]["message"] == PREEMPTED and told[-1]["position"] == 1, told
+    assert student.statuses()[-1] == "running"

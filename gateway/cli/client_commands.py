@@ -401,3 +401,33 @@ def me(url: str, token: str | None, as_json: bool) -> None:
         click.echo(f"  memory one job may be priced at: {usage['max_job_memory']} bytes")
     if usage.get("job_timeout") is not None:
         click.echo(f"  seconds one job may run: {usage['job_timeout']:g}")
+    for quota in caller.get("quotas", []):
+        click.echo(f"  {quota['name'].replace('_', ' ')}: {quota['used']:g} of {quota['limit']:g} used, turns in {quota['resets_in_s']:.0f} s")
+
+
+@click.command()
+@_client_options(model=False)
+@click.option("--by", default="tenant,class,model", show_default=True, help="What rows are kept apart: tenant, class, model (comma-separated).")
+@click.option("--tenant", default=None, help="Only this tenant's rows (an admin's token).")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True, help="Rows at most, the largest device-seconds first.")
+@click.option("--json", "as_json", is_flag=True, help="Print GET /usage as it is.")
+def usage(url: str, token: str | None, by: str, tenant: str | None, limit: int, as_json: bool) -> None:
+    """What jobs used, by tenant, class and model: jobs, tokens in and out, device-seconds, result bytes."""
+    report = _fetch(url, token, lambda client: client.usage(by, tenant, limit))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    keys = [key.strip() for key in by.split(",") if key.strip()]
+    header = [*keys, "jobs", "tokens in", "tokens out", "device s", "result bytes"]
+    lines = [header]
+    for row in report["rows"]:
+        used = row["usage"]
+        lines.append([
+            *(row[key] or "-" for key in keys), str(used.get("jobs", 0)), str(used.get("tokens_in", 0)), str(used.get("tokens_out", 0)),
+            f"{used.get('device_s', 0):.2f}", str(used.get("result_bytes", 0)),
+        ])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for line in lines:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+    if report["rows_total"] > len(report["rows"]):
+        click.echo(f"({report['rows_total'] - len(report['rows'])} more rows; --limit)")

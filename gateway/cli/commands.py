@@ -301,5 +301,5 @@ def _run_server(app: Any, settings: Settings, client_timeout: Callable[[str], No
 
 
 # The commands that talk to a gateway (gateway/cli/client_commands.py).
-for _command in (client_commands.run, client_commands.chat, client_commands.tools, client_commands.models, client_commands.me):
+for _command in (client_commands.run, client_commands.chat, client_commands.tools, client_commands.models, client_commands.me, client_commands.usage):
     main.add_command(_command)

@@ -71,6 +71,11 @@ class AsyncClient:
         """`GET /me`, as `Client.me`."""
         return _json_of(await self._http.get("/me"))
 
+    async def usage(self, by: str | None = None, tenant: str | None = None, limit: int | None = None) -> dict[str, Any]:
+        """`GET /usage`, as `Client.usage`."""
+        query = {key: value for key, value in (("by", by), ("tenant", tenant), ("limit", limit)) if value is not None}
+        return _json_of(await self._http.get("/usage", params=query))
+
     async def ready(self) -> dict[str, Any]:
         """`GET /readyz`, as `Client.ready`."""
         return _readiness(await self._http.get("/readyz"))

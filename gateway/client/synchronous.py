@@ -78,6 +78,12 @@ class Client:
         """`GET /me`: who this client's token says it is: `{"name", "tenant", "class", "priority", "groups", "tools", "models", "usage", …}`."""
         return self._loop.call(self._async.me())
 
+    def usage(self, by: str | None = None, tenant: str | None = None, limit: int | None = None) -> dict[str, Any]:
+        """`GET /usage`: settled use by tenant, class and model (`by`: which of them, comma-separated):
+        `{"rows": [{"tenant", "class", "model", "usage": {"jobs", "tokens_in", …}}], "rows_total"}`;
+        an admin's token sees everyone's (or `tenant`'s), another its own."""
+        return self._loop.call(self._async.usage(by, tenant, limit))
+
     def ready(self) -> dict[str, Any]:
         """`GET /readyz`, ready (200) or not (503) alike: `{"ready", "model", "kind", "context_length", "max_batch_size"?, …}`."""
         return self._loop.call(self._async.ready())

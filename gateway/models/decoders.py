@@ -27,9 +27,10 @@ class Decoder(Protocol):
     def mergeable(self) -> bool:
         """True while new rows can join the rows decoding."""
 
-    def prefill(self, rows: list[list[int]], share: bool = True) -> torch.Tensor:
+    def prefill(self, rows: list[list[int]], share: bool = True, columns: int | None = None) -> torch.Tensor:
         """Take new rows (their prompts) after those there are; their next-token logits (rows × vocab).
-        `share`: rows of one prompt may share its pass (False where a pass treats each row its own way)."""
+        `share`: rows of one prompt may share its pass (False where a pass treats each row its own way);
+        `columns`: at most this many columns of them a pass, where the decoder runs them in pieces."""
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed each row its next token; the next-token logits of every row."""
@@ -99,16 +100,16 @@ class KVCache:
         self.length += 1
         return out.logits[:, -1, :]
 
-    def prefill(self, rows: list[list[int]], share: bool = True) -> torch.Tensor:
+    def prefill(self, rows: list[list[int]], share: bool = True, columns: int | None = None) -> torch.Tensor:
         # A prompt sent by several rows (`n` completions of it, clients asking the same) is run
         # once: its rows take copies of its cache and logits, which are what each would compute.
         first: dict[tuple[int, ...], int] = {}
         of = [first.setdefault(tuple(ids), len(first)) for ids in rows]
         if not share or len(first) == len(rows):
-            return self._prefill(rows)
-        return self._prefill([list(ids) for ids in first], copies=torch.tensor(of, device=self.model.device))
+            return self._prefill(rows, columns=columns)
+        return self._prefill([list(ids) for ids in first], copies=torch.tensor(of, device=self.model.device), columns=columns)
 
-    def _prefill(self, rows: list[list[int]], copies: torch.Tensor | None = None) -> torch.Tensor:
+    def _prefill(self, rows: list[list[int]], copies: torch.Tensor | None = None, columns: int | None = None) -> torch.Tensor:
         """Run `rows`' prompts and take them in; with `copies`, rows `copies[i]` are taken in as row i."""
         # Left padding: every prompt ends at the last column, where its next token is read.
         width = max(len(ids) for ids in rows)
@@ -123,7 +124,7 @@ class KVCache:
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
         # A long prefill in pieces of columns, each attending to the cache of those before it: one
         # piece's activations and attention are held at a time, not the whole prompt's.
-        step = prefill_columns(len(rows), width)
+        step = min(columns or width, prefill_columns(len(rows), width))
         cache: Any = None
         for start in range(0, width, step):
             end = min(start + step, width)
@@ -218,7 +219,7 @@ class ModelState:
     def mergeable(self) -> bool:
         return self.state is None
 
-    def prefill(self, rows: list[list[int]], share: bool = True) -> torch.Tensor:
+    def prefill(self, rows: list[list[int]], share: bool = True, columns: int | None = None) -> torch.Tensor:
         assert self.state is None, "a custom model's state takes rows only when empty"
         logits, self.state = self.model.module.start(rows)
         return logits
@@ -251,7 +252,7 @@ class Recompute:
         last = torch.tensor([len(ids) - 1 for ids in rows], device=logits.device)
         return logits[torch.arange(len(rows), device=logits.device), last]
 
-    def prefill(self, rows: list[list[int]], share: bool = True) -> torch.Tensor:
+    def prefill(self, rows: list[list[int]], share: bool = True, columns: int | None = None) -> torch.Tensor:
         self.rows.extend(list(ids) for ids in rows)
         return self._last_logits(rows)
 

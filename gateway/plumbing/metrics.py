@@ -99,6 +99,10 @@ class Metrics:
         """Gauges of where finished results are kept (`MemoryStore.results_kept`), read at each scrape."""
         self.registry.register(_ResultsState(facts))
 
+    def usage(self, counted: Callable[[], Iterable[tuple[tuple[str, str, str], Any]]]) -> None:
+        """Counters of what jobs used, by tenant, class and model (gateway/server/metering.py), read at each scrape."""
+        self.registry.register(_UsageCounters(counted))
+
     # -- hooks ---------------------------------------------------------------------
 
     def track(self, job: Job) -> None:
@@ -195,6 +199,32 @@ class _ResultsState:
         for key, value in self.facts().items():
             if key in self.NAMES:
                 yield GaugeMetricFamily(self.NAMES[key], self.HELP[key], value=value)
+
+
+class _UsageCounters:
+    """What this process's ended jobs used, by tenant, class and model (as many rows as the meter keeps)."""
+
+    MEASURES = (
+        ("jobs", "streamgate_usage_jobs", "Jobs that ended"),
+        ("tokens_in", "streamgate_usage_tokens_in", "Tokens the jobs read"),
+        ("tokens_out", "streamgate_usage_tokens_out", "Tokens the jobs wrote"),
+        ("device_s", "streamgate_usage_device_seconds", "Device-seconds the jobs took"),
+        ("result_bytes", "streamgate_usage_result_bytes", "Bytes of the jobs' results"),
+    )
+
+    def __init__(self, counted: Callable[[], Iterable[tuple[tuple[str, str, str], Any]]]) -> None:
+        self.counted = counted
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        families = [(field, CounterMetricFamily(name, help, labels=["tenant", "class", "model"])) for field, name, help in self.MEASURES]
+        for labels, usage in self.counted():
+            for field, family in families:
+                family.add_metric(list(labels), getattr(usage, field))
+        for _, family in families:
+            yield family
 
 
 class _BackendState:

@@ -67,7 +67,7 @@ def _cors(origins: list[str]) -> list[Middleware]:
             # Mcp-* ones are what a browser's MCP client sends to /mcp (the 2025 handshake's and the
             # 2026 envelope's), without which its preflight fails.
             allow_headers=[
-                "Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID", "X-Request-Id", "traceparent", "tracestate",
+                "Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID", "X-Request-Id", "traceparent", "tracestate", "Callback-URL",
                 "Mcp-Session-Id", "MCP-Protocol-Version", "Mcp-Method", "Mcp-Name",
             ],
             # A page elsewhere reads these from a run's response (fetch hides the rest).
@@ -121,6 +121,7 @@ def create_app(backend: Backend, settings: Settings | None = None) -> Starlette:
             Route("/jobs/{job_id}/files/{name}", gateway.job_file, methods=["GET"]),
             Route("/auth/ticket", gateway.ticket, methods=["POST"]),
             Route("/me", gateway.me, methods=["GET"]),
+            Route("/usage", gateway.usage, methods=["GET"]),
             *openai.routes(gateway),
             Route("/mcp", agents, methods=["POST"]),
             Route("/", dashboard, methods=["GET"]),

@@ -62,7 +62,7 @@ from starlette.requests import Request
 from gateway.errors import ApiError
 from gateway.protocol import Code
 from gateway.server.classes import (
-    SHARED_KEYS, ClassConfigError, UserClass, check_weight, class_of_groups, default_class, parse_classes, shared_keys,
+    NO_QUOTAS, SHARED_KEYS, ClassConfigError, Quotas, UserClass, check_weight, class_of_groups, default_class, parse_classes, shared_keys,
 )
 from gateway.server.signin import NAME_PREFIX, Issuer, SignInError
 
@@ -94,6 +94,8 @@ class Principal:
     max_job_memory: int | None = None  # bytes a job of it may be priced at (its class's), within --max-job-memory
     job_timeout: float | None = None  # seconds a job of it may run (its class's), within --job-timeout
     expires: float | None = None  # a signed-in user's: when the JWT that proved it expires
+    quotas: Quotas = NO_QUOTAS  # its class's, on each member's use (gateway/server/metering.py)
+    callbacks: bool = True  # its class's: whether its runs may name a Callback-URL
 
     @property
     def digest(self) -> bytes:
@@ -199,6 +201,7 @@ def member(own: Principal, of: UserClass | None, defaults: dict[str, int | None]
     return dataclasses.replace(
         own, **{key: pick(key) for key in SHARED_KEYS}, weight=weight,
         user_class=of.name if of is not None else None, priority=of.priority if of is not None else 0,
+        quotas=of.quotas if of is not None else NO_QUOTAS, callbacks=of.callbacks if of is not None else True,
     )
 
 

@@ -15,6 +15,9 @@ models = ["smollm2"]            # 403 for a run on another model
 max_concurrent = 2
 max_job_memory = "2GiB"         # 413 for a job priced over it (within the gateway's --max-job-memory)
 job_timeout = 120               # seconds a job may run (within the gateway's --job-timeout)
+tokens_per_hour = 200000        # each member's quotas: 429 once used up (gateway/server/metering.py)
+device_seconds_per_day = 3600
+callbacks = false               # its members' runs may not name a Callback-URL (403)
 default = true                  # everyone without a class of their own
 [tokens.ci]
 token = "…"
@@ -38,7 +41,25 @@ from gateway.config import parse_size
 
 # What a token and its class both may set: a token's own value wins over its class's (auth.py `member`).
 SHARED_KEYS = ("tools", "models", "max_concurrent", "jobs_per_minute", "max_job_memory", "job_timeout")
-CLASS_KEYS = frozenset({"priority", "weight", "groups", "default", *SHARED_KEYS})
+# Each member's use of the devices and of tokens in a clock hour and a UTC day (gateway/server/metering.py).
+QUOTA_KEYS = ("tokens_per_hour", "tokens_per_day", "device_seconds_per_hour", "device_seconds_per_day")
+CLASS_KEYS = frozenset({"priority", "weight", "groups", "default", "callbacks", *SHARED_KEYS, *QUOTA_KEYS})
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """A class's quotas on each member's use (None: no quota), settled as jobs end."""
+
+    tokens_per_hour: int | None = None
+    tokens_per_day: int | None = None
+    device_seconds_per_hour: float | None = None
+    device_seconds_per_day: float | None = None
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, key) is not None for key in QUOTA_KEYS)
+
+
+NO_QUOTAS = Quotas()
 
 
 class ClassConfigError(ValueError):
@@ -60,6 +81,8 @@ class UserClass:
     models: frozenset[str] | None = None  # None: every model
     groups: frozenset[str] = frozenset()
     default: bool = False
+    quotas: Quotas = NO_QUOTAS
+    callbacks: bool = True  # whether its members' runs may name a Callback-URL (gateway/server/webhooks.py)
 
 
 def parse_classes(tables: Any, where: str) -> dict[str, UserClass]:
@@ -83,8 +106,9 @@ def _parse(name: str, entry: Any, where: str) -> UserClass:
     priority = entry.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ClassConfigError(f"{where}: priority must be an integer")
-    if not isinstance(entry.get("default", False), bool):
-        raise ClassConfigError(f"{where}: default must be true or false")
+    for flag in ("default", "callbacks"):
+        if not isinstance(entry.get(flag, flag == "callbacks"), bool):
+            raise ClassConfigError(f"{where}: {flag} must be true or false")
     return UserClass(
         name=name,
         priority=priority,
@@ -92,6 +116,13 @@ def _parse(name: str, entry: Any, where: str) -> UserClass:
         **shared_keys(entry, where),
         groups=check_names(entry, "groups", where) or frozenset(),
         default=entry.get("default", False),
+        callbacks=entry.get("callbacks", True),
+        quotas=Quotas(
+            tokens_per_hour=check_count(entry, "tokens_per_hour", where),
+            tokens_per_day=check_count(entry, "tokens_per_day", where),
+            device_seconds_per_hour=check_seconds(entry, "device_seconds_per_hour", where),
+            device_seconds_per_day=check_seconds(entry, "device_seconds_per_day", where),
+        ),
     )
 
 

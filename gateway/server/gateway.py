@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -40,7 +41,10 @@ from gateway.plumbing.spool import ResultSpool
 from gateway.protocol import Code, Kept, encode, parse_event_id, splice
 from gateway.server.auth import Auth, AuthConfigError, Principal, load_access
 from gateway.server.signin import Issuer, IssuerConfigError
-from gateway.server.openapi import Allowance, Me
+from gateway.server import webhooks
+from gateway.server.webhooks import Webhooks
+from gateway.server.metering import MAX_USAGE_ROWS, USAGE_KEYS, Ledger, Meter, summed
+from gateway.server.openapi import Allowance, Me, UsageReport
 from gateway.server.results import file_response, result_response
 from gateway.server.store import JobHandle, JobStore, MemoryStore, jobs_query
 from gateway.server.stream import Slot, Streams, job_response
@@ -96,6 +100,28 @@ def _issuer(settings: Settings) -> Issuer | None:
         raise AuthConfigError(str(exc)) from None
 
 
+def _ledger(settings: Settings) -> Ledger | None:
+    """Where the meter keeps what jobs used: Redis with the Redis store (shared, and kept across restarts)."""
+    if settings.store == "memory":
+        return None
+    from gateway.server.redis_store.ledger import RedisLedger
+
+    return RedisLedger(settings.store)
+
+
+def _webhooks(settings: Settings) -> Webhooks:
+    """Completion webhooks, their deliveries kept in Redis with the Redis store (delivered across restarts)."""
+    outbox = None
+    if settings.store != "memory" and settings.webhook_secret:
+        from gateway.server.redis_store.outbox import RedisOutbox
+
+        outbox = RedisOutbox(settings.store, settings.retention)
+    return Webhooks(
+        settings.webhook_secret, settings.callback_hosts, attempts=settings.webhook_attempts, timeout=settings.webhook_timeout,
+        outbox=outbox, retention=settings.retention,
+    )
+
+
 def _last_event_id(request: Request) -> tuple[str, int] | None:
     """`Last-Event-ID` (header, or `last_event_id` query key) as (job id, seq)."""
     # The query string parsed only if there is one: most requests have none.
@@ -131,9 +157,12 @@ class Gateway:
             classes=access.classes,
         )
         self.drain = Drain(settings.drain_timeout)
+        self.meter = Meter(_ledger(settings))
+        self.metrics.usage(self.meter.counted)
+        self.webhooks = _webhooks(settings)
         self.admission = Admission(
             backend, self.limits, drain=self.drain, store=self.store, quota=self.auth.limits, metrics=self.metrics,
-            room=getattr(self.store, "results", None),
+            room=getattr(self.store, "results", None), meter=self.meter, webhooks=self.webhooks,
         )
         self.streams = Streams(settings.max_streams, settings.max_streams_per_owner)
         # A job another replica ran until it stopped goes on here, admitted as any other (a shared store's).
@@ -165,18 +194,18 @@ class Gateway:
 
     async def enter(
         self, caller: Caller, tool_name: str, params: Callable[[Tool], Awaitable[Any]], *, key: str | None = None,
-        most_result: int | None = None, inline: bool = False,
+        most_result: int | None = None, inline: bool = False, callback: str | None = None,
     ) -> Job | Attached:
         """A job of the tool named `tool_name` for `caller`, with the params `params(tool)` reads, as
         every surface starts one: the tool (404) and the caller's right to it (403), then admission.
         `key`: the request's `Idempotency-Key` (the job it started again: `Attached`); `most_result`:
         the most bytes of result the surface answers with; `inline`: the surface answers with the
-        result itself, never files."""
+        result itself, never files; `callback`: its `Callback-URL`."""
         tool = self.tool(caller, tool_name)
         decoded = await params(tool)
         token = inline_only.set(True) if inline else None
         try:
-            return await self.admission.admit_once(tool, decoded, caller.applicant, key, most_result=most_result)
+            return await self.admission.admit_once(tool, decoded, caller.applicant, key, most_result=most_result, callback=callback)
         finally:
             if token is not None:
                 inline_only.reset(token)
@@ -218,7 +247,10 @@ class Gateway:
                     return await self.admission.decode(tool, await self.read_body(request))
                 return self.admission.decode_query(tool, request.query_params)
 
-            admitted = await self.enter(caller, name, params, key=request.headers.get("idempotency-key") or None)
+            headers = request.headers
+            admitted = await self.enter(
+                caller, name, params, key=headers.get("idempotency-key") or None, callback=headers.get(webhooks.HEADER) or None
+            )
             if isinstance(admitted, Attached):
                 # The same request again (a client replaying its POST): attach to the job it started.
                 after = resumed[1] if resumed is not None and resumed[0] == admitted.job_id else 0
@@ -259,7 +291,10 @@ class Gateway:
     async def job_snapshot(self, request: Request) -> Response:
         job = await self._asked(request)
         kept: list[Kept] = []
-        return self._whole(encode(job.snapshot(kept)), kept)
+        snapshot = job.snapshot(kept)
+        if (callback := await self.webhooks.state(job.id)) is not None:
+            snapshot = msgspec.structs.replace(snapshot, callback=callback)
+        return self._whole(encode(snapshot), kept)
 
     async def job_result(self, request: Request) -> Response:
         job = await self._asked(request)
@@ -295,8 +330,26 @@ class Gateway:
             name=p.name, tenant=caller.tenant, user_class=p.user_class, priority=p.priority, groups=sorted(p.groups), admin=p.admin,
             weight=p.weight, tools=sorted(p.tools) if p.tools is not None else None, models=sorted(p.models) if p.models is not None else None,
             usage=Allowance(p.max_concurrent, p.jobs_per_minute, running, started, p.max_job_memory, p.job_timeout),
+            quotas=await self.meter.left(caller.tenant, p.quotas),
         )
         return Response(encode(me), media_type="application/json", headers={"Cache-Control": "no-store"})
+
+    async def usage(self, request: Request) -> Response:
+        """`GET /usage`: settled use by tenant, class and model: an admin's, everyone's (or `tenant`'s);
+        anyone else's, their own."""
+        caller = await self.caller(request)
+        query = request.query_params
+        by = [key.strip() for key in query.get("by", "tenant,class,model").split(",") if key.strip()]
+        if not by or set(by) - set(USAGE_KEYS):
+            raise ApiError(Code.BAD_REQUEST, f"by: a comma-separated list of {', '.join(USAGE_KEYS)}", field="by")
+        limit = query.get("limit", "1000")
+        if not limit.isdigit() or not 1 <= int(limit) <= MAX_USAGE_ROWS:
+            raise ApiError(Code.BAD_REQUEST, f"limit: an integer from 1 to {MAX_USAGE_ROWS}", field="limit")
+        admin = caller.principal is None or caller.principal.admin
+        tenant = query.get("tenant") if admin else caller.tenant
+        rows = summed(await self.meter.rows(tenant), by)
+        report = UsageReport(rows=rows[: int(limit)], rows_total=len(rows))
+        return Response(encode(report), media_type="application/json", headers={"Cache-Control": "no-store"})
 
     async def ticket(self, request: Request) -> Response:
         principal = await self.auth.authenticate(request)
@@ -349,6 +402,7 @@ class Gateway:
         await self.auth.start()
         await self.backend.start()
         await self.store.start()
+        self.webhooks.start()
 
     async def stop_jobs(self) -> None:
         """The drain's end: jobs that can go on in another replica are left to it, the rest stopped."""
@@ -356,6 +410,8 @@ class Gateway:
         await self.backend.stop()
 
     async def stop(self) -> None:
+        await self.webhooks.stop()
+        await self.meter.close()
         await self.store.stop()
         await self.backend.stop()
         await self.auth.stop()

@@ -42,6 +42,7 @@ from gateway.params import check_json, from_fields, off_loop
 from gateway.protocol import Code, EventType
 from gateway.plumbing.sendbuffer import WholeResponse
 from gateway.server.stream import EventStream, follow
+from gateway.server.webhooks import HEADER as CALLBACK
 from gateway.tools.base import Tool
 
 if TYPE_CHECKING:
@@ -466,7 +467,7 @@ def routes(gateway: Gateway) -> list[Route]:
                     return _params(tool, plan)
 
                 # Its answer is made of the result: refused (413) rather than written as files.
-                job = await gateway.enter(caller, plan.tool, params, inline=True)
+                job = await gateway.enter(caller, plan.tool, params, inline=True, callback=request.headers.get(CALLBACK) or None)
                 assert isinstance(job, Job)  # no key: never attached
                 if not plan.stream:
                     return await _whole(request, plan, job)

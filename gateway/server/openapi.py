@@ -32,6 +32,7 @@ from starlette.responses import Response
 from gateway.backend import Backend
 from gateway import params as params_mod
 from gateway.errors import STATUS_OF
+from gateway.server.metering import QuotaLeft, Row
 from gateway.server.store import MAX_PAGE, STATES
 from gateway.protocol import ErrorBody, ErrorFrame, JobList, JobSnapshot, LogFrame, ModelList, StatusFrame, ToolInfo, encode
 
@@ -104,10 +105,20 @@ class Me(msgspec.Struct):
     tools: list[str] | None = None
     models: list[str] | None = None
     usage: Allowance | None = None
+    quotas: list[QuotaLeft] = []  # its class's quotas, what of each is used this window, and when it turns
+
+
+class UsageReport(msgspec.Struct):
+    """`GET /usage`: settled use by tenant, class and model (the `by` keys asked for; each row sums
+    the others), the largest device-seconds first, at most `limit` rows; `rows_total` before the limit."""
+
+    rows: list[Row]
+    rows_total: int
 
 
 PROTOCOL = (
     StatusFrame, LogFrame, ErrorFrame, ErrorBody, JobSnapshot, JobList, ToolInfo, ModelList, Health, Readiness, Cancellation, Ticket, Me,
+    UsageReport,
 )
 
 # What each error status means, from the codes that answer it.
@@ -368,6 +379,13 @@ def _page(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"text/html": {"schema": {"type": "string"}}}}
 
 
+_USAGE_QUERY = [
+    {"name": "by", "in": "query", "required": False, "schema": {"type": "string"},
+     "description": "What rows are kept apart: a comma-separated list of `tenant`, `class`, `model` (default all three)."},
+    {"name": "tenant", "in": "query", "required": False, "schema": {"type": "string"}, "description": "Only this tenant's rows (an admin's)."},
+    {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1, "maximum": 10000},
+     "description": "Rows at most (default 1000), the largest device-seconds first."},
+]
 _JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string", "pattern": JOB_ID}}
 _RANGES = [
     {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"},
@@ -465,6 +483,11 @@ def _served_paths(ref: Mapping[str, Any]) -> dict[str, Any]:
         "/me": {
             "get": _op("me", "Who the caller is: their class, limits and what is in use",
                        {"200": _json(ref["Me"], "The caller."), **_errors(401)}, tags=["auth"]),
+        },
+        "/usage": {
+            "get": _op("usage", "Settled use by tenant, class and model (an admin's: everyone's; others': their own)",
+                       {"200": _json(ref["UsageReport"], "The rows."), **_errors(400, 401)}, tags=["auth"],
+                       parameters=_USAGE_QUERY),
         },
         "/healthz": {"get": _op("healthz", "The process is up", {"200": _json(ref["Health"], "Up.")}, tags=["operations"])},
         "/readyz": {

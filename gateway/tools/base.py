@@ -58,6 +58,10 @@ class Context(Protocol):
     def partial(self, obj: Any) -> None:
         """Send a `partial` event carrying `obj` (a Struct, dict or list)."""
 
+    def count(self, tokens_in: int = 0, tokens_out: int = 0) -> None:
+        """Count tokens the job read and wrote, for its usage (gateway/usage.py); a tool that counts
+        none is taken to have read the tokens its price names."""
+
     @property
     def cancelled(self) -> bool:
         """True once the job was cancelled; the tool should stop at its next step."""

@@ -6,7 +6,9 @@ then calls `step()` until the batch is empty. Each step returns the members
 that ended in it, each with its result or the exception that ends that job
 alone. A member whose job was cancelled leaves at the next step. A batch that
 is `continuous` (`generate`'s) also takes new members between steps, so a job
-that finishes early frees its place for a waiting one at once.
+that finishes early frees its place for a waiting one at once. One that is also
+`Preemptible` lets a member leave between two steps for a job of a higher class,
+and take it back later where it stopped (backends/workers.py decides when).
 
 A batching tool's single-job `run` is `run_alone` over the same batch: a batch
 of one and a batch of 32 run the same code, and their results differ only by
@@ -26,9 +28,9 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Generator, Hashable, Sequence
+from collections.abc import Callable, Collection, Generator, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 from gateway import checkpoints
 from gateway.tools.base import Cancelled, Context
@@ -52,6 +54,26 @@ class Batch(Protocol):
 
     def __len__(self) -> int:
         """Members not ended yet."""
+
+
+@runtime_checkable
+class Preemptible(Protocol):
+    """A continuous batch whose members may leave between two steps and come back later, their
+    output the same as if they had never left (`generate`'s: a member keeps its tokens and its
+    sampler, and takes its context up again from its prompt and those tokens)."""
+
+    def preempt(self, ctxs: Collection[Context]) -> list[tuple[Context, Any]]:
+        """Take these members out (those still in the batch); each with what it keeps for `resume`."""
+
+    def resume(self, kept: Any, ctx: Context) -> None:
+        """Take back a member `preempt` took out, as `ctx` now (its job's run on this worker)."""
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A preempted job's place in a batch: what the batch kept of it (`Preemptible.resume`), not its params."""
+
+    kept: Any
 
 
 BatchFactory = Callable[["Model"], Batch]
@@ -283,6 +305,10 @@ class ChunkRun:
     def done(self, chunk: Chunk, outputs: list[Any]) -> None:
         """`chunk` ran: its outputs kept, in its jobs' checkpoints too, and its progress told."""
         self.outputs.update(zip(chunk.items, outputs))
+        if isinstance(chunk.data, list):  # rows of token ids: what each job's passes read (windows overlap)
+            for (job, _), row in zip(chunk.items, chunk.data):
+                if isinstance(row, list):
+                    self.ctxs[job].count(tokens_in=len(row))
         sinks = chunk.extra.get(SINKS, {})
         for job in list(self.checkpoints):
             if self.ctxs[job].cancelled:  # ended: nothing of it will go on, and its folder may be gone

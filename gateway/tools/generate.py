@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -284,10 +284,26 @@ class _Member:
         # A generator per job: its samples do not depend on who else is in the batch.
         self.generator = torch.Generator().manual_seed(seed)
         self.steps = 0
+        ctx.count(tokens_in=sum(len(ids) for ids in self.encoded))
 
     @property
     def done(self) -> bool:
         return self.steps >= self.params.max_tokens or all(row.finish is not None for row in self.rows)
+
+    @property
+    def context(self) -> list[list[int]]:
+        """Its rows' contexts to prefill: their prompts, and the tokens taken so far (a member that
+        was preempted takes up again where it stopped: the next token is what its step would give)."""
+        return [ids + row.tokens if row.tokens else ids for ids, row in zip(self.encoded, self.rows)]
+
+    @property
+    def columns(self) -> int:
+        """The columns of its context a prefill piece may run within its price: its prompt's pieces,
+        narrower as the tokens taken lengthen what each column attends to (gateway/cost.py prices
+        the prompt's prefill, and the cache at full length)."""
+        width = max(len(ids) for ids in self.encoded)
+        now = max(len(ids) for ids in self.context)
+        return max(1, prefill_columns(len(self.rows), width) * width // now)
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """This job's next tokens from its rows' logits (rows × vocab, any float dtype)."""
@@ -296,15 +312,18 @@ class _Member:
     def take(self, tokens: list[int], model: Model) -> None:
         """Take this step's token of each row; send what became final."""
         self.steps += 1
+        taken = 0
         for index, (row, token) in enumerate(zip(self.rows, tokens)):
             if row.finish is not None:
                 continue
+            taken += 1
             text = row.add(token, model)
             # A finished row sends its last tokens even without text (EOS), so the
             # partials' token_ids always add up to the completion's tokens.
             if text or (row.finish is not None and row.unsent):
                 self.ctx.partial(GeneratePartial(index, text, row.unsent))
                 row.unsent = []
+        self.ctx.count(tokens_out=taken)
         self.ctx.progress(self.steps, self.params.max_tokens, "tokens")
 
     def result(self, model: Model) -> GenerateResult:
@@ -332,6 +351,13 @@ class Generation:
     the others before its first token. How the
     rows' contexts are kept is the decoder's business (`decoder_for`): a KV
     cache, a custom model's own state, or the whole context run again.
+
+    It is `Preemptible` (gateway/tools/batching.py): a member taken out between
+    two steps keeps its tokens and its sampler, and its rows' contexts go; back,
+    it is prefilled with its prompts and the tokens it took, whose logits are the
+    ones its next step would have given. Its completions are those it would have
+    made never taken out (greedy, or sampled with its seed), to the last bits of
+    a prefill against a decoding step.
     """
 
     # Rows of one prompt share its prefill: their pass is the same (not where each row is steered its own way).
@@ -369,8 +395,9 @@ class Generation:
         if joining:
             # The newcomers first: their first tokens go out now, not after the running rows' step;
             # then they decode with those rows (a second token) unless the first ended them.
-            rows = [ids for member in joining for ids in member.encoded]
-            logits = self._forward(joining, lambda: self.decoder.prefill(rows, share=self.shares_prompts), prefill=True)
+            rows = [ids for member in joining for ids in member.context]
+            columns = min(member.columns for member in joining) if any(m.steps for m in joining) else None
+            logits = self._forward(joining, lambda: self.decoder.prefill(rows, self.shares_prompts, columns), prefill=True)
             tokens = self._sample(joining, logits)
             self.pending = tokens if self.pending is None else torch.cat([self.pending, tokens])
             self.members.extend(joining)
@@ -386,6 +413,19 @@ class Generation:
         ended.extend((m.ctx, m.result(self.model)) for m in finished)
         self._keep([m for m in self.members if not m.done])
         return ended
+
+    def preempt(self, ctxs: Collection[Context]) -> list[tuple[Context, _Member]]:
+        """Take these members out between two steps, each with its rows' tokens and sampler as they are."""
+        out = [(m.ctx, m) for m in [*self.joining, *self.members] if m.ctx in ctxs]
+        if out:
+            self.joining = [m for m in self.joining if m.ctx not in ctxs]
+            self._keep([m for m in self.members if m.ctx not in ctxs])
+        return out
+
+    def resume(self, kept: _Member, ctx: Context) -> None:
+        """Take a preempted member back: prefilled at the next step with its prompt and its tokens so far."""
+        kept.ctx = ctx
+        self.joining.append(kept)
 
     def _forward(self, members: list[_Member], run: Callable[[], torch.Tensor], prefill: bool) -> torch.Tensor:
         """One forward pass over `members`' rows, in order: their prompts (`prefill`), or their next

@@ -148,11 +148,16 @@ class Steering(Generation):
         self.sae = resolve_sae(self.model, params.sae)
         super().add(params, ctx)
 
+    def resume(self, kept: _Member, ctx: Context) -> None:
+        self.sae = resolve_sae(self.model, kept.params.sae)  # type: ignore[attr-defined]  # a batch it starts afresh
+        super().resume(kept, ctx)
+
     def _forward(self, members: list[_Member], run: Callable[[], torch.Tensor], prefill: bool) -> torch.Tensor:
         assert self.sae is not None
         # Where each row's columns are in its sequence: the KV cache decodes one column, the pending
         # token, and prefills prompts left-padded to the longest; Recompute runs every row whole from 0.
-        width = max(len(ids) for m in members for ids in m.encoded)
+        # (A preempted member's prefill runs its prompt and the tokens it took: `context`.)
+        width = max(len(ids) for m in members for ids in m.context)
         rows, start = [], 0
         for member in members:
             end = start + len(member.rows)
@@ -160,7 +165,7 @@ class Steering(Generation):
             if isinstance(self.decoder, Recompute):
                 offsets = [0] * len(lengths)
             elif prefill:
-                offsets = [n - width for n in lengths]
+                offsets = [len(ids) - width for ids in member.context]
             else:
                 offsets = [n + member.steps - 1 for n in lengths]
             params: SteerParams = member.params  # type: ignore[assignment]

@@ -4,8 +4,8 @@
 SAE tools (those a gateway serves with `--sae`), asked of the app in-process (no
 model or SAE is loaded); `sae_tools` names the latter; `frames` are the protocol's event
 frames and error body, and the answers of `GET /tools`, `GET /models` (ModelList,
-with ModelInfo under it) and `GET /jobs/{id}`, from the same Structs the gateway
-encodes them with.
+with ModelInfo under it), `GET /jobs/{id}`, `GET /me` and `GET /usage`, from the same
+Structs the gateway encodes them with.
 Run with the project's Python: `.venv/bin/python web/scripts/schemas.py`.
 """
 
@@ -21,14 +21,16 @@ from starlette.testclient import TestClient
 
 from gateway.backend import Backend
 from gateway import protocol
+from gateway.server import openapi
 from gateway.server.app import create_app
 from gateway.params import schema
 from gateway.tools import builtin_tools, collect
 from gateway.tools.sae_tools import sae_tools
 
 # The protocol's Structs the client reads: the frames and error body, and the `GET /tools`,
-# `GET /models` and `GET /jobs/{id}` answers.
+# `GET /models` and `GET /jobs/{id}` answers; and the server's `GET /me` and `GET /usage` answers.
 FRAMES = ["StatusFrame", "LogFrame", "ErrorFrame", "ErrorBody", "ToolInfo", "ModelList", "JobSnapshot"]
+ANSWERS = {"Me": openapi.Me, "UsageReport": openapi.UsageReport}
 
 
 class ToolsOnly(Backend):
@@ -60,7 +62,7 @@ def main() -> None:
     client = TestClient(create_app(ToolsOnly()))  # no `with`: no lifespan, nothing loads
     answer = client.get("/tools")
     answer.raise_for_status()
-    frames = {name: schema(getattr(protocol, name)) for name in FRAMES}
+    frames = {name: schema(getattr(protocol, name)) for name in FRAMES} | {name: schema(struct) for name, struct in ANSWERS.items()}
     sae = [t.name for t in sae_tools()]
     json.dump({"tools": answer.json(), "sae_tools": sae, "frames": frames}, sys.stdout, indent=1)
 

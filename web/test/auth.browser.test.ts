@@ -106,6 +106,9 @@ describe('the dashboard on a gateway with tokens', () => {
     await page.click('#login button[type=submit]')
     await finished(job)
     assert.ok(await page.locator('#login').isHidden())
+    // Who the token is, from GET /me (its Authorization header, never the URL): a token without a class.
+    await page.locator('#whoami').waitFor({state: 'visible'})
+    assert.equal(await page.locator('#whoami').innerText(), 'dash')
     assert.deepEqual(await steps(job), ['unauthorized', 'RECEIVED', 'QUEUED', 'RUNNING', 'done'])
     assert.ok(await job.locator('.error').isHidden())
     const result = JSON.parse((await job.locator('.raw pre').textContent()) ?? '{}') as {completions: string[]}

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
 try:  # redis-py 7+: a Redis Enterprise feature, negotiated on every new connection unless turned off
     from redis.maint_notifications import MaintNotificationsConfig
 
@@ -15,6 +19,17 @@ except ImportError:  # pragma: no cover
 ANSWER_S = 2.0  # the longest a request, or a heartbeat, waits on Redis: a stalled one is a 503, never a hang
 # The fields of a job's hash a reader needs: never its request, which may be as big as a request body.
 READ_FIELDS = (b"owner", b"key", b"last_seq", b"snapshot", b"tseq", b"tsize", b"ttype", b"resumable")
+
+
+def small_client(url: str, connections: int = 8) -> aioredis.Redis:
+    """A client of a few connections for a part beside the store (the meter's ledger, the webhooks'
+    outbox): every call bounded by ANSWER_S, retried twice quickly."""
+    return aioredis.Redis(
+        connection_pool=aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=connections, timeout=ANSWER_S, socket_connect_timeout=2, socket_timeout=ANSWER_S,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2), **NO_MAINT,
+        )
+    )
 
 
 def is_redis_url(value: str) -> bool:

@@ -156,7 +156,8 @@ export function startJob(base: URL, login: Login, tool: ToolInfo, params: Record
         badge.textContent = frame.status.toLowerCase()
         queue.hidden = frame.status !== 'QUEUED'
         if (frame.status === 'QUEUED') {
-          queue.textContent = `Queued: position ${frame.position ?? '?'}${frame.queue_size ? ` of ${frame.queue_size}` : ''}${frame.eta_s ? `, about ${fmt(frame.eta_s, 1)} s to go` : ''}`
+          const why = frame.message ? ` (${frame.message})` : ''
+          queue.textContent = `Queued: position ${frame.position ?? '?'}${frame.queue_size ? ` of ${frame.queue_size}` : ''}${frame.eta_s ? `, about ${fmt(frame.eta_s, 1)} s to go` : ''}${why}`
         }
         if (frame.progress) {
           const {done, total, unit} = frame.progress

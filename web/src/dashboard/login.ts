@@ -2,8 +2,8 @@
  * Logging in to a gateway that has client tokens, without the token ever going in a URL.
  *
  * Nothing is asked until the gateway asks: a run answered 401 shows the token field
- * (`#login`), and the token is kept in sessionStorage (this tab only, gone when it
- * closes). With a token, each `EventSource` gets a ticket of its own from
+ * (`#login`), which takes a static token or a JWT of the gateway's identity provider,
+ * and the token is kept in sessionStorage (this tab only, gone when it closes). With a token, each `EventSource` gets a ticket of its own from
  * `POST /auth/ticket` (the token in the `Authorization` header) and carries only that
  * short-lived ticket in its URL; every other request sends the header. A gateway
  * without tokens answers that POST 404: from then on no ticket is asked, as before.
@@ -20,6 +20,8 @@ export class Login {
   private waiting: {promise: Promise<void>; resolve: () => void} | undefined
   private readonly input: HTMLInputElement
   private readonly error: HTMLElement
+  /** Called once a token is given (`main.ts` then says who it is, from `GET /me`). */
+  onToken: () => void = () => {}
 
   constructor(
     private readonly base: URL,
@@ -37,6 +39,7 @@ export class Login {
       form.hidden = true
       this.waiting?.resolve()
       this.waiting = undefined
+      this.onToken()
     })
   }
 

@@ -1,7 +1,7 @@
 /** The dashboard: pick a tool, fill its generated form, run it, and watch each job stream. */
 import {EXAMPLES, SAE_EXAMPLES} from '../examples.ts'
-import type {ModelInfo, ToolInfo} from '../generated/types.ts'
-import {h} from './dom.ts'
+import type {Me, ModelInfo, ToolInfo} from '../generated/types.ts'
+import {fmt, h} from './dom.ts'
 import {Chat, CHAT_INPUTS, takesMessages} from './chat.ts'
 import {parseExact, stringifyExact} from './exact.ts'
 import {buildForm, FieldError, type ToolForm} from './form.ts'
@@ -115,6 +115,29 @@ interface ToolView {
   chatting: () => boolean
 }
 
+/**
+ * Who the token in this tab is (`GET /me`): its name, class and priority, and what of its class's
+ * quotas is used; nothing without a token, or on a gateway without tokens.
+ */
+async function drawMe(login: Login): Promise<void> {
+  const line = $<HTMLElement>('#whoami')
+  if (!login.token) {
+    line.hidden = true
+    return
+  }
+  try {
+    const response = await fetch(new URL('me', base), {headers: login.headers(), cache: 'no-store'})
+    if (!response.ok) throw new Error(String(response.status))
+    const me = (await response.json()) as Me
+    const quotas = (me.quotas ?? []).map((q) => `${q.name.replaceAll('_', ' ')} ${fmt(q.used, 0)}/${fmt(q.limit, 0)}`)
+    const who = me.class ? `${me.name} · class ${me.class} (priority ${me.priority})` : `${me.name ?? me.tenant}`
+    line.textContent = [who, ...quotas].join(' · ')
+    line.hidden = false
+  } catch {
+    line.hidden = true
+  }
+}
+
 async function main(): Promise<void> {
   const picker = $<HTMLSelectElement>('#tool')
   const unsupportedBox = $<HTMLDetailsElement>('#unsupported')
@@ -126,6 +149,8 @@ async function main(): Promise<void> {
   const toolsState = $<HTMLElement>('#tools-state')
   const formError = $<HTMLElement>('#form-error')
   const login = new Login(base, $<HTMLFormElement>('#login'))
+  login.onToken = () => void drawMe(login)
+  void drawMe(login)
   const asked = readHash(location.hash)
   /** The last `/readyz` answer: null when the gateway could not be reached, undefined before the first. */
   let ready: Ready | null | undefined

@@ -179,6 +179,22 @@ export interface TerminalEvent {
   data: unknown
 }
 /**
+ * A job's completion webhook (`Callback-URL`), as `GET /jobs/{id}` shows it: `state` is `waiting`
+ *     (the job runs), `pending` (its terminal event is being delivered, or waits for its next try),
+ *     `delivered` or `failed` (every try failed, or the receiver refused it for good).
+ *
+ * This interface was referenced by `Frames`'s JSON-Schema
+ * via the `definition` "Callback".
+ */
+export interface Callback {
+  url: string
+  state: string
+  attempts?: number
+  last_status?: number | null
+  last_error?: string | null
+  next_try_in_s?: number | null
+}
+/**
  * `GET /jobs/{id}`: where a job stands.
  *
  *     `status` is the last status while the job lives, then `SUCCEEDED` or `FAILED`;
@@ -200,6 +216,88 @@ export interface JobSnapshot {
   last_event_id?: string | null
   terminal?: TerminalEvent | null
   owner?: string | null
+  callback?: Callback | null
+}
+/**
+ * A caller's limits, and what of them is in use in this gateway process.
+ *
+ * This interface was referenced by `Frames`'s JSON-Schema
+ * via the `definition` "Allowance".
+ */
+export interface Allowance {
+  max_concurrent: number | null
+  jobs_per_minute: number | null
+  running: number
+  started_last_minute: number
+  max_job_memory?: number | null
+  job_timeout?: number | null
+}
+/**
+ * One quota of a caller's class: its limit, what of it is used this window, and when the window turns.
+ *
+ * This interface was referenced by `Frames`'s JSON-Schema
+ * via the `definition` "QuotaLeft".
+ */
+export interface QuotaLeft {
+  name: string
+  limit: number
+  used: number
+  resets_in_s: number
+}
+/**
+ * `GET /me`: who the caller is (name null on a gateway without auth), their class and limits.
+ *
+ * This interface was referenced by `Frames`'s JSON-Schema
+ * via the `definition` "Me".
+ */
+export interface Me {
+  name: string | null
+  tenant: string
+  class: string | null
+  priority?: number
+  groups?: string[]
+  admin?: boolean
+  weight?: number
+  tools?: string[] | null
+  models?: string[] | null
+  usage?: Allowance | null
+  quotas?: QuotaLeft[]
+}
+/**
+ * One tenant's use of one model, in one class, since the ledger began.
+ *
+ * This interface was referenced by `Frames`'s JSON-Schema
+ * via the `definition` "Row".
+ */
+export interface Row {
+  tenant: string
+  class: string
+  model: string
+  usage: JobUsage
+}
+/**
+ * One job's use, or a sum of jobs' (`jobs` of them).
+ *
+ * This interface was referenced by `Frames`'s JSON-Schema
+ * via the `definition` "JobUsage".
+ */
+export interface JobUsage {
+  jobs?: number
+  tokens_in?: number
+  tokens_out?: number
+  device_s?: number
+  result_bytes?: number
+}
+/**
+ * `GET /usage`: settled use by tenant, class and model (the `by` keys asked for; each row sums
+ *     the others), the largest device-seconds first, at most `limit` rows; `rows_total` before the limit.
+ *
+ * This interface was referenced by `Frames`'s JSON-Schema
+ * via the `definition` "UsageReport".
+ */
+export interface UsageReport {
+  rows: Row[]
+  rows_total: number
 }
 
 /**

@@ -1,0 +1,246 @@
+"""Metered usage and quotas: what each tenant used, by class and model, and each class's quotas.
+
+A job's use (gateway/usage.py: tokens in and out, device-seconds, result bytes) is counted where it
+ran and comes back with its terminal event; as the job ends here, the meter settles it:
+
+- into the rows of the ledger, one per (tenant, class, model), for `GET /usage` and the CLI's
+  `streamgate usage`; at most `MAX_ROWS` of them, a tenant past that counted as `(others)`;
+- into the tenant's windows, the clock hour and the UTC day it ended in, which the class's
+  quotas (gateway/server/classes.py: `tokens_per_hour`, `tokens_per_day`,
+  `device_seconds_per_hour`, `device_seconds_per_day`) are checked against at admission: a
+  tenant whose window has reached a quota is refused 429 `rate_limited`, the message naming the
+  quota, with `Retry-After` the seconds until the window turns;
+- into this process's Prometheus counters, labelled by tenant, class and model.
+
+A quota is checked on what jobs that ended used: the jobs a tenant has running may take it past
+its quota by their own use, and no further (the class's `max_concurrent` bounds how many run).
+
+With the Redis store (`--store redis://…`), the ledger and the windows live in Redis
+(gateway/server/redis_store/ledger.py): every replica settles into the same rows and checks the
+same windows, and they outlive a restart. Otherwise they are this process's, in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+
+from gateway.errors import ApiError
+from gateway.jobs import Job
+from gateway.protocol import Code
+from gateway.server.classes import Quotas
+from gateway.usage import JobUsage
+
+log = logging.getLogger("streamgate.metering")
+
+MAX_ROWS = 100_000  # (tenant, class, model) rows a ledger keeps: past it, new tenants are counted as OTHERS
+OTHERS = "(others)"
+NO_CLASS = ""  # the class of a caller without one (no tokens, or a token of no class)
+WINDOWS = {"hour": 3600, "day": 86400}
+
+
+class Row(msgspec.Struct):
+    """One tenant's use of one model, in one class, since the ledger began."""
+
+    tenant: str
+    user_class: str = msgspec.field(name="class")
+    model: str
+    usage: JobUsage
+
+
+class Spent(msgspec.Struct):
+    """A tenant's use in the window a quota is counted over."""
+
+    tokens: int = 0
+    device_s: float = 0.0
+
+
+class QuotaLeft(msgspec.Struct):
+    """One quota of a caller's class: its limit, what of it is used this window, and when the window turns."""
+
+    name: str
+    limit: float
+    used: float
+    resets_in_s: float
+
+
+def bucket(window: str, now: float) -> int:
+    """Which hour (or UTC day) `now` falls in, counted from the epoch."""
+    return int(now // WINDOWS[window])
+
+
+def row_key(tenant: str, user_class: str, model: str) -> str:
+    return f"{tenant}\t{user_class}\t{model}"
+
+
+class Ledger(Protocol):
+    """Where settled use is kept: this process's memory, or Redis shared by every replica."""
+
+    async def settle(self, key: str, tenant: str, usage: JobUsage, now: float) -> None: ...
+
+    async def spent(self, tenant: str, now: float) -> dict[str, Spent]: ...
+
+    async def rows(self) -> list[Row]: ...
+
+    async def close(self) -> None: ...
+
+
+def parse_row(key: str, usage: JobUsage) -> Row:
+    tenant, user_class, model = (key.split("\t") + ["", ""])[:3]
+    return Row(tenant, user_class, model, usage)
+
+
+class MemoryLedger:
+    """Settled use in this process: rows (at most MAX_ROWS) and each tenant's current windows."""
+
+    def __init__(self, max_rows: int = MAX_ROWS) -> None:
+        self.max_rows = max_rows
+        self.totals: dict[str, JobUsage] = {}
+        # Per tenant, per window: (its bucket, what was spent in it). A tenant's entry goes once both
+        # of its windows have turned (swept as the table grows), so the table is bounded by the
+        # tenants active in a day, and by MAX_ROWS at most.
+        self.windows: dict[str, dict[str, tuple[int, Spent]]] = {}
+
+    def add(self, key: str, tenant: str, usage: JobUsage, now: float) -> None:
+        if key not in self.totals and len(self.totals) >= self.max_rows:
+            key = row_key(OTHERS, *key.split("\t")[1:])
+        self.totals.setdefault(key, JobUsage()).add(usage)
+        mine = self.windows.get(tenant)
+        if mine is None:
+            if len(self.windows) >= self.max_rows:
+                self._sweep(now)
+            mine = self.windows.setdefault(tenant, {})
+        for window in WINDOWS:
+            at = bucket(window, now)
+            held = mine.get(window)
+            spent = held[1] if held is not None and held[0] == at else Spent()
+            spent.tokens += usage.tokens
+            spent.device_s += usage.device_s
+            mine[window] = (at, spent)
+
+    def _sweep(self, now: float) -> None:
+        day = bucket("day", now)
+        for tenant in [t for t, mine in self.windows.items() if all(at < day for at, _ in mine.values())]:
+            del self.windows[tenant]
+        while len(self.windows) >= self.max_rows:  # all active today: the oldest entry goes
+            del self.windows[next(iter(self.windows))]
+
+    async def settle(self, key: str, tenant: str, usage: JobUsage, now: float) -> None:
+        self.add(key, tenant, usage, now)
+
+    async def spent(self, tenant: str, now: float) -> dict[str, Spent]:
+        mine = self.windows.get(tenant, {})
+        return {window: held[1] if (held := mine.get(window)) is not None and held[0] == bucket(window, now) else Spent() for window in WINDOWS}
+
+    async def rows(self) -> list[Row]:
+        return [parse_row(key, usage) for key, usage in self.totals.items()]
+
+    async def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _Quota:
+    name: str
+    window: str
+    measure: str  # a `Spent` field
+
+
+_QUOTAS = (
+    _Quota("tokens_per_hour", "hour", "tokens"),
+    _Quota("tokens_per_day", "day", "tokens"),
+    _Quota("device_seconds_per_hour", "hour", "device_s"),
+    _Quota("device_seconds_per_day", "day", "device_s"),
+)
+
+
+class Meter:
+    """Settles ended jobs into the ledger (and this process's counters), and checks quotas."""
+
+    def __init__(self, ledger: Ledger | None = None, clock: Any = time.time) -> None:
+        self.ledger: Ledger = ledger if ledger is not None else MemoryLedger()
+        # This process's own counts, for Prometheus: counters per process, summed across replicas there.
+        self.local: MemoryLedger = self.ledger if isinstance(self.ledger, MemoryLedger) else MemoryLedger()
+        self.clock = clock
+        self._writes: set[asyncio.Task[None]] = set()
+
+    async def left(self, tenant: str, quotas: Quotas) -> list[QuotaLeft]:
+        """Each quota of `quotas`: its limit, what `tenant` used of it this window, and when that turns."""
+        if not quotas:
+            return []
+        now = self.clock()
+        spent = await self.ledger.spent(tenant, now)
+        out = []
+        for quota in _QUOTAS:
+            limit = getattr(quotas, quota.name)
+            if limit is not None:
+                used = getattr(spent[quota.window], quota.measure)
+                resets = (bucket(quota.window, now) + 1) * WINDOWS[quota.window] - now
+                out.append(QuotaLeft(quota.name, limit, round(used, 3), round(resets, 1)))
+        return out
+
+    async def check(self, tenant: str, quotas: Quotas, user_class: str | None) -> None:
+        """Refuse (429) a tenant that has used up one of its class's quotas in its current window."""
+        for quota in await self.left(tenant, quotas):
+            if quota.used >= quota.limit:
+                raise ApiError(
+                    Code.RATE_LIMITED,
+                    f"the {quota.name} quota of the class {user_class!r} ({quota.limit:g}) is used up: {quota.used:g} "
+                    f"this {quota.name.rsplit('_', 1)[1]}; it turns in {math.ceil(quota.resets_in_s)} s",
+                    retry_after=quota.resets_in_s,
+                )
+
+    def settle(self, job: Job, user_class: str | None) -> None:
+        """The ended job's use, into the ledger (a write to Redis goes on in the background)."""
+        usage = JobUsage(jobs=1)
+        usage.add(job.usage)
+        key, now = row_key(job.tenant, user_class or NO_CLASS, job.model or ""), self.clock()
+        self.local.add(key, job.tenant, usage, now)
+        if self.local is self.ledger:
+            return
+        task = asyncio.ensure_future(self._settle(key, job.tenant, usage, now))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _settle(self, key: str, tenant: str, usage: JobUsage, now: float) -> None:
+        try:
+            await self.ledger.settle(key, tenant, usage, now)
+        except Exception as exc:  # a store that is down loses this count, never the job
+            log.warning("a job's usage could not be settled in the ledger: %s", exc)
+
+    async def rows(self, tenant: str | None = None) -> list[Row]:
+        rows = await self.ledger.rows()
+        return [row for row in rows if tenant is None or row.tenant == tenant]
+
+    def counted(self) -> Iterator[tuple[tuple[str, str, str], JobUsage]]:
+        """This process's settled use, per (tenant, class, model), for its counters."""
+        for key, usage in self.local.totals.items():
+            row = parse_row(key, usage)
+            yield (row.tenant, row.user_class, row.model), usage
+
+    async def close(self) -> None:
+        if self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
+        await self.ledger.close()
+
+
+USAGE_KEYS = ("tenant", "class", "model")
+MAX_USAGE_ROWS = 10_000  # rows one `GET /usage` answers with at most
+
+
+def summed(rows: list[Row], by: list[str]) -> list[Row]:
+    """`rows` summed over what `by` leaves out (its fields "" in the sums), the largest device-seconds first."""
+    sums: dict[tuple[str, str, str], JobUsage] = {}
+    for row in rows:
+        key = (row.tenant if "tenant" in by else "", row.user_class if "class" in by else "", row.model if "model" in by else "")
+        sums.setdefault(key, JobUsage()).add(row.usage)
+    out = [Row(*key, usage) for key, usage in sums.items()]
+    out.sort(key=lambda row: (-row.usage.device_s, row.tenant, row.user_class, row.model))
+    return out

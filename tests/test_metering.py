@@ -1,0 +1,145 @@
+"""Metered usage and quotas (gateway/server/metering.py): what each job used, counted where it ran,
+settled by tenant, class and model as it ends, in memory or in Redis across restarts; a class's
+quotas refuse a tenant that used them up (429, the quota named, Retry-After the window's turn)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from gateway.errors import ApiError
+from gateway.jobs import Job
+from gateway.server.classes import Quotas
+from gateway.server.metering import MemoryLedger, Meter, row_key, summed
+from gateway.usage import JobUsage
+from tests.conftest import CLASSES, LAB, STUDENT, make_server
+from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
+from tests.test_fairness import bearer
+
+METERED = "metered-token-0123456789abcd"
+QUOTAED = CLASSES + (
+    '[classes.metered]\ntokens_per_hour = 40\ndevice_seconds_per_day = 3600\n'
+    f'[tokens.metered]\ntoken = "{METERED}"\nclass = "metered"\n'
+)
+
+
+def run(url: str, token: str, params: dict[str, Any], tool: str = "generate") -> dict[str, Any]:
+    """A job's result, through `POST /{tool}/run` (raises with the status if refused)."""
+    with httpx.stream("POST", f"{url}/{tool}/run", json=params, headers=bearer(token), timeout=60) as response:
+        if response.status_code != 200:
+            response.read()
+            raise AssertionError((response.status_code, response.headers.get("retry-after"), response.json()))
+        body = response.read().decode()
+    data = body.rsplit("event: data\n", 1)[1].split("data: ", 1)[1].split("\n", 1)[0]
+    return json.loads(data)
+
+
+def rows(url: str, token: str, **query: Any) -> list[dict[str, Any]]:
+    answer = httpx.get(f"{url}/usage", params=query, headers=bearer(token), timeout=10)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["rows"]
+
+
+async def test_the_ledger_keeps_its_rows_and_windows_bounded_and_the_windows_turn() -> None:
+    ledger = MemoryLedger(max_rows=3)
+    hour = 3600.0
+    for tenant in ("a", "b", "c", "d", "e"):
+        ledger.add(row_key(tenant, "students", "m"), tenant, JobUsage(jobs=1, tokens_in=5, device_s=1.0), now=10 * hour)
+    assert sorted(row.tenant for row in await ledger.rows()) == ["(others)", "a", "b", "c"]
+    assert next(r for r in await ledger.rows() if r.tenant == "(others)").usage.jobs == 2
+    assert len(ledger.windows) <= 3
+    ledger.add(row_key("e", "students", "m"), "e", JobUsage(tokens_in=7), now=10 * hour + 60)
+    assert (await ledger.spent("e", 10 * hour + 60))["hour"].tokens == 12
+    assert (await ledger.spent("e", 11 * hour))["hour"].tokens == 0  # the hour turned
+    assert (await ledger.spent("e", 11 * hour))["day"].tokens == 12
+
+
+async def test_a_tenant_over_its_quota_is_refused_with_the_quota_named_until_its_window_turns() -> None:
+    now = [100 * 3600.0 + 600]
+    meter = Meter(clock=lambda: now[0])
+    quotas = Quotas(tokens_per_hour=10)
+    await meter.check("t", quotas, "students")  # nothing used yet
+    job = Job("generate", None, tenant="t")
+    job.usage.tokens_in, job.usage.tokens_out = 4, 6
+    meter.settle(job, "students")
+    with pytest.raises(ApiError) as refused:
+        await meter.check("t", quotas, "students")
+    assert refused.value.status == 429 and "tokens_per_hour" in refused.value.message and "'students'" in refused.value.message
+    assert refused.value.retry_after == pytest.approx(3000.0)
+    await meter.check("other", quotas, "students")  # per tenant
+    now[0] += 3000
+    await meter.check("t", quotas, "students")
+    assert summed(await meter.rows(), ["class"])[0].usage.tokens == 10
+
+
+def test_a_jobs_use_is_counted_settled_listed_and_its_quota_refuses(serve: Any, tiny_model_path: Path, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(QUOTAED + '[tokens.ops]\ntoken = "ops-token-0123456789abcdef0"\nadmin = true\n')
+    server = serve(tokens_file=str(tokens))
+    result = run(server.url, METERED, {"prompts": ["hello there"], "max_tokens": 8})
+    used = result["usage"]
+    (row,) = rows(server.url, METERED)
+    assert (row["tenant"], row["class"]) == ("metered", "metered")
+    counted = row["usage"]
+    # The tokens its generation read and wrote, as its own result says; its time on the device.
+    assert (counted["jobs"], counted["tokens_in"], counted["tokens_out"]) == (1, used["prompt_tokens"], used["completion_tokens"])
+    assert counted["device_s"] > 0 and counted["result_bytes"] > 0
+    me = httpx.get(f"{server.url}/me", headers=bearer(METERED)).json()
+    assert {q["name"]: q["used"] for q in me["quotas"]} == {"tokens_per_hour": used["total_tokens"], "device_seconds_per_day": pytest.approx(counted["device_s"], abs=1e-3)}
+    # A second run takes it past 40 tokens this hour; the third is refused before it is queued.
+    second = run(server.url, METERED, {"prompts": ["hello there, again"], "max_tokens": 16})["usage"]
+    with pytest.raises(AssertionError) as refused:
+        run(server.url, METERED, {"prompts": ["x"], "max_tokens": 1})
+    status, retry_after, body = refused.value.args[0]
+    assert status == 429 and body["error"]["code"] == "rate_limited" and "tokens_per_hour" in body["error"]["message"]
+    assert 1 <= int(retry_after) <= 3600
+    # Other tools count too: predict read the tokens it was priced for. Another class has no quota.
+    run(server.url, STUDENT, {"prompt": "hello", "top_k": 2}, tool="predict")
+    mine = rows(server.url, STUDENT)
+    read = len(AutoTokenizer.from_pretrained(tiny_model_path)("hello")["input_ids"])  # the prompt as the model reads it
+    assert [(r["class"], r["usage"]["jobs"]) for r in mine] == [("students", 1)] and mine[0]["usage"]["tokens_in"] == read
+    # An admin sees everyone's, summed as asked; others see their own only.
+    everyone = rows(server.url, "ops-token-0123456789abcdef0", by="class")
+    assert {r["class"]: r["usage"]["jobs"] for r in everyone} == {"metered": 2, "students": 1}
+    assert {r["tenant"] for r in rows(server.url, STUDENT, tenant="metered")} == {"student"}
+    assert httpx.get(f"{server.url}/usage?by=colour", headers=bearer(LAB)).status_code == 400
+    metrics = httpx.get(f"{server.url}/metrics").text.splitlines()
+    (line,) = [m for m in metrics if m.startswith("streamgate_usage_tokens_out_total{") and 'tenant="metered"' in m]
+    assert 'class="metered"' in line and float(line.rsplit(" ", 1)[1]) == counted["tokens_out"] + second["completion_tokens"]
+
+
+def test_usage_is_kept_in_redis_across_a_restart(tiny_model_path: Path, redis_server: RedisServer, tmp_path: Path) -> None:  # noqa: F811
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(QUOTAED)
+    first = make_server(tiny_model_path, tokens_file=str(tokens), store=redis_server.url)
+    try:
+        run(first.url, METERED, {"prompts": ["hello"], "max_tokens": 30})
+        run(first.url, METERED, {"prompts": ["hello"], "max_tokens": 30})
+    finally:
+        first.stop()
+    again = make_server(tiny_model_path, tokens_file=str(tokens), store=redis_server.url)
+    try:
+        (row,) = rows(again.url, METERED)
+        assert row["usage"]["jobs"] == 2
+        # The quota counts what the replica before used: 2 × (5 + 30) tokens this hour, over 40.
+        answer = httpx.post(f"{again.url}/generate/run", json={"prompts": ["x"], "max_tokens": 1}, headers=bearer(METERED))
+        assert answer.status_code == 429 and "tokens_per_hour" in answer.json()["error"]["message"]
+    finally:
+        again.stop()
+
+
+def test_an_engine_process_counts_and_sends_its_jobs_use_back(classed_engine: Any) -> None:
+    """The default set-up: the engine counts the job's use and sends it with its terminal event."""
+    url = classed_engine.url
+    before = {r["tenant"]: r["usage"] for r in rows(url, LAB)}.get("lab", {})
+    result = run(url, LAB, {"prompts": ["count me"], "max_tokens": 12})
+    after = rows(url, LAB)[0]["usage"]
+    assert after["jobs"] - before.get("jobs", 0) == 1
+    assert after["tokens_in"] - before.get("tokens_in", 0) == result["usage"]["prompt_tokens"]
+    assert after["tokens_out"] - before.get("tokens_out", 0) == result["usage"]["completion_tokens"]
+    assert after["device_s"] > before.get("device_s", 0)

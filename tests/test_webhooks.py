@@ -1,0 +1,187 @@
+"""Completion webhooks (gateway/server/webhooks.py): a run's `Callback-URL` gets its terminal event,
+signed the Standard Webhooks way and checked here with the package's own verifier, by a real
+receiver on loopback; retried with backoff, kept in Redis across a restart, shown on `GET /jobs/{id}`,
+and refused where it would reach what it must not (a private address, another host, a redirect)."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from standardwebhooks import Webhook, WebhookVerificationError
+
+from tests.conftest import make_server, wait_until
+from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
+
+SECRET = "whsec_" + base64.b64encode(b"a webhook secret of 32 bytes....").decode()
+
+
+class Receiver:
+    """An HTTP server on loopback that keeps what it is sent and answers the statuses it is given in turn."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[dict[str, str], bytes]] = []
+        self.answers: list[int] = []
+        self.redirect_to: str | None = None
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                outer.received.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                status = outer.answers.pop(0) if outer.answers else 204
+                self.send_response(status)
+                if 300 <= status < 400 and outer.redirect_to:
+                    self.send_header("Location", outer.redirect_to)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/streamgate?from=test"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.stop()
+
+
+def run(url: str, params: dict[str, Any], callback: str, headers: dict[str, str] | None = None, tool: str = "generate") -> httpx.Response:
+    response = httpx.post(f"{url}/{tool}/run", json=params, headers={"Callback-URL": callback, **(headers or {})}, timeout=60)
+    return response
+
+
+def job_of(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.headers["x-job-id"]
+
+
+def callback(url: str, job_id: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    answer = httpx.get(f"{url}/jobs/{job_id}", headers=headers)
+    assert answer.status_code == 200, answer.text
+    return answer.json().get("callback", {})
+
+
+def test_the_terminal_event_reaches_the_receiver_signed_and_verified(serve: Any, receiver: Receiver) -> None:
+    server = serve(webhook_secret=SECRET, callback_hosts=["127.0.0.1"], detach_grace=30)
+    response = run(server.url, {"prompts": ["hello"], "max_tokens": 4}, receiver.url)
+    job_id = job_of(response)
+    result = json.loads(response.text.rsplit("event: data\n", 1)[1].split("data: ", 1)[1].split("\n", 1)[0])
+    wait_until(lambda: callback(server.url, job_id).get("state") == "delivered", 30, "the webhook's delivery")
+    ((headers, body),) = receiver.received
+    message = Webhook(SECRET).verify(body, headers)  # the package's own check: id, timestamp, signature
+    assert message["type"] == "job.succeeded" and message["data"]["job_id"] == job_id
+    assert message["data"]["status"] == "succeeded" and message["data"]["result"] == result
+    assert headers["webhook-id"] == f"msg_{job_id}" and headers["host"] == receiver.url.split("/")[2]
+    with pytest.raises(WebhookVerificationError):
+        Webhook("whsec_" + base64.b64encode(b"another secret of thirty-two....").decode()).verify(body, headers)
+    with pytest.raises(WebhookVerificationError):
+        Webhook(SECRET).verify(body.replace(b"succeeded", b"SUCCEEDED"), headers)
+    shown = callback(server.url, job_id)
+    assert (shown["url"], shown["attempts"], shown["last_status"]) == (receiver.url, 1, 204)
+    # A job that ends otherwise is told too: job.failed, with its error.
+    with httpx.stream("POST", f"{server.url}/generate/run", json={"prompts": ["x"], "max_tokens": 200},
+                      headers={"Callback-URL": receiver.url}, timeout=60) as stream:
+        cancelled = stream.headers["x-job-id"]
+        assert httpx.delete(f"{server.url}/jobs/{cancelled}").status_code == 200
+        stream.read()
+    wait_until(lambda: callback(server.url, cancelled).get("state") == "delivered", 30, "the cancelled job's webhook")
+    message = Webhook(SECRET).verify(receiver.received[-1][1], receiver.received[-1][0])
+    assert message["type"] == "job.failed" and message["data"]["status"] == "cancelled"
+    assert message["data"]["error"]["code"] == "cancelled" and "result" not in message["data"]
+
+
+def test_a_receiver_that_fails_is_tried_again_with_backoff_and_one_that_refuses_is_not(serve: Any, receiver: Receiver) -> None:
+    server = serve(webhook_secret=SECRET, callback_hosts=["127.0.0.1"], detach_grace=30)
+    receiver.answers = [503, 500]
+    job_id = job_of(run(server.url, {"prompts": ["hello"], "max_tokens": 2}, receiver.url))
+    wait_until(lambda: callback(server.url, job_id).get("state") == "delivered", 30, "the third try")
+    assert callback(server.url, job_id)["attempts"] == 3 and len(receiver.received) == 3
+    stamps = [int(headers["webhook-timestamp"]) for headers, _ in receiver.received]
+    assert stamps == sorted(stamps) and {headers["webhook-id"] for headers, _ in receiver.received} == {f"msg_{job_id}"}
+    receiver.answers = [400]
+    refused = job_of(run(server.url, {"prompts": ["hello"], "max_tokens": 2}, receiver.url))
+    wait_until(lambda: callback(server.url, refused).get("state") == "failed", 30, "the refusal")
+    assert callback(server.url, refused)["attempts"] == 1 and callback(server.url, refused)["last_status"] == 400
+
+
+def test_a_redirect_is_not_followed(serve: Any, receiver: Receiver) -> None:
+    elsewhere = Receiver()
+    try:
+        server = serve(webhook_secret=SECRET, callback_hosts=["127.0.0.1"], detach_grace=30)
+        receiver.answers, receiver.redirect_to = [307], elsewhere.url
+        job_id = job_of(run(server.url, {"prompts": ["hello"], "max_tokens": 2}, receiver.url))
+        wait_until(lambda: callback(server.url, job_id).get("state") == "failed", 30, "the redirect's refusal")
+        assert callback(server.url, job_id)["last_status"] == 307 and elsewhere.received == []
+    finally:
+        elsewhere.stop()
+
+
+def test_callbacks_that_would_reach_what_they_must_not_are_refused(serve: Any, receiver: Receiver, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(
+        '[classes.guests]\ncallbacks = false\n[classes.staff]\n'
+        '[tokens.guest]\ntoken = "guest-token-0123456789abcdef"\nclass = "guests"\n'
+        '[tokens.staff]\ntoken = "staff-token-0123456789abcdef"\nclass = "staff"\n'
+    )
+    staff = {"Authorization": "Bearer staff-token-0123456789abcdef"}
+    open_server = serve(webhook_secret=SECRET, tokens_file=str(tokens), detach_grace=30)  # any public host
+    params = {"prompts": ["hello"], "max_tokens": 2}
+    for url, status in [
+        (receiver.url, 403),  # loopback, not listed
+        ("http://10.1.2.3/hook", 403), ("http://169.254.169.254/latest/meta-data", 403), ("http://[::1]:9/x", 403),
+        ("http://[::ffff:127.0.0.1]/x", 403), ("file:///etc/passwd", 400), ("http://user:pw@example.org/x", 400),
+        ("gopher://example.org/", 400), ("http://example.org:99999/", 400), ("not a url", 400),
+    ]:
+        answer = run(open_server.url, params, url, staff)
+        assert answer.status_code == status, (url, answer.text)
+    assert run(open_server.url, params, "https://hooks.example.org/x", {"Authorization": "Bearer guest-token-0123456789abcdef"}).status_code == 403
+    # A name that resolves to loopback passes the URL's check and is refused as its try connects.
+    job_id = job_of(run(open_server.url, params, receiver.url.replace("127.0.0.1", "localhost"), staff))
+    wait_until(lambda: callback(open_server.url, job_id, staff).get("state") == "failed", 30, "the refused try")
+    assert "not public" in callback(open_server.url, job_id, staff)["last_error"] and receiver.received == []
+    # Listed hosts only, when a list is given; and none at all without a secret.
+    listed = serve(webhook_secret=SECRET, callback_hosts=["*.lab.example", "127.0.0.1"])
+    assert run(listed.url, params, "https://hooks.example.org/x").status_code == 403
+    assert run(listed.url, params, "https://a.lab.example/x").status_code == 200
+    plain = serve()
+    assert run(plain.url, params, receiver.url).status_code == 400
+
+
+def test_a_delivery_pending_when_its_gateway_stops_is_made_by_the_next(
+    tiny_model_path: Path, redis_server: RedisServer, receiver: Receiver,  # noqa: F811
+) -> None:
+    settings = {"webhook_secret": SECRET, "callback_hosts": ["127.0.0.1"], "store": redis_server.url, "detach_grace": 30}
+    receiver.answers = [503] * 3
+    first = make_server(tiny_model_path, **settings)
+    try:
+        job_id = job_of(run(first.url, {"prompts": ["hello"], "max_tokens": 2}, receiver.url))
+        wait_until(lambda: callback(first.url, job_id).get("attempts", 0) >= 1, 30, "the first try, kept")
+    finally:
+        first.stop()
+    tried = len(receiver.received)
+    receiver.answers = []
+    again = make_server(tiny_model_path, **settings)
+    try:
+        wait_until(lambda: callback(again.url, job_id).get("state") == "delivered", 60, "the delivery by the next gateway")
+        assert callback(again.url, job_id)["attempts"] == tried + 1
+        headers, body = receiver.received[-1]
+        assert Webhook(SECRET).verify(body, headers)["data"]["job_id"] == job_id
+    finally:
+        again.stop()
