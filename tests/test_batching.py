@@ -471,3 +471,43 @@ def test_one_worker_per_device(serve: Any) -> None:
     wait_until(lambda: all(w.busy for w in workers), 20, "both workers to run a job")
     for t in threads:
         t.join(60)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        GenerateParams(prompts=["Once upon a time", "Hi"], max_tokens=20),
+        GenerateParams(prompts=["Once upon a time"], n=3, max_tokens=20, temperature=1.0, top_p=0.9, seed=11, stop=["e"]),
+    ],
+    ids=["greedy", "sampled"],
+)
+def test_a_member_preempted_and_taken_up_again_completes_as_alone(llama: Model, params: GenerateParams) -> None:
+    """Generation is Preemptible: a member taken out between steps keeps its tokens and sampler, and
+    back (in the same batch beside others, or a fresh one) completes as it would have, its partials
+    adding up to its tokens, each once."""
+    import torch
+
+    with torch.inference_mode():
+        alone_ctx = Recorder("alone")
+        alone = run_alone(Generation(llama), params, alone_ctx)
+        for fresh in (False, True):
+            batch, ctx = Generation(llama), Recorder("member")
+            batch.add(params, ctx)
+            batch.add(GenerateParams(prompts=["another job"], max_tokens=30), Recorder("other"))
+            for _ in range(5):
+                assert all(c is not ctx for c, _ in batch.step())
+            ((out, kept),) = batch.preempt({ctx})
+            assert out is ctx and batch.preempt({ctx}) == []
+            if fresh:
+                batch = Generation(llama)
+            batch.step()  # a step without it
+            back = Recorder("back")
+            batch.resume(kept, back)
+            results: dict[str, Any] = {}
+            while len(batch):
+                for c, outcome in batch.step():
+                    results[c.job_id] = outcome
+            assert results["back"] == alone, fresh
+            assert ctx.tokens_in + back.tokens_in == alone_ctx.tokens_in and ctx.tokens_out + back.tokens_out == alone_ctx.tokens_out
+            streamed = [tok for p in ctx.partials + back.partials for tok in p["token_ids"]]
+            assert len(streamed) == alone.usage.completion_tokens

@@ -787,3 +787,42 @@ def test_annotation_partials_are_each_stretchs_final_values_in_order_and_sent_on
         with pytest.raises(ParamError) as refused:
             annotating._check_annotate(model, msgspec.structs.replace(params, **bad))
         assert refused.value.field == "partials" and why in refused.value.message
+
+
+@pytest.mark.parametrize("steer_where", ["all", "generated"])
+def test_a_steered_job_preempted_and_taken_up_in_a_fresh_batch_completes_as_alone(model: Any, steer_where: str) -> None:
+    params = SteerParams(prompts=["The cat", "A dog"], clamps=[Clamp(0, 200.0), Clamp(2, 50.0)], max_tokens=10, steer=steer_where)
+    other = SteerParams(prompts=["hello"], clamps=[Clamp(1, -100.0)], max_tokens=10)
+    with torch.inference_mode():
+        alone = sae_steer.run(model, params, Recorder())
+        first, ctx = Steering(model), Recorder("preempted")
+        first.add(params, ctx)
+        first.add(other, Recorder("other"))
+        for _ in range(4):
+            assert first.step() == []
+        ((out, kept),) = first.preempt({ctx})
+        assert out is ctx and len(first) == 1  # the other goes on
+        again, back = Steering(model), Recorder("back")  # a batch with no SAE resolved yet
+        again.resume(kept, back)
+        ended: list[Any] = []
+        while len(again):
+            ended += again.step()
+    assert ended == [(back, alone)]
+
+
+@pytest.mark.parametrize("steer_where", ["all", "generated"])
+def test_a_steered_prefill_in_pieces_is_the_steered_prefill_whole(model: Any, steer_where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt's prefill runs its columns in pieces (gateway/models/decoders.py): each piece's
+    columns are steered at their own positions, not counted from 0 again."""
+    from gateway.models import decoders
+
+    params = SteerParams(
+        prompts=["The cat sat on the mat and looked", "A dog"], clamps=[Clamp(0, 200.0), Clamp(2, 50.0, start=3, end=20)],
+        max_tokens=6, steer=steer_where,
+    )
+    with torch.inference_mode():
+        whole = sae_steer.run(model, params, Recorder())
+        monkeypatch.setattr(decoders, "PREFILL_TOKENS", 16)  # two rows: pieces of 8 columns
+        assert decoders.prefill_columns(2, 34) == 8
+        pieces = sae_steer.run(model, params, Recorder())
+    assert pieces == whole

@@ -212,3 +212,26 @@ def test_oidc_settings_errors_are_one_line_naming_the_setting(tmp_path: Path, ti
         result = runner.invoke(cli.main, ["serve", "--model", str(tiny_model_path), "--dry-run", *flags])
         assert result.exit_code != 0, flags
         assert why in result.output, result.output
+
+
+async def test_a_verified_token_is_checked_again_once_a_minute_and_never_past_its_exp(issuer: LocalIssuer, monkeypatch: Any) -> None:
+    from gateway.server import signin
+
+    verifier = signin.Issuer(issuer.url, AUDIENCE)
+    await verifier.start()
+    checks: list[str] = []
+    real = signin.jwt.decode
+    monkeypatch.setattr(signin.jwt, "decode", lambda token, *a, **k: checks.append(token) or real(token, *a, **k))
+    token, soon = issuer.token("k1", sub="dana"), issuer.token("k1", sub="erin", exp=int(time.time()) + 5)
+    assert [(await verifier.verify(t)).name for t in (token, token, soon, soon)] == ["oidc:dana"] * 2 + ["oidc:erin"] * 2
+    assert checks == [token, soon]  # each checked once
+    now = time.time()
+    # The kept entries' clock (PyJWT's own checks read the real one): past the second's exp, within the minute.
+    monkeypatch.setattr(signin.time, "time", lambda: now + 10)
+    await verifier.verify(token)
+    await verifier.verify(soon)
+    assert checks == [token, soon, soon]  # the second checked again: its entry lapsed with its exp
+    monkeypatch.setattr(signin.time, "time", lambda: now + signin.VERIFIED_S + 1)
+    await verifier.verify(token)
+    assert checks == [token, soon, soon, token]  # a minute on: checked again
+    await verifier.stop()

@@ -185,3 +185,21 @@ def test_a_delivery_pending_when_its_gateway_stops_is_made_by_the_next(
         assert Webhook(SECRET).verify(body, headers)["data"]["job_id"] == job_id
     finally:
         again.stop()
+
+
+def test_the_python_client_and_the_cli_name_a_callback(serve: Any, receiver: Receiver) -> None:
+    from click.testing import CliRunner
+
+    from gateway.cli.commands import main
+    from gateway.client import Client
+
+    server = serve(webhook_secret=SECRET, callback_hosts=["127.0.0.1"], detach_grace=30)
+    with Client(server.url) as client:
+        result = client.run("generate", {"prompts": ["hello"], "max_tokens": 2}, callback_url=receiver.url)
+        job_id = client.job_id
+    assert job_id is not None
+    wait_until(lambda: callback(server.url, job_id).get("state") == "delivered", 30, "the client's job's webhook")
+    assert Webhook(SECRET).verify(receiver.received[-1][1], receiver.received[-1][0])["data"]["result"] == result
+    ran = CliRunner().invoke(main, ["run", "generate", "prompts=hi", "max_tokens=2", "--url", server.url, "--quiet", "--callback-url", receiver.url])
+    assert ran.exit_code == 0, ran.output
+    wait_until(lambda: len(receiver.received) == 2, 30, "the CLI's job's webhook")

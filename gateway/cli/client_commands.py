@@ -115,10 +115,11 @@ def _fetch_files(client: Any, result: Any, out_dir: str | None, quiet: bool) -> 
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="Where a result's files go (a per-position result too big for one event: safetensors, npy, bigWig and BED): OUT/NAME, and with --input OUT/<record id>/NAME, each fetched whole and resumed if cut. Without it they stay on the gateway for its --retention, at GET /jobs/{id}/files/{name}.")
 @_client_options
 @click.option("--quiet", "-q", is_flag=True, help="Print only the result (with --input: no progress bar, failures or summary; only what stops the run).")
+@click.option("--callback-url", default=None, help="Also POST the job's terminal event there, signed, once it ends (a completion webhook: the gateway needs --webhook-secret).")
 def run(
     tool: str, pairs: tuple[str, ...], params_json: str | None, input_path: str | None, output_path: str | None,
     input_format: str | None, field: str | None, concurrency: int | None, out_dir: str | None,
-    model: str | None, url: str, token: str | None, quiet: bool,
+    model: str | None, url: str, token: str | None, quiet: bool, callback_url: str | None,
 ) -> None:
     """Run TOOL and print its result as JSON (and, on stderr, a view of it).
 
@@ -142,6 +143,8 @@ def run(
         raise click.UsageError("give KEY=VALUE pairs or --json, not both")
     params, query = _params_given(params_json, pairs)
     if input_path is not None or output_path is not None:
+        if callback_url is not None:
+            raise click.UsageError("--callback-url goes with one run, not --input")
         from gateway.cli.fileruns import FileRun
 
         batch = FileRun(tool, params, query, model, url, token, quiet, concurrency, out_dir)
@@ -160,7 +163,8 @@ def run(
         with _client(url, token) as client:
             try:
                 result = client.run(
-                    tool, params, query=query, on_status=shown.status, on_log=shown.log, on_partial=shown.partial
+                    tool, params, query=query, on_status=shown.status, on_log=shown.log, on_partial=shown.partial,
+                    callback_url=callback_url,
                 )
                 _fetch_files(client, result, out_dir, quiet)
             except KeyboardInterrupt:

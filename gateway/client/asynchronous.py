@@ -126,10 +126,11 @@ class AsyncClient:
         params: Mapping[str, Any] | None = None,
         *,
         query: list[tuple[str, str]] | None = None,
+        callback_url: str | None = None,
     ) -> AsyncGenerator[StreamEvent, None]:
         """Start a job and yield its events, each once, until its terminal event; as `Client.stream`."""
         self.job_id = None
-        return self._events(_Resume(tool, params, query, self.resume_tries, self._started))
+        return self._events(_Resume(tool, params, query, self.resume_tries, self._started, callback_url))
 
     async def run(
         self,
@@ -140,10 +141,11 @@ class AsyncClient:
         on_status: Handler | None = None,
         on_log: Handler | None = None,
         on_partial: Handler | None = None,
+        callback_url: str | None = None,
     ) -> Any:
         """Run a job to its end and return its result (the `data` event's payload)."""
         handlers = {"status": on_status, "log": on_log, "partial": on_partial}
-        async with contextlib.aclosing(self.stream(tool, params, query=query)) as events:
+        async with contextlib.aclosing(self.stream(tool, params, query=query, callback_url=callback_url)) as events:
             async for event in events:
                 ended, value = _settle(event, handlers)
                 if ended:
@@ -278,12 +280,15 @@ class _Resume:
         query: list[tuple[str, str]] | None,
         tries: int,
         started: Callable[[str], None] | None = None,
+        callback_url: str | None = None,
     ) -> None:
+        # Where the job's terminal event is also POSTed once it ends (a completion webhook).
+        callback = {"Callback-URL": callback_url} if callback_url else {}
         if query is not None:
-            self.first: tuple[str, str, dict[str, Any]] = ("GET", f"/{tool}/run", {"params": query})
+            self.first: tuple[str, str, dict[str, Any]] = ("GET", f"/{tool}/run", {"params": query, "headers": callback})
         else:
             key = uuid.uuid4().hex
-            self.first = ("POST", f"/{tool}/run", {"json": dict(params or {}), "headers": {"Idempotency-Key": key}})
+            self.first = ("POST", f"/{tool}/run", {"json": dict(params or {}), "headers": {"Idempotency-Key": key, **callback}})
         self.repeatable = query is None  # a POST with its key may be sent again; a GET that started no job not
         self.tries, self.started = tries, started
         self.job_id: str | None = None

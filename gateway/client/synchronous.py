@@ -105,6 +105,7 @@ class Client:
         params: Mapping[str, Any] | None = None,
         *,
         query: list[tuple[str, str]] | None = None,
+        callback_url: str | None = None,
     ) -> Iterator[StreamEvent]:
         """Start a job and yield its events, each once, until its terminal event.
 
@@ -112,9 +113,10 @@ class Client:
         failed connection attaches to the same job), or uses the GET form with
         `query`. A connection that drops before the terminal event is resumed
         with `GET /jobs/{id}/events` and the last event id seen, up to
-        `resume_tries` times with backoff.
+        `resume_tries` times with backoff. `callback_url`: the job's terminal event is also
+        POSTed there, signed, once it ends (`Callback-URL`, a completion webhook).
         """
-        return self._loop.iterate(self._async.stream(tool, params, query=query))
+        return self._loop.iterate(self._async.stream(tool, params, query=query, callback_url=callback_url))
 
     def run(
         self,
@@ -125,10 +127,11 @@ class Client:
         on_status: Handler | None = None,
         on_log: Handler | None = None,
         on_partial: Handler | None = None,
+        callback_url: str | None = None,
     ) -> Any:
         """Run a job to its end and return its result (the `data` event's payload)."""
         handlers = {"status": on_status, "log": on_log, "partial": on_partial}
-        with contextlib.closing(self.stream(tool, params, query=query)) as events:
+        with contextlib.closing(self.stream(tool, params, query=query, callback_url=callback_url)) as events:
             for event in events:
                 ended, value = _settle(event, handlers)
                 if ended:

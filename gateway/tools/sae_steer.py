@@ -115,9 +115,14 @@ def steering(model: Model, sae: SAE, rows: list[SteeredRows]) -> Iterator[None]:
         for block in rows
     ]
 
+    # A prefill may run its columns in pieces (gateway/models/decoders.py), each a pass of its own
+    # through the layer: the columns of each piece follow those of the pieces before it.
+    seen = [0]
+
     def write(hidden: torch.Tensor) -> None:
         width = hidden.shape[1]
-        columns = torch.arange(width, device=device)
+        columns = torch.arange(seen[0], seen[0] + width, device=device)
+        seen[0] += width
         for block, ids, strengths, spans, offsets, firsts in blocks:
             positions = columns[None, :] + offsets[:, None]  # rows × width
             where = (positions[..., None] >= spans[:, 0]) & (positions[..., None] < spans[:, 1])  # rows × width × clamps
