@@ -217,13 +217,14 @@ class Admission:
 
     async def admit(
         self, tool: Tool, params: Any, applicant: Applicant, *, job_id: str | None = None, most_result: int | None = None,
-        going_on: GoingOn | None = None,
+        going_on: GoingOn | None = None, callback: str | None = None,
     ) -> Job:
         """Admit a job of `tool` with decoded `params` (`decode`'s, or a Struct another surface
         built) for `applicant`, and queue it; `job_id`: the id a gateway gave it; `most_result`: the
         most bytes of result the surface can answer with (`/mcp` inlines results), priced beforehand;
-        `going_on`: the job is one another replica ran, going on here under its id."""
-        job = await self._admit(tool, params, applicant, job_id, None, most_result, going_on)
+        `going_on`: the job is one another replica ran, going on here under its id; `callback`: its
+        completion webhook's URL."""
+        job = await self._admit(tool, params, applicant, job_id, None, most_result, going_on, callback=callback)
         assert isinstance(job, Job)  # no key: never attached
         return job
 

@@ -656,6 +656,40 @@ def test_a_job_the_replica_that_takes_it_over_refuses_ends_once_with_its_refusal
     wait_until(lambda: glob.glob(str(spool / f"streamgate-checkpoints-*/{job_id}")) == [], timeout=10, what="the checkpoint to be removed")
 
 
+def test_a_job_taken_over_has_its_completion_webhook_delivered_by_the_replica_that_finishes_it(
+    shared: tuple[Callable[..., ServeProcess], Path], tmp_path: Path
+) -> None:
+    """A run's Callback-URL goes on with its job: the replica that takes it over (its first drained,
+    leaving it) delivers the terminal event it finished, signed, once."""
+    from standardwebhooks import Webhook
+
+    from tests.test_webhooks import SECRET, Receiver
+
+    receiver = Receiver()
+    start, _ = shared
+    flags = ("--webhook-secret", SECRET, "--callback-hosts", "127.0.0.1")
+    first, second = start(*flags), start(*flags)
+    params = {
+        "texts": [protein(2000, seed=6)], "window": 100, "overlap": 30, "pooling": "mean",
+        "die_at": 16, "marker": str(tmp_path / "died"), "kill": "gateway", "signal": "SIGTERM",
+    }
+    try:
+        with httpx.stream("POST", f"{first.url}/embed_dying/run", json=params, headers={"Callback-URL": receiver.url}, timeout=120) as stream:
+            job_id = stream.headers["x-job-id"]
+            with contextlib.suppress(httpx.HTTPError):
+                for _ in stream.iter_raw():
+                    pass
+        assert first.proc.wait(timeout=30) == 0
+        wait_until(lambda: httpx.get(f"{second.url}/jobs/{job_id}", timeout=10).json()["status"] == "SUCCEEDED", 120, "the job to finish on the other")
+        wait_until(lambda: len(receiver.received) == 1, 30, "its webhook")
+        headers, body = receiver.received[0]
+        message = Webhook(SECRET).verify(body, headers)
+        assert message["type"] == "job.succeeded" and message["data"]["job_id"] == job_id
+        assert httpx.get(f"{second.url}/jobs/{job_id}", timeout=10).json()["callback"]["state"] == "delivered"
+    finally:
+        receiver.stop()
+
+
 async def test_the_sweep_removes_the_checkpoints_of_jobs_ended_everywhere_and_keeps_the_rest(redis_server: RedisServer, tmp_path: Path) -> None:
     """Checkpoint folders whose job has ended in the store go, and those of jobs it has no record of
     on two sweeps; a running job's stay, and so does a folder just made (its job may not be

@@ -203,3 +203,35 @@ def test_the_python_client_and_the_cli_name_a_callback(serve: Any, receiver: Rec
     ran = CliRunner().invoke(main, ["run", "generate", "prompts=hi", "max_tokens=2", "--url", server.url, "--quiet", "--callback-url", receiver.url])
     assert ran.exit_code == 0, ran.output
     wait_until(lambda: len(receiver.received) == 2, 30, "the CLI's job's webhook")
+
+
+def test_a_job_whose_replica_died_has_its_webhook_delivered_by_another(
+    tiny_model_path: Path, redis_server: RedisServer, receiver: Receiver, tmp_path: Path,  # noqa: F811
+) -> None:
+    """Two gateways (engine processes) on one Redis; the one running a job is killed. The other ends
+    the job as lost once it reads it, and delivers the webhook the dead one would have."""
+    import signal
+
+    from tests.test_engines import start_gateway
+
+    extra = (
+        "--store", redis_server.url, "--store-outage-grace", "1", "--callback-hosts", "127.0.0.1", "--detach-grace", "30",
+        "--webhook-secret", SECRET,
+    )
+    first, second = (start_gateway(tmp_path, str(tiny_model_path), extra=extra) for _ in range(2))
+    try:
+        with httpx.stream("POST", f"{first.url}/nap/run", json={"seconds": 60}, headers={"Callback-URL": receiver.url}, timeout=60) as stream:
+            job_id = stream.headers["x-job-id"]
+            for line in stream.iter_lines():
+                if "RUNNING" in line:
+                    break
+        assert callback(second.url, job_id)["state"] == "waiting"
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(timeout=30)
+        wait_until(lambda: httpx.get(f"{second.url}/jobs/{job_id}").json()["status"] == "FAILED", 60, "the job to end as lost")
+        wait_until(lambda: callback(second.url, job_id).get("state") == "delivered", 30, "its webhook, from the other replica")
+        message = Webhook(SECRET).verify(receiver.received[-1][1], receiver.received[-1][0])
+        assert message["data"]["job_id"] == job_id and message["data"]["error"]["code"] == "backend_unavailable"
+    finally:
+        first.stop()
+        second.stop()

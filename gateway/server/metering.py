@@ -199,7 +199,8 @@ class Meter:
 
     def settle(self, job: Job, user_class: str | None) -> None:
         """The ended job's use, into the ledger (a write to Redis goes on in the background)."""
-        usage = JobUsage(jobs=1)
+        # A job handed to another replica counts its use here, and as a job where it ends.
+        usage = JobUsage(jobs=0 if job.handed_off else 1)
         usage.add(job.usage)
         key, now = row_key(job.tenant, user_class or NO_CLASS, job.model or ""), self.clock()
         self.local.add(key, job.tenant, usage, now)

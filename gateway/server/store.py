@@ -124,9 +124,10 @@ class JobStore(abc.ABC):
     async def hand_off(self) -> None:
         """This process stops: its jobs that can go on in another are left to it (a shared store's)."""
 
-    def takes_over(self, admission: Admission, ready: Callable[[], bool]) -> None:
+    def takes_over(self, admission: Admission, ready: Callable[[], bool], webhooks: Any = None) -> None:
         """Jobs that another process ran until it stopped go on in this one, admitted through
-        `admission` while `ready()` (a store that keeps only this process's jobs has none)."""
+        `admission` while `ready()` (a store that keeps only this process's jobs has none), their
+        completion webhooks (`webhooks`) delivered from here."""
 
     @abc.abstractmethod
     def attach(self, job: JobHandle) -> None:

@@ -46,7 +46,7 @@ from standardwebhooks import Webhook
 
 from gateway.errors import ApiError
 from gateway.jobs import Job
-from gateway.protocol import Callback, Code, EventType, encode
+from gateway.protocol import Callback, Code, EventType, JobSnapshot, encode
 
 log = logging.getLogger("streamgate.webhooks")
 
@@ -191,7 +191,12 @@ class Webhooks:
         """`job` has a callback: kept (shown on `GET /jobs/{id}`), and delivered once the job ends."""
         await self.outbox.put(Delivery(job.id, url))
         # The message is made as the terminal event is appended, while its result is still in memory.
-        job.on_end.append(lambda ended: self._spawn(self._ended(Delivery(ended.id, url, "pending", _payload(ended), due=time.time()))))
+        job.on_end.append(lambda ended: self._on_end(ended, url))
+
+    def _on_end(self, job: Job, url: str) -> None:
+        if job.handed_off:  # it goes on in another replica, which delivers its end
+            return
+        self._spawn(self._ended(Delivery(job.id, url, "pending", _payload(job), due=time.time())))
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.ensure_future(work)
@@ -205,6 +210,22 @@ class Webhooks:
             log.error("job %s: its webhook could not be kept for delivery: %s", delivery.job_id, exc, extra={"job_id": delivery.job_id})
             return
         self._due.set()
+
+    async def waiting_url(self, job_id: str) -> str | None:
+        """The callback of a job that has not ended, if it has one: a replica that takes the job over
+        from one that stopped delivers it as the job ends there."""
+        delivery = await self.outbox.get(job_id)
+        return delivery.url if delivery is not None and delivery.state == "waiting" else None
+
+    async def ended_elsewhere(self, snapshot: JobSnapshot) -> None:
+        """A job another replica ran was ended here (its replica stopped answering, or refused to go on
+        here): its terminal event is delivered as its own replica would have."""
+        delivery = await self.outbox.get(snapshot.job_id)
+        terminal = snapshot.terminal
+        if delivery is None or delivery.state != "waiting" or terminal is None:
+            return
+        message = _message(snapshot.job_id, snapshot.tool, snapshot.model, terminal.event == "data", bytes(terminal.data), snapshot.finished)
+        await self._ended(Delivery(snapshot.job_id, delivery.url, "pending", message, due=time.time()))
 
     async def state(self, job_id: str) -> Callback | None:
         delivery = await self.outbox.get(job_id)
@@ -323,18 +344,22 @@ def _payload(job: Job) -> str:
     """The message a job's webhook carries: its terminal event, the result inline when small."""
     terminal = job.terminal
     assert terminal is not None
-    data: dict[str, Any] = {"job_id": job.id, "tool": job.tool, "model": job.model}
-    if terminal.type is EventType.DATA:
-        data["status"] = "succeeded"
-        result = terminal.data
-        if len(result) <= INLINE_RESULT:
-            data["result"] = msgspec.Raw(result)
+    return _message(job.id, job.tool, job.model, terminal.type is EventType.DATA, terminal.data, job.finished)
+
+
+def _message(job_id: str, tool: str, model: str | None, succeeded: bool, data: bytes, finished: float | None) -> str:
+    """A webhook's body: `data` is the terminal event's (the result, or the error frame)."""
+    body: dict[str, Any] = {"job_id": job_id, "tool": tool, "model": model}
+    if succeeded:
+        body["status"] = "succeeded"
+        if len(data) <= INLINE_RESULT:
+            body["result"] = msgspec.Raw(data)
         else:
-            data["result_size"] = len(result)
+            body["result_size"] = len(data)
     else:
-        error = msgspec.json.decode(terminal.data)["error"]
-        data["status"] = "cancelled" if error.get("code") == "cancelled" else "failed"
-        data["error"] = error
-    kind = "job.succeeded" if terminal.type is EventType.DATA else "job.failed"
-    stamp = datetime.datetime.fromtimestamp(job.finished or time.time(), tz=datetime.timezone.utc).isoformat()
-    return encode({"type": kind, "timestamp": stamp, "data": data}).decode()
+        error = msgspec.json.decode(data)["error"]
+        body["status"] = "cancelled" if error.get("code") == "cancelled" else "failed"
+        body["error"] = error
+    kind = "job.succeeded" if succeeded else "job.failed"
+    stamp = datetime.datetime.fromtimestamp(finished or time.time(), tz=datetime.timezone.utc).isoformat()
+    return encode({"type": kind, "timestamp": stamp, "data": body}).decode()

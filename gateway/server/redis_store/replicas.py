@@ -10,6 +10,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from redis.exceptions import RedisError
@@ -92,8 +93,11 @@ class Replicas:
         except (RedisError, TimeoutError) as exc:
             log.warning("could not leave every job to another replica: %s", exc or "no answer in time")
 
-    def takes_over(self, admission: Admission, ready: Callable[[], bool]) -> None:
+    def takes_over(self, admission: Admission, ready: Callable[[], bool], webhooks: Any = None) -> None:
         self._admission, self._ready = admission, ready
+        # The gateway's completion webhooks (gateway/server/webhooks.py): a job taken over here, or ended
+        # here for its silent replica, has its callback delivered from here.
+        self.webhooks = webhooks
 
     async def _left(self, job: Job) -> int:
         """`scripts.LEAVE` `job` in Redis: 1 if it is not this replica's any more."""
@@ -177,7 +181,8 @@ class Replicas:
             else:
                 params = await self._admission.decode(tool, bytes(request.params), "the job's request")
             applicant = Applicant(request.tenant, request.weight, request.owner, priority=request.priority, timeout=request.timeout)
-            await self._admission.admit(tool, params, applicant, job_id=job_id, going_on=going_on)
+            callback = await self.webhooks.waiting_url(job_id) if self.webhooks is not None else None
+            await self._admission.admit(tool, params, applicant, job_id=job_id, going_on=going_on, callback=callback)
         except Exception as exc:  # refused here: the job ends, once, with why
             if isinstance(exc, ApiError) and exc.code in RETRYABLE:  # (busy, not ready, stopping): another may take it
                 log.warning("job %s: not admitted here now (%s); given back", job_id, exc.message)
@@ -192,6 +197,8 @@ class Replicas:
             job.idempotency_key, job.request_digest = key, request.digest
             job.fail(code, message)
             await self.add(job)
+            if self.webhooks is not None:
+                await self.webhooks.ended_elsewhere(job.snapshot())
             if self.checkpoints is not None:  # nothing will go on from it
                 await asyncio.to_thread(shutil.rmtree, os.path.join(self.checkpoints, job_id), True)
 
@@ -254,6 +261,8 @@ class Replicas:
             done = await self.scripts.finalize(keys=keys, args=args)
             if done == 1:
                 log.warning("job %s: its replica %s is gone; ended with backend_unavailable", view.id, view.owner)
+                if self.webhooks is not None:  # its callback, which its replica would have delivered
+                    await self.webhooks.ended_elsewhere(snapshot)
                 return True
             if done == 0:
                 return False

@@ -97,6 +97,7 @@ class RedisStore(Writing, Reading, Replicas, Leases, JobStore):
         # whose job has ended everywhere.
         self.checkpoints = checkpoints
         self._admission: Admission | None = None  # with which a job whose replica stopped goes on here
+        self.webhooks: Any = None  # whose callbacks a job taken over, or ended for its silent replica, delivers
         self._ready: Callable[[], bool] = lambda: False
         self._taking: set[str] = set()  # jobs being taken over here now
         self._followed: dict[str, bool] = {}  # whether a client ever followed them (for detach grace)
