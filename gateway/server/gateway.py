@@ -167,6 +167,8 @@ class Gateway:
         self.streams = Streams(settings.max_streams, settings.max_streams_per_owner)
         # A job another replica ran until it stopped goes on here, admitted as any other (a shared store's).
         self.store.takes_over(self.admission, lambda: backend.ready and not self.drain.draining, self.webhooks)
+        if getattr(self.webhooks.outbox, "shared", False):
+            self.webhooks.look = self.store.get
         # How a whole answer is sent (gateway/plumbing/sendbuffer.py): a client that stops reading is cut.
         self.sending: dict[str, Any] = {
             "send_timeout": settings.write_timeout, "on_write_timeout": lambda: self.metrics.client_timeout("write"),

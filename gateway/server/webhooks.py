@@ -57,6 +57,8 @@ BACKOFF_S, BACKOFF_CAP_S = 1.0, 600.0
 AT_ONCE = 16  # tries in flight at once
 LEASE_S = 60.0  # a try claimed in a shared outbox is another replica's to take after this long
 POLL_S = 1.0  # a shared outbox is looked at this often for tries other replicas put in it
+LOOK_S = 5.0  # how often a shared outbox's waiting deliveries have their jobs looked at (`look`)
+LOOKED_AT = 8  # waiting deliveries whose jobs one look reads
 FOR_GOOD = frozenset(range(300, 500)) - {408, 409, 425, 429}  # answers not worth another try
 
 
@@ -158,6 +160,10 @@ class Webhooks:
         self._tries: set[asyncio.Task[None]] = set()
         self._ends: set[asyncio.Task[None]] = set()
         self.http = httpx.AsyncClient(follow_redirects=False, trust_env=False, timeout=timeout)
+        # Reads a job from the shared store (`RedisStore.get`), which ends one whose replica is gone (and
+        # so has its webhook delivered from here, `ended_elsewhere`): set by the gateway with the Redis store.
+        self.look: Any = None
+        self._looked = 0.0
 
     # -- as a job is admitted ---------------------------------------------------------------------
 
@@ -263,6 +269,8 @@ class Webhooks:
                 self._tries.add(task)
                 task.add_done_callback(self._tries.discard)
                 task.add_done_callback(lambda _: self._due.set())
+            if self.look is not None and time.monotonic() - self._looked >= LOOK_S:
+                await self._look_at_waiting()
             if len(claimed) >= room:  # as many tries under way as may be: the next waits for one to end
                 wait = None
             elif self.shared:
@@ -273,6 +281,16 @@ class Webhooks:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):
                     await self._due.wait()
+
+    async def _look_at_waiting(self) -> None:
+        """Read a few jobs whose delivery waits for their end: one whose replica died unread by any
+        client is ended as lost by the read, and its webhook delivered from here."""
+        self._looked = time.monotonic()
+        try:
+            for job_id in await self.outbox.waiting(LOOKED_AT):  # type: ignore[attr-defined]
+                await self.look(job_id)
+        except Exception as exc:  # the store is down: looked at again later
+            log.warning("webhooks: waiting deliveries could not be looked at: %s", exc)
 
     async def _try(self, delivery: Delivery) -> None:
         delivery.attempts += 1

@@ -3,7 +3,7 @@ there and tries whichever are due, so that one a stopped replica was delivering 
 another, or by itself once it is back.
 
 A delivery is a key (`webhook:<job id>`, its msgpack) and, while a try is due, a member of the
-sorted set `webhooks` scored by when. Claiming moves the members due to a lease's end in one
+sorted set `webhooks` scored by when; while its job runs, a member of the set `webhooks:waiting`. Claiming moves the members due to a lease's end in one
 script: a replica that dies mid-try leaves it to be claimed again once the lease is over. An ended
 delivery is kept as long as jobs are (`retention`), for `GET /jobs/{id}`.
 """
@@ -32,6 +32,7 @@ class RedisOutbox:
     def __init__(self, url: str, retention: float, prefix: str = "streamgate:") -> None:
         self.prefix, self.retention = prefix, retention
         self.due_key = f"{prefix}webhooks"
+        self.waiting_key = f"{prefix}webhooks:waiting"  # the jobs with a delivery waiting for their end
         self.redis = small_client(url)
         self.claim_script: Any = self.redis.register_script(CLAIM)
 
@@ -47,7 +48,24 @@ class RedisOutbox:
                 pipe.zadd(self.due_key, {delivery.job_id: int(delivery.due * 1000)})
             else:
                 pipe.zrem(self.due_key, delivery.job_id)
+            if delivery.state == "waiting":
+                pipe.sadd(self.waiting_key, delivery.job_id)
+            else:
+                pipe.srem(self.waiting_key, delivery.job_id)
             await pipe.execute()
+
+    async def waiting(self, most: int) -> list[str]:
+        """Some of the jobs whose delivery waits for their end (any replica's), for a look at whether
+        their replica is still alive (gateway/server/webhooks.py `Webhooks.look`)."""
+        ids = await self.redis.srandmember(self.waiting_key, most)
+        gone = []
+        found = []
+        for raw in ids or []:
+            job_id = raw.decode()
+            (found if await self.redis.exists(self._key(job_id)) else gone).append(job_id)
+        if gone:  # its delivery expired (a week): nothing to look at
+            await self.redis.srem(self.waiting_key, *gone)
+        return found
 
     async def claim(self, now: float, lease: float, most: int) -> list[Delivery]:
         if most <= 0:
