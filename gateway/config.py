@@ -136,6 +136,7 @@ class Settings(msgspec.Struct, kw_only=True):
     callback_hosts: Annotated[list[str], Meta(extra={**SERVE, "split": ","}, description="The hosts a Callback-URL may name, comma-separated (exact, or *.domain); none given: any public host. A private or loopback address only when listed exactly.")] = msgspec.field(default_factory=list)
     webhook_attempts: Annotated[int, Meta(ge=1, le=30, extra=SERVE, description="Tries to deliver a completion webhook, apart by a backoff from 1 s doubling up to 10 minutes.")] = 10
     webhook_timeout: Annotated[float, Meta(gt=0, le=60, extra=SERVE, description="Seconds a webhook receiver has to answer one try.")] = 10.0
+    webhooks_per_tenant: Annotated[int, Meta(ge=1, le=10_000, extra=SERVE, description="Completion webhooks one tenant may have open (its jobs' that run, and those still being tried); a run naming a Callback-URL past it gets 429.")] = 64
     write_timeout: Annotated[float, Meta(ge=1, extra=SERVE, description="Seconds a stream's write may block (a half-open connection) before the client is detached.")] = 30.0
     cors_origins: Annotated[list[str], Meta(extra={**SERVE, "split": ","}, description="Origins allowed to call from a browser, comma-separated (none by default).")] = msgspec.field(default_factory=list)
 

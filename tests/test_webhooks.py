@@ -237,3 +237,115 @@ def test_a_job_whose_replica_died_has_its_webhook_delivered_by_another(
     finally:
         first.stop()
         second.stop()
+
+
+# -- bounded: what a tenant's callbacks hold, and what the outbox holds -----------------------------
+
+
+def test_a_tenant_with_its_webhooks_all_open_is_refused_until_they_end(serve: Any, receiver: Receiver) -> None:
+    """A receiver that fails every try: a tenant's open deliveries reach --webhooks-per-tenant, and
+    its next run naming a callback is refused (429, Retry-After) before it is queued; a run without
+    one still runs, and once the deliveries end (failed for good) callbacks are taken again."""
+    server = serve(webhook_secret=SECRET, callback_hosts=["127.0.0.1"], detach_grace=30, webhooks_per_tenant=2, webhook_attempts=2)
+    receiver.answers = [503] * 4
+    params = {"prompts": ["hello"], "max_tokens": 2}
+    first, second = (job_of(run(server.url, params, receiver.url)) for _ in range(2))
+    refused = run(server.url, params, receiver.url)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "30", refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "rate_limited" and "--webhooks-per-tenant" in error["message"]
+    assert httpx.post(f"{server.url}/generate/run", json=params, timeout=60).status_code == 200
+    for job_id in (first, second):
+        wait_until(lambda job_id=job_id: callback(server.url, job_id).get("state") == "failed", 30, "the deliveries, failed")
+    assert len(receiver.received) == 4
+    job_of(run(server.url, params, receiver.url))
+
+
+def test_the_memory_outbox_keeps_its_tries_in_order_of_when_they_are_due() -> None:
+    import asyncio
+
+    from gateway.server.webhooks import Delivery, MemoryOutbox
+
+    async def check() -> None:
+        outbox = MemoryOutbox(retention=600)
+        for i, due in enumerate([5.0, 1.0, 3.0, 2.0, 4.0]):
+            await outbox.put(Delivery(f"j{i}", "http://x", "pending", "t", "{}", due=due))
+        assert await outbox.next_due() == 1.0
+        claimed = await outbox.claim(now=3.0, lease=60.0, most=2)
+        assert [d.job_id for d in claimed] == ["j1", "j3"]  # due at 1 and 2; at most 2
+        assert [d.job_id for d in await outbox.claim(now=3.0, lease=60.0, most=10)] == ["j2"]
+        assert await outbox.next_due() == 4.0  # the claimed ones are leased until 63
+        # A delivery tried and put back is due when its new time says, its old entry skipped.
+        tried = claimed[0]
+        tried.due = 4.5
+        await outbox.put(tried)
+        assert [d.job_id for d in await outbox.claim(now=4.6, lease=60.0, most=10)] == ["j4", "j1"]
+        for job_id in ("j0", "j1", "j2", "j3", "j4"):
+            await outbox.put(Delivery(job_id, "http://x", "delivered", "t"))
+        assert await outbox.next_due() is None and await outbox.claim(now=1e12, lease=1.0, most=10) == []
+        assert len(outbox._heap) <= 64  # stale entries do not pile up past the open deliveries
+        assert await outbox.held("t") == (0, 0, 0)
+
+    asyncio.run(check())
+
+
+def test_the_results_pending_deliveries_carry_inline_are_bounded_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worst case: a failing receiver, and every job ending with a result as big as a webhook
+    carries inline. Past INLINE_HELD the messages carry the result's size (fetched from the job),
+    so the outbox holds at most INLINE_HELD bytes of results; as deliveries end, their room comes back."""
+    import asyncio
+
+    import gateway.server.webhooks as webhooks
+    from gateway.server.webhooks import JobEnd, Webhooks
+
+    monkeypatch.setattr(webhooks, "INLINE_HELD", 1 << 20)
+    result = b'"' + b"x" * (webhooks.INLINE_RESULT - 2) + b'"'
+
+    async def check() -> None:
+        hooks = Webhooks(SECRET, ["127.0.0.1"])
+        outbox = hooks.outbox
+        for i in range(12):
+            await outbox.put(webhooks.Delivery(f"j{i}", "http://127.0.0.1/", tenant=f"t{i % 3}"))
+            await hooks._ended("http://127.0.0.1/", f"t{i % 3}", JobEnd(f"j{i}", "generate", "m", True, result, None))
+        held = await outbox.held("t0")
+        assert held.tenant == 4 and held.total == 12 and held.inline <= webhooks.INLINE_HELD
+        carried = [json.loads(outbox.deliveries[f"j{i}"].payload)["data"] for i in range(12)]
+        assert sum("result" in c for c in carried) == 4 and all(c.get("result_size") == len(result) for c in carried[4:])
+        # An ended delivery keeps no message, and its room goes to the next.
+        ended = await outbox.get("j0")
+        assert ended is not None
+        ended.state, ended.payload, ended.inline = "delivered", "", 0
+        await outbox.put(ended)
+        assert (await outbox.held("t0")).inline == 3 * len(result)
+        await hooks._ended("http://127.0.0.1/", "t0", JobEnd("j12", "generate", "m", True, result, None))
+        assert "result" in json.loads(outbox.deliveries["j12"].payload)["data"]
+        await hooks.stop()
+
+    asyncio.run(check())
+
+
+def test_the_redis_outbox_counts_a_delivery_once_however_often_it_is_put(redis_server: RedisServer) -> None:  # noqa: F811
+    import asyncio
+
+    from gateway.server.redis_store.outbox import RedisOutbox
+    from gateway.server.webhooks import Delivery
+
+    async def check() -> None:
+        outbox = RedisOutbox(redis_server.url, retention=60, prefix="outbox-count:")
+        try:
+            await outbox.put(Delivery("a", "http://x", tenant="t"))
+            await outbox.put(Delivery("a", "http://x", tenant="t"))
+            await outbox.put(Delivery("b", "http://x", tenant="u"))
+            assert await outbox.held("t") == (1, 2, 0)
+            pending = Delivery("a", "http://x", "pending", "t", "{...}", inline=500, due=1.0)
+            await outbox.put(pending)
+            await outbox.put(pending)  # a try's outcome put twice (two replicas, a lease run out)
+            assert await outbox.held("t") == (1, 2, 500)
+            assert [d.job_id for d in await outbox.claim(now=2.0, lease=60, most=5)] == ["a"]
+            for _ in range(2):
+                await outbox.put(Delivery("a", "http://x", "delivered", "t"))
+            assert await outbox.held("t") == (0, 1, 0) and await outbox.held("u") == (1, 1, 0)
+        finally:
+            await outbox.close()
+
+    asyncio.run(check())

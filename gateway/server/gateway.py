@@ -118,7 +118,7 @@ def _webhooks(settings: Settings) -> Webhooks:
         outbox = RedisOutbox(settings.store, settings.retention)
     return Webhooks(
         settings.webhook_secret, settings.callback_hosts, attempts=settings.webhook_attempts, timeout=settings.webhook_timeout,
-        outbox=outbox, retention=settings.retention,
+        outbox=outbox, retention=settings.retention, per_tenant=settings.webhooks_per_tenant,
     )
 
 

@@ -23,6 +23,11 @@ POSTed there, signed the Standard Webhooks way, once the job ends.
   one that a gateway was delivering when it stopped is taken up by another, or by itself once it
   is back, so a terminal event is delivered at least once. `GET /jobs/{id}` shows the delivery
   (`callback`: its state, tries, the receiver's last status and error).
+- **Bounded.** A tenant has at most `--webhooks-per-tenant` deliveries open (its jobs' that run, and
+  those whose tries go on), a gateway at most `MAX_OPEN`; a run past either is refused with 429. The
+  results carried inline by the pending deliveries are at most `INLINE_HELD` bytes together: past
+  that, a message carries the result's size instead (the receiver fetches it). An ended delivery
+  keeps no message, and at most `MAX_ENDED` are kept in memory.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import heapq
 import ipaddress
 import logging
 import math
@@ -38,7 +44,7 @@ import socket
 import time
 import urllib.parse
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import httpx
 import msgspec
@@ -53,6 +59,10 @@ log = logging.getLogger("streamgate.webhooks")
 HEADER = "callback-url"
 MAX_URL = 2048
 INLINE_RESULT = 256 * 1024  # the most bytes of result a webhook carries; a bigger one is fetched
+INLINE_HELD = 32 << 20  # the most bytes of results the pending deliveries carry inline together
+MAX_OPEN = 10_000  # deliveries open (waiting for their job, or being tried) in one outbox
+MAX_ENDED = 10_000  # ended deliveries kept in memory for `GET /jobs/{id}`, the oldest forgotten first
+FULL_RETRY_S = 30  # Retry-After for a run refused as its tenant's (or the gateway's) deliveries are full
 BACKOFF_S, BACKOFF_CAP_S = 1.0, 600.0
 AT_ONCE = 16  # tries in flight at once
 LEASE_S = 60.0  # a try claimed in a shared outbox is another replica's to take after this long
@@ -68,7 +78,9 @@ class Delivery(msgspec.Struct, omit_defaults=True):
     job_id: str
     url: str
     state: str = "waiting"  # then "pending", "delivered" or "failed"
-    payload: str = ""
+    tenant: str = ""
+    payload: str = ""  # its message while it is pending; an ended one keeps none
+    inline: int = 0  # the bytes of result `payload` carries, counted against INLINE_HELD
     attempts: int = 0
     due: float = 0.0  # when its next try is, in seconds since the epoch
     last_status: int | None = None
@@ -78,11 +90,26 @@ class Delivery(msgspec.Struct, omit_defaults=True):
         wait = max(0.0, round(self.due - now, 1)) if self.state == "pending" else None
         return Callback(self.url, self.state, self.attempts, self.last_status, self.last_error, wait)
 
+    @property
+    def open(self) -> bool:
+        return self.state in ("waiting", "pending")
+
+
+class OutboxHeld(NamedTuple):
+    """What an outbox holds: one tenant's open deliveries, every tenant's, and the pending ones'
+    inline results' bytes."""
+
+    tenant: int
+    total: int
+    inline: int
+
 
 class Outbox(Protocol):
     """Where deliveries are kept: this process's memory, or Redis shared by every replica."""
 
     async def put(self, delivery: Delivery) -> None: ...
+
+    async def held(self, tenant: str) -> OutboxHeld: ...
 
     async def claim(self, now: float, lease: float, most: int) -> list[Delivery]: ...
 
@@ -95,7 +122,8 @@ class Outbox(Protocol):
 
 
 class MemoryOutbox:
-    """Deliveries in this process: the pending ones and, for `retention` seconds, the ended ones."""
+    """Deliveries in this process: the open ones and, for `retention` seconds (at most MAX_ENDED),
+    the ended ones. The pending ones' tries are a heap by when they are due."""
 
     shared = False
 
@@ -103,27 +131,71 @@ class MemoryOutbox:
         self.retention = retention
         self.deliveries: dict[str, Delivery] = {}
         self._ended: dict[str, float] = {}  # when each ended one ended, oldest first
+        self._open: dict[str, set[str]] = {}  # each tenant's open deliveries
+        self._opened = 0
+        self._inline = 0
+        # (due, job id): an entry whose delivery has since been tried, put again or ended is stale,
+        # skipped when it comes up (and the heap built again when the stale ones outnumber the rest).
+        self._heap: list[tuple[float, str]] = []
 
     async def put(self, delivery: Delivery) -> None:
+        old = self.deliveries.get(delivery.job_id)
+        if old is not None:
+            self._count(old, -1)
+        delivery = msgspec.structs.replace(delivery)  # its own: counted as it was put, whatever a caller does to theirs
         self.deliveries[delivery.job_id] = delivery
-        if delivery.state in ("delivered", "failed"):
-            self._ended[delivery.job_id] = time.time()
+        self._count(delivery, 1)
         now = time.time()
-        while self._ended and (first := next(iter(self._ended))) and self._ended[first] < now - self.retention:
+        if delivery.state == "pending":
+            heapq.heappush(self._heap, (delivery.due, delivery.job_id))
+        elif not delivery.open:
+            self._ended.pop(delivery.job_id, None)
+            self._ended[delivery.job_id] = now
+        while self._ended and (first := next(iter(self._ended))) and (self._ended[first] < now - self.retention or len(self._ended) > MAX_ENDED):
             del self._ended[first]
             self.deliveries.pop(first, None)
 
+    def _count(self, delivery: Delivery, sign: int) -> None:
+        if not delivery.open:
+            return
+        ids = self._open.setdefault(delivery.tenant, set())
+        (ids.add if sign > 0 else ids.discard)(delivery.job_id)
+        if not ids:
+            del self._open[delivery.tenant]
+        self._opened += sign
+        if delivery.state == "pending":
+            self._inline += sign * delivery.inline
+
+    async def held(self, tenant: str) -> OutboxHeld:
+        return OutboxHeld(len(self._open.get(tenant, ())), self._opened, self._inline)
+
     async def claim(self, now: float, lease: float, most: int) -> list[Delivery]:
-        due = [d for d in self.deliveries.values() if d.state == "pending" and d.due <= now][:most]
-        for delivery in due:
+        claimed: list[Delivery] = []
+        while self._heap and len(claimed) < most and self._heap[0][0] <= now:
+            due, job_id = heapq.heappop(self._heap)
+            delivery = self.deliveries.get(job_id)
+            if delivery is None or delivery.state != "pending" or delivery.due != due:
+                continue
             delivery.due = now + lease
-        return [msgspec.structs.replace(d) for d in due]
+            heapq.heappush(self._heap, (delivery.due, job_id))
+            claimed.append(msgspec.structs.replace(delivery))
+        if len(self._heap) > 2 * self._opened + 64:
+            self._heap = [(d.due, d.job_id) for d in self.deliveries.values() if d.state == "pending"]
+            heapq.heapify(self._heap)
+        return claimed
 
     async def get(self, job_id: str) -> Delivery | None:
-        return self.deliveries.get(job_id)
+        delivery = self.deliveries.get(job_id)
+        return msgspec.structs.replace(delivery) if delivery is not None else None
 
     async def next_due(self) -> float | None:
-        return min((d.due for d in self.deliveries.values() if d.state == "pending"), default=None)
+        while self._heap:
+            due, job_id = self._heap[0]
+            delivery = self.deliveries.get(job_id)
+            if delivery is not None and delivery.state == "pending" and delivery.due == due:
+                return due
+            heapq.heappop(self._heap)
+        return None
 
     async def close(self) -> None:
         pass
@@ -148,11 +220,11 @@ class Webhooks:
 
     def __init__(
         self, secret: str | None, hosts: list[str], *, attempts: int = 10, timeout: float = 10.0, outbox: Outbox | None = None,
-        retention: float = 600.0,
+        retention: float = 600.0, per_tenant: int = 64,
     ) -> None:
         self.signer = Webhook(secret) if secret else None
         self.hosts = [host.strip().lower() for host in hosts if host.strip()]
-        self.attempts, self.timeout = attempts, timeout
+        self.attempts, self.timeout, self.per_tenant = attempts, timeout, per_tenant
         self.outbox: Outbox = outbox if outbox is not None else MemoryOutbox(retention)
         self.shared = getattr(self.outbox, "shared", False)
         self._due = asyncio.Event()
@@ -194,26 +266,42 @@ class Webhooks:
         return url
 
     async def waiting(self, job: Job, url: str) -> None:
-        """`job` has a callback: kept (shown on `GET /jobs/{id}`), and delivered once the job ends."""
-        await self.outbox.put(Delivery(job.id, url))
+        """`job` has a callback: kept (shown on `GET /jobs/{id}`), and delivered once the job ends;
+        429 while its tenant, or the gateway, has as many deliveries open as it may."""
+        held = await self.outbox.held(job.tenant)
+        if held.tenant >= self.per_tenant:
+            raise ApiError(
+                Code.RATE_LIMITED, f"{held.tenant} completion webhooks of yours are not yet delivered (--webhooks-per-tenant): "
+                "wait for them, or run without Callback-URL", retry_after=FULL_RETRY_S,
+            )
+        if held.total >= MAX_OPEN:
+            raise ApiError(Code.RATE_LIMITED, f"this gateway has {held.total} completion webhooks not yet delivered: try again later", retry_after=FULL_RETRY_S)
+        await self.outbox.put(Delivery(job.id, url, tenant=job.tenant))
         # The message is made as the terminal event is appended, while its result is still in memory.
         job.on_end.append(lambda ended: self._on_end(ended, url))
 
     def _on_end(self, job: Job, url: str) -> None:
         if job.handed_off:  # it goes on in another replica, which delivers its end
             return
-        self._spawn(self._ended(Delivery(job.id, url, "pending", _payload(job), due=time.time())))
+        terminal = job.terminal
+        assert terminal is not None
+        ended = JobEnd(job.id, job.tool, job.model, terminal.type is EventType.DATA, terminal.data, job.finished)
+        self._spawn(self._ended(url, job.tenant, ended))
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.ensure_future(work)
         self._ends.add(task)
         task.add_done_callback(self._ends.discard)
 
-    async def _ended(self, delivery: Delivery) -> None:
+    async def _ended(self, url: str, tenant: str, ended: JobEnd) -> None:
+        """The job's delivery is due: its message made, the result inline while the pending ones'
+        inline results leave room for it."""
         try:
-            await self.outbox.put(delivery)
+            room = INLINE_HELD - (await self.outbox.held(tenant)).inline
+            payload, inline = ended.message(room)
+            await self.outbox.put(Delivery(ended.job_id, url, "pending", tenant, payload, inline, due=time.time()))
         except Exception as exc:  # the outbox is unreachable: logged, as nothing else can be done
-            log.error("job %s: its webhook could not be kept for delivery: %s", delivery.job_id, exc, extra={"job_id": delivery.job_id})
+            log.error("job %s: its webhook could not be kept for delivery: %s", ended.job_id, exc, extra={"job_id": ended.job_id})
             return
         self._due.set()
 
@@ -230,8 +318,8 @@ class Webhooks:
         terminal = snapshot.terminal
         if delivery is None or delivery.state != "waiting" or terminal is None:
             return
-        message = _message(snapshot.job_id, snapshot.tool, snapshot.model, terminal.event == "data", bytes(terminal.data), snapshot.finished)
-        await self._ended(Delivery(snapshot.job_id, delivery.url, "pending", message, due=time.time()))
+        ended = JobEnd(snapshot.job_id, snapshot.tool, snapshot.model, terminal.event == "data", bytes(terminal.data), snapshot.finished)
+        await self._ended(delivery.url, delivery.tenant, ended)
 
     async def state(self, job_id: str) -> Callback | None:
         delivery = await self.outbox.get(job_id)
@@ -305,9 +393,9 @@ class Webhooks:
             problem, for_good = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, False
         delivery.last_status, delivery.last_error = status, problem
         if problem is None:
-            delivery.state = "delivered"
+            delivery.state, delivery.payload, delivery.inline = "delivered", "", 0
         elif for_good or delivery.attempts >= self.attempts:
-            delivery.state = "failed"
+            delivery.state, delivery.payload, delivery.inline = "failed", "", 0
             log.warning("job %s: its webhook to %s failed after %d tries: %s", delivery.job_id, delivery.url, delivery.attempts, problem)
         else:
             backoff = min(BACKOFF_CAP_S, BACKOFF_S * 2 ** (delivery.attempts - 1))
@@ -358,26 +446,31 @@ class Refused(Exception):
     """A try not made: the receiver's host is not (or no longer) one to deliver to."""
 
 
-def _payload(job: Job) -> str:
-    """The message a job's webhook carries: its terminal event, the result inline when small."""
-    terminal = job.terminal
-    assert terminal is not None
-    return _message(job.id, job.tool, job.model, terminal.type is EventType.DATA, terminal.data, job.finished)
+class JobEnd(NamedTuple):
+    """A job's end, as its webhook tells it: `data` is its terminal event's (the result, or the error frame)."""
 
+    job_id: str
+    tool: str
+    model: str | None
+    succeeded: bool
+    data: bytes
+    finished: float | None
 
-def _message(job_id: str, tool: str, model: str | None, succeeded: bool, data: bytes, finished: float | None) -> str:
-    """A webhook's body: `data` is the terminal event's (the result, or the error frame)."""
-    body: dict[str, Any] = {"job_id": job_id, "tool": tool, "model": model}
-    if succeeded:
-        body["status"] = "succeeded"
-        if len(data) <= INLINE_RESULT:
-            body["result"] = msgspec.Raw(data)
+    def message(self, room: int) -> tuple[str, int]:
+        """The webhook's body, and the bytes of result it carries inline: the result itself when it
+        is at most INLINE_RESULT and `room` bytes, else its size."""
+        body: dict[str, Any] = {"job_id": self.job_id, "tool": self.tool, "model": self.model}
+        inline = 0
+        if self.succeeded:
+            body["status"] = "succeeded"
+            if len(self.data) <= min(INLINE_RESULT, room):
+                body["result"], inline = msgspec.Raw(self.data), len(self.data)
+            else:
+                body["result_size"] = len(self.data)
         else:
-            body["result_size"] = len(data)
-    else:
-        error = msgspec.json.decode(data)["error"]
-        body["status"] = "cancelled" if error.get("code") == "cancelled" else "failed"
-        body["error"] = error
-    kind = "job.succeeded" if succeeded else "job.failed"
-    stamp = datetime.datetime.fromtimestamp(finished or time.time(), tz=datetime.timezone.utc).isoformat()
-    return encode({"type": kind, "timestamp": stamp, "data": body}).decode()
+            error = msgspec.json.decode(self.data)["error"]
+            body["status"] = "cancelled" if error.get("code") == "cancelled" else "failed"
+            body["error"] = error
+        kind = "job.succeeded" if self.succeeded else "job.failed"
+        stamp = datetime.datetime.fromtimestamp(self.finished or time.time(), tz=datetime.timezone.utc).isoformat()
+        return encode({"type": kind, "timestamp": stamp, "data": body}).decode(), inline

@@ -6,21 +6,52 @@ A delivery is a key (`webhook:<job id>`, its msgpack) and, while a try is due, a
 sorted set `webhooks` scored by when; while its job runs, a member of the set `webhooks:waiting`. Claiming moves the members due to a lease's end in one
 script: a replica that dies mid-try leaves it to be claimed again once the lease is over. An ended
 delivery is kept as long as jobs are (`retention`), for `GET /jobs/{id}`.
+
+What the outbox holds is counted as it changes, in the script that puts a delivery (so that the same
+delivery put twice counts once): the open ones in a sorted set for all and one per tenant (scored by
+when each was put first, so that one whose key expired unended leaves them after a week), and the
+pending ones' inline bytes in a hash beside their total.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
 from gateway.server.redis_store.keys import small_client
-from gateway.server.webhooks import Delivery
+from gateway.server.webhooks import Delivery, OutboxHeld
+
+KEPT_OPEN_S = 7 * 86400  # a delivery waiting for its job lives as long as a running job's record may
 
 # KEYS: the set of due deliveries. ARGV: now (ms), the lease's end (ms), the most to claim.
 CLAIM = """
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
 for _, id in ipairs(ids) do redis.call('ZADD', KEYS[1], ARGV[2], id) end
 return ids
+"""
+
+# KEYS: the delivery, due, waiting, open (all), open (its tenant's), inline (hash), inline (total).
+# ARGV: the delivery (msgpack), its key's seconds to live, state, job id, due (ms), now (ms), inline bytes.
+PUT = """
+local state, id = ARGV[3], ARGV[4]
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+if state == 'pending' then redis.call('ZADD', KEYS[2], ARGV[5], id) else redis.call('ZREM', KEYS[2], id) end
+if state == 'waiting' then redis.call('SADD', KEYS[3], id) else redis.call('SREM', KEYS[3], id) end
+if state == 'waiting' or state == 'pending' then
+  redis.call('ZADD', KEYS[4], 'NX', ARGV[6], id)
+  redis.call('ZADD', KEYS[5], 'NX', ARGV[6], id)
+else
+  redis.call('ZREM', KEYS[4], id)
+  redis.call('ZREM', KEYS[5], id)
+end
+local old = tonumber(redis.call('HGET', KEYS[6], id) or '0')
+local new = 0
+if state == 'pending' then new = tonumber(ARGV[7]) end
+if new ~= old then
+  if new > 0 then redis.call('HSET', KEYS[6], id, new) else redis.call('HDEL', KEYS[6], id) end
+  redis.call('INCRBY', KEYS[7], new - old)
+end
 """
 
 
@@ -33,26 +64,33 @@ class RedisOutbox:
         self.prefix, self.retention = prefix, retention
         self.due_key = f"{prefix}webhooks"
         self.waiting_key = f"{prefix}webhooks:waiting"  # the jobs with a delivery waiting for their end
+        self.open_key = f"{prefix}webhooks:open"
+        self.inline_key = f"{prefix}webhooks:inline"
         self.redis = small_client(url)
         self.claim_script: Any = self.redis.register_script(CLAIM)
+        self.put_script: Any = self.redis.register_script(PUT)
 
     def _key(self, job_id: str) -> str:
         return f"{self.prefix}webhook:{job_id}"
 
     async def put(self, delivery: Delivery) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            ended = delivery.state in ("delivered", "failed")
-            # A waiting one lives as long as a running job's record may; an ended one as a finished job's.
-            pipe.set(self._key(delivery.job_id), msgspec.msgpack.encode(delivery), ex=max(1, int(self.retention)) if ended else 7 * 86400)
-            if delivery.state == "pending":
-                pipe.zadd(self.due_key, {delivery.job_id: int(delivery.due * 1000)})
-            else:
-                pipe.zrem(self.due_key, delivery.job_id)
-            if delivery.state == "waiting":
-                pipe.sadd(self.waiting_key, delivery.job_id)
-            else:
-                pipe.srem(self.waiting_key, delivery.job_id)
-            await pipe.execute()
+        ttl = KEPT_OPEN_S if delivery.open else max(1, int(self.retention))
+        keys = [
+            self._key(delivery.job_id), self.due_key, self.waiting_key, self.open_key, f"{self.open_key}:{delivery.tenant}",
+            self.inline_key, f"{self.inline_key}:total",
+        ]
+        args = [msgspec.msgpack.encode(delivery), ttl, delivery.state, delivery.job_id, int(delivery.due * 1000), int(time.time() * 1000), delivery.inline]
+        await self.put_script(keys=keys, args=args)
+
+    async def held(self, tenant: str) -> OutboxHeld:
+        gone = int((time.time() - KEPT_OPEN_S) * 1000)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in (f"{self.open_key}:{tenant}", self.open_key):
+                pipe.zremrangebyscore(key, "-inf", gone)
+                pipe.zcard(key)
+            pipe.get(f"{self.inline_key}:total")
+            found = await pipe.execute()
+        return OutboxHeld(found[1], found[3], int(found[4] or 0))
 
     async def waiting(self, most: int) -> list[str]:
         """Some of the jobs whose delivery waits for their end (any replica's), for a look at whether
