@@ -87,10 +87,10 @@ class Token(Protocol):
 
 
 class Quota(Protocol):
-    """Per-token concurrency and rate (gateway/server/auth.py's `Limits`): `admit` raises 429, or
-    returns what gives the place back."""
+    """Per-token concurrency and rate, and each class's jobs waiting to start (gateway/server/auth.py's
+    `Limits`): `admit` raises 429, or returns what gives the place back."""
 
-    def admit(self, principal: Any) -> Callable[[], None]: ...
+    def admit(self, principal: Any, job: Job) -> Callable[[], None]: ...
 
 
 class Metering(Protocol):
@@ -297,7 +297,7 @@ class Admission:
         release = lambda: None  # noqa: E731
         room = None
         try:
-            release = await self._quotas(applicant)
+            release = await self._quotas(applicant, job)
             job.cost = await self.backend.admit(tool, params, self.limits)
             priced = job.cost is not None
             if priced:
@@ -339,10 +339,10 @@ class Admission:
         return job
 
 
-    async def _quotas(self, applicant: Applicant) -> Callable[[], None]:
+    async def _quotas(self, applicant: Applicant, job: Job) -> Callable[[], None]:
         """The token's place within its limits (429; what gives it back), and its class's quotas on
         what it used (429)."""
-        release = self.quota.admit(applicant.principal) if self.quota is not None else lambda: None
+        release = self.quota.admit(applicant.principal, job) if self.quota is not None else lambda: None
         principal = applicant.principal
         try:
             if self.meter is not None and principal is not None and principal.quotas:

@@ -114,6 +114,7 @@ class Job:
         self.cost: Any = None
         # Called once with the job when its terminal event is appended (e.g. to free a per-token slot).
         self.on_end: list[Callable[[Job], None]] = []
+        self.on_start: list[Callable[[Job], None]] = []  # called once, as it first runs
         # Its log; once it has ended, its events before the terminal one may be moved out of memory (`keep_log`).
         self.events: list[Event] | KeptLog = []
         self.terminal: Event | None = None
@@ -200,6 +201,8 @@ class Job:
         self.status = status
         if status is Status.RUNNING and self.started is None:
             self.started = now()
+            for callback in self.on_start:
+                callback(self)
         if status is Status.QUEUED:
             self.position = fields.get("position")
         if fields.get("progress") is not None:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from gateway.server.auth import AuthConfigError, load_access
-from tests.conftest import run_stream
+from tests.conftest import run_stream, wait_until
 from tests.support.user_tools import echo
 from tests.test_signin import AUDIENCE, LocalIssuer
 
@@ -20,6 +20,8 @@ STUDENT = "student-token-0123456789abcd"
 GUEST = "guest-token-0123456789abcdef"
 TIGHT = "tight-token-0123456789abcdef"
 HASTY = "hasty-token-0123456789abcdef"
+CROWD_A = "crowd-a-token-0123456789abcd"
+CROWD_B = "crowd-b-token-0123456789abcd"
 PREDICT = {"prompt": "x", "top_k": 2}
 
 TOKENS = f"""
@@ -43,6 +45,17 @@ max_job_memory = "1KiB"
 
 [classes.hasty]
 job_timeout = 0.5
+
+[classes.crowd]
+max_queued = 2
+
+[tokens.crowd-a]
+token = "{CROWD_A}"
+class = "crowd"
+
+[tokens.crowd-b]
+token = "{CROWD_B}"
+class = "crowd"
 
 [tokens.ci]
 token = "{STAFF}"
@@ -178,6 +191,32 @@ def test_without_auth_me_names_only_the_tenant(serve: Any) -> None:
     assert answer["name"] is None and answer["class"] is None and answer["tenant"]
 
 
+def test_a_class_that_floods_the_queue_fills_its_own_part_of_it(serve: Any, tokens_file: Path) -> None:
+    """`max_queued` counts the class's jobs waiting to start, every member's together: past it, any
+    member is refused 429 `queue_full` naming the class, while another class's jobs still queue. A
+    job of the class that starts gives its place back."""
+    from tests.test_fairness import GATES, hold, new_gate, start_job
+
+    gateway = serve(tools=[echo, hold], tokens_file=str(tokens_file), queue_size=20, detach_grace=30)
+    gate = new_gate()
+    try:
+        start_job(gateway.url, "hold", {"gate": gate}, bearer(STAFF))  # holds the worker: the rest wait
+        start_job(gateway.url, "hold", {"gate": gate}, bearer(CROWD_A))
+        start_job(gateway.url, "hold", {"gate": gate}, bearer(CROWD_B))
+        refused = httpx.post(f"{gateway.url}/hold/run", json={"gate": gate}, headers=bearer(CROWD_A), timeout=30)
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "queue_full" and "the class 'crowd' has 2 jobs waiting" in error["message"]
+        assert "max_queued" in error["message"] and refused.headers["retry-after"] == "1"
+        start_job(gateway.url, "hold", {"gate": gate}, bearer(STAFF))  # another class still queues
+        assert len(gateway.backend.queue) == 3
+        GATES[gate].set()  # every job runs, one after another, and ends
+        again = lambda: run_stream(gateway.url, "echo", {"text": "hi"}, headers=bearer(CROWD_A))  # noqa: E731
+        wait_until(lambda: again().status == 200, 30, "the class's jobs to start, and a member to be admitted again")
+    finally:
+        GATES[gate].set()
+
+
 def test_class_config_errors_are_one_line_naming_the_key(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     for text, message in [
@@ -189,6 +228,7 @@ def test_class_config_errors_are_one_line_naming_the_key(tmp_path: Path) -> None
         ("[tokenz.x]\n", "unknown tables ['tokenz']"),
         ("[classes.a]\nmax_job_memory = 'lots'\n", "[classes.a]: max_job_memory must be a size"),
         ("[classes.a]\njob_timeout = 0\n", "[classes.a]: job_timeout must be a number of seconds > 0"),
+        ("[classes.a]\nmax_queued = -1\n", "[classes.a]: max_queued must be"),
     ]:
         bad.write_text(text)
         with pytest.raises(AuthConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -55,7 +55,7 @@ import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
@@ -65,6 +65,9 @@ from gateway.server.classes import (
     NO_QUOTAS, SHARED_KEYS, ClassConfigError, Quotas, UserClass, check_weight, class_of_groups, default_class, parse_classes, shared_keys,
 )
 from gateway.server.signin import NAME_PREFIX, Issuer, SignInError
+
+if TYPE_CHECKING:
+    from gateway.jobs import Job
 
 TICKET_TTL_MAX = 60.0
 SIGNED_IN_KEPT = 10_000  # signed-in users whose tickets can be checked (a ticket lives a minute at most)
@@ -96,6 +99,7 @@ class Principal:
     expires: float | None = None  # a signed-in user's: when the JWT that proved it expires
     quotas: Quotas = NO_QUOTAS  # its class's, on each member's use (gateway/server/metering.py)
     callbacks: bool = True  # its class's: whether its runs may name a Callback-URL
+    class_max_queued: int | None = None  # its class's: the class's jobs that may wait to start together
 
     @property
     def digest(self) -> bytes:
@@ -202,6 +206,7 @@ def member(own: Principal, of: UserClass | None, defaults: dict[str, int | None]
         own, **{key: pick(key) for key in SHARED_KEYS}, weight=weight,
         user_class=of.name if of is not None else None, priority=of.priority if of is not None else 0,
         quotas=of.quotas if of is not None else NO_QUOTAS, callbacks=of.callbacks if of is not None else True,
+        class_max_queued=of.max_queued if of is not None else None,
     )
 
 
@@ -332,22 +337,31 @@ class Auth:
 
 
 class Limits:
-    """Per-token concurrent jobs and jobs per minute, counted in this process."""
+    """Per-token concurrent jobs and jobs per minute, and each class's jobs waiting to start, counted
+    in this process."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.running: collections.Counter[str] = collections.Counter()
         self.started: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
+        self.waiting: collections.Counter[str] = collections.Counter()  # by class: admitted, not yet started
 
     def usage(self, name: str) -> tuple[int, int]:
         """The jobs `name` runs now, and those it started in the last minute."""
         now = self.clock()
         return self.running.get(name, 0), sum(1 for t in self.started.get(name, ()) if t > now - 60)
 
-    def admit(self, principal: Principal | None) -> Callable[[], None]:
+    def admit(self, principal: Principal | None, job: Job | None = None) -> Callable[[], None]:
         """Count a job for `principal` (429 if over a limit); call the returned function when it ends."""
         if principal is None:
             return lambda: None
+        user_class, most = principal.user_class, principal.class_max_queued
+        if user_class is not None and most is not None and self.waiting[user_class] >= most:
+            raise ApiError(
+                Code.QUEUE_FULL,
+                f"the class {user_class!r} has {self.waiting[user_class]} jobs waiting to start, as many as it may (max_queued); try again shortly",
+                retry_after=1,
+            )
         name, now = principal.name, self.clock()
         window = self.started[name]
         while window and window[0] <= now - 60:
@@ -368,13 +382,27 @@ class Limits:
         window.append(now)
         self.running[name] += 1
         released = False
+        waits = user_class is not None and job is not None
+        if waits:
+            self.waiting[user_class] += 1
+
+        def started(_: Any = None) -> None:
+            nonlocal waits
+            if waits:
+                waits = False
+                self.waiting[user_class] -= 1
+                if not self.waiting[user_class]:
+                    del self.waiting[user_class]
 
         def release() -> None:
             nonlocal released
+            started()
             if not released:
                 released = True
                 self.running[name] -= 1
 
+        if job is not None:
+            job.on_start.append(started)
         return release
 
 

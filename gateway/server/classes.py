@@ -13,6 +13,7 @@ priority = 0
 tools = ["generate", "embed"]   # 403 for the others
 models = ["smollm2"]            # 403 for a run on another model
 max_concurrent = 2
+max_queued = 32                 # the class's jobs waiting to start, all members' together (429 queue_full past it)
 max_job_memory = "2GiB"         # 413 for a job priced over it (within the gateway's --max-job-memory)
 job_timeout = 120               # seconds a job may run (within the gateway's --job-timeout)
 tokens_per_hour = 200000        # each member's quotas: 429 once used up (gateway/server/metering.py)
@@ -43,7 +44,7 @@ from gateway.config import parse_size
 SHARED_KEYS = ("tools", "models", "max_concurrent", "jobs_per_minute", "max_job_memory", "job_timeout")
 # Each member's use of the devices and of tokens in a clock hour and a UTC day (gateway/server/metering.py).
 QUOTA_KEYS = ("tokens_per_hour", "tokens_per_day", "device_seconds_per_hour", "device_seconds_per_day")
-CLASS_KEYS = frozenset({"priority", "weight", "groups", "default", "callbacks", *SHARED_KEYS, *QUOTA_KEYS})
+CLASS_KEYS = frozenset({"priority", "weight", "groups", "default", "callbacks", "max_queued", *SHARED_KEYS, *QUOTA_KEYS})
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ class UserClass:
     default: bool = False
     quotas: Quotas = NO_QUOTAS
     callbacks: bool = True  # whether its members' runs may name a Callback-URL (gateway/server/webhooks.py)
+    # Its jobs waiting to start, every member's together, in this gateway: so that a class that floods
+    # the queue fills its own part of it, not the places other classes' jobs would wait in.
+    max_queued: int | None = None
 
 
 def parse_classes(tables: Any, where: str) -> dict[str, UserClass]:
@@ -117,6 +121,7 @@ def _parse(name: str, entry: Any, where: str) -> UserClass:
         groups=check_names(entry, "groups", where) or frozenset(),
         default=entry.get("default", False),
         callbacks=entry.get("callbacks", True),
+        max_queued=check_count(entry, "max_queued", where),
         quotas=Quotas(
             tokens_per_hour=check_count(entry, "tokens_per_hour", where),
             tokens_per_day=check_count(entry, "tokens_per_day", where),
