@@ -5,6 +5,7 @@ and refused where it would reach what it must not (a private address, another ho
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import http.server
 import json
@@ -349,3 +350,39 @@ def test_the_redis_outbox_counts_a_delivery_once_however_often_it_is_put(redis_s
             await outbox.close()
 
     asyncio.run(check())
+
+
+async def test_an_mcp_task_is_told_to_the_callback_its_request_names(serve: Any, receiver: Receiver, tmp_path: Path) -> None:
+    """A `tools/call` sent with a `Callback-URL` header: the task (its job) is delivered there as it
+    ends, as a run's is; a callback this gateway may not deliver to makes the call an error result."""
+    import httpx2
+    import mcp_types as types
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    from tests.test_mcp import TasksExtension, held, start_task
+
+    server = serve(tools=[held], webhook_secret=SECRET, callback_hosts=["127.0.0.1"], detach_grace=30)
+    gate = tmp_path / "gate"
+
+    async def connected(callback: str) -> Any:
+        http = httpx2.AsyncClient(headers={"Callback-URL": callback}, timeout=httpx2.Timeout(30, read=120))
+        return http, Client(streamable_http_client(server.url + "/mcp", http_client=http), extensions=[TasksExtension()])
+
+    http, client = await connected(receiver.url)
+    async with http, client:
+        created = await start_task(client, "held", {"gate": str(gate)})
+        assert callback(server.url, created.task_id)["state"] == "waiting"
+        gate.touch()
+        for _ in range(600):
+            if callback(server.url, created.task_id).get("state") == "delivered":
+                break
+            await asyncio.sleep(0.05)
+    ((headers, body),) = receiver.received
+    message = Webhook(SECRET).verify(body, headers)
+    assert message["data"]["job_id"] == created.task_id and message["data"]["result"] == {"gate": str(gate)}
+    http, client = await connected("http://10.0.0.1/hook")
+    async with http, client:
+        refused = await client.call_tool("held", {"gate": str(gate)})
+        assert isinstance(refused, types.CallToolResult) and refused.is_error
+        assert refused.content[0].text.startswith("forbidden:")

@@ -39,6 +39,9 @@ and its terminal event the call's result. Nothing here runs a job or keeps one.
   unique per client.
 - **Tasks** (gateway/server/mcp_tasks.py): a 2026-07-28 client that declares the tasks
   extension gets every call answered as a task, which is the job.
+- **Webhooks.** A request with a `Callback-URL` header has the job of its `tools/call` told
+  to that URL as it ends (gateway/server/webhooks.py), checked as on `/run`: a task's client
+  then need not poll.
 - **HTTP.** Every request needs the gateway's token (the same 401 as every route), takes a
   stream slot of its tenant (503 `overloaded`, 429 `rate_limited`), and its body is read with
   the run's limits (413, 408) before the SDK parses it. A request with an `Origin` header
@@ -84,6 +87,7 @@ from gateway.jobs import Job
 from gateway.plumbing import sendbuffer
 from gateway.plumbing.logs import bind_job
 from gateway.protocol import Code, ErrorFrame, ErrorInfo, Event, EventType
+from gateway.server import webhooks
 from gateway.server.gateway import Caller, Gateway
 from gateway.server.mcp_frames import Rising, Splicing, log_lines
 from gateway.server.mcp_tasks import Tasks
@@ -246,7 +250,7 @@ class McpServer:
         if entry is None:
             raise MCPError(code=types.INVALID_PARAMS, message=f"no tool named {params.name[:128]!r}: tools/list names them")
         try:
-            job = await self._admit(caller, entry, params.arguments or {})
+            job = await self._admit(caller, entry, params.arguments or {}, _callback(ctx))
         except ApiError as exc:
             return _error_result(exc.info(), retry_after=exc.retry_after)
         bind_job(job.id)
@@ -254,8 +258,9 @@ class McpServer:
             return self.tasks.create(job)
         return await self._follow(ctx, caller, job)
 
-    async def _admit(self, caller: Caller, entry: Entry, arguments: dict[str, Any]) -> Job:
-        """The call's job, admitted as a run of the tool with these arguments as its body would be."""
+    async def _admit(self, caller: Caller, entry: Entry, arguments: dict[str, Any], callback: str | None = None) -> Job:
+        """The call's job, admitted as a run of the tool with these arguments as its body would be;
+        `callback`: the request's `Callback-URL`, told the job's end (a task's, above all)."""
         gateway = self.gateway
         most = gateway.settings.max_body_bytes
 
@@ -273,7 +278,7 @@ class McpServer:
                 raise ApiError(Code.TOO_LARGE, f"the arguments are over the limit of {most} bytes")
             return await gateway.admission.decode(tool, body, what="the arguments")
 
-        job = await gateway.enter(caller, entry.tool, params, most_result=INLINE_RESULT_BYTES)
+        job = await gateway.enter(caller, entry.tool, params, most_result=INLINE_RESULT_BYTES, callback=callback)
         assert isinstance(job, Job)  # no key: never attached
         return job
 
@@ -420,6 +425,12 @@ def _caller(ctx: ServerRequestContext[Any]) -> Caller:
     if not isinstance(caller, Caller):  # only the HTTP layer reaches the handlers, and it always sets one
         raise MCPError(code=types.INVALID_REQUEST, message="no caller")
     return caller
+
+
+def _callback(ctx: ServerRequestContext[Any]) -> str | None:
+    """The HTTP request's `Callback-URL`: a completion webhook for the job its `tools/call` starts."""
+    request = ctx.request
+    return (request.headers.get(webhooks.HEADER) or None) if isinstance(request, Request) else None
 
 
 def _request_key(request_id: Any) -> str:

@@ -39,6 +39,11 @@ export interface RunOptions<P = unknown> {
   /** The POST's `Idempotency-Key` (default: a random one for each call). */
   idempotencyKey?: string | undefined
   /**
+   * Where the gateway POSTs the job's terminal event once it ends, signed the Standard Webhooks
+   * way (its `Callback-URL` header): for a job the caller may stop following.
+   */
+  callbackUrl?: string | undefined
+  /**
    * The served model to run on, by name (`listModels`): sent as the params' `model`, which every
    * tool takes, in place of one they hold. Left out: the params' own, else the gateway's default model.
    */
@@ -167,6 +172,7 @@ export async function runAndStream<T = unknown, P = unknown>(
     if (id === undefined) {
       headers.set('Content-Type', 'application/json')
       headers.set('Idempotency-Key', key)
+      if (options.callbackUrl !== undefined) headers.set('Callback-URL', options.callbackUrl)
       init.body = body
     } else {
       const last = tracker.state.lastEventId

@@ -1,6 +1,10 @@
 /** runAndStream against a real gateway (`streamgate serve` on the tiny model), started by the test. */
 import assert from 'node:assert/strict'
+import {createServer} from 'node:http'
+import type {AddressInfo} from 'node:net'
 import {after, before, describe, test} from 'node:test'
+
+import {Webhook} from 'standardwebhooks'
 
 import {
   AbortError,
@@ -185,6 +189,39 @@ describe('against a real gateway', () => {
       await idle()
     } finally {
       await proxy.close()
+    }
+  })
+})
+
+describe('a run naming a callback', () => {
+  test("the gateway POSTs the job's end to callbackUrl, verified by the standardwebhooks package", async () => {
+    const secret = 'whsec_' + Buffer.from('a webhook secret of 32 bytes....').toString('base64')
+    const received: {headers: Record<string, string>; body: string}[] = []
+    const receiver = createServer((request, response) => {
+      const chunks: Buffer[] = []
+      request.on('data', (chunk: Buffer) => chunks.push(chunk))
+      request.on('end', () => {
+        received.push({headers: request.headers as Record<string, string>, body: Buffer.concat(chunks).toString()})
+        response.writeHead(204).end()
+      })
+    })
+    await new Promise<void>((resolve) => receiver.listen(0, '127.0.0.1', resolve))
+    const port = (receiver.address() as AddressInfo).port
+    const hooked = await startGateway(['--webhook-secret', secret, '--callback-hosts', '127.0.0.1', '--detach-grace', '30'])
+    try {
+      const callbackUrl = `http://127.0.0.1:${port}/hooks`
+      const result = await runAndStream<GenerateResult>(`${hooked.url}/generate/run`, {prompts: ['Hi'], max_tokens: 3}, {callbackUrl})
+      for (let i = 0; i < 200 && received.length === 0; i++) await new Promise((resolve) => setTimeout(resolve, 50))
+      assert.equal(received.length, 1)
+      const message = new Webhook(secret).verify(received[0]!.body, received[0]!.headers) as {type: string; data: {result: unknown}}
+      assert.equal(message.type, 'job.succeeded')
+      assert.deepEqual(message.data.result, result)
+      // One the gateway may not deliver to is refused before the job starts.
+      const refused = await runAndStream(`${hooked.url}/generate/run`, {prompts: ['Hi'], max_tokens: 3}, {callbackUrl: 'http://10.0.0.1/hooks'}).catch((e: unknown) => e)
+      assert.ok(refused instanceof HttpError && refused.status === 403, String(refused))
+    } finally {
+      await hooked.stop()
+      receiver.close()
     }
   })
 })
