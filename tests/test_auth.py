@@ -242,3 +242,28 @@ def test_serve_warns_loudly_without_auth_beyond_loopback(monkeypatch: pytest.Mon
     result = runner.invoke(cli.main, ["serve", "--model", str(tiny_model_path), "--tokens-file", str(bad)])
     assert result.exit_code == 1
     assert "at least 16 characters" in result.output
+
+
+def test_the_limits_keep_only_the_names_that_run_or_started_a_job_within_a_minute() -> None:
+    """Signed-in users come and go by the thousand: each one's counters go once it runs nothing and
+    its last start is a minute old, while the limits still hold for those that are counted."""
+    from gateway.errors import ApiError
+    from gateway.server.auth import Limits, Principal
+
+    now = [0.0]
+    limits = Limits(clock=lambda: now[0])
+    for i in range(1000):
+        limits.admit(Principal(f"user-{i}", "x" * 16, jobs_per_minute=5, max_concurrent=2))()
+        now[0] += 0.5
+    assert len(limits.started) == 120 and not limits.running  # the last minute's 120 names, nothing running
+    busy = Principal("busy", "y" * 16, jobs_per_minute=2, max_concurrent=5)
+    releases = [limits.admit(busy), limits.admit(busy)]
+    with pytest.raises(ApiError) as refused:
+        limits.admit(busy)
+    assert "2 jobs a minute" in refused.value.message
+    now[0] += 61
+    limits.admit(Principal("another", "z" * 16))()
+    assert list(limits.started) == ["another"] and limits.running == {"busy": 2}
+    for release in releases:
+        release()
+    assert not limits.running

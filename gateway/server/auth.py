@@ -342,9 +342,19 @@ class Limits:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
+        # Only names that run a job, and those that started one in the last minute, are kept: signed-in
+        # users come and go by the thousand. `started` is in the order each name last started one.
         self.running: collections.Counter[str] = collections.Counter()
-        self.started: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
+        self.started: collections.OrderedDict[str, collections.deque[float]] = collections.OrderedDict()
         self.waiting: collections.Counter[str] = collections.Counter()  # by class: admitted, not yet started
+
+    def _forget_idle(self, now: float) -> None:
+        """Forget the names whose last start is a minute old: the oldest first, as many as there are."""
+        while self.started:
+            oldest = next(iter(self.started.values()))
+            if oldest and oldest[-1] > now - 60:
+                return
+            self.started.popitem(last=False)
 
     def usage(self, name: str) -> tuple[int, int]:
         """The jobs `name` runs now, and those it started in the last minute."""
@@ -363,7 +373,8 @@ class Limits:
                 retry_after=1,
             )
         name, now = principal.name, self.clock()
-        window = self.started[name]
+        self._forget_idle(now)
+        window = self.started.get(name) or collections.deque()
         while window and window[0] <= now - 60:
             window.popleft()
         if principal.jobs_per_minute is not None and len(window) >= principal.jobs_per_minute:
@@ -380,6 +391,8 @@ class Limits:
                 retry_after=1,
             )
         window.append(now)
+        self.started[name] = window
+        self.started.move_to_end(name)
         self.running[name] += 1
         released = False
         waits = user_class is not None and job is not None
@@ -400,6 +413,8 @@ class Limits:
             if not released:
                 released = True
                 self.running[name] -= 1
+                if not self.running[name]:
+                    del self.running[name]
 
         if job is not None:
             job.on_start.append(started)
