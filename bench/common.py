@@ -301,6 +301,7 @@ class JobRun:
     events: list[SseEvent] = field(default_factory=list)
     pings: int = 0
     body: bytes = b""  # the answer, when it was not a stream (an error's JSON)
+    headers: dict[str, str] = field(default_factory=dict)  # the answer's, when it was not a stream
 
     @property
     def terminal(self) -> SseEvent | None:
@@ -331,7 +332,7 @@ async def run_job(
     run = JobRun(response.status, response.headers.get("x-job-id", ""), response.sent)
     try:
         if response.status != 200:
-            run.body = await response.body()
+            run.body, run.headers = await response.body(), dict(response.headers)
             return run
         async for event in response.events():
             run.events.append(event)

@@ -105,6 +105,7 @@ class Settings(msgspec.Struct, kw_only=True):
     executor_deadline: Annotated[float, Meta(ge=0, extra=SERVE, description="Seconds an executor may be unreachable before its jobs end with backend_unavailable.")] = 30.0
     detach_grace: Annotated[float, Meta(ge=0, extra=SERVE, description="Seconds a job runs on with no client attached before it is cancelled (0: cancel on disconnect).")] = 30.0
     retention: Annotated[float, Meta(ge=0, extra=SERVE, description="Seconds a finished job and its events stay readable.")] = 600.0
+    max_finished_jobs: Annotated[int, Meta(ge=1, extra=SERVE, description="Finished jobs the memory store keeps within --retention (each a few KB beside its log); past it the oldest are forgotten early (404).")] = 10_000
     # gateway/plumbing/spool.py, gateway/server/store.py
     result_store_bytes: Annotated[int, Meta(ge=1, extra={**SERVE, **BYTES}, description="Most bytes of finished results kept in the result spool on disk; a job whose priced result would not fit beside them and the running jobs' is refused before it is queued (503 overloaded, with Retry-After). Default: half the spool folder's free space at start.")] | None = None
     result_spool: Annotated[str, Meta(extra=SERVE, description="The folder of the result spool: results of 64 KiB or more (and any result, past --result-memory-bytes) are written there once, as unnamed files that vanish with the process, and read from there by every reader. Default: the system's temporary folder.")] | None = None

@@ -356,3 +356,13 @@ def test_priority():
     assert [row["gateway"] for row in cost.rows] == ["classes", "no classes"]
     assert all(value is not None and value > 0 for value in cost.numbers("jobs/s (median)")), cost.rows
     assert len(printed.targets) == 3
+
+
+def test_institution():
+    printed = run_bench("institution")
+    memory, answers = printed.tables
+    assert [int(n) for n in memory.numbers("users")] == list(range(60, 601, 60))
+    assert all(value is not None for value in memory.numbers("over idle MB"))
+    # Below the caps in --quick: every user's run is taken with its webhook, none refused.
+    assert [(row["answer"], row["runs"]) for row in answers.rows] == [("200, its webhook open", "600")]
+    assert len(printed.targets) == 2 and printed.targets[1][1] == "met"

@@ -13,7 +13,7 @@ import pytest
 from gateway.server.auth import AuthConfigError, load_access
 from tests.conftest import run_stream, wait_until
 from tests.support.user_tools import echo
-from tests.test_signin import AUDIENCE, LocalIssuer
+from tests.support.oidc_issuer import AUDIENCE, LocalIssuer
 
 STAFF = "staff-token-0123456789abcdef"
 STUDENT = "student-token-0123456789abcd"

@@ -6,9 +6,7 @@ verifying them. Hostile tokens (forged, expired, foreign, of the wrong audience)
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -17,70 +15,16 @@ import jwt
 import pytest
 from click.testing import CliRunner
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from gateway.cli import commands as cli
 from gateway.server.signin import REFETCH_S
 from tests.conftest import run_stream
+from tests.support.oidc_issuer import AUDIENCE, LocalIssuer
 from tests.support.user_tools import echo
 
-AUDIENCE = "streamgate-lab"
 STATIC = "static-token-0123456789abcdef"
 PREDICT = {"prompt": "x", "top_k": 2}
-
-
-class LocalIssuer:
-    """An OpenID Connect issuer on loopback: its discovery document, its JWKS (keys added and
-    removed as a rotation does), how often the JWKS was fetched, and tokens signed with its keys."""
-
-    def __init__(self) -> None:
-        self.keys: dict[str, Any] = {}  # kid -> private key, the published set
-        self.jwks_fetches = 0
-        issuer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                if self.path == "/.well-known/openid-configuration":
-                    body = {"issuer": issuer.url, "jwks_uri": f"{issuer.url}/jwks.json"}
-                elif self.path == "/jwks.json":
-                    issuer.jwks_fetches += 1
-                    body = {"keys": [issuer.public_jwk(kid) for kid in list(issuer.keys)]}
-                else:
-                    self.send_error(404)
-                    return
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def add_key(self, kid: str, kind: str = "rsa") -> None:
-        self.keys[kid] = rsa.generate_private_key(public_exponent=65537, key_size=2048) if kind == "rsa" else ec.generate_private_key(ec.SECP256R1())
-
-    def public_jwk(self, kid: str) -> dict[str, Any]:
-        key = self.keys[kid]
-        algorithm = jwt.algorithms.RSAAlgorithm if isinstance(key, rsa.RSAPrivateKey) else jwt.algorithms.ECAlgorithm
-        jwk = json.loads(algorithm.to_jwk(key.public_key()))
-        return {**jwk, "kid": kid, "use": "sig", "alg": "RS256" if isinstance(key, rsa.RSAPrivateKey) else "ES256"}
-
-    def token(self, kid: str, *, alg: str | None = None, key: Any = None, **claims: Any) -> str:
-        now = int(time.time())
-        body = {"iss": self.url, "aud": AUDIENCE, "sub": "alice", "iat": now, "exp": now + 300, **claims}
-        body = {k: v for k, v in body.items() if v is not None}
-        private = self.keys.get(kid)
-        alg = alg or ("RS256" if isinstance(private, rsa.RSAPrivateKey) else "ES256")
-        return jwt.encode(body, key if key is not None else private, algorithm=alg, headers={"kid": kid})
-
-    def stop(self) -> None:
-        self.server.shutdown()
 
 
 @pytest.fixture

@@ -208,6 +208,22 @@ async def test_retention(store_kind: str, replicas: Any) -> None:
     assert await a.store.reserve(k, "other", "request") is None  # the key was forgotten with its job
 
 
+async def test_past_its_count_the_memory_store_forgets_the_oldest_finished_jobs_first(replicas: Any) -> None:
+    """A busy gateway ends hundreds of jobs a second: the memory store keeps `max_finished` of them,
+    the oldest forgotten early (their keys with them); running jobs are never forgotten."""
+    a = await replicas("memory", max_finished=3)
+    running = await a.add(key())
+    ended = []
+    for i in range(5):
+        job = await a.add(k := key())
+        job.succeed({"i": i})
+        ended.append((job, k))
+    assert [await a.store.get(job.id) for job, _ in ended] == [None, None, *(job for job, _ in ended[2:])]
+    assert await a.store.get(running.id) is running
+    assert await a.store.reserve(ended[0][1], "other", "request") is None  # its key went with it
+    assert len(await a.store.snapshots()) == 4
+
+
 # -- only a shared store: two replicas on one Redis ---------------------------------------------
 
 

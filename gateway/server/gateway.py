@@ -69,7 +69,7 @@ def open_store(settings: Settings, cancel: Any) -> JobStore:
     if settings.store == "memory":
         return MemoryStore(
             cancel, detach_grace=settings.detach_grace, retention=settings.retention,
-            results=results, memory_budget=settings.result_memory_bytes,
+            results=results, memory_budget=settings.result_memory_bytes, max_finished=settings.max_finished_jobs,
         )
     from gateway.server.redis_store import RedisStore
 

@@ -14,13 +14,17 @@ bytes, not only in time: a finished job's result goes to the result spool on
 disk (gateway/plumbing/spool.py) when it is big, and so do its other events
 (thousands of partials of a long generation) when they are (gateway/jobs.py
 `KeptLog`); any job's do once the finished jobs' logs held in memory pass
-`memory_budget` bytes. Readers then read that one copy a piece at a time.
+`memory_budget` bytes. Readers then read that one copy a piece at a time. And in
+count: past `max_finished` finished jobs (`--max-finished-jobs`) the oldest are
+forgotten before their retention ends, since each costs a few KB of its own
+beside its log, and a busy gateway ends hundreds a second.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -254,10 +258,13 @@ class MemoryStore(JobStore):
         retention: float = 600.0,
         results: ResultSpool | None = None,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        max_finished: int = 10_000,
     ) -> None:
         self._cancel = cancel
         self.detach_grace = detach_grace
         self.retention = retention
+        self.max_finished = max_finished
+        self._finished: collections.OrderedDict[str, Job] = collections.OrderedDict()  # in the order they ended
         self.results = results  # where admission finds room for a priced result (gateway/admission.py `Room`)
         self.finished = FinishedResults(results, memory_budget)
         self.jobs: dict[str, Job] = {}
@@ -302,6 +309,9 @@ class MemoryStore(JobStore):
     def _ended(self, job: Job) -> None:
         if self.jobs.get(job.id) is job:
             self.finished.ended(job)
+            self._finished[job.id] = job
+            while len(self._finished) > self.max_finished:
+                self._forget(next(iter(self._finished.values())))
 
     def results_kept(self) -> dict[str, int]:
         return self.finished.facts()
@@ -345,13 +355,16 @@ class MemoryStore(JobStore):
 
     def _forget_expired(self, now: float) -> None:
         # A function of its own, so that no local of the sleeping sweep still holds the last job
-        # forgotten (and its result) until another comes.
-        for job in list(self.jobs.values()):
-            if job.finished is not None and now - job.finished > self.retention:
-                self._forget(job)
+        # forgotten (and its result) until another comes. The oldest ended first: only those due are read.
+        while self._finished:
+            job = next(iter(self._finished.values()))
+            if job.finished is not None and now - job.finished <= self.retention:
+                return
+            self._forget(job)
 
     def _forget(self, job: Job) -> None:
         self.jobs.pop(job.id, None)
+        self._finished.pop(job.id, None)
         self._attached.pop(job.id, None)
         self.finished.forget(job)
         key = job.idempotency_key
