@@ -355,7 +355,7 @@ def test_priority():
     assert sum(share.numbers("jobs finished")) > 0, share.rows  # type: ignore[arg-type]
     assert [row["gateway"] for row in cost.rows] == ["classes", "no classes"]
     assert all(value is not None and value > 0 for value in cost.numbers("jobs/s (median)")), cost.rows
-    assert len(printed.targets) == 3
+    assert len(printed.targets) == 4
 
 
 def test_institution():
