@@ -59,6 +59,25 @@ async def test_the_ledger_keeps_its_rows_and_windows_bounded_and_the_windows_tur
     assert (await ledger.spent("e", 11 * hour))["day"].tokens == 12
 
 
+async def test_the_counters_name_the_first_tenants_and_sum_the_rest_and_a_tenant_reads_its_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prometheus counters by tenant: thousands of signed-in users would make a scrape of megabytes,
+    written on the event loop. Past METRIC_TENANTS, a tenant is counted as (others), its use kept."""
+    import gateway.server.metering as metering
+
+    monkeypatch.setattr(metering, "METRIC_TENANTS", 3)
+    meter = Meter()
+    for tenant in ("a", "b", "c", "d", "e", "a", "d"):
+        job = Job("generate", None, tenant=tenant)
+        job.usage.tokens_in = 10
+        meter.settle(job, "students")
+    counted = {labels[0]: usage for labels, usage in meter.counted()}
+    assert sorted(counted) == ["(others)", "a", "b", "c"]
+    assert (counted["a"].jobs, counted["(others)"].jobs, counted["(others)"].tokens_in) == (2, 3, 30)
+    # The ledger keeps every tenant's row all the same; a tenant's own are read apart from the rest.
+    assert [(row.tenant, row.usage.jobs) for row in await meter.rows("d")] == [("d", 2)]
+    assert len(await meter.rows()) == 5 and await meter.rows("nobody") == []
+
+
 async def test_a_tenant_over_its_quota_is_refused_with_the_quota_named_until_its_window_turns() -> None:
     now = [100 * 3600.0 + 600]
     meter = Meter(clock=lambda: now[0])
@@ -143,3 +162,18 @@ def test_an_engine_process_counts_and_sends_its_jobs_use_back(classed_engine: An
     assert after["tokens_in"] - before.get("tokens_in", 0) == result["usage"]["prompt_tokens"]
     assert after["tokens_out"] - before.get("tokens_out", 0) == result["usage"]["completion_tokens"]
     assert after["device_s"] > before.get("device_s", 0)
+
+
+async def test_the_redis_ledger_reads_one_tenants_rows_however_its_name_is_spelled(redis_server: RedisServer) -> None:  # noqa: F811
+    """A tenant's rows are matched in Redis by its name, glob characters and all, as a name."""
+    from gateway.server.redis_store.ledger import RedisLedger
+
+    ledger = RedisLedger(redis_server.url, prefix="ledger-rows:")
+    try:
+        for tenant in ("a*", "ab", "a", "x[1]", "x1"):
+            await ledger.settle(row_key(tenant, "students", "m"), tenant, JobUsage(jobs=1, tokens_in=len(tenant)), now=3600.0)
+        for tenant in ("a*", "a", "x[1]"):
+            assert [(row.tenant, row.usage.tokens_in) for row in await ledger.rows(tenant)] == [(tenant, len(tenant))]
+        assert len(await ledger.rows()) == 5
+    finally:
+        await ledger.close()

@@ -10,7 +10,9 @@ ran and comes back with its terminal event; as the job ends here, the meter sett
   `device_seconds_per_hour`, `device_seconds_per_day`) are checked against at admission: a
   tenant whose window has reached a quota is refused 429 `rate_limited`, the message naming the
   quota, with `Retry-After` the seconds until the window turns;
-- into this process's Prometheus counters, labelled by tenant, class and model.
+- into this process's Prometheus counters, labelled by tenant, class and model: the first
+  `METRIC_TENANTS` tenants by name, the others summed as `(others)`, so that a scrape stays small
+  (100,000 tenants would make it 40 MB, written in seconds on the event loop).
 
 A quota is checked on what jobs that ended used: the jobs a tenant has running may take it past
 its quota by their own use, and no further (the class's `max_concurrent` bounds how many run).
@@ -41,6 +43,7 @@ from gateway.usage import JobUsage
 log = logging.getLogger("streamgate.metering")
 
 MAX_ROWS = 100_000  # (tenant, class, model) rows a ledger keeps: past it, new tenants are counted as OTHERS
+METRIC_TENANTS = 500  # tenants this process's counters name; the rest are summed as OTHERS
 OTHERS = "(others)"
 NO_CLASS = ""  # the class of a caller without one (no tokens, or a token of no class)
 WINDOWS = {"hour": 3600, "day": 86400}
@@ -87,7 +90,8 @@ class Ledger(Protocol):
 
     async def spent(self, tenant: str, now: float) -> dict[str, Spent]: ...
 
-    async def rows(self) -> list[Row]: ...
+    async def rows(self, tenant: str | None = None) -> list[Row]:
+        """Every row, or `tenant`'s."""
 
     async def close(self) -> None: ...
 
@@ -103,14 +107,18 @@ class MemoryLedger:
     def __init__(self, max_rows: int = MAX_ROWS) -> None:
         self.max_rows = max_rows
         self.totals: dict[str, JobUsage] = {}
+        self.by_tenant: dict[str, list[str]] = {}  # each tenant's rows' keys: its own are read without the others'
         # Per tenant, per window: (its bucket, what was spent in it). A tenant's entry goes once both
         # of its windows have turned (swept as the table grows), so the table is bounded by the
         # tenants active in a day, and by MAX_ROWS at most.
         self.windows: dict[str, dict[str, tuple[int, Spent]]] = {}
 
     def add(self, key: str, tenant: str, usage: JobUsage, now: float) -> None:
-        if key not in self.totals and len(self.totals) >= self.max_rows:
-            key = row_key(OTHERS, *key.split("\t")[1:])
+        if key not in self.totals:
+            if len(self.totals) >= self.max_rows:
+                key = row_key(OTHERS, *key.split("\t")[1:])
+            if key not in self.totals:
+                self.by_tenant.setdefault(key.split("\t", 1)[0], []).append(key)
         self.totals.setdefault(key, JobUsage()).add(usage)
         mine = self.windows.get(tenant)
         if mine is None:
@@ -139,8 +147,9 @@ class MemoryLedger:
         mine = self.windows.get(tenant, {})
         return {window: held[1] if (held := mine.get(window)) is not None and held[0] == bucket(window, now) else Spent() for window in WINDOWS}
 
-    async def rows(self) -> list[Row]:
-        return [parse_row(key, usage) for key, usage in self.totals.items()]
+    async def rows(self, tenant: str | None = None) -> list[Row]:
+        keys = self.totals if tenant is None else self.by_tenant.get(tenant, ())
+        return [parse_row(key, self.totals[key]) for key in keys]
 
     async def close(self) -> None:
         pass
@@ -166,8 +175,10 @@ class Meter:
 
     def __init__(self, ledger: Ledger | None = None, clock: Any = time.time) -> None:
         self.ledger: Ledger = ledger if ledger is not None else MemoryLedger()
-        # This process's own counts, for Prometheus: counters per process, summed across replicas there.
-        self.local: MemoryLedger = self.ledger if isinstance(self.ledger, MemoryLedger) else MemoryLedger()
+        # This process's own counts, for Prometheus (counters per process, summed across replicas
+        # there): by (tenant, class, model), the tenants past METRIC_TENANTS as OTHERS.
+        self.counts: dict[tuple[str, str, str], JobUsage] = {}
+        self._named: set[str] = set()
         self.clock = clock
         self._writes: set[asyncio.Task[None]] = set()
 
@@ -203,8 +214,9 @@ class Meter:
         usage = JobUsage(jobs=0 if job.handed_off else 1)
         usage.add(job.usage)
         key, now = row_key(job.tenant, user_class or NO_CLASS, job.model or ""), self.clock()
-        self.local.add(key, job.tenant, usage, now)
-        if self.local is self.ledger:
+        self._count(job.tenant, user_class or NO_CLASS, job.model or "", usage)
+        if isinstance(self.ledger, MemoryLedger):
+            self.ledger.add(key, job.tenant, usage, now)
             return
         task = asyncio.ensure_future(self._settle(key, job.tenant, usage, now))
         self._writes.add(task)
@@ -216,15 +228,20 @@ class Meter:
         except Exception as exc:  # a store that is down loses this count, never the job
             log.warning("a job's usage could not be settled in the ledger: %s", exc)
 
+    def _count(self, tenant: str, user_class: str, model: str, usage: JobUsage) -> None:
+        if tenant not in self._named:
+            if len(self._named) < METRIC_TENANTS:
+                self._named.add(tenant)
+            else:
+                tenant = OTHERS
+        self.counts.setdefault((tenant, user_class, model), JobUsage()).add(usage)
+
     async def rows(self, tenant: str | None = None) -> list[Row]:
-        rows = await self.ledger.rows()
-        return [row for row in rows if tenant is None or row.tenant == tenant]
+        return await self.ledger.rows(tenant)
 
     def counted(self) -> Iterator[tuple[tuple[str, str, str], JobUsage]]:
         """This process's settled use, per (tenant, class, model), for its counters."""
-        for key, usage in self.local.totals.items():
-            row = parse_row(key, usage)
-            yield (row.tenant, row.user_class, row.model), usage
+        yield from self.counts.items()
 
     async def close(self) -> None:
         if self._writes:

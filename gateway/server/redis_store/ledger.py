@@ -65,11 +65,15 @@ class RedisLedger:
             answers = await pipe.execute()
         return {window: Spent(int(tokens or 0), float(device_s or 0)) for window, (tokens, device_s) in zip(WINDOWS, answers)}
 
-    async def rows(self) -> list[Row]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for measure in MEASURES:
-                pipe.hgetall(self._measure(measure))
-            tables = await pipe.execute()
+    async def rows(self, tenant: str | None = None) -> list[Row]:
+        if tenant is None:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for measure in MEASURES:
+                    pipe.hgetall(self._measure(measure))
+                tables = await pipe.execute()
+        else:  # the tenant's fields only: matched by Redis, not read whole here
+            pattern = _glob_escaped(tenant) + "\t*"
+            tables = [{field: value async for field, value in self.redis.hscan_iter(self._measure(m), match=pattern, count=1000)} for m in MEASURES]
         usages: dict[str, JobUsage] = {}
         for measure, table in zip(MEASURES, tables):
             for field, value in table.items():
@@ -79,3 +83,8 @@ class RedisLedger:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def _glob_escaped(text: str) -> str:
+    """`text` matched as itself by a Redis glob pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
