@@ -224,6 +224,36 @@ async def test_past_its_count_the_memory_store_forgets_the_oldest_finished_jobs_
     assert len(await a.store.snapshots()) == 4
 
 
+async def test_the_memory_stores_pages_of_jobs_are_those_of_every_snapshot_sorted(replicas: Any) -> None:
+    """`GET /jobs` on the memory store makes only the page's jobs snapshots: its pages, owner by owner,
+    state by state and cursor by cursor, are the ones sorting every snapshot gives."""
+    from gateway.server.store import JobsQuery
+
+    a = await replicas("memory", max_finished=1000)
+    for i in range(60):
+        job = Job("echo", {"text": "hi"}, owner=("alice", "bob", None)[i % 3])
+        job.created = 1000.0 + (i * 7) % 13  # ties in time, broken by the id
+        await a.store.add(job)
+        if i % 4 == 0:
+            job.succeed({"i": i})
+        elif i % 4 == 1:
+            job.fail(Code.INTERNAL, "no")
+    for owner in ("alice", "bob", None):
+        for state in (None, "active", "finished", "failed"):
+            sees = (lambda o: True) if owner is None else (lambda o, owner=owner: o == owner)
+            cursor, pages = None, 0
+            while True:
+                query = JobsQuery(state, 7, cursor)
+                ours = await a.store.listed(query, sees, [])
+                assert ours == await JobStore.listed(a.store, query, sees, []), (owner, state, cursor)
+                pages += 1
+                if ours.next is None:
+                    break
+                created, _, job_id = ours.next.partition(":")
+                cursor = (float(created), job_id)
+            assert pages >= 1
+
+
 # -- only a shared store: two replicas on one Redis ---------------------------------------------
 
 

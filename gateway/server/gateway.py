@@ -318,8 +318,8 @@ class Gateway:
         principal = await self.auth.authenticate(request)
         query = jobs_query(request)
         kept: list[Kept] = []
-        mine = [s for s in await self.store.snapshots(kept) if self.auth.sees(principal, s.owner) and query.wants(s)]
-        return self._whole(encode(query.page(mine)), kept)
+        page = await self.store.listed(query, lambda owner: self.auth.sees(principal, owner), kept)
+        return self._whole(encode(page), kept)
 
     async def me(self, request: Request) -> Response:
         """`GET /me`: who the caller is, their class, limits and what of them is in use here."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import heapq
 import logging
 import time
 from collections.abc import Callable
@@ -107,6 +108,10 @@ class JobStore(abc.ABC):
     async def snapshots(self, kept: list[Kept] | None = None) -> list[JobSnapshot]:
         """Every job kept (running, or finished within retention), on every replica sharing the store;
         with `kept`, results in the spool as markers (gateway/protocol.py `splice`)."""
+
+    async def listed(self, query: JobsQuery, sees: Callable[[str | None], bool], kept: list[Kept]) -> JobList:
+        """`GET /jobs`'s page: the jobs whose owner `sees` allows and `query` wants."""
+        return query.page([s for s in await self.snapshots(kept) if sees(s.owner) and query.wants(s)])
 
     @abc.abstractmethod
     async def cancel(self, job: JobHandle) -> None:
@@ -322,6 +327,11 @@ class MemoryStore(JobStore):
     async def snapshots(self, kept: list[Kept] | None = None) -> list[JobSnapshot]:
         return [job.snapshot(kept) for job in self.jobs.values()]
 
+    async def listed(self, query: JobsQuery, sees: Callable[[str | None], bool], kept: list[Kept]) -> JobList:
+        # Only the page's jobs are made snapshots: the others are passed over on what they are.
+        wanted = [job for job in self.jobs.values() if sees(job.owner) and query.wants_job(job)]
+        return query.page_of(wanted, kept)
+
     async def cancel(self, job: JobHandle) -> None:
         if isinstance(job, Job) and not job.done:
             self._cancel(job)
@@ -384,6 +394,14 @@ class JobsQuery:
     def wants(self, snapshot: JobSnapshot) -> bool:
         return self.statuses is None or snapshot.status in self.statuses
 
+    def wants_job(self, job: Job) -> bool:
+        """`wants` of the job's snapshot, read from the job itself."""
+        if self.statuses is None:
+            return True
+        terminal = job.terminal
+        status = job.status.value if terminal is None else "SUCCEEDED" if terminal.type is EventType.DATA else "FAILED"
+        return status in self.statuses
+
     def page(self, snapshots: list[JobSnapshot]) -> JobList:
         """Newest first, after the cursor; `next` set when more follow."""
         ordered = sorted(snapshots, key=lambda s: (s.created, s.job_id), reverse=True)
@@ -391,6 +409,14 @@ class JobsQuery:
             ordered = [s for s in ordered if (s.created, s.job_id) < self.cursor]
         page = ordered[: self.limit]
         more = len(ordered) > self.limit
+        return JobList(page, f"{page[-1].created!r}:{page[-1].job_id}" if more else None)
+
+    def page_of(self, jobs: list[Job], kept: list[Kept]) -> JobList:
+        """`page` of these jobs, made snapshots only once on the page: linear in their number."""
+        after = [job for job in jobs if self.cursor is None or (job.created, job.id) < self.cursor]
+        first = heapq.nlargest(self.limit + 1, after, key=lambda job: (job.created, job.id))
+        page = [job.snapshot(kept) for job in first[: self.limit]]
+        more = len(first) > self.limit
         return JobList(page, f"{page[-1].created!r}:{page[-1].job_id}" if more else None)
 
 
