@@ -257,6 +257,31 @@ async def test_the_memory_stores_pages_of_jobs_are_those_of_every_snapshot_sorte
 # -- only a shared store: two replicas on one Redis ---------------------------------------------
 
 
+async def test_a_tenants_page_of_jobs_in_redis_reads_only_its_own_whole(replicas: Any) -> None:
+    """Across replicas, `GET /jobs` for one tenant reads whom each job is by first, and only that
+    tenant's records whole: its pages are those of every snapshot sorted, on either replica."""
+    from gateway.server.store import JobsQuery
+
+    a, b = await replicas("redis"), await replicas("redis")
+    names = [f"{name}-{uuid.uuid4().hex[:8]}" for name in ("alice", "bob")]
+    ids = []
+    for i in range(12):
+        job = Job("echo", {"text": "hi"}, owner=(*names, None)[i % 3])
+        await (a if i % 2 else b).store.add(job)
+        ids.append(job.id)
+        if i % 4 == 0:
+            job.succeed({"i": i})
+    query = JobsQuery(None, 500, None)
+    for replica in (a, b):
+        for owner in names:
+            sees = lambda o, owner=owner: o == owner  # noqa: E731
+            page = await replica.store.listed(query, sees, [])
+            assert len(page.jobs) == 4 and {s.owner for s in page.jobs} == {owner}
+            assert page == await JobStore.listed(replica.store, query, sees, [])
+        everyone = await replica.store.listed(query, lambda o: True, [])
+        assert set(ids) <= {s.job_id for s in everyone.jobs}
+
+
 async def test_another_replica_follows_the_job(replicas: Any) -> None:
     a, b = await replicas("redis"), await replicas("redis")
     job = await a.add()

@@ -26,7 +26,8 @@ more than a piece, and nothing copies it whole. It counts against Redis's own
 memory (its `maxmemory`), once, for the job's retention.
 
 Keys (prefix `streamgate:`): `job:{id}` (hash: owner, snapshot, last_seq,
-terminal seq, type and size, idempotency key, cancel flag, partial events
+terminal seq, type and size, idempotency key, the token that started it (`by`:
+a tenant's `GET /jobs` reads it first, and only its own jobs whole), cancel flag, partial events
 copied, and for a job that can go on elsewhere its request and times taken
 over), `events:{id}` (stream), `resumable` (see below),
 `result:{id}` (a result of `SPOOL_FROM` bytes or more, kept once),

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from gateway.admission import Admission
 from gateway.errors import ApiError
 from gateway.jobs import Job, terminal_event
-from gateway.protocol import Code, Event, EventType, JobSnapshot, Kept, encode
+from gateway.protocol import Code, Event, EventType, JobList, JobSnapshot, Kept, encode
 from gateway.plumbing.spool import ResultSpool
 from gateway.server.redis_store.keys import ANSWER_S, NO_MAINT, READ_FIELDS, Keys, is_redis_url
 from gateway.server.redis_store.leases import Leases
@@ -38,6 +38,7 @@ from gateway.server.store import (
     Binding,
     FinishedResults,
     JobHandle,
+    JobsQuery,
     JobStore,
 )
 
@@ -297,7 +298,10 @@ class RedisStore(Writing, Reading, Replicas, Leases, JobStore):
         key = job.idempotency_key
         try:
             pipe = self._redis.pipeline(transaction=True)
-            fields: dict[str, Any] = {"owner": self.replica_id, "snapshot": encode(job.snapshot()), "last_seq": 0, "key": key or ""}
+            fields: dict[str, Any] = {
+                "owner": self.replica_id, "snapshot": encode(job.snapshot()), "last_seq": 0, "key": key or "",
+                "by": job.owner or "",  # the token that started it: `listed` reads a tenant's jobs without the others'
+            }
             if job.resumable:  # another replica can go on with it if this one stops
                 fields["request"] = encode(
                     KeptRequest(
@@ -410,10 +414,27 @@ class RedisStore(Writing, Reading, Replicas, Leases, JobStore):
         return alive
 
     async def snapshots(self, kept: list[Kept] | None = None) -> list[JobSnapshot]:
+        async with self._answering():
+            ids = [member.decode() for member in await self._redis.zrange(self.keys.index, 0, -1)]
+        return await self._snapshots_of(ids, kept)
+
+    async def listed(self, query: JobsQuery, sees: Callable[[str | None], bool], kept: list[Kept]) -> JobList:
+        # Whom each job is by is read first (a few bytes a job): only those the caller sees are read whole.
+        async with self._answering():
+            ids = [member.decode() for member in await self._redis.zrange(self.keys.index, 0, -1)]
+            pipe = self._redis.pipeline(transaction=False)
+            for job_id in ids:
+                pipe.hget(self.keys.job(job_id), "by")
+            by = await pipe.execute() if ids else []
+        # A record written before `by` was (None) is read whole, as every record was.
+        mine = [job_id for job_id, owner in zip(ids, by) if owner is None or sees(owner.decode() or None)]
+        snapshots = await self._snapshots_of(mine, kept)
+        return query.page([s for s in snapshots if sees(s.owner) and query.wants(s)])
+
+    async def _snapshots_of(self, ids: list[str], kept: list[Kept] | None) -> list[JobSnapshot]:
         # A big result is in Redis apart (`InRedis`): a marker with `kept`, read whole without.
         names = ("snapshot", "owner", "tseq", "ttype", "tsize")
         async with self._answering():
-            ids = [member.decode() for member in await self._redis.zrange(self.keys.index, 0, -1)]
             pipe = self._redis.pipeline(transaction=False)
             for job_id in ids:
                 pipe.hmget(self.keys.job(job_id), *names)
