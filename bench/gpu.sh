@@ -83,9 +83,11 @@ run() {  # run SECONDS NAME ARGS...: one benchmark, its report appended
 gen=(bench/generation.py --device "$device" --batch-sizes 16,64)
 run 120 generation-tiny-process "${gen[@]}" --model "$work/tiny" --engine process
 run 100 generation-tiny-thread "${gen[@]}" --model "$work/tiny" --engine thread
-run 150 generation-smollm2-process "${gen[@]}" --model "$work/smollm2" --tokens 64 --engine process
+run 130 generation-smollm2-process "${gen[@]}" --model "$work/smollm2" --tokens 64 --engine process
 run 120 tool-speed-smollm2 bench/tool_speed.py --device "$device" --model "$work/smollm2" --rounds 3
 run 60 embeddings bench/embeddings.py --device "$device"
+# A higher class's wait under a full engine, with cores to spare for the clients (2 are not enough).
+run 70 priority bench/priority.py --device "$device" --model "$work/tiny" --seconds 5
 
 say ""
 say "## targets"
