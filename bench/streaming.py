@@ -34,7 +34,7 @@ import importlib.metadata
 import sys
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -49,6 +49,7 @@ from starlette.routing import Route
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
+from tests.support import loopback_http  # noqa: E402
 
 TITLE = "streaming: the gateway vs a bare sse-starlette endpoint, same frames"
 TARGET_CPU_MS = 0.6
@@ -91,28 +92,18 @@ def serve_sink(port: int) -> None:
     count = [0]
     lock = threading.Lock()
 
-    class Sink(BaseHTTPRequestHandler):
+    class Sink(loopback_http.Handler):
         protocol_version = "HTTP/1.1"  # keep-alive, as the exporter's session expects
 
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             request = ExportTraceServiceRequest()
-            request.ParseFromString(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            request.ParseFromString(self.body())
             with lock:
                 count[0] += sum(len(scope.spans) for spans in request.resource_spans for scope in spans.scope_spans)
-            self._answer(b"", "application/x-protobuf")
+            self.answer(b"", "application/x-protobuf")
 
         def do_GET(self) -> None:  # noqa: N802
-            self._answer(str(count[0]).encode() if self.path == "/spans" else b"{}", "application/json")
-
-        def _answer(self, body: bytes, media_type: str) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", media_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
+            self.answer(str(count[0]).encode() if self.path == "/spans" else b"{}", "application/json")
 
     ThreadingHTTPServer(("127.0.0.1", port), Sink).serve_forever()
 

@@ -286,19 +286,21 @@ class Job:
         assert self.terminal is not None and isinstance(self.events, list) and self.events[:-1] == before
         self.events = KeptLog(self.id, kept, before, self.terminal, self.base)
 
+    @property
+    def state(self) -> str:
+        """The status a listing shows: the terminal's outcome once there is one."""
+        terminal = self.terminal
+        if terminal is None:
+            return self.status.value
+        return "SUCCEEDED" if terminal.type is EventType.DATA else "FAILED"
+
     def snapshot(self, kept: list[Kept] | None = None) -> JobSnapshot:
         """Where it stands; with `kept`, a result in the spool is a `kept_marker` in it, not read whole."""
         terminal = self.terminal
-        if terminal is None:
-            state = self.status.value
-        elif terminal.type is EventType.DATA:
-            state = "SUCCEEDED"
-        else:
-            state = "FAILED"
         return JobSnapshot(
             job_id=self.id,
             tool=self.tool,
-            status=state,
+            status=self.state,
             created=self.created,
             model=self.model,
             started=self.started,

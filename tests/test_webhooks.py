@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import http.server
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ import pytest
 from standardwebhooks import Webhook, WebhookVerificationError
 
 from tests.conftest import make_server, wait_until
+from tests.support import loopback_http
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
 
 SECRET = "whsec_" + base64.b64encode(b"a webhook secret of 32 bytes....").decode()
@@ -33,23 +32,15 @@ class Receiver:
         self.redirect_to: str | None = None
         outer = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(loopback_http.Handler):
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                body = self.body()
                 outer.received.append(({k.lower(): v for k, v in self.headers.items()}, body))
                 status = outer.answers.pop(0) if outer.answers else 204
-                self.send_response(status)
-                if 300 <= status < 400 and outer.redirect_to:
-                    self.send_header("Location", outer.redirect_to)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+                self.answer(status=status, headers={"Location": outer.redirect_to} if 300 <= status < 400 and outer.redirect_to else None)
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/streamgate?from=test"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, base = loopback_http.serve(Handler)
+        self.url = f"{base}/hooks/streamgate?from=test"
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -351,6 +342,38 @@ def test_the_redis_outbox_counts_a_delivery_once_however_often_it_is_put(redis_s
             assert await outbox.held("t") == (0, 1, 0) and await outbox.held("u") == (1, 1, 0)
         finally:
             await outbox.close()
+
+    asyncio.run(check())
+
+
+def test_replicas_opening_deliveries_at_once_never_pass_the_caps_together(redis_server: RedisServer) -> None:  # noqa: F811
+    """Two replicas admit runs with callbacks at the same moment: the check and the put are one step
+    in Redis (and in memory), so a tenant ends with exactly its cap open, and the outbox with its own."""
+    import asyncio
+
+    from gateway.server.redis_store.outbox import RedisOutbox
+    from gateway.server.webhooks import Delivery, MemoryOutbox
+
+    async def check() -> None:
+        replicas = [RedisOutbox(redis_server.url, retention=60, prefix="outbox-caps:") for _ in range(2)]
+        try:
+            opened = await asyncio.gather(*(
+                replicas[i % 2].open(Delivery(f"j{i}", "http://x", tenant="t"), per_tenant=5, most=8) for i in range(30)
+            ))
+            assert sum(held is None for held in opened) == 5 and await replicas[0].held("t") == (5, 5, 0)
+            refused = [held for held in opened if held is not None]
+            assert all(held.tenant == 5 for held in refused)
+            others = await asyncio.gather(*(
+                replicas[i % 2].open(Delivery(f"k{i}", "http://x", tenant=f"u{i}"), per_tenant=5, most=8) for i in range(10)
+            ))
+            assert sum(held is None for held in others) == 3 and (await replicas[1].held("u0")).total == 8
+            assert {held.total for held in others if held is not None} == {8}
+        finally:
+            for outbox in replicas:
+                await outbox.close()
+        memory = MemoryOutbox(retention=60)
+        opened = await asyncio.gather(*(memory.open(Delivery(f"j{i}", "http://x", tenant="t"), 5, 8) for i in range(30)))
+        assert sum(held is None for held in opened) == 5 and await memory.held("t") == (5, 5, 0)
 
     asyncio.run(check())
 

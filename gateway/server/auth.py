@@ -282,7 +282,11 @@ class Auth:
 
     def sees(self, principal: Principal | None, owner: str | None) -> bool:
         """Whether `principal` may see (read, follow, cancel) a job started by the token named `owner`."""
-        return principal is None or principal.admin or owner == principal.name
+        return self.whose(principal) in (None, owner)
+
+    def whose(self, principal: Principal | None) -> str | None:
+        """The owner of every job `principal` may see, or None where it may see them all."""
+        return None if principal is None or principal.admin else principal.name
 
     def authorize(self, principal: Principal | None, tool: str) -> None:
         """403 if `principal` may not use `tool`."""

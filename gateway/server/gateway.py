@@ -318,7 +318,7 @@ class Gateway:
         principal = await self.auth.authenticate(request)
         query = jobs_query(request)
         kept: list[Kept] = []
-        page = await self.store.listed(query, lambda owner: self.auth.sees(principal, owner), kept)
+        page = await self.store.listed(query, self.auth.whose(principal), kept)
         return self._whole(encode(page), kept)
 
     async def me(self, request: Request) -> Response:

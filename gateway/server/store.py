@@ -109,9 +109,10 @@ class JobStore(abc.ABC):
         """Every job kept (running, or finished within retention), on every replica sharing the store;
         with `kept`, results in the spool as markers (gateway/protocol.py `splice`)."""
 
-    async def listed(self, query: JobsQuery, sees: Callable[[str | None], bool], kept: list[Kept]) -> JobList:
-        """`GET /jobs`'s page: the jobs whose owner `sees` allows and `query` wants."""
-        return query.page([s for s in await self.snapshots(kept) if sees(s.owner) and query.wants(s)])
+    @abc.abstractmethod
+    async def listed(self, query: JobsQuery, whose: str | None, kept: list[Kept]) -> JobList:
+        """`GET /jobs`'s page of the jobs `query` wants: those the token named `whose` started, or
+        with None every job."""
 
     @abc.abstractmethod
     async def cancel(self, job: JobHandle) -> None:
@@ -327,9 +328,9 @@ class MemoryStore(JobStore):
     async def snapshots(self, kept: list[Kept] | None = None) -> list[JobSnapshot]:
         return [job.snapshot(kept) for job in self.jobs.values()]
 
-    async def listed(self, query: JobsQuery, sees: Callable[[str | None], bool], kept: list[Kept]) -> JobList:
+    async def listed(self, query: JobsQuery, whose: str | None, kept: list[Kept]) -> JobList:
         # Only the page's jobs are made snapshots: the others are passed over on what they are.
-        wanted = [job for job in self.jobs.values() if sees(job.owner) and query.wants_job(job)]
+        wanted = [job for job in self.jobs.values() if (whose is None or job.owner == whose) and query.wants_job(job)]
         return query.page_of(wanted, kept)
 
     async def cancel(self, job: JobHandle) -> None:
@@ -398,9 +399,7 @@ class JobsQuery:
         """`wants` of the job's snapshot, read from the job itself."""
         if self.statuses is None:
             return True
-        terminal = job.terminal
-        status = job.status.value if terminal is None else "SUCCEEDED" if terminal.type is EventType.DATA else "FAILED"
-        return status in self.statuses
+        return job.state in self.statuses
 
     def page(self, snapshots: list[JobSnapshot]) -> JobList:
         """Newest first, after the cursor; `next` set when more follow."""

@@ -109,6 +109,10 @@ class Outbox(Protocol):
 
     async def put(self, delivery: Delivery) -> None: ...
 
+    async def open(self, delivery: Delivery, per_tenant: int, most: int) -> OutboxHeld | None:
+        """Put `delivery` (one waiting for its job) if its tenant has fewer than `per_tenant` open and
+        the outbox fewer than `most`, checked and put as one step: None once put, else what is held."""
+
     async def held(self, tenant: str) -> OutboxHeld: ...
 
     async def claim(self, now: float, lease: float, most: int) -> list[Delivery]: ...
@@ -165,6 +169,13 @@ class MemoryOutbox:
         self._opened += sign
         if delivery.state == "pending":
             self._inline += sign * delivery.inline
+
+    async def open(self, delivery: Delivery, per_tenant: int, most: int) -> OutboxHeld | None:
+        held = OutboxHeld(len(self._open.get(delivery.tenant, ())), self._opened, self._inline)
+        if held.tenant >= per_tenant or held.total >= most:
+            return held
+        await self.put(delivery)  # no wait in between: nothing else is put meanwhile
+        return None
 
     async def held(self, tenant: str) -> OutboxHeld:
         return OutboxHeld(len(self._open.get(tenant, ())), self._opened, self._inline)
@@ -268,15 +279,15 @@ class Webhooks:
     async def waiting(self, job: Job, url: str) -> None:
         """`job` has a callback: kept (shown on `GET /jobs/{id}`), and delivered once the job ends;
         429 while its tenant, or the gateway, has as many deliveries open as it may."""
-        held = await self.outbox.held(job.tenant)
-        if held.tenant >= self.per_tenant:
+        # Checked and put in one step: replicas admitting at once never overshoot the caps together.
+        held = await self.outbox.open(Delivery(job.id, url, tenant=job.tenant), self.per_tenant, MAX_OPEN)
+        if held is not None and held.tenant >= self.per_tenant:
             raise ApiError(
                 Code.RATE_LIMITED, f"{held.tenant} completion webhooks of yours are not yet delivered (--webhooks-per-tenant): "
                 "wait for them, or run without Callback-URL", retry_after=FULL_RETRY_S,
             )
-        if held.total >= MAX_OPEN:
+        if held is not None:
             raise ApiError(Code.RATE_LIMITED, f"this gateway has {held.total} completion webhooks not yet delivered: try again later", retry_after=FULL_RETRY_S)
-        await self.outbox.put(Delivery(job.id, url, tenant=job.tenant))
         # The message is made as the terminal event is appended, while its result is still in memory.
         job.on_end.append(lambda ended: self._on_end(ended, url))
 

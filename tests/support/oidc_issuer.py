@@ -4,13 +4,13 @@ and JWKS served by a thread, keys made here (and rotated by the test), tokens si
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import jwt
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+from tests.support import loopback_http
 
 AUDIENCE = "streamgate-lab"
 
@@ -24,7 +24,7 @@ class LocalIssuer:
         self.jwks_fetches = 0
         issuer = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(loopback_http.Handler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 if self.path == "/.well-known/openid-configuration":
                     body = {"issuer": issuer.url, "jwks_uri": f"{issuer.url}/jwks.json"}
@@ -34,19 +34,9 @@ class LocalIssuer:
                 else:
                     self.send_error(404)
                     return
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self.answer(json.dumps(body).encode(), "application/json")
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = loopback_http.serve(Handler)
 
     def add_key(self, kid: str, kind: str = "rsa") -> None:
         self.keys[kid] = rsa.generate_private_key(public_exponent=65537, key_size=2048) if kind == "rsa" else ec.generate_private_key(ec.SECP256R1())

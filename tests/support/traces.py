@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
@@ -19,6 +18,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.plumbing import tracing
+from tests.support import loopback_http
 
 
 @dataclass(frozen=True)
@@ -71,28 +71,17 @@ class Collector:
         self._lock = threading.Lock()
         collector = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(loopback_http.Handler):
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = self.body()
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
                 request = ExportTraceServiceRequest()
                 request.ParseFromString(body)
                 collector._take(request)
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
+                self.answer(ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf")
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._server, self.url = loopback_http.serve(Handler)
 
     def env(self, service: str) -> dict[str, str]:
         """The standard variables that make a process export its spans here at once, as `service`."""

@@ -26,15 +26,17 @@ more than a piece, and nothing copies it whole. It counts against Redis's own
 memory (its `maxmemory`), once, for the job's retention.
 
 Keys (prefix `streamgate:`): `job:{id}` (hash: owner, snapshot, last_seq,
-terminal seq, type and size, idempotency key, the token that started it (`by`:
-a tenant's `GET /jobs` reads it first, and only its own jobs whole), cancel flag, partial events
+terminal seq, type and size, idempotency key, cancel flag, partial events
 copied, and for a job that can go on elsewhere its request and times taken
 over), `events:{id}` (stream), `resumable` (see below),
 `result:{id}` (a result of `SPOOL_FROM` bytes or more, kept once),
 `attached:{id}` (sorted set of replicas following the job, scored by
 deadline), `jobs` (sorted set of every job's id, scored by when its owner last
 wrote or re-leased it: a job running for hours stays listed, and one whose
-owner died leaves once its keys have expired), `key:{idempotency key}` (the job id and a digest of its request), `replica:{replica id}` (the
+owner died leaves once its keys have expired), `listing` and `listing-by:{token
+name}` (sorted sets of every job's id, and of each token's, scored by when the job was made:
+`GET /jobs` reads a page's jobs from them, newest first, and drops those expired as it meets
+them; see listing.py), `key:{idempotency key}` (the job id and a digest of its request), `replica:{replica id}` (the
 owner's liveness key; also the name of the channel the owner listens on).
 
 **Expiry.** While a job runs its owner re-leases its keys every `heartbeat` s

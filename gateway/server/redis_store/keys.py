@@ -44,6 +44,11 @@ class Keys:
         self.index = f"{prefix}jobs"  # every job's id, scored by when its owner last wrote or re-leased it
         # The running jobs that can go on in another replica, scored by when their owner last re-leased them.
         self.resumable = f"{prefix}resumable"
+        self.listing = f"{prefix}listing"  # every job's id, scored by when it was made: `GET /jobs` by pages
+
+    def listing_by(self, owner: str) -> str:
+        """The ids of the jobs the token named `owner` started, scored by when each was made."""
+        return f"{self.prefix}listing-by:{owner}"
 
     def job(self, job_id: str) -> str:
         """The job's hash."""

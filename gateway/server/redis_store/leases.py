@@ -14,6 +14,7 @@ import msgspec
 from redis.exceptions import RedisError
 
 from gateway.protocol import encode
+from gateway.server.redis_store import listing
 from gateway.server.redis_store.keys import ANSWER_S
 from gateway.server.redis_store.reading import RedisJobView
 from gateway.server.redis_store.replicas import SWEEP_S
@@ -141,6 +142,7 @@ class Leases:
                 )
             if running:  # still listed, however long they run
                 pipe.zadd(self.keys.index, {owned.job.id: time.time() for owned in running}, xx=True)
+                listing.enlist(pipe, self.keys, [owned.job for owned in running], self._lease_ms)
             if resumable := {owned.job.id: time.time() for owned in running if owned.job.resumable}:
                 pipe.zadd(self.keys.resumable, resumable, xx=True)  # alive: nobody takes them over
             async with asyncio.timeout(ANSWER_S):  # a stalled Redis is found out as soon as a dead one

@@ -54,6 +54,17 @@ if new ~= old then
 end
 """
 
+# PUT for a delivery waiting for its job, if the caps leave room: KEYS as PUT's; ARGV as PUT's, then
+# the tenant's cap, the outbox's, and when a delivery put before counts as gone (ms). {1, tenant's,
+# all} once put; {0, tenant's, all} when refused.
+OPEN = """
+for _, key in ipairs({KEYS[4], KEYS[5]}) do redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[10]) end
+local mine, all = redis.call('ZCARD', KEYS[5]), redis.call('ZCARD', KEYS[4])
+if mine >= tonumber(ARGV[8]) or all >= tonumber(ARGV[9]) then return {0, mine, all} end
+""" + PUT + """
+return {1, mine, all}
+"""
+
 
 class RedisOutbox:
     """Deliveries kept in Redis at `url` under `prefix` (the store's), shared by every replica."""
@@ -69,21 +80,32 @@ class RedisOutbox:
         self.redis = small_client(url)
         self.claim_script: Any = self.redis.register_script(CLAIM)
         self.put_script: Any = self.redis.register_script(PUT)
+        self.open_script: Any = self.redis.register_script(OPEN)
 
     def _key(self, job_id: str) -> str:
         return f"{self.prefix}webhook:{job_id}"
 
-    async def put(self, delivery: Delivery) -> None:
+    def _put(self, delivery: Delivery) -> tuple[list[str], list[Any]]:
+        """PUT's keys and arguments."""
         ttl = KEPT_OPEN_S if delivery.open else max(1, int(self.retention))
         keys = [
             self._key(delivery.job_id), self.due_key, self.waiting_key, self.open_key, f"{self.open_key}:{delivery.tenant}",
             self.inline_key, f"{self.inline_key}:total",
         ]
         args = [msgspec.msgpack.encode(delivery), ttl, delivery.state, delivery.job_id, int(delivery.due * 1000), int(time.time() * 1000), delivery.inline]
+        return keys, args
+
+    async def put(self, delivery: Delivery) -> None:
+        keys, args = self._put(delivery)
         await self.put_script(keys=keys, args=args)
 
+    async def open(self, delivery: Delivery, per_tenant: int, most: int) -> OutboxHeld | None:
+        keys, args = self._put(delivery)
+        put, mine, everyone = await self.open_script(keys=keys, args=[*args, per_tenant, most, _gone_ms()])
+        return None if put else OutboxHeld(mine, everyone, 0)
+
     async def held(self, tenant: str) -> OutboxHeld:
-        gone = int((time.time() - KEPT_OPEN_S) * 1000)
+        gone = _gone_ms()
         async with self.redis.pipeline(transaction=False) as pipe:
             for key in (f"{self.open_key}:{tenant}", self.open_key):
                 pipe.zremrangebyscore(key, "-inf", gone)
@@ -123,3 +145,8 @@ class RedisOutbox:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def _gone_ms() -> int:
+    """When a delivery put before then and never ended counts as gone (its key expired unended)."""
+    return int((time.time() - KEPT_OPEN_S) * 1000)

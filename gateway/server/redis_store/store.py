@@ -28,6 +28,7 @@ from gateway.jobs import Job, terminal_event
 from gateway.protocol import Code, Event, EventType, JobList, JobSnapshot, Kept, encode
 from gateway.plumbing.spool import ResultSpool
 from gateway.server.redis_store.keys import ANSWER_S, NO_MAINT, READ_FIELDS, Keys, is_redis_url
+from gateway.server.redis_store import listing
 from gateway.server.redis_store.leases import Leases
 from gateway.server.redis_store.reading import InRedis, Reading, RedisJobView, Tail
 from gateway.server.redis_store.replicas import STOP_FLUSH_S, Replicas, KeptRequest
@@ -300,7 +301,6 @@ class RedisStore(Writing, Reading, Replicas, Leases, JobStore):
             pipe = self._redis.pipeline(transaction=True)
             fields: dict[str, Any] = {
                 "owner": self.replica_id, "snapshot": encode(job.snapshot()), "last_seq": 0, "key": key or "",
-                "by": job.owner or "",  # the token that started it: `listed` reads a tenant's jobs without the others'
             }
             if job.resumable:  # another replica can go on with it if this one stops
                 fields["request"] = encode(
@@ -318,6 +318,7 @@ class RedisStore(Writing, Reading, Replicas, Leases, JobStore):
             # Touched at each copy and heartbeat (`_beat`); one untouched for two leases has expired.
             pipe.zadd(self.keys.index, {job.id: time.time()})
             pipe.zremrangebyscore(self.keys.index, "-inf", time.time() - (self._lease_ms / 1000) * 2)
+            listing.enlist(pipe, self.keys, [job], self._lease_ms)
             if key:
                 pipe.pexpire(self.keys.idem(key), self._lease_ms)
             async with self._answering():
@@ -418,18 +419,10 @@ class RedisStore(Writing, Reading, Replicas, Leases, JobStore):
             ids = [member.decode() for member in await self._redis.zrange(self.keys.index, 0, -1)]
         return await self._snapshots_of(ids, kept)
 
-    async def listed(self, query: JobsQuery, sees: Callable[[str | None], bool], kept: list[Kept]) -> JobList:
-        # Whom each job is by is read first (a few bytes a job): only those the caller sees are read whole.
+    async def listed(self, query: JobsQuery, whose: str | None, kept: list[Kept]) -> JobList:
+        key = self.keys.listing if whose is None else self.keys.listing_by(whose)
         async with self._answering():
-            ids = [member.decode() for member in await self._redis.zrange(self.keys.index, 0, -1)]
-            pipe = self._redis.pipeline(transaction=False)
-            for job_id in ids:
-                pipe.hget(self.keys.job(job_id), "by")
-            by = await pipe.execute() if ids else []
-        # A record written before `by` was (None) is read whole, as every record was.
-        mine = [job_id for job_id, owner in zip(ids, by) if owner is None or sees(owner.decode() or None)]
-        snapshots = await self._snapshots_of(mine, kept)
-        return query.page([s for s in snapshots if sees(s.owner) and query.wants(s)])
+            return await listing.page(self._redis, key, query, whose, lambda ids: self._snapshots_of(ids, kept))
 
     async def _snapshots_of(self, ids: list[str], kept: list[Kept] | None) -> list[JobSnapshot]:
         # A big result is in Redis apart (`InRedis`): a marker with `kept`, read whole without.
