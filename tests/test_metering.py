@@ -4,6 +4,8 @@ quotas refuse a tenant that used them up (429, the quota named, Retry-After the 
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 from pathlib import Path
 from typing import Any
@@ -175,5 +177,11 @@ async def test_the_redis_ledger_reads_one_tenants_rows_however_its_name_is_spell
         for tenant in ("a*", "a", "x[1]"):
             assert [(row.tenant, row.usage.tokens_in) for row in await ledger.rows(tenant)] == [(tenant, len(tenant))]
         assert len(await ledger.rows()) == 5
+        # An admin's rows are read a piece at a time (HSCAN): every row once, with each measure, however many.
+        await asyncio.gather(*(
+            ledger.settle(row_key(f"t{i}", "c", "m"), f"t{i}", JobUsage(jobs=1, tokens_in=i, device_s=i / 4), now=3600.0) for i in range(4000)
+        ))
+        rows = {row.tenant: row.usage for row in await ledger.rows() if row.tenant.startswith("t")}
+        assert len(rows) == 4000 and all(rows[f"t{i}"] == JobUsage(jobs=1, tokens_in=i, device_s=i / 4) for i in range(4000))
     finally:
         await ledger.close()

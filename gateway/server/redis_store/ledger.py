@@ -66,14 +66,10 @@ class RedisLedger:
         return {window: Spent(int(tokens or 0), float(device_s or 0)) for window, (tokens, device_s) in zip(WINDOWS, answers)}
 
     async def rows(self, tenant: str | None = None) -> list[Row]:
-        if tenant is None:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for measure in MEASURES:
-                    pipe.hgetall(self._measure(measure))
-                tables = await pipe.execute()
-        else:  # the tenant's fields only: matched by Redis, not read whole here
-            pattern = _glob_escaped(tenant) + "\t*"
-            tables = [{field: value async for field, value in self.redis.hscan_iter(self._measure(m), match=pattern, count=1000)} for m in MEASURES]
+        # A piece at a time (HSCAN), never a whole table in one answer: the event loop runs other
+        # requests between pieces. A tenant's fields only are matched by Redis, not read here.
+        pattern = None if tenant is None else _glob_escaped(tenant) + "\t*"
+        tables = [{field: value async for field, value in self.redis.hscan_iter(self._measure(m), match=pattern, count=1000)} for m in MEASURES]
         usages: dict[str, JobUsage] = {}
         for measure, table in zip(MEASURES, tables):
             for field, value in table.items():
