@@ -99,6 +99,8 @@ class Metering(Protocol):
 
     async def check(self, tenant: str, quotas: Any, user_class: str | None) -> None: ...
 
+    async def hold(self, tenant: str, quotas: Any, user_class: str | None, tokens: int) -> Callable[[], None]: ...
+
     def settle(self, job: Job, user_class: str | None) -> None: ...
 
 
@@ -301,7 +303,7 @@ class Admission:
             job.cost = await self.backend.admit(tool, params, self.limits)
             priced = job.cost is not None
             if priced:
-                room = self._priced(job, applicant, most_result)
+                room = await self._priced(job, applicant, most_result)
             if callback is not None and self.webhooks is not None:
                 await self.webhooks.waiting(job, callback)
             if admission.get_span_context().is_valid:
@@ -312,7 +314,7 @@ class Admission:
             job.resumable = job.resumable and may_go_on
             if not priced and job.cost is not None:
                 try:  # priced by the service that took it (an engine): checked now
-                    room = self._priced(job, applicant, most_result)
+                    room = await self._priced(job, applicant, most_result)
                 except ApiError:
                     self.backend.cancel(job)
                     raise
@@ -324,13 +326,13 @@ class Admission:
                 await self.store.release(scoped, job.id)
             end_span(job.span, *_refusal(exc))
             raise
-        if room is not None:
-            given_back = room
-            job.on_end.append(lambda _: given_back())
         job.on_end.append(lambda _: release())
         if (meter := self.meter) is not None:
             user_class = applicant.principal.user_class if applicant.principal is not None else None
             job.on_end.append(lambda ended: meter.settle(ended, user_class))
+        if room is not None:  # after the settling: the tokens its quota held count as used from then
+            given_back = room
+            job.on_end.append(lambda _: given_back())
         job.idempotency_key, job.request_digest = scoped, digest
         if going_on is not None:  # bound before, by the replica that first admitted it
             job.idempotency_key, job.request_digest = going_on.key, going_on.digest
@@ -352,15 +354,33 @@ class Admission:
             raise
         return release
 
-    def _priced(self, job: Job, applicant: Applicant, most_result: int | None) -> Callable[[], None] | None:
+    async def _priced(self, job: Job, applicant: Applicant, most_result: int | None) -> Callable[[], None] | None:
         """A priced job's checks: its memory within its class's bound (413), its result within the
-        surface's and held in the room for results (what gives it back), its checkpoint's journal."""
+        surface's and held in the room for results, the tokens it may count held against its class's
+        token quotas (413, 429), its checkpoint's journal. What gives back what it holds."""
         principal = applicant.principal
         if principal is not None and principal.max_job_memory is not None:
             refuse_memory(job.cost, principal.max_job_memory, "max_job_memory of this token's class")
         room = self._result_room(job, most_result)
+        if self.meter is None or principal is None or not principal.quotas:
+            _keeps_journal(job)
+            return room
+        try:
+            held = await self.meter.hold(applicant.tenant, principal.quotas, principal.user_class, job.cost.most_counted)
+        except BaseException:
+            if room is not None:
+                room()
+            raise
         _keeps_journal(job)
-        return room
+        if room is None:
+            return held
+        result_room = room
+
+        def given_back() -> None:
+            held()
+            result_room()
+
+        return given_back
 
     def _result_room(self, job: Job, most_result: int | None) -> Callable[[], None] | None:
         """A priced job's result against the surface's bound (413), then the room kept for results

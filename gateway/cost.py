@@ -71,7 +71,9 @@ class Cost:
     most (gateway/checkpoints.py: 0, none kept).
 
     `memory_field` and `result_field` name the param that drives each most (what to shrink);
-    `tokens` is the most tokens one forward pass of it runs over. `as_files` is the same job's
+    `tokens` is the most tokens one forward pass of it runs over; `counted`, the most its metered use
+    may count, read and written, over all its passes (0: `tokens`, what a tool that counts none is
+    metered by): a class's token quotas hold it while the job runs. `as_files` is the same job's
     price with its result written as files of `file_format` (a tool that can, asked for none):
     admission takes it, and sets the job's `file` param, when the result is over the bound.
     """
@@ -81,10 +83,16 @@ class Cost:
     memory_field: str
     result_field: str
     tokens: int = 0
+    counted: int = 0
     files: int = 0
     as_files: Cost | None = None
     file_format: str | None = None
     journal: int = 0
+
+    @property
+    def most_counted(self) -> int:
+        """The most tokens the job's metered use may count."""
+        return max(self.counted, self.tokens)
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ QUOTAED = CLASSES + (
 
 
 def run(url: str, token: str, params: dict[str, Any], tool: str = "generate") -> dict[str, Any]:
-    """A job's result, through `POST /{tool}/run` (raises with the status if refused)."""
-    with httpx.stream("POST", f"{url}/{tool}/run", json=params, headers=bearer(token), timeout=60) as response:
+    """A job's result, through `POST /{tool}/run` (raises with the status if refused); "" for no token."""
+    with httpx.stream("POST", f"{url}/{tool}/run", json=params, headers=bearer(token) if token else {}, timeout=60) as response:
         if response.status_code != 200:
             response.read()
             raise AssertionError((response.status_code, response.headers.get("retry-after"), response.json()))
@@ -42,7 +42,7 @@ def run(url: str, token: str, params: dict[str, Any], tool: str = "generate") ->
 
 
 def rows(url: str, token: str, **query: Any) -> list[dict[str, Any]]:
-    answer = httpx.get(f"{url}/usage", params=query, headers=bearer(token), timeout=10)
+    answer = httpx.get(f"{url}/usage", params=query, headers=bearer(token) if token else {}, timeout=10)
     assert answer.status_code == 200, answer.text
     return answer.json()["rows"]
 
@@ -98,6 +98,36 @@ async def test_a_tenant_over_its_quota_is_refused_with_the_quota_named_until_its
     assert summed(await meter.rows(), ["class"])[0].usage.tokens == 10
 
 
+async def test_running_jobs_hold_the_tokens_they_may_count_until_their_use_is_settled() -> None:
+    """Admissions at once never pass a token quota together: each holds its job's most tokens until
+    the job's use is settled, when what it used counts instead; the hold is given back once."""
+    meter = Meter(clock=lambda: 100 * 3600.0)
+    quotas = Quotas(tokens_per_hour=100, device_seconds_per_hour=5)
+    held = await asyncio.gather(*(meter.hold("t", quotas, "c", 30) for _ in range(5)), return_exceptions=True)
+    kept = [h for h in held if not isinstance(h, BaseException)]
+    refused = [h for h in held if isinstance(h, ApiError)]
+    assert len(kept) == 3 and len(refused) == 2 and meter.held == {"t": 90}
+    assert all(r.status == 429 and "90 held by your running jobs" in r.message for r in refused)
+    await meter.hold("u", quotas, "c", 100)  # per tenant
+    with pytest.raises(ApiError) as alone:
+        await meter.hold("v", quotas, "c", 101)
+    assert alone.value.status == 413
+    job = Job("generate", None, tenant="t")
+    job.usage.tokens_in, job.usage.tokens_out = 5, 20  # it used less than it held
+    meter.settle(job, "c")
+    kept[0]()
+    kept[0]()  # once only
+    assert meter.held["t"] == 60
+    give_back = await meter.hold("t", quotas, "c", 15)  # 25 used + 60 held + 15 = 100
+    with pytest.raises(ApiError):
+        await meter.hold("t", quotas, "c", 1)
+    for h in [*kept[1:], give_back]:
+        h()
+    assert "t" not in meter.held
+    assert await meter.hold("t", Quotas(device_seconds_per_hour=5), "c", 10**9) is not None  # no token quota: nothing held
+    assert "t" not in meter.held
+
+
 def test_a_jobs_use_is_counted_settled_listed_and_its_quota_refuses(serve: Any, tiny_model_path: Path, tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.toml"
     tokens.write_text(QUOTAED + '[tokens.ops]\ntoken = "ops-token-0123456789abcdef0"\nadmin = true\n')
@@ -112,8 +142,19 @@ def test_a_jobs_use_is_counted_settled_listed_and_its_quota_refuses(serve: Any, 
     assert counted["device_s"] > 0 and counted["result_bytes"] > 0
     me = httpx.get(f"{server.url}/me", headers=bearer(METERED)).json()
     assert {q["name"]: q["used"] for q in me["quotas"]} == {"tokens_per_hour": used["total_tokens"], "device_seconds_per_day": pytest.approx(counted["device_s"], abs=1e-3)}
-    # A second run takes it past 40 tokens this hour; the third is refused before it is queued.
-    second = run(server.url, METERED, {"prompts": ["hello there, again"], "max_tokens": 16})["usage"]
+    # A run whose tokens (prompt and max_tokens) could take it past 40 this hour is refused before it
+    # is queued, one whose tokens alone pass the quota too (413); one that fits runs, to the token.
+    with pytest.raises(AssertionError) as refused:
+        run(server.url, METERED, {"prompts": ["hello there, again"], "max_tokens": 16})
+    status, retry_after, body = refused.value.args[0]
+    assert status == 429 and "tokens_per_hour" in body["error"]["message"] and "would be passed" in body["error"]["message"]
+    with pytest.raises(AssertionError) as alone:
+        run(server.url, METERED, {"prompts": ["x"], "max_tokens": 64})
+    assert alone.value.args[0][0] == 413 and "tokens_per_hour" in alone.value.args[0][2]["error"]["message"]
+    fits = 40 - used["total_tokens"] - used["prompt_tokens"]
+    second = run(server.url, METERED, {"prompts": ["hello there"], "max_tokens": fits})["usage"]
+    assert used["total_tokens"] + second["total_tokens"] == 40
+    # Used up: the next, however small, is refused until the hour turns.
     with pytest.raises(AssertionError) as refused:
         run(server.url, METERED, {"prompts": ["x"], "max_tokens": 1})
     status, retry_after, body = refused.value.args[0]
@@ -140,15 +181,14 @@ def test_usage_is_kept_in_redis_across_a_restart(tiny_model_path: Path, redis_se
     first = make_server(tiny_model_path, tokens_file=str(tokens), store=redis_server.url)
     try:
         run(first.url, METERED, {"prompts": ["hello"], "max_tokens": 30})
-        run(first.url, METERED, {"prompts": ["hello"], "max_tokens": 30})
     finally:
         first.stop()
     again = make_server(tiny_model_path, tokens_file=str(tokens), store=redis_server.url)
     try:
         (row,) = rows(again.url, METERED)
-        assert row["usage"]["jobs"] == 2
-        # The quota counts what the replica before used: 2 × (5 + 30) tokens this hour, over 40.
-        answer = httpx.post(f"{again.url}/generate/run", json={"prompts": ["x"], "max_tokens": 1}, headers=bearer(METERED))
+        assert row["usage"]["jobs"] == 1
+        # The quota counts what the replica before used: 5 + 30 tokens this hour, and 5 + 5 more would pass 40.
+        answer = httpx.post(f"{again.url}/generate/run", json={"prompts": ["hello"], "max_tokens": 5}, headers=bearer(METERED))
         assert answer.status_code == 429 and "tokens_per_hour" in answer.json()["error"]["message"]
     finally:
         again.stop()
@@ -185,3 +225,53 @@ async def test_the_redis_ledger_reads_one_tenants_rows_however_its_name_is_spell
         assert len(rows) == 4000 and all(rows[f"t{i}"] == JobUsage(jobs=1, tokens_in=i, device_s=i / 4) for i in range(4000))
     finally:
         await ledger.close()
+
+
+# Each tool on the tiny model, with windows where it takes them: what its use counts must never pass
+# what its price says it may count, or a token quota would hold too little while it runs.
+COUNTED_CASES = [
+    ("generate", {"prompts": ["hello there", "hi"], "max_tokens": 12, "n": 2, "temperature": 1.0, "seed": 3}),
+    ("predict", {"prompt": "hello there", "top_k": 3}),
+    ("logprobs", {"prompts": ["hello there, how are you", "hi"], "top": 2}),
+    ("logprobs", {"prompts": ["a long text to score in windows " * 3], "window": 24, "overlap": 8}),
+    ("loglikelihood", {"prompts": ["hello", "the sky is"], "continuations": [" there", " blue"]}),
+    ("loglikelihood", {"prompts": ["a long context read in windows " * 3], "continuations": [" end"], "window": 24, "overlap": 8}),
+    ("embed", {"texts": ["hello there", "hi"]}),
+    ("embed", {"texts": ["a long text embedded in windows " * 3], "window": 24, "overlap": 8}),
+    ("logit_lens", {"prompt": "hello there", "top_k": 2}),
+    ("activation_patching", {"src_prompt": "hello there", "tgt_prompt": "hello where"}),
+]
+
+
+PROTEIN = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQVKVKALPDAQFEVVHSLAKWKRQTLGQHDFSAGEGLY"
+MASKED_CASES = [
+    ("fill_mask", {"texts": [PROTEIN[:20] + "<mask>" + PROTEIN[21:40]], "top_k": 2}),
+    ("fill_mask", {"texts": [PROTEIN[:60] + "<mask>" + PROTEIN[61:]], "top_k": 2, "window": 24, "overlap": 8}),
+    ("pseudo_loglikelihood", {"sequences": [PROTEIN[:20], PROTEIN[:9]]}),
+    ("pseudo_loglikelihood", {"sequences": [PROTEIN], "window": 24, "overlap": 8}),
+]
+
+
+@pytest.mark.parametrize("kind", ["causal", "masked"])
+def test_no_tool_counts_more_tokens_than_its_price_says_it_may(serve: Any, tiny: Any, tiny_model_path: Path, kind: str) -> None:
+    import msgspec
+
+    from backends import loading as models
+    from gateway.tools import builtin_tools
+
+    tools = {t.name: t for t in builtin_tools()}
+    path = tiny_model_path if kind == "causal" else tiny("esm_mlm")
+    server = serve(model_path=path)
+    model = models.load(models.resolve(str(path)), "cpu")
+
+    def counted() -> int:
+        return sum(r["usage"].get("tokens_in", 0) + r["usage"].get("tokens_out", 0) for r in rows(server.url, ""))
+
+    for name, raw in COUNTED_CASES if kind == "causal" else MASKED_CASES:
+        before = counted()
+        run(server.url, "", raw, tool=name)
+        used = counted() - before
+        price = tools[name].cost(model, msgspec.convert(raw, tools[name].params))
+        # Within it, and not far under it: a hold of many times the use would refuse tenants for nothing.
+        assert 0 < used <= price.most_counted, (name, raw, used, price.most_counted)
+        assert used >= price.most_counted / 2, (name, raw, used, price.most_counted)

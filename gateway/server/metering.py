@@ -14,8 +14,14 @@ ran and comes back with its terminal event; as the job ends here, the meter sett
   `METRIC_TENANTS` tenants by name, the others summed as `(others)`, so that a scrape stays small
   (100,000 tenants would make it 40 MB, written in seconds on the event loop).
 
-A quota is checked on what jobs that ended used: the jobs a tenant has running may take it past
-its quota by their own use, and no further (the class's `max_concurrent` bounds how many run).
+A token quota also holds, while a job runs, the most tokens it may count (its price's
+`most_counted`, gateway/cost.py): a job is refused 429 when what its tenant used this window, what
+its running jobs hold and its own would pass the quota (413 when its own alone would), so that
+running jobs never take a tenant past a token quota together. What a job held is given back as its
+use is settled. The holds are this process's: with several replicas, each holds its own jobs'.
+A device-seconds quota is checked on what ended jobs used: a job's time is not priced before it
+runs, so the jobs a tenant has running may pass it by their own use, and no further (the class's
+`max_concurrent` and `job_timeout` bound them).
 
 With the Redis store (`--store redis://…`), the ledger and the windows live in Redis
 (gateway/server/redis_store/ledger.py): every replica settles into the same rows and checks the
@@ -28,7 +34,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -181,6 +187,9 @@ class Meter:
         self._named: set[str] = set()
         self.clock = clock
         self._writes: set[asyncio.Task[None]] = set()
+        # Tokens this process's running jobs may still count, per tenant (`hold`): only tenants
+        # with jobs running, so as many entries as those at most.
+        self.held: dict[str, int] = {}
 
     async def left(self, tenant: str, quotas: Quotas) -> list[QuotaLeft]:
         """Each quota of `quotas`: its limit, what `tenant` used of it this window, and when that turns."""
@@ -207,6 +216,48 @@ class Meter:
                     f"this {quota.name.rsplit('_', 1)[1]}; it turns in {math.ceil(quota.resets_in_s)} s",
                     retry_after=quota.resets_in_s,
                 )
+
+    async def hold(self, tenant: str, quotas: Quotas, user_class: str | None, tokens: int) -> Callable[[], None]:
+        """Hold the `tokens` a job may count against `tenant`'s token quotas while it runs (what gives
+        them back, once its use is settled): 429 while what the tenant used this window, what its
+        running jobs hold and these would pass a quota; 413 when these alone would."""
+        limits = [(quota, getattr(quotas, quota.name)) for quota in _QUOTAS if quota.measure == "tokens"]
+        limits = [(quota, limit) for quota, limit in limits if limit is not None]
+        if not limits or tokens <= 0:
+            return lambda: None
+        now = self.clock()
+        spent = await self.ledger.spent(tenant, now)
+        held = self.held.get(tenant, 0)  # read after the wait: what other admissions held meanwhile counts
+        for quota, limit in limits:
+            if tokens > limit:
+                raise ApiError(
+                    Code.TOO_LARGE,
+                    f"the job may count {tokens} tokens, more than the {quota.name} quota of the class {user_class!r} ({limit}) allows",
+                )
+            used = spent[quota.window].tokens
+            if used + held + tokens > limit:
+                resets = (bucket(quota.window, now) + 1) * WINDOWS[quota.window] - now
+                raise ApiError(
+                    Code.RATE_LIMITED,
+                    f"the {quota.name} quota of the class {user_class!r} ({limit}) would be passed: {used} used this "
+                    f"{quota.window}, {held} held by your running jobs, and this job may count {tokens}; it turns in {math.ceil(resets)} s",
+                    retry_after=resets,
+                )
+        self.held[tenant] = held + tokens
+        given = False
+
+        def give_back() -> None:
+            nonlocal given
+            if given:
+                return
+            given = True
+            left = self.held.get(tenant, 0) - tokens
+            if left > 0:
+                self.held[tenant] = left
+            else:
+                self.held.pop(tenant, None)
+
+        return give_back
 
     def settle(self, job: Job, user_class: str | None) -> None:
         """The ended job's use, into the ledger (a write to Redis goes on in the background)."""

@@ -306,8 +306,10 @@ class ChunkRun:
         """`chunk` ran: its outputs kept, in its jobs' checkpoints too, and its progress told."""
         self.outputs.update(zip(chunk.items, outputs))
         if isinstance(chunk.data, list):  # rows of token ids: what each job's passes read (windows overlap)
+            from gateway.tools.windows import WindowIds  # windows.py builds on this module
+
             for (job, _), row in zip(chunk.items, chunk.data):
-                if isinstance(row, list):
+                if isinstance(row, list | WindowIds):  # a window's row: its ids made as its pass runs
                     self.ctxs[job].count(tokens_in=len(row))
         sinks = chunk.extra.get(SINKS, {})
         for job in list(self.checkpoints):

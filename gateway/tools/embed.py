@@ -189,6 +189,7 @@ def cost(model: Model, params: EmbedParams) -> Cost:
         memory_field="window" if params.window is not None else "texts",
         result_field="pooling" if per_token else "texts",
         tokens=max(passes, default=0),
+        counted=sum(passes),
         journal=journal + (sum(passes) * (shape.hidden * 4 + 8) if per_token else len(passes) * shape.hidden * 4),
     )
     if params.partials:
@@ -208,6 +209,7 @@ def cost(model: Model, params: EmbedParams) -> Cost:
         memory_field=inline.memory_field,
         result_field="texts",
         tokens=inline.tokens,
+        counted=inline.counted,
         files=sum(file_bytes([a]) for a in arrays) if params.file is FileFormat.NPY else file_bytes(arrays),
         journal=journal,
     )

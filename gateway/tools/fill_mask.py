@@ -130,6 +130,7 @@ def cost(model: Model, params: FillMaskParams) -> Cost:
     )
     return Cost(
         memory=memory, result=result, memory_field="window" if params.window is not None else "texts", result_field="top_k", tokens=width,
+        counted=sum(len(ids) for ids in rows),
         # Its checkpoint keeps each row's reads: their weighted probabilities over the vocabulary.
         journal=len(rows) * JOURNAL_PIECE + reads * shape.vocab * 4,
     )

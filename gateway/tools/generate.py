@@ -159,7 +159,8 @@ def cost(model: Model, params: GenerateParams) -> Cost:
         + result
     )
     field = "messages" if params.messages is not None else "token_ids" if params.token_ids is not None else "prompts"
-    return Cost(memory=memory, result=result, memory_field=field, result_field="max_tokens", tokens=n * width)
+    counted = sum(len(ids) for ids in rows) + n * new
+    return Cost(memory=memory, result=result, memory_field=field, result_field="max_tokens", tokens=n * width, counted=counted)
 
 
 # Incremental detokenization: each step decodes only the tokens since the text was last

@@ -86,11 +86,14 @@ def cost(model: Model, params: LoglikelihoodParams) -> Cost:
     lengths = [len(context) + len(continuation) for context, continuation in pairs]
     positions = sum(len(continuation) for _, continuation in pairs)
     rows, width = len(pairs), max(lengths)
+    counted = sum(lengths)
     if params.window is not None:
         cut = [_strided(model, params, c, k, i) for i, (c, k) in enumerate(pairs)]
         width = max(len(row) for text in cut for row in text.rows)
         rows = max(1, min(PASS_TOKENS // width, windows.PASS_ROWS, sum(len(text.rows) for text in cut)))
         lengths = [width]
+        # Only the windows that score a continuation token run (`_plan`).
+        counted = sum(len(text.rows[w]) for text, (c, k) in zip(cut, pairs) for w, _, _ in _scoring(text, len(c), len(k)))
     read = min(positions, readout_rows(model)) if model.has(Capability.LAYERS) else rows * width
     memory = shape.block_bytes(rows, width) + shape.states_bytes(rows, width, 1)
     return Cost(
@@ -99,6 +102,7 @@ def cost(model: Model, params: LoglikelihoodParams) -> Cost:
         memory_field="window" if params.window is not None else "continuations",
         result_field="prompts",
         tokens=width,
+        counted=counted,
         # Its checkpoint keeps each pair's scores, or each window's that scores continuation tokens: a
         # float and a flag a token.
         journal=(

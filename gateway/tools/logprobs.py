@@ -174,10 +174,12 @@ def cost(model: Model, params: LogprobsParams) -> Cost:
     lengths = [len(ids) for ids in texts]
     positions = sum(lengths)
     passes = [(len(lengths), max(lengths))]
+    counted = positions
     if params.window is not None:
         cut = [Strided(model, params, ids, _own(model, params, ids), "prompts") for ids in texts]
         widest = max(len(row) for text in cut for row in text.rows)
         passes = [(max(1, min(PASS_TOKENS // widest, windows.PASS_ROWS, sum(len(text.rows) for text in cut))), widest)]
+        counted = sum(len(row) for text in cut for row in text.rows)
     rows_, width = passes[0]
     # A model without a layer stack gives its logits at every position at once.
     read = min(positions, readout_rows(model)) if model.has(Capability.LAYERS) else positions
@@ -191,6 +193,7 @@ def cost(model: Model, params: LogprobsParams) -> Cost:
         memory_field="window" if params.window is not None else ("prompts" if params.prompts is not None else "token_ids"),
         result_field="top" if params.top else ("prompts" if params.prompts is not None else "token_ids"),
         tokens=width,
+        counted=counted,
         # Its checkpoint keeps each text's or window's `_Scores` (six tensors): two ids and two floats a
         # position, and its top.
         journal=(sum(len(text.rows) for text in cut) if params.window is not None else len(lengths)) * 3 * JOURNAL_PIECE

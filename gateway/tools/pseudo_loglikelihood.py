@@ -144,6 +144,7 @@ def cost(model: Model, params: PseudoLoglikelihoodParams) -> Cost:
         memory_field="window" if params.window is not None else "sequences",
         result_field="per_position" if params.per_position else "sequences",
         tokens=max(copies, default=0),
+        counted=sum(copies),
     )
 
 

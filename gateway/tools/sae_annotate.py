@@ -257,6 +257,7 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
         memory_field="window" if params.window is not None else ("sequences" if params.sequences is not None else "prompt"),
         result_field="k" if params.mode == "top" else "feature_ids",
         tokens=widest,
+        counted=sum(passes),
         journal=journal,
     )
     if params.sequences is None:
