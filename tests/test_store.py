@@ -271,7 +271,7 @@ async def test_the_memory_stores_pages_of_jobs_are_those_of_every_snapshot_sorte
 # -- only a shared store: two replicas on one Redis ---------------------------------------------
 
 
-async def test_a_page_of_jobs_in_redis_reads_the_jobs_on_it_not_every_job(replicas: Any) -> None:
+async def test_a_page_of_jobs_in_redis_reads_the_jobs_on_it_not_every_job(replicas: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Across replicas, `GET /jobs` reads a page's jobs from a list by owner (or of all) in the order
     of their making: its pages are those of every snapshot sorted, on either replica, and a page
     of seven reads eight jobs whatever the number kept; one expired is dropped from the list."""
@@ -302,6 +302,25 @@ async def test_a_page_of_jobs_in_redis_reads_the_jobs_on_it_not_every_job(replic
     later = await a.store.listed(JobsQuery(None, 7, None), names[0], [])
     assert gone not in {s.job_id for s in later.jobs} and len(later.jobs) == 7
     assert await a.store._redis.zscore(a.store.keys.listing_by(names[0]), gone) is None
+    # A state filter that passes over most jobs reads at most READ_MOST ids a page: pages come shorter
+    # (some empty), their `next` going on where the reading stopped; the same jobs, in the same order.
+    from gateway.server.redis_store import listing
+
+    monkeypatch.setattr(listing, "READ_MOST", 4)
+    a.store._snapshots_of = snapshots_of
+    for whose in names:
+        whole = [s for s in await a.store.snapshots([]) if s.owner == whose and s.status == "FAILED"]
+        expected = [s.job_id for s in JobsQuery("failed", 500, None).page(whole).jobs]
+        seen, cursor, short = [], None, 0
+        while True:
+            page = await a.store.listed(JobsQuery("failed", 3, cursor), whose, [])
+            seen += [s.job_id for s in page.jobs]
+            short += len(page.jobs) < 3 and page.next is not None
+            if page.next is None:
+                break
+            created, _, job_id = page.next.partition(":")
+            cursor = (float(created), job_id)
+        assert seen == expected and short > 0
 
 
 async def test_another_replica_follows_the_job(replicas: Any) -> None:

@@ -15,6 +15,7 @@ from gateway.server.store import JobsQuery
 
 LISTED_MAX = 100_000  # ids a set keeps, the newest: beyond them a job is found by its id only
 BATCH_MOST = 1024  # ids read at once while a state filter passes over jobs
+READ_MOST = 8192  # ids one page reads at most: past them, a shorter page whose `next` goes on from there
 
 
 def enlist(pipe: Any, keys: Keys, jobs: Iterable[Job], ttl_ms: int) -> None:
@@ -34,11 +35,13 @@ async def page(
     redis: Any, key: str, query: JobsQuery, whose: str | None, snapshots_of: Callable[[list[str]], Awaitable[list[JobSnapshot]]]
 ) -> JobList:
     """`query`'s page of the set `key`, newest first: read in growing batches until the page and one
-    more are found or the set ends. `whose`: the owner every job listed must have, or None for all."""
+    more are found, the set ends, or READ_MOST ids were read (a state filter that passes over most
+    jobs): then the page holds what was found, and its `next` goes on after the last id read.
+    `whose`: the owner every job listed must have, or None for all."""
     top: Any = "+inf" if query.cursor is None else query.cursor[0]
     found: list[JobSnapshot] = []
     gone: list[str] = []
-    offset, batch = 0, query.limit + 1
+    offset, batch, last = 0, query.limit + 1, None
     while len(found) <= query.limit:
         members = await redis.zrevrangebyscore(key, top, "-inf", start=offset, num=batch, withscores=True)
         offset += len(members)
@@ -49,7 +52,12 @@ async def page(
         found += [s for s in snapshots if (whose is None or s.owner == whose) and query.wants(s)]
         if len(members) < batch:
             break
+        if offset >= READ_MOST and len(found) <= query.limit:
+            last = (members[-1][1], members[-1][0].decode())
+            break
         batch = min(batch * 2, BATCH_MOST)
     if gone:  # after the walk, so that no offset moved under it
         await redis.zrem(key, *gone)
-    return query.page(found)
+    if last is None:
+        return query.page(found)
+    return JobList(query.page(found).jobs, f"{last[0]!r}:{last[1]}")
