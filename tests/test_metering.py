@@ -108,6 +108,7 @@ async def test_running_jobs_hold_the_tokens_they_may_count_until_their_use_is_se
     refused = [h for h in held if isinstance(h, ApiError)]
     assert len(kept) == 3 and len(refused) == 2 and meter.held == {"t": 90}
     assert all(r.status == 429 and "90 held by your running jobs" in r.message for r in refused)
+    assert {q.name: q.held for q in await meter.left("t", quotas)} == {"tokens_per_hour": 90, "device_seconds_per_hour": 0}  # GET /me's
     await meter.hold("u", quotas, "c", 100)  # per tenant
     with pytest.raises(ApiError) as alone:
         await meter.hold("v", quotas, "c", 101)

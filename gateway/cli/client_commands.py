@@ -406,7 +406,8 @@ def me(url: str, token: str | None, as_json: bool) -> None:
     if usage.get("job_timeout") is not None:
         click.echo(f"  seconds one job may run: {usage['job_timeout']:g}")
     for quota in caller.get("quotas", []):
-        click.echo(f"  {quota['name'].replace('_', ' ')}: {quota['used']:g} of {quota['limit']:g} used, turns in {quota['resets_in_s']:.0f} s")
+        held = f", {quota['held']:g} held by running jobs" if quota.get("held") else ""
+        click.echo(f"  {quota['name'].replace('_', ' ')}: {quota['used']:g} of {quota['limit']:g} used{held}, turns in {quota['resets_in_s']:.0f} s")
 
 
 @click.command()

@@ -72,12 +72,15 @@ class Spent(msgspec.Struct):
 
 
 class QuotaLeft(msgspec.Struct):
-    """One quota of a caller's class: its limit, what of it is used this window, and when the window turns."""
+    """One quota of a caller's class: its limit, what of it is used this window, what the caller's
+    running jobs hold of it here (a token quota's: the tokens they may still count), and when the
+    window turns."""
 
     name: str
     limit: float
     used: float
     resets_in_s: float
+    held: float = 0
 
 
 def bucket(window: str, now: float) -> int:
@@ -203,7 +206,8 @@ class Meter:
             if limit is not None:
                 used = getattr(spent[quota.window], quota.measure)
                 resets = (bucket(quota.window, now) + 1) * WINDOWS[quota.window] - now
-                out.append(QuotaLeft(quota.name, limit, round(used, 3), round(resets, 1)))
+                held = self.held.get(tenant, 0) if quota.measure == "tokens" else 0
+                out.append(QuotaLeft(quota.name, limit, round(used, 3), round(resets, 1), held))
         return out
 
     async def check(self, tenant: str, quotas: Quotas, user_class: str | None) -> None:

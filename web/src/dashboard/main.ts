@@ -129,7 +129,9 @@ async function drawMe(login: Login): Promise<void> {
     const response = await fetch(new URL('me', base), {headers: login.headers(), cache: 'no-store'})
     if (!response.ok) throw new Error(String(response.status))
     const me = (await response.json()) as Me
-    const quotas = (me.quotas ?? []).map((q) => `${q.name.replaceAll('_', ' ')} ${fmt(q.used, 0)}/${fmt(q.limit, 0)}`)
+    const quotas = (me.quotas ?? []).map(
+      (q) => `${q.name.replaceAll('_', ' ')} ${fmt(q.used, 0)}/${fmt(q.limit, 0)}${q.held ? ` (+${fmt(q.held, 0)} held)` : ''}`,
+    )
     const who = me.class ? `${me.name} · class ${me.class} (priority ${me.priority})` : `${me.name ?? me.tenant}`
     line.textContent = [who, ...quotas].join(' · ')
     line.hidden = false

@@ -233,7 +233,9 @@ export interface Allowance {
   job_timeout?: number | null
 }
 /**
- * One quota of a caller's class: its limit, what of it is used this window, and when the window turns.
+ * One quota of a caller's class: its limit, what of it is used this window, what the caller's
+ *     running jobs hold of it here (a token quota's: the tokens they may still count), and when the
+ *     window turns.
  *
  * This interface was referenced by `Frames`'s JSON-Schema
  * via the `definition` "QuotaLeft".
@@ -243,6 +245,7 @@ export interface QuotaLeft {
   limit: number
   used: number
   resets_in_s: number
+  held?: number
 }
 /**
  * `GET /me`: who the caller is (name null on a gateway without auth), their class and limits.
