@@ -99,7 +99,7 @@ class Metering(Protocol):
 
     async def check(self, tenant: str, quotas: Any, user_class: str | None) -> None: ...
 
-    async def hold(self, tenant: str, quotas: Any, user_class: str | None, tokens: int) -> Callable[[], None]: ...
+    async def hold(self, tenant: str, quotas: Any, user_class: str | None, tokens: int, job_id: str) -> Callable[[], None]: ...
 
     def settle(self, job: Job, user_class: str | None) -> None: ...
 
@@ -366,7 +366,7 @@ class Admission:
             _keeps_journal(job)
             return room
         try:
-            held = await self.meter.hold(applicant.tenant, principal.quotas, principal.user_class, job.cost.most_counted)
+            held = await self.meter.hold(applicant.tenant, principal.quotas, principal.user_class, job.cost.most_counted, job.id)
         except BaseException:
             if room is not None:
                 room()

@@ -5,6 +5,8 @@ quotas refuse a tenant that used them up (429, the quota named, Retry-After the 
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 
 import json
 from pathlib import Path
@@ -101,32 +103,65 @@ async def test_a_tenant_over_its_quota_is_refused_with_the_quota_named_until_its
 async def test_running_jobs_hold_the_tokens_they_may_count_until_their_use_is_settled() -> None:
     """Admissions at once never pass a token quota together: each holds its job's most tokens until
     the job's use is settled, when what it used counts instead; the hold is given back once."""
-    meter = Meter(clock=lambda: 100 * 3600.0)
+    now = 100 * 3600.0
+    meter = Meter(clock=lambda: now)
     quotas = Quotas(tokens_per_hour=100, device_seconds_per_hour=5)
-    held = await asyncio.gather(*(meter.hold("t", quotas, "c", 30) for _ in range(5)), return_exceptions=True)
-    kept = [h for h in held if not isinstance(h, BaseException)]
+    jobs = [Job("generate", None, tenant="t") for _ in range(5)]
+    held = await asyncio.gather(*(meter.hold("t", quotas, "c", 30, job.id) for job in jobs), return_exceptions=True)
+    kept = [(job, h) for job, h in zip(jobs, held) if not isinstance(h, BaseException)]
     refused = [h for h in held if isinstance(h, ApiError)]
-    assert len(kept) == 3 and len(refused) == 2 and meter.held == {"t": 90}
+    assert len(kept) == 3 and len(refused) == 2 and await meter.ledger.held("t", now) == 90
     assert all(r.status == 429 and "90 held by your running jobs" in r.message for r in refused)
     assert {q.name: q.held for q in await meter.left("t", quotas)} == {"tokens_per_hour": 90, "device_seconds_per_hour": 0}  # GET /me's
-    await meter.hold("u", quotas, "c", 100)  # per tenant
+    await meter.hold("u", quotas, "c", 100, "u1")  # per tenant
     with pytest.raises(ApiError) as alone:
-        await meter.hold("v", quotas, "c", 101)
+        await meter.hold("v", quotas, "c", 101, "v1")
     assert alone.value.status == 413
-    job = Job("generate", None, tenant="t")
+    job, give_back = kept[0]
     job.usage.tokens_in, job.usage.tokens_out = 5, 20  # it used less than it held
     meter.settle(job, "c")
-    kept[0]()
-    kept[0]()  # once only
-    assert meter.held["t"] == 60
-    give_back = await meter.hold("t", quotas, "c", 15)  # 25 used + 60 held + 15 = 100
+    give_back()
+    give_back()  # once only
+    assert await meter.ledger.held("t", now) == 60
+    last = await meter.hold("t", quotas, "c", 15, "t9")  # 25 used + 60 held + 15 = 100
     with pytest.raises(ApiError):
-        await meter.hold("t", quotas, "c", 1)
-    for h in [*kept[1:], give_back]:
-        h()
-    assert "t" not in meter.held
-    assert await meter.hold("t", Quotas(device_seconds_per_hour=5), "c", 10**9) is not None  # no token quota: nothing held
-    assert "t" not in meter.held
+        await meter.hold("t", quotas, "c", 1, "t10")
+    for give_back in [h for _, h in kept[1:]] + [last]:
+        give_back()
+    assert await meter.ledger.held("t", now) == 0 and set(meter.holding) == {"u1"}
+    await meter.hold("t", Quotas(device_seconds_per_hour=5), "c", 10**9, "t11")  # no token quota: nothing held
+    assert await meter.ledger.held("t", now) == 0
+
+
+async def test_replicas_hold_a_quota_together_and_a_stopped_ones_holds_go_after_a_lease(redis_server: RedisServer) -> None:  # noqa: F811
+    """With the ledger in Redis, holds are checked and made in one step there: two replicas admitting
+    at once never pass the quota together; a hold is given back once the job's use is written; and
+    the holds of a replica that stopped (renewing nothing) go after their lease, while those renewed stay."""
+    from gateway.server.redis_store.ledger import RedisLedger
+
+    prefix = f"holds-{uuid.uuid4().hex[:6]}:"
+    a, b = (Meter(RedisLedger(redis_server.url, prefix=prefix, hold_lease=0.5)) for _ in range(2))
+    quotas = Quotas(tokens_per_hour=100)
+    try:
+        jobs = [Job("generate", None, tenant="t") for _ in range(8)]
+        held = await asyncio.gather(*((a, b)[i % 2].hold("t", quotas, "c", 30, job.id) for i, job in enumerate(jobs)), return_exceptions=True)
+        kept = [(i, job, h) for i, (job, h) in enumerate(zip(jobs, held)) if not isinstance(h, BaseException)]
+        assert len(kept) == 3 and sum(isinstance(h, ApiError) and h.status == 429 for h in held) == 5
+        assert await b.ledger.held("t", time.time()) == 90
+        i, job, give_back = kept[0]
+        job.usage.tokens_out = 10
+        (a, b)[i % 2].settle(job, "c")
+        give_back()
+        await asyncio.gather(*a._writes, *b._writes)
+        assert await a.ledger.held("t", time.time()) == 60 and (await a.ledger.spent("t", time.time()))["hour"].tokens == 10
+        # a renews its holds; b stops: after the lease only a's are held.
+        await asyncio.sleep(0.3)
+        await a.ledger.renew([("t", job_id) for job_id, _ in a.holding.items()], time.time())
+        await asyncio.sleep(0.3)
+        assert b.holding and await a.ledger.held("t", time.time()) == 30 * len(a.holding)
+    finally:
+        await a.close()
+        await b.close()
 
 
 def test_a_jobs_use_is_counted_settled_listed_and_its_quota_refuses(serve: Any, tiny_model_path: Path, tmp_path: Path) -> None:

@@ -18,7 +18,9 @@ A token quota also holds, while a job runs, the most tokens it may count (its pr
 `most_counted`, gateway/cost.py): a job is refused 429 when what its tenant used this window, what
 its running jobs hold and its own would pass the quota (413 when its own alone would), so that
 running jobs never take a tenant past a token quota together. What a job held is given back as its
-use is settled. The holds are this process's: with several replicas, each holds its own jobs'.
+use is settled. With the Redis store the holds are in Redis beside the windows, checked and made in
+one script, so that replicas admitting at once hold together; a replica renews its jobs' holds every
+HOLD_RENEW_S, and those of one that stopped go after HOLD_LEASE_S.
 A device-seconds quota is checked on what ended jobs used: a job's time is not priced before it
 runs, so the jobs a tenant has running may pass it by their own use, and no further (the class's
 `max_concurrent` and `job_timeout` bound them).
@@ -31,12 +33,13 @@ same windows, and they outlive a restart. Otherwise they are this process's, in 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
@@ -47,6 +50,9 @@ from gateway.server.classes import Quotas
 from gateway.usage import JobUsage
 
 log = logging.getLogger("streamgate.metering")
+
+HOLD_LEASE_S = 30.0  # a shared ledger's hold of a job not renewed this long (its replica stopped) is let go
+HOLD_RENEW_S = 10.0  # how often a replica renews its running jobs' holds
 
 MAX_ROWS = 100_000  # (tenant, class, model) rows a ledger keeps: past it, new tenants are counted as OTHERS
 METRIC_TENANTS = 500  # tenants this process's counters name; the rest are summed as OTHERS
@@ -73,8 +79,8 @@ class Spent(msgspec.Struct):
 
 class QuotaLeft(msgspec.Struct):
     """One quota of a caller's class: its limit, what of it is used this window, what the caller's
-    running jobs hold of it here (a token quota's: the tokens they may still count), and when the
-    window turns."""
+    running jobs hold of it (a token quota's: the tokens they may still count), and when the window
+    turns."""
 
     name: str
     limit: float
@@ -102,7 +108,29 @@ class Ledger(Protocol):
     async def rows(self, tenant: str | None = None) -> list[Row]:
         """Every row, or `tenant`'s."""
 
+    async def hold(self, tenant: str, job_id: str, tokens: int, limits: list[tuple[str, int]], now: float) -> HoldRefused | None:
+        """Hold `tokens` for the job `job_id` if, in each (window, limit), what `tenant` spent, what its
+        jobs hold and these stay within the limit, checked and held as one step: None once held, else
+        the first window they would pass."""
+
+    async def held(self, tenant: str, now: float) -> int:
+        """The tokens `tenant`'s running jobs hold."""
+
+    async def release(self, tenant: str, job_id: str) -> None: ...
+
+    async def renew(self, holds: list[tuple[str, str]], now: float) -> None:
+        """The holds (tenant, job id) of jobs still running here: kept a lease longer (a shared ledger
+        lets those of a replica that stopped go after a lease)."""
+
     async def close(self) -> None: ...
+
+
+class HoldRefused(NamedTuple):
+    """A hold refused: the window it would pass, what was spent in it and what is held."""
+
+    window: str
+    used: int
+    held: int
 
 
 def parse_row(key: str, usage: JobUsage) -> Row:
@@ -121,6 +149,7 @@ class MemoryLedger:
         # of its windows have turned (swept as the table grows), so the table is bounded by the
         # tenants active in a day, and by MAX_ROWS at most.
         self.windows: dict[str, dict[str, tuple[int, Spent]]] = {}
+        self.holds: dict[str, dict[str, int]] = {}  # per tenant with jobs running, each job's hold
 
     def add(self, key: str, tenant: str, usage: JobUsage, now: float) -> None:
         if key not in self.totals:
@@ -160,6 +189,30 @@ class MemoryLedger:
         keys = self.totals if tenant is None else self.by_tenant.get(tenant, ())
         return [parse_row(key, self.totals[key]) for key in keys]
 
+    async def hold(self, tenant: str, job_id: str, tokens: int, limits: list[tuple[str, int]], now: float) -> HoldRefused | None:
+        spent, held = await self.spent(tenant, now), await self.held(tenant, now)
+        for window, limit in limits:
+            if spent[window].tokens + held + tokens > limit:
+                return HoldRefused(window, spent[window].tokens, held)
+        self.holds.setdefault(tenant, {})[job_id] = tokens
+        return None
+
+    async def held(self, tenant: str, now: float) -> int:
+        return sum(self.holds.get(tenant, {}).values())
+
+    async def release(self, tenant: str, job_id: str) -> None:
+        self.let_go(tenant, job_id)
+
+    def let_go(self, tenant: str, job_id: str) -> None:
+        mine = self.holds.get(tenant)
+        if mine is not None:
+            mine.pop(job_id, None)
+            if not mine:
+                del self.holds[tenant]
+
+    async def renew(self, holds: list[tuple[str, str]], now: float) -> None:
+        pass  # this process's: they go with it
+
     async def close(self) -> None:
         pass
 
@@ -190,9 +243,11 @@ class Meter:
         self._named: set[str] = set()
         self.clock = clock
         self._writes: set[asyncio.Task[None]] = set()
-        # Tokens this process's running jobs may still count, per tenant (`hold`): only tenants
-        # with jobs running, so as many entries as those at most.
-        self.held: dict[str, int] = {}
+        # The holds of this process's running jobs (`hold`): job id -> tenant, renewed while they run;
+        # and the settlements in flight, by job id, which a hold is given back after.
+        self.holding: dict[str, str] = {}
+        self._settling: dict[str, asyncio.Future[None]] = {}
+        self._renewing: asyncio.Task[None] | None = None
 
     async def left(self, tenant: str, quotas: Quotas) -> list[QuotaLeft]:
         """Each quota of `quotas`: its limit, what `tenant` used of it this window, and when that turns."""
@@ -206,7 +261,7 @@ class Meter:
             if limit is not None:
                 used = getattr(spent[quota.window], quota.measure)
                 resets = (bucket(quota.window, now) + 1) * WINDOWS[quota.window] - now
-                held = self.held.get(tenant, 0) if quota.measure == "tokens" else 0
+                held = await self.ledger.held(tenant, now) if quota.measure == "tokens" else 0
                 out.append(QuotaLeft(quota.name, limit, round(used, 3), round(resets, 1), held))
         return out
 
@@ -221,47 +276,67 @@ class Meter:
                     retry_after=quota.resets_in_s,
                 )
 
-    async def hold(self, tenant: str, quotas: Quotas, user_class: str | None, tokens: int) -> Callable[[], None]:
-        """Hold the `tokens` a job may count against `tenant`'s token quotas while it runs (what gives
-        them back, once its use is settled): 429 while what the tenant used this window, what its
-        running jobs hold and these would pass a quota; 413 when these alone would."""
+    async def hold(self, tenant: str, quotas: Quotas, user_class: str | None, tokens: int, job_id: str) -> Callable[[], None]:
+        """Hold the `tokens` the job `job_id` may count against `tenant`'s token quotas while it runs
+        (what gives them back, after its use is settled): 429 while what the tenant used this window,
+        what its running jobs hold (on every replica, with a shared ledger) and these would pass a
+        quota; 413 when these alone would."""
         limits = [(quota, getattr(quotas, quota.name)) for quota in _QUOTAS if quota.measure == "tokens"]
         limits = [(quota, limit) for quota, limit in limits if limit is not None]
         if not limits or tokens <= 0:
             return lambda: None
-        now = self.clock()
-        spent = await self.ledger.spent(tenant, now)
-        held = self.held.get(tenant, 0)  # read after the wait: what other admissions held meanwhile counts
         for quota, limit in limits:
             if tokens > limit:
                 raise ApiError(
                     Code.TOO_LARGE,
                     f"the job may count {tokens} tokens, more than the {quota.name} quota of the class {user_class!r} ({limit}) allows",
                 )
-            used = spent[quota.window].tokens
-            if used + held + tokens > limit:
-                resets = (bucket(quota.window, now) + 1) * WINDOWS[quota.window] - now
-                raise ApiError(
-                    Code.RATE_LIMITED,
-                    f"the {quota.name} quota of the class {user_class!r} ({limit}) would be passed: {used} used this "
-                    f"{quota.window}, {held} held by your running jobs, and this job may count {tokens}; it turns in {math.ceil(resets)} s",
-                    retry_after=resets,
-                )
-        self.held[tenant] = held + tokens
-        given = False
+        now = self.clock()
+        refused = await self.ledger.hold(tenant, job_id, tokens, [(quota.window, limit) for quota, limit in limits], now)
+        if refused is not None:
+            quota, limit = next((quota, limit) for quota, limit in limits if quota.window == refused.window)
+            resets = (bucket(quota.window, now) + 1) * WINDOWS[quota.window] - now
+            raise ApiError(
+                Code.RATE_LIMITED,
+                f"the {quota.name} quota of the class {user_class!r} ({limit}) would be passed: {refused.used} used this "
+                f"{quota.window}, {refused.held} held by your running jobs, and this job may count {tokens}; it turns in {math.ceil(resets)} s",
+                retry_after=resets,
+            )
+        self.holding[job_id] = tenant
+        if not isinstance(self.ledger, MemoryLedger) and self._renewing is None:
+            self._renewing = asyncio.ensure_future(self._renew())
+        return functools.partial(self._give_back, tenant, job_id)
 
-        def give_back() -> None:
-            nonlocal given
-            if given:
-                return
-            given = True
-            left = self.held.get(tenant, 0) - tokens
-            if left > 0:
-                self.held[tenant] = left
-            else:
-                self.held.pop(tenant, None)
+    def _give_back(self, tenant: str, job_id: str) -> None:
+        if self.holding.pop(job_id, None) is None:  # given back already
+            return
+        if isinstance(self.ledger, MemoryLedger):
+            self.ledger.let_go(tenant, job_id)  # after the settling, which a memory ledger does at once
+            return
+        self._background(self._release(tenant, job_id, self._settling.get(job_id)))
 
-        return give_back
+    async def _release(self, tenant: str, job_id: str, settling: asyncio.Future[None] | None) -> None:
+        # Once the job's use is in the ledger: until then, the hold is what counts it.
+        if settling is not None:
+            await asyncio.wait([settling])
+        try:
+            await self.ledger.release(tenant, job_id)
+        except Exception as exc:  # a store that is down: the hold goes with its lease
+            log.warning("a job's quota hold could not be given back: %s", exc)
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(HOLD_RENEW_S)
+            try:
+                await self.ledger.renew(list((tenant, job_id) for job_id, tenant in self.holding.items()), self.clock())
+            except Exception as exc:  # tried again at the next turn, well within a lease
+                log.warning("quota holds could not be renewed: %s", exc)
+
+    def _background(self, work: Any) -> asyncio.Future[None]:
+        task = asyncio.ensure_future(work)
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        return task
 
     def settle(self, job: Job, user_class: str | None) -> None:
         """The ended job's use, into the ledger (a write to Redis goes on in the background)."""
@@ -273,9 +348,10 @@ class Meter:
         if isinstance(self.ledger, MemoryLedger):
             self.ledger.add(key, job.tenant, usage, now)
             return
-        task = asyncio.ensure_future(self._settle(key, job.tenant, usage, now))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        task = self._background(self._settle(key, job.tenant, usage, now))
+        if job.id in self.holding:  # its hold is given back once this is written
+            self._settling[job.id] = task
+            task.add_done_callback(lambda _: self._settling.pop(job.id, None))
 
     async def _settle(self, key: str, tenant: str, usage: JobUsage, now: float) -> None:
         try:
@@ -299,6 +375,8 @@ class Meter:
         yield from self.counts.items()
 
     async def close(self) -> None:
+        if self._renewing is not None:
+            self._renewing.cancel()
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
         await self.ledger.close()

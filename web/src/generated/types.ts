@@ -234,8 +234,8 @@ export interface Allowance {
 }
 /**
  * One quota of a caller's class: its limit, what of it is used this window, what the caller's
- *     running jobs hold of it here (a token quota's: the tokens they may still count), and when the
- *     window turns.
+ *     running jobs hold of it (a token quota's: the tokens they may still count), and when the window
+ *     turns.
  *
  * This interface was referenced by `Frames`'s JSON-Schema
  * via the `definition` "QuotaLeft".
