@@ -311,3 +311,24 @@ def test_no_tool_counts_more_tokens_than_its_price_says_it_may(serve: Any, tiny:
         # Within it, and not far under it: a hold of many times the use would refuse tenants for nothing.
         assert 0 < used <= price.most_counted, (name, raw, used, price.most_counted)
         assert used >= price.most_counted / 2, (name, raw, used, price.most_counted)
+
+
+async def test_a_ledger_redis_does_not_answer_is_a_503_not_an_internal_error() -> None:
+    """Quotas checked, held or shown while the Redis ledger is unreachable: 503 `store_unavailable`
+    with Retry-After, as the job store answers then."""
+    from gateway.server.redis_store.ledger import RedisLedger
+    from tests.support.processes import free_port
+
+    meter = Meter(RedisLedger(f"redis://127.0.0.1:{free_port()}/0"))
+    try:
+        for call in (
+            meter.check("t", Quotas(tokens_per_hour=10), "c"),
+            meter.hold("t", Quotas(tokens_per_hour=10), "c", 5, "j1"),
+            meter.left("t", Quotas(tokens_per_hour=10)),
+            meter.rows(),
+        ):
+            with pytest.raises(ApiError) as refused:
+                await call
+            assert refused.value.status == 503 and refused.value.code == "store_unavailable" and refused.value.retry_after == 5
+    finally:
+        await meter.close()

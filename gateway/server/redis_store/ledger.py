@@ -14,7 +14,14 @@ A hold is checked against the windows and the other holds, and made, in one scri
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from redis.exceptions import RedisError
+
+from gateway.errors import ApiError
+from gateway.protocol import Code
 
 from gateway.server.metering import HOLD_LEASE_S, MAX_ROWS, OTHERS, WINDOWS, HoldRefused, Row, Spent, bucket, parse_row
 from gateway.server.redis_store.keys import small_client
@@ -68,6 +75,23 @@ return {0}
 """
 WINDOW_ORDER = list(WINDOWS)  # the script's 1 and 2
 
+T = TypeVar("T")
+
+
+def _answering(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """A ledger read or write on a request's path: Redis unreachable, or no answer in time, is a 503
+    `store_unavailable` (as the job store's), never an internal error."""
+
+    @functools.wraps(method)
+    async def answered(*args: Any, **kwargs: Any) -> T:
+        try:
+            return await method(*args, **kwargs)
+        except (RedisError, OSError, TimeoutError) as exc:
+            why = str(exc) or type(exc).__name__
+            raise ApiError(Code.STORE_UNAVAILABLE, f"the usage ledger (Redis) is unreachable: {why}", retry_after=5) from exc
+
+    return answered
+
 
 class RedisLedger:
     """Settled use in Redis at `url`, under `prefix` (the store's)."""
@@ -82,15 +106,18 @@ class RedisLedger:
     def _holds(self, tenant: str) -> list[str]:
         return [f"{self.prefix}usage:holds:{tenant}", f"{self.prefix}usage:holds-until:{tenant}"]
 
+    @_answering
     async def hold(self, tenant: str, job_id: str, tokens: int, limits: list[tuple[str, int]], now: float) -> HoldRefused | None:
         keys = [*self._holds(tenant), *(self._window(w, tenant, now) for w in WINDOW_ORDER)]
         pairs = [value for window, limit in limits for value in (WINDOW_ORDER.index(window) + 1, limit)]
         answer = await self.hold_script(keys=keys, args=[int(now * 1000), job_id, tokens, self.hold_lease_ms, *pairs])
         return None if answer[0] == 0 else HoldRefused(WINDOW_ORDER[answer[0] - 1], int(answer[1]), int(answer[2]))
 
+    @_answering
     async def held(self, tenant: str, now: float) -> int:
         return int(await self.held_script(keys=self._holds(tenant), args=[int(now * 1000)]))
 
+    @_answering
     async def release(self, tenant: str, job_id: str) -> None:
         holds, until = self._holds(tenant)
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -98,6 +125,7 @@ class RedisLedger:
             pipe.zrem(until, job_id)
             await pipe.execute()
 
+    @_answering
     async def renew(self, holds: list[tuple[str, str]], now: float) -> None:
         if not holds:
             return
@@ -123,6 +151,7 @@ class RedisLedger:
         ttls = [int((bucket(w, now) + 1) * length - now) + 60 for w, length in WINDOWS.items()]
         await self.script(keys=keys, args=[key, others, self.max_rows, *(getattr(usage, m) for m in MEASURES), *ttls])
 
+    @_answering
     async def spent(self, tenant: str, now: float) -> dict[str, Spent]:
         async with self.redis.pipeline(transaction=False) as pipe:
             for window in WINDOWS:
@@ -130,6 +159,7 @@ class RedisLedger:
             answers = await pipe.execute()
         return {window: Spent(int(tokens or 0), float(device_s or 0)) for window, (tokens, device_s) in zip(WINDOWS, answers)}
 
+    @_answering
     async def rows(self, tenant: str | None = None) -> list[Row]:
         # A piece at a time (HSCAN), never a whole table in one answer: the event loop runs other
         # requests between pieces. A tenant's fields only are matched by Redis, not read here.
