@@ -378,6 +378,21 @@ def test_replicas_opening_deliveries_at_once_never_pass_the_caps_together(redis_
     asyncio.run(check())
 
 
+async def test_a_run_with_a_callback_while_the_outbox_redis_does_not_answer_is_a_503() -> None:
+    from gateway.errors import ApiError
+    from gateway.server.redis_store.outbox import RedisOutbox
+    from gateway.server.webhooks import Delivery
+    from tests.support.processes import free_port
+
+    outbox = RedisOutbox(f"redis://127.0.0.1:{free_port()}/0", retention=60)
+    try:
+        with pytest.raises(ApiError) as refused:
+            await outbox.open(Delivery("j", "http://x", tenant="t"), per_tenant=5, most=8)
+        assert refused.value.status == 503 and refused.value.retry_after == 5 and "webhook outbox" in refused.value.message
+    finally:
+        await outbox.close()
+
+
 async def test_an_mcp_task_is_told_to_the_callback_its_request_names(serve: Any, receiver: Receiver, tmp_path: Path) -> None:
     """A `tools/call` sent with a `Callback-URL` header: the task (its job) is delivered there as it
     ends, as a run's is; a callback this gateway may not deliver to makes the call an error result."""

@@ -3,11 +3,19 @@ of its keys, the fields of its hash a reader takes, and how long a call on Redis
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
+
+from gateway.errors import ApiError
+from gateway.protocol import Code
+
+T = TypeVar("T")
 
 try:  # redis-py 7+: a Redis Enterprise feature, negotiated on every new connection unless turned off
     from redis.maint_notifications import MaintNotificationsConfig
@@ -30,6 +38,25 @@ def small_client(url: str, connections: int = 8) -> aioredis.Redis:
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2), **NO_MAINT,
         )
     )
+
+
+def answering(what: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
+    """For the methods of a part beside the store (`what`: "the usage ledger") that a request waits
+    on: Redis unreachable, or no answer in time, is a 503 `store_unavailable` (as the store's own),
+    never an internal error."""
+
+    def wrap(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+        @functools.wraps(method)
+        async def answered(*args: Any, **kwargs: Any) -> T:
+            try:
+                return await method(*args, **kwargs)
+            except (RedisError, OSError, TimeoutError) as exc:
+                why = str(exc) or type(exc).__name__
+                raise ApiError(Code.STORE_UNAVAILABLE, f"{what} (Redis) is unreachable: {why}", retry_after=5) from exc
+
+        return answered
+
+    return wrap
 
 
 def is_redis_url(value: str) -> bool:

@@ -14,17 +14,10 @@ A hold is checked against the windows and the other holds, and made, in one scri
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
-
-from redis.exceptions import RedisError
-
-from gateway.errors import ApiError
-from gateway.protocol import Code
+from typing import Any
 
 from gateway.server.metering import HOLD_LEASE_S, MAX_ROWS, OTHERS, WINDOWS, HoldRefused, Row, Spent, bucket, parse_row
-from gateway.server.redis_store.keys import small_client
+from gateway.server.redis_store.keys import answering, small_client
 from gateway.usage import JobUsage
 
 MEASURES = ("jobs", "tokens_in", "tokens_out", "device_s", "result_bytes")
@@ -75,22 +68,7 @@ return {0}
 """
 WINDOW_ORDER = list(WINDOWS)  # the script's 1 and 2
 
-T = TypeVar("T")
-
-
-def _answering(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """A ledger read or write on a request's path: Redis unreachable, or no answer in time, is a 503
-    `store_unavailable` (as the job store's), never an internal error."""
-
-    @functools.wraps(method)
-    async def answered(*args: Any, **kwargs: Any) -> T:
-        try:
-            return await method(*args, **kwargs)
-        except (RedisError, OSError, TimeoutError) as exc:
-            why = str(exc) or type(exc).__name__
-            raise ApiError(Code.STORE_UNAVAILABLE, f"the usage ledger (Redis) is unreachable: {why}", retry_after=5) from exc
-
-    return answered
+_answering = answering("the usage ledger")
 
 
 class RedisLedger:

@@ -19,9 +19,10 @@ import time
 from typing import Any
 
 import msgspec
-from gateway.server.redis_store.keys import small_client
+from gateway.server.redis_store.keys import answering, small_client
 from gateway.server.webhooks import Delivery, OutboxHeld
 
+_answering = answering("the webhook outbox")  # on a request's path: a run's admission
 KEPT_OPEN_S = 7 * 86400  # a delivery waiting for its job lives as long as a running job's record may
 
 # KEYS: the set of due deliveries. ARGV: now (ms), the lease's end (ms), the most to claim.
@@ -99,11 +100,13 @@ class RedisOutbox:
         keys, args = self._put(delivery)
         await self.put_script(keys=keys, args=args)
 
+    @_answering
     async def open(self, delivery: Delivery, per_tenant: int, most: int) -> OutboxHeld | None:
         keys, args = self._put(delivery)
         put, mine, everyone = await self.open_script(keys=keys, args=[*args, per_tenant, most, _gone_ms()])
         return None if put else OutboxHeld(mine, everyone, 0)
 
+    @_answering
     async def held(self, tenant: str) -> OutboxHeld:
         gone = _gone_ms()
         async with self.redis.pipeline(transaction=False) as pipe:
