@@ -5,7 +5,6 @@ quotas refuse a tenant that used them up (429, the quota named, Retry-After the 
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
 import json
@@ -136,29 +135,38 @@ async def test_running_jobs_hold_the_tokens_they_may_count_until_their_use_is_se
 async def test_replicas_hold_a_quota_together_and_a_stopped_ones_holds_go_after_a_lease(redis_server: RedisServer) -> None:  # noqa: F811
     """With the ledger in Redis, holds are checked and made in one step there: two replicas admitting
     at once never pass the quota together; a hold is given back once the job's use is written; and
-    the holds of a replica that stopped (renewing nothing) go after their lease, while those renewed stay."""
+    the holds of a replica that stopped (renewing nothing) go after their lease, while those renewed
+    stay. The replicas' clock is the test's: a lease ends when the test says."""
     from gateway.server.redis_store.ledger import RedisLedger
 
     prefix = f"holds-{uuid.uuid4().hex[:6]}:"
-    a, b = (Meter(RedisLedger(redis_server.url, prefix=prefix, hold_lease=0.5)) for _ in range(2))
+    now = [100 * 3600.0 + 10]
+    a, b = (Meter(RedisLedger(redis_server.url, prefix=prefix, hold_lease=60), clock=lambda: now[0]) for _ in range(2))
     quotas = Quotas(tokens_per_hour=100)
     try:
         jobs = [Job("generate", None, tenant="t") for _ in range(8)]
         held = await asyncio.gather(*((a, b)[i % 2].hold("t", quotas, "c", 30, job.id) for i, job in enumerate(jobs)), return_exceptions=True)
         kept = [(i, job, h) for i, (job, h) in enumerate(zip(jobs, held)) if not isinstance(h, BaseException)]
         assert len(kept) == 3 and sum(isinstance(h, ApiError) and h.status == 429 for h in held) == 5
-        assert await b.ledger.held("t", time.time()) == 90
+        assert await b.ledger.held("t", now[0]) == 90
         i, job, give_back = kept[0]
         job.usage.tokens_out = 10
         (a, b)[i % 2].settle(job, "c")
         give_back()
         await asyncio.gather(*a._writes, *b._writes)
-        assert await a.ledger.held("t", time.time()) == 60 and (await a.ledger.spent("t", time.time()))["hour"].tokens == 10
-        # a renews its holds; b stops: after the lease only a's are held.
-        await asyncio.sleep(0.3)
-        await a.ledger.renew([("t", job_id) for job_id, _ in a.holding.items()], time.time())
-        await asyncio.sleep(0.3)
-        assert b.holding and await a.ledger.held("t", time.time()) == 30 * len(a.holding)
+        assert await a.ledger.held("t", now[0]) == 60 and (await a.ledger.spent("t", now[0]))["hour"].tokens == 10
+        for _, _, give_back in kept[1:]:
+            give_back()
+        await asyncio.gather(*a._writes, *b._writes)
+        assert await a.ledger.held("t", now[0]) == 0
+        # One hold on each; 40 s on, a renews its own and b, stopped, does not: 30 s later (past b's
+        # lease, within a's renewed one) only a's is held.
+        await a.hold("t", quotas, "c", 20, "on-a")
+        await b.hold("t", quotas, "c", 25, "on-b")
+        now[0] += 40
+        await a.ledger.renew([("t", job_id) for job_id in a.holding], now[0])
+        now[0] += 30
+        assert await a.ledger.held("t", now[0]) == 20 and await b.ledger.held("t", now[0]) == 20
     finally:
         await a.close()
         await b.close()
