@@ -250,7 +250,17 @@ class Meter:
         self._renewing: asyncio.Task[None] | None = None
 
     async def left(self, tenant: str, quotas: Quotas) -> list[QuotaLeft]:
-        """Each quota of `quotas`: its limit, what `tenant` used of it this window, and when that turns."""
+        """Each quota of `quotas`: its limit, what `tenant` used of it this window, when that turns, and
+        (token quotas) what its running jobs hold."""
+        used = await self._used(tenant, quotas)
+        tokens = [quota for quota in used if quota.name.startswith("tokens_")]
+        if tokens:
+            held = await self.ledger.held(tenant, self.clock())
+            for quota in tokens:
+                quota.held = held
+        return used
+
+    async def _used(self, tenant: str, quotas: Quotas) -> list[QuotaLeft]:
         if not quotas:
             return []
         now = self.clock()
@@ -261,13 +271,13 @@ class Meter:
             if limit is not None:
                 used = getattr(spent[quota.window], quota.measure)
                 resets = (bucket(quota.window, now) + 1) * WINDOWS[quota.window] - now
-                held = await self.ledger.held(tenant, now) if quota.measure == "tokens" else 0
-                out.append(QuotaLeft(quota.name, limit, round(used, 3), round(resets, 1), held))
+                out.append(QuotaLeft(quota.name, limit, round(used, 3), round(resets, 1)))
         return out
 
     async def check(self, tenant: str, quotas: Quotas, user_class: str | None) -> None:
-        """Refuse (429) a tenant that has used up one of its class's quotas in its current window."""
-        for quota in await self.left(tenant, quotas):
+        """Refuse (429) a tenant that has used up one of its class's quotas in its current window: one
+        read of its windows, before the job is priced (what running jobs hold is `hold`'s to count)."""
+        for quota in await self._used(tenant, quotas):
             if quota.used >= quota.limit:
                 raise ApiError(
                     Code.RATE_LIMITED,
