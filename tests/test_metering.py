@@ -296,22 +296,40 @@ MASKED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["causal", "masked"])
-def test_no_tool_counts_more_tokens_than_its_price_says_it_may(serve: Any, tiny: Any, tiny_model_path: Path, kind: str) -> None:
+# The SAE's tools on the tiny Llama with an SAE at its layer 0: a prompt, DNA-like sequences, and
+# sequences in windows (mode top reads each window twice).
+SAE_CASES = [
+    ("sae_annotate", {"prompt": "hot dogs and cats", "k": 3}),
+    ("sae_annotate", {"sequences": ["ACGT" * 10, "TTGA" * 4], "mode": "pick", "feature_ids": [0, 1]}),
+    ("sae_annotate", {"sequences": ["ACGT" * 150], "mode": "pick", "feature_ids": [0], "window": 0, "overlap": 64}),
+    ("sae_annotate", {"sequences": ["ACGT" * 150, "TTGA" * 20], "k": 2, "window": 0, "overlap": 64}),
+]
+
+
+@pytest.mark.parametrize("kind", ["causal", "masked", "sae"])
+def test_no_tool_counts_more_tokens_than_its_price_says_it_may(
+    serve: Any, tiny: Any, tiny_model_path: Path, tmp_path: Path, kind: str
+) -> None:
     import msgspec
 
     from backends import loading as models
+    from gateway.models import sae as sae_files
     from gateway.tools import builtin_tools
+    from gateway.tools.sae_annotate import sae_annotate
+    from tests.test_sae import write_sae
 
-    tools = {t.name: t for t in builtin_tools()}
-    path = tiny_model_path if kind == "causal" else tiny("esm_mlm")
-    server = serve(model_path=path)
+    tools = {t.name: t for t in [*builtin_tools(), sae_annotate]}
+    path = tiny("esm_mlm") if kind == "masked" else tiny_model_path
+    sae = [str(write_sae(tmp_path / "sae"))] if kind == "sae" else []
+    server = serve(model_path=path, sae=sae)
     model = models.load(models.resolve(str(path)), "cpu")
+    sae_files.attach(model, sae_files.read_specs(sae))
+    cases = {"causal": COUNTED_CASES, "masked": MASKED_CASES, "sae": SAE_CASES}[kind]
 
     def counted() -> int:
         return sum(r["usage"].get("tokens_in", 0) + r["usage"].get("tokens_out", 0) for r in rows(server.url, ""))
 
-    for name, raw in COUNTED_CASES if kind == "causal" else MASKED_CASES:
+    for name, raw in cases:
         before = counted()
         run(server.url, "", raw, tool=name)
         used = counted() - before

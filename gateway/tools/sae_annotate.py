@@ -257,7 +257,8 @@ def _cost_annotate(model: Model, params: AnnotateParams) -> Cost:
         memory_field="window" if params.window is not None else ("sequences" if params.sequences is not None else "prompt"),
         result_field="k" if params.mode == "top" else "feature_ids",
         tokens=widest,
-        counted=sum(passes),
+        # Rows read: mode top runs a windowed sequence's windows twice (its features chosen after the first).
+        counted=sum(passes) * (2 if params.window is not None and params.mode == "top" else 1),
         journal=journal,
     )
     if params.sequences is None:
@@ -330,8 +331,11 @@ def _annotate_passes(
     while rows:
         for layer, batch in _passes(rows):
             raise_if_all_cancelled(ctxs)
-            batch = [row for row in batch if not ctxs[row[0][0] if isinstance(row[0], tuple) else row[0]].cancelled]
-            for row, x in zip(batch, _residuals(model, layer, [_ids(streams, row) for row in batch]) if batch else ()):
+            batch = [row for row in batch if not ctxs[_job(row)].cancelled]
+            ids = [_ids(streams, row) for row in batch]
+            for row, read in zip(batch, ids):
+                ctxs[_job(row)].count(tokens_in=len(read))  # a window each time it runs (mode top: twice)
+            for row, x in zip(batch, _residuals(model, layer, ids) if batch else ()):
                 if isinstance(row[0], tuple):  # a window
                     streams[row[0]].add(row[1], x)
                     progress.advance(row[0][0])
@@ -460,6 +464,11 @@ def _resumable(params: AnnotateParams) -> bool:
 
 def _annotate_many(model: Model, jobs: list[AnnotateParams], ctxs: list[Context]) -> list[AnnotateResult]:
     return run_through(_annotate_steps(model, jobs, ctxs))
+
+
+def _job(row: Any) -> int:
+    """The job a pass's row is of: a text's (job, index, ids) or a window's ((job, sequence), window)."""
+    return row[0][0] if isinstance(row[0], tuple) else row[0]
 
 
 def _ids(streams: dict[tuple[int, int], StreamedSequence], row: Any) -> list[int]:
