@@ -344,7 +344,6 @@ class EngineBackend(Routing):
             vllm_server.vllm_python(settings.vllm_python), source, spec.name, port, settings.dtype, shlex.split(settings.vllm_args),
             kv_cache_bytes=settings.vllm_kv_cache_bytes,
         )
-        link.priorities = vllm_server.priority_scheduling(command)
         return link, VllmEngine(spec.name, "vllm server", link, command=command, spec=spec, cache_dir=settings.cache_dir)
 
     async def start(self) -> None:

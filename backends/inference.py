@@ -113,9 +113,6 @@ class ServerLink:
         limits: Mapping[str, int] | None = None,
     ) -> None:
         self.name = name  # the model's name in this gateway
-        # Whether the server schedules by request priority (a vLLM the gateway starts): a job's class is then
-        # sent as its request's `priority` (vLLM serves lower values first). Set by its engine's command line.
-        self.priorities = False
         self.url = url.rstrip("/")
         self.kind = kind  # "vllm" or "openai"
         self.upstream: str | None = None  # the server's own name of the model, from GET /models
@@ -416,7 +413,9 @@ class ServerLink:
         """The request sent and its answer's head read (a span of `job`'s trace until the job ends);
         raises the protocol's refusal."""
         span = tracing.child(job.span, "inference", SpanKind.CLIENT, **{"http.request.method": "POST", "url.full": self.url + work.path})
-        body = {**work.body, "priority": -job.priority} if self.priorities and job.priority else work.body
+        # A server shown to schedule by request priority (server_probes.py) is sent the job's class's:
+        # vLLM serves lower values first.
+        body = {**work.body, "priority": -job.priority} if job.priority and "priority" in self.have else work.body
         request = self.http.build_request("POST", work.path, json=body, headers=tracing.headers(span))
         try:
             response = await self.http.send(request, stream=True)

@@ -13,7 +13,11 @@ short prompt once the server is up, and granted or recorded, in words, as missin
 - `logprobs_ids`: a greedy token's `logprobs`, keyed by token id, have it first;
 - `prompt_logprobs`: the prompt with that greedy token appended scores it, at its
   position, with the same log-probability (to rounding) and rank 1: the numbers are
-  causal next-token log-probabilities, aligned as the tools read them.
+  causal next-token log-probabilities, aligned as the tools read them;
+- `priority`: a request's `priority` is read (one that is not a number is refused) and
+  taken (vLLM with `--scheduling-policy priority`; with `fcfs` it refuses any but 0): a
+  job's class of users is then sent as its request's priority. A server that ignores the
+  field, or refuses it, is sent none.
 
 A tool needs a set of these (backends/server_requests.py: each `Work.needs`); one whose
 needs are not all shown is not offered, and says which check failed.
@@ -40,6 +44,7 @@ MEANINGS = {
     "tokenizer": "its tokenizer's /tokenize and /detokenize",
     "logprobs_ids": "log-probabilities keyed by token id",
     "prompt_logprobs": "prompt log-probabilities",
+    "priority": "request priorities (vLLM's --scheduling-policy priority)",
 }
 
 
@@ -79,6 +84,20 @@ async def _streamed(server: Server) -> tuple[str, list[int] | None]:
     return text, (ids if every and ids else None)
 
 
+async def _priority(server: Server) -> tuple[str | None, None]:
+    """Whether the server reads a request's `priority` and takes one (see the module's doc)."""
+    body = {"model": server.upstream, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    try:
+        await server.post("/completions", {**body, "priority": "first"})
+    except ApiError as exc:
+        if exc.code != Code.INVALID_PARAMS:
+            raise
+    else:
+        return "a priority that is not a number was taken: the server does not read the field", None
+    await server.post("/completions", {**body, "priority": -1})  # its refusal is the reason
+    return None, None
+
+
 async def prove(server: Server) -> tuple[set[str], dict[str, str]]:
     """The capabilities shown, and why each of the others is missing. Raises what says that the
     server did not answer (a transport error, its 5xx or 429 as the protocol's error)."""
@@ -112,6 +131,7 @@ async def prove(server: Server) -> tuple[set[str], dict[str, str]]:
         return (None if streamed_ids else "the chunks do not carry them (vLLM's return_token_ids)"), None
 
     await check("token_ids", token_ids)
+    await check("priority", lambda: _priority(server))
 
     async def tokenizer() -> tuple[str | None, list[int]]:
         ids = [int(t) for t in (await server.post("/tokenize", {"model": server.upstream, "prompt": PROMPT}))["tokens"]]

@@ -87,7 +87,7 @@ def vllm_command(
     - on a CPU without bfloat16 instructions (AVX512-BF16, AMX), float32: vLLM casts a float32
       checkpoint to bfloat16 by default, which such a CPU runs 2.5-3.6x slower;
     - scheduled by request priority (`--scheduling-policy priority`), which the gateway sets from the
-      job's class of users (`priority_scheduling` says whether a command line has it).
+      job's class of users once its probe shows the server takes one (backends/server_probes.py).
     """
     command = [
         python, "-c", _LAUNCH, str(os.getpid()), "--model", path, "--served-model-name", name,
@@ -105,19 +105,6 @@ def vllm_command(
         if budget is not None:
             command += ["--kv-cache-memory-bytes", str(budget)]
     return command + extra
-
-
-def priority_scheduling(command: list[str]) -> bool:
-    """Whether a vLLM command line schedules by request priority (the gateway's, or --vllm-args')."""
-    for i, arg in enumerate(command):
-        if arg == "--scheduling-policy" and i + 1 < len(command):
-            policy = command[i + 1]
-        elif arg.startswith("--scheduling-policy="):
-            policy = arg.split("=", 1)[1]
-        else:
-            continue
-        return policy == "priority"
-    return False
 
 
 KV_CACHE_CPU = 2 << 30  # a vLLM server's KV cache on a CPU without --vllm-kv-cache-bytes

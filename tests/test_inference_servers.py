@@ -55,6 +55,7 @@ class Front:
     def __init__(self, upstream: str, drop: tuple[str, ...] = ()) -> None:
         self.drop, self.holding = drop, False
         self.traceparents: list[str | None] = []  # each completion request's, as it came
+        self.priorities: list[Any] = []  # each completion request's `priority` field (None: none), as it came
         self.posts: Counter[str] = Counter()
         self.open: Counter[str] = Counter()
         self.peak: Counter[str] = Counter()
@@ -84,6 +85,8 @@ class Front:
             self.traceparents.append(request.headers.get("traceparent"))
         if body:
             fields = json.loads(body)
+            if path.endswith("/completions"):
+                self.priorities.append(fields.get("priority"))
             streamed = bool(fields.get("stream"))
             held, self.holding = self.holding and streamed, self.holding and not streamed
             body = json.dumps({k: v for k, v in fields.items() if k not in self.drop}).encode()
@@ -293,23 +296,23 @@ def test_scores_from_vllm_are_transformers_own_within_the_stated_tolerance(vllm_
 
 
 # What only vLLM knows of a completion request; an OpenAI-compatible server without its extensions ignores them.
-VLLM_ONLY = ("return_token_ids", "prompt_logprobs", "return_tokens_as_token_ids")
+VLLM_ONLY = ("return_token_ids", "prompt_logprobs", "return_tokens_as_token_ids", "priority")
 
 
 @pytest.fixture
-def plain_server(vllm_gateway: ServeProcess) -> Iterator[str]:
+def plain_server(vllm_gateway: ServeProcess) -> Iterator[Front]:
     """An OpenAI-compatible server without vLLM's extensions: the vLLM server behind a front that drops
-    the fields only vLLM knows from each request (its /tokenize still there). Its /v1 URL."""
+    the fields only vLLM knows from each request (its /tokenize still there)."""
     started = Front(server_url(vllm_gateway), drop=VLLM_ONLY)
-    yield started.url
+    yield started
     started.stop()
 
 
 def test_a_server_without_vllms_extensions_runs_generate_alone_and_says_why_not_the_others(
-    vllm_gateway: ServeProcess, plain_server: str, tmp_path: Path
+    vllm_gateway: ServeProcess, plain_server: Front, tmp_path: Path
 ) -> None:
     port = free_port()
-    gateway = start_serve(["--model", f"smol=openai+{plain_server}", "--port", str(port)], clean_env(), port, tmp_path / "gateway.log")
+    gateway = start_serve(["--model", f"smol=openai+{plain_server.url}", "--port", str(port)], clean_env(), port, tmp_path / "gateway.log")
     try:
         (smol,) = httpx.get(f"{gateway.url}/models", timeout=10).json()["models"]
         assert smol["tools"] == ["generate"]
@@ -357,6 +360,33 @@ def test_the_server_the_gateway_starts_schedules_by_the_priority_a_jobs_class_gi
     priority: this one takes it (the gateway started it so; its jobs' requests carry their class's)."""
     answer = direct(vllm_gateway, "/completions", {"prompt": "Hello", "max_tokens": 2, "priority": -10})
     assert answer["choices"][0]["text"] is not None
+
+
+def test_a_jobs_class_is_its_requests_priority_on_a_server_shown_to_take_one_and_on_no_other(
+    front: Front, plain_server: Front, tmp_path: Path
+) -> None:
+    """The gateway's probe shows whether a server reads and takes a request `priority` (the vLLM server
+    behind `front` does; one that drops the field, as a server without vLLM's extensions, does not).
+    A lab job's request then carries its class's priority (10, sent as vLLM's -10: served first), a
+    student's (priority 0) none; to the other server, no job's request carries one."""
+    from tests.conftest import CLASSES, LAB, STUDENT
+
+    (tmp_path / "tokens.toml").write_text(CLASSES)
+    sent: dict[str, list[Any]] = {}
+    for name, server in (("front", front), ("plain", plain_server)):
+        port = free_port()
+        args = ["--model", f"smol=openai+{server.url}", "--tokens-file", str(tmp_path / "tokens.toml"), "--port", str(port)]
+        gateway = start_serve(args, clean_env(), port, tmp_path / f"{name}.log", headers={"Authorization": f"Bearer {LAB}"})
+        try:
+            for token in (LAB, STUDENT):
+                before = len(server.priorities)
+                done = run_stream(gateway.url, "generate", {"prompts": ["Hello"], "max_tokens": 2}, headers={"Authorization": f"Bearer {token}"})
+                assert done.terminal["event"] == "data", done.raw[-300:]
+                sent.setdefault(name, []).extend(server.priorities[before:])
+        finally:
+            gateway.stop()
+    # A generate job is one completion request (what it tokenizes aside, on /tokenize).
+    assert sent == {"front": [-10, None], "plain": [None, None]}
 
 
 def test_the_servers_refusals_are_the_protocols(vllm_gateway: ServeProcess) -> None:
@@ -646,7 +676,7 @@ def test_a_vllm_server_is_sized_and_typed_for_its_device_in_flags_vllm_takes() -
     """On a CPU: a KV cache of the gateway's budget (never a share of the host's memory), and float32
     where the CPU has no bfloat16 instructions; --vllm-args and --dtype win; on a GPU, vLLM sizes its
     cache itself unless told. vLLM's own parser reads every one of these command lines."""
-    from backends.vllm_server import priority_scheduling, vllm_command, vllm_python
+    from backends.vllm_server import vllm_command, vllm_python
 
     plain = "flags : fpu avx2 fma"
     bf16 = "flags : fpu avx2 avx512f avx512_bf16"
@@ -685,7 +715,6 @@ def test_a_vllm_server_is_sized_and_typed_for_its_device_in_flags_vllm_takes() -
     assert parsed["gpu_sized"]["kv_cache_memory_bytes"] == 8 << 30
     # Scheduled by request priority (the job's class of users), unless --vllm-args says otherwise.
     assert {k: v["scheduling_policy"] for k, v in parsed.items()} == {**dict.fromkeys(cases, "priority"), "fcfs": "fcfs"}
-    assert [priority_scheduling(command) for command in cases.values()] == [True] * (len(cases) - 1) + [False]
 
 
 def test_a_vllm_server_that_cannot_start_is_not_started_again_and_readyz_says_why(tmp_path: Path) -> None:
