@@ -9,6 +9,7 @@ gateway with concurrent clients.
 from __future__ import annotations
 
 import concurrent.futures
+import random
 import threading
 import time
 from pathlib import Path
@@ -190,6 +191,46 @@ def test_one_bad_input_fails_only_its_own_job(llama: Model) -> None:
 
 
 # -- generation: continuous batching ------------------------------------------------
+
+
+@pytest.mark.parametrize("decoder", ["rust", "whole"])
+def test_generated_text_grows_as_decoding_every_token_gives_it_and_stops_where_it_shows_a_stop(
+    llama: Model, decoder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row's text a token at a time (the tokenizer's incremental decoder, or, for a tokenizer without
+    one, each step decoding every token): at each step, what decoding all its tokens gives; it stops at
+    the first step where that text holds a stop string, and its partials add up to the completion.
+    Byte tokens that split characters, or are no UTF-8 at all, included."""
+    from gateway.models.base import RUST_DECODER
+    from gateway.tools.generate import _Completion
+
+    if decoder == "whole":
+        monkeypatch.setitem(llama.memo, RUST_DECODER, None)
+    rng = random.Random(7)
+    texts = ["héllo wörld ✓ 日本語 🙂 ok", "ab\n\ncd END x"]
+    eos = set(llama.eos_token_ids)
+    for trial in range(400):
+        if trial % 2:
+            ids = llama.encode(rng.choice(texts))[1:]
+            ids = ids[: rng.randint(1, len(ids))]
+        else:
+            ids = [i for i in (rng.randrange(3, 259) for _ in range(rng.randint(1, 30))) if i not in eos]
+        stops = rng.choice([[], ["\n\n"], ["END", "ö"], ["日"], ["o w"]])
+        row, sent = _Completion(stops, llama), ""
+        for token in ids:
+            sent += row.add(token, llama)
+            if row.finish:
+                break
+        else:
+            sent += row.end("length", llama.decode(row.tokens))
+        expected = (llama.decode(ids), "length")
+        for k in range(1, len(ids) + 1):  # decoding every token at every step
+            text = llama.decode(ids[:k])
+            cuts = [at for at in (text.find(s) for s in stops) if at >= 0]
+            if cuts:
+                expected = (text[: min(cuts)], "stop")
+                break
+        assert (row.text, row.finish) == expected and sent == row.text, (ids, stops)
 
 
 def _generate_jobs() -> list[GenerateParams]:

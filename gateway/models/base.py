@@ -21,7 +21,7 @@ import enum
 import functools
 import inspect
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,17 +72,14 @@ class _Returned(Exception):
 
 
 DECODE = "decode"  # the model's memo: `_decoder`'s function
+RUST_DECODER = "rust_decoder"  # the model's memo: `_rust_decoder`'s tokenizer (None: there is none)
 TOKEN_CHARS = "token_chars"  # the model's memo: `token_chars`
 
 
-def _decoder(tokenizer: Any) -> Any:
-    """`ids -> text`, special tokens left out and spaces as they are.
-
-    For a fast tokenizer whose decoding transformers does not change, the Rust
-    tokenizer's own `decode`: transformers' wrapper checks each id's type in
-    Python first, which cost 5 times the decode itself on a generation step's
-    short windows (every member's every token).
-    """
+def _rust_decoder(tokenizer: Any) -> Any:
+    """The Rust tokenizer of a fast tokenizer whose decoding transformers does not change, else None:
+    transformers' wrapper checks each id's type in Python first, which cost 5 times the decode itself
+    on a generation step's short windows (every member's every token)."""
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     backend = getattr(tokenizer, "_tokenizer", None)
@@ -93,8 +90,32 @@ def _decoder(tokenizer: Any) -> Any:
         and cls._decode is PreTrainedTokenizerFast._decode
         and callable(getattr(backend, "decode", None))
     ):
+        return backend
+    return None
+
+
+def _decoder(tokenizer: Any) -> Any:
+    """`ids -> text`, special tokens left out and spaces as they are."""
+    backend = _rust_decoder(tokenizer)
+    if backend is not None:
         return functools.partial(backend.decode, skip_special_tokens=True)
     return functools.partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+class _WholeDecoding:
+    """`Model.decoding` for a tokenizer without a Rust decoder: each step decodes every token so far
+    (a completion's length a token), and gives what the text gained."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode, self.ids, self.text = decode, [], ""
+
+    def __call__(self, token: int) -> str | None:
+        self.ids.append(token)
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd") or len(text) <= len(self.text) or not text.startswith(self.text):
+            return None  # an incomplete character waits; a text that changed what it gave is settled at its end
+        piece, self.text = text[len(self.text) :], text
+        return piece
 
 
 # Letters tokenized at once, at most, of a long protein or DNA sequence (`Model._tokenize`).
@@ -238,6 +259,20 @@ class Model:
         if decode is None:
             decode = self.memo[DECODE] = _decoder(self.tokenizer)
         return decode(ids)
+
+    def decoding(self) -> Callable[[int], str | None]:
+        """An incremental decoder of one text (`decode` of its tokens so far, a piece a token): each token
+        in turn gives what the text gained, or None while the text ends in an incomplete character. A
+        fast tokenizer's own (`tokenizers`' DecodeStream: a short window a token, in Rust), else
+        `_WholeDecoding`."""
+        backend = self.memo.get(RUST_DECODER, False)
+        if backend is False:
+            backend = self.memo[RUST_DECODER] = _rust_decoder(self.tokenizer)
+        if backend is None:
+            return _WholeDecoding(self.decode)
+        from tokenizers.decoders import DecodeStream
+
+        return functools.partial(DecodeStream(skip_special_tokens=True).step, backend)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)

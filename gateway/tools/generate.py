@@ -15,7 +15,6 @@ or an incomplete UTF-8 character, is held back until it is decided.
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Callable, Collection
 from typing import Annotated, Any, Literal
@@ -31,8 +30,6 @@ from gateway.models.base import Capability
 from gateway.models.decoders import decoder_for, prefill_columns
 from gateway.tools.base import Cancelled, Context, Model, tool
 from gateway.tools.batching import run_alone
-
-log = logging.getLogger("streamgate.generate")
 
 
 # Turns in one conversation: far more than fit any context, so the limit only keeps rendering short.
@@ -163,38 +160,23 @@ def cost(model: Model, params: GenerateParams) -> Cost:
     return Cost(memory=memory, result=result, memory_field=field, result_field="max_tokens", tokens=n * width, counted=counted)
 
 
-# Incremental detokenization: each step decodes only the tokens since the text was last
-# settled, plus these few before them, so that a tokenizer that reads a token differently at
-# the start of a text (SentencePiece drops its leading space) reads the new ones in context.
-CONTEXT_TOKENS = 4
-# After this many tokens the whole completion is decoded once more and becomes the settled
-# text: a step's decode stays short, and the text never drifts from decoding every token.
-SETTLE_TOKENS = 32
-WHOLE_DECODE = "generate_decodes_whole"  # the model's memo: set for a tokenizer that windows misread
-
-
 class _Completion:
     """One row of the batch: its tokens, the text already sent, and whether it ended.
 
-    `text` is what decoding all of `tokens` gives. Decoding them all at every
-    step costs the completion's length per token; instead the text is kept as
-    `_settled` (the decode of the first `_settled_at` tokens) and what the
-    tokens since add: the decode of the window from `_window_at`, less the
-    decode of its part up to `_settled_at` (`_lead`). A window whose decode
-    does not start with its lead's is decoded in full instead.
+    Its text grows a piece a token from the model's incremental decoder
+    (`Model.decoding`), and ends as the decode of all its tokens: a stop string
+    is looked for only where the new piece could complete one, and what could
+    be the start of one is held back until the next piece says.
     """
 
-    def __init__(self, stop: list[str]) -> None:
+    def __init__(self, stop: list[str], model: Model) -> None:
         self.tokens: list[int] = []
         self.unsent: list[int] = []
         self.sent = ""
         self.text = ""
         self.stop = stop
         self.finish: str | None = None  # "stop" (EOS or a stop string) or "length"
-        self._settled = ""
-        self._settled_at = 0
-        self._window_at = 0
-        self._lead = ""
+        self._decoding = model.decoding()
 
     def add(self, token: int, model: Model) -> str:
         """Take one token; return the text that is now final and not yet sent."""
@@ -202,17 +184,19 @@ class _Completion:
         self.unsent.append(token)
         if token in model.eos_token_ids:
             return self.end("stop", model.decode(self.tokens[:-1]))
-        text = self._decode(model)
-        cuts = [at for at in (text.find(s) for s in self.stop) if at >= 0]
+        piece = self._decoding(token)
+        if not piece:
+            return ""
+        searched = len(self.text)
+        self.text += piece
+        cuts = [at for at in (self.text.find(s, max(0, searched - len(s) + 1)) for s in self.stop) if at >= 0]
         if cuts:
-            return self.end("stop", text[: min(cuts)])
-        self.text = text
-        final = text.rstrip("\ufffd")  # an incomplete multi-byte character waits
+            return self.end("stop", self.text[: min(cuts)])
         hold = max(
-            (n for s in self.stop for n in range(1, len(s)) if final.endswith(s[:n])),
+            (n for s in self.stop for n in range(1, len(s)) if self.text.endswith(s[:n])),
             default=0,
         )
-        return self._take(final[: len(final) - hold])
+        return self._take(self.text[: len(self.text) - hold])
 
     def end(self, reason: str, text: str) -> str:
         """Finish with `text` as the whole completion; return what is left to send."""
@@ -224,32 +208,6 @@ class _Completion:
             return ""
         delta, self.sent = final[len(self.sent) :], final
         return delta
-
-    def _decode(self, model: Model) -> str:
-        """The decode of all the tokens, from a short window."""
-        if model.memo.get(WHOLE_DECODE):
-            return model.decode(self.tokens)
-        window = model.decode(self.tokens[self._window_at :])
-        if not window.startswith(self._lead):
-            return self._settle(model)
-        text = self._settled + window[len(self._lead) :]
-        if len(self.tokens) - self._settled_at >= SETTLE_TOKENS and not text.endswith("\ufffd"):
-            settled = self._settle(model)
-            if settled != text:
-                # A tokenizer whose text for a token depends on tokens far before it: decode it whole.
-                log.warning("%s: incremental decoding differs from decoding in full; decoding in full", model.name)
-                model.memo[WHOLE_DECODE] = True
-            return settled
-        return text
-
-    def _settle(self, model: Model) -> str:
-        text = model.decode(self.tokens)
-        # Settled text ends on a whole character: the window's text then simply follows it.
-        if not text.endswith("\ufffd"):
-            self._settled, self._settled_at = text, len(self.tokens)
-            self._window_at = max(0, self._settled_at - CONTEXT_TOKENS)
-            self._lead = model.decode(self.tokens[self._window_at :])
-        return text
 
 
 def sample(logits: torch.Tensor, p: GenerateParams, generator: torch.Generator) -> torch.Tensor:
@@ -280,7 +238,7 @@ class _Member:
     def __init__(self, model: Model, params: GenerateParams, ctx: Context) -> None:
         self.params, self.ctx = params, ctx
         self.encoded = inputs(model, params)
-        self.rows = [_Completion(params.stop or []) for _ in self.encoded]
+        self.rows = [_Completion(params.stop or [], model) for _ in self.encoded]
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         # A generator per job: its samples do not depend on who else is in the batch.
         self.generator = torch.Generator().manual_seed(seed)
