@@ -189,6 +189,9 @@ class _Completion:
             return ""
         searched = len(self.text)
         self.text += piece
+        if not self.stop:  # (every step of most rows)
+            self.sent = self.text
+            return piece
         cuts = [at for at in (self.text.find(s, max(0, searched - len(s) + 1)) for s in self.stop) if at >= 0]
         if cuts:
             return self.end("stop", self.text[: min(cuts)])
