@@ -25,7 +25,7 @@ are compared in a table of their own, with the engines' CPU time beside the
 gateways'.
 
 Targets: time to first event p50 < 5 ms; gateway jobs/s >= 0.8x the bare
-endpoint; the gateway's CPU time per job <= 0.6 ms.
+endpoint; the gateway's CPU time per job <= 0.35 ms (its engine process apart).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from bench import common  # noqa: E402
 from tests.support import loopback_http  # noqa: E402
 
 TITLE = "streaming: the gateway vs a bare sse-starlette endpoint, same frames"
-TARGET_CPU_MS = 0.6
+TARGET_CPU_MS = 0.35  # with the engine process, the default
 PLACEHOLDER = "0" * 32  # stands for the job id in the recorded frames
 
 
