@@ -314,6 +314,7 @@ INVALID = [
     ("generate", {"prompts": ["a"], "stop": [""]}, "stop[0]"),
     ("generate", {"prompts": ["a"], "stop": ["x", 3]}, "stop[1]"),
     ("generate", {"prompts": ["a"], "stop": ["s"] * 17}, "stop"),
+    ("generate", {"prompts": ["a"], "stop": ["ok", "s" * 513]}, "stop[1]"),
     ("generate", {"prompts": ["a"], "stop": "x"}, "stop"),
     ("generate", {"prompts": []}, "prompts"),
     ("generate", {"prompts": ["a"] * (MAX_PROMPTS + 1)}, "prompts"),

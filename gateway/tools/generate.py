@@ -15,6 +15,7 @@ or an incomplete UTF-8 character, is held back until it is decided.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Collection
 from typing import Annotated, Any, Literal
@@ -36,6 +37,9 @@ from gateway.tools.batching import run_alone
 MAX_MESSAGES = 1024
 # Completions of one prompt: each is a row of the batch, priced as a prompt is (`cost`).
 MAX_N = 16
+# A stop string's characters, at most: stop strings are markers (a blank line, `</answer>`), and each
+# is matched with a table of its length (`_Stops`).
+MAX_STOP_CHARS = 512
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -79,7 +83,7 @@ class GenerateParams(msgspec.Struct, forbid_unknown_fields=True):
     # 2**53 - 1: the largest integer every JSON client (JavaScript's numbers) holds exactly.
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**53 - 1, description="Same seed, same completions.")] | None = None
     stop: Annotated[
-        list[Annotated[str, msgspec.Meta(min_length=1)]],
+        list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]],
         msgspec.Meta(max_length=16, description="Strings that end a completion (not included)."),
     ] | None = None
 
@@ -164,9 +168,9 @@ class _Completion:
     """One row of the batch: its tokens, the text already sent, and whether it ended.
 
     Its text grows a piece a token from the model's incremental decoder
-    (`Model.decoding`), and ends as the decode of all its tokens: a stop string
-    is looked for only where the new piece could complete one, and what could
-    be the start of one is held back until the next piece says.
+    (`Model.decoding`), and ends as the decode of all its tokens. Its stop
+    strings (`_Stops`) read each piece once; what could be the start of one is
+    held back until the next piece says.
     """
 
     def __init__(self, stop: list[str], model: Model) -> None:
@@ -174,9 +178,9 @@ class _Completion:
         self.unsent: list[int] = []
         self.sent = ""
         self.text = ""
-        self.stop = stop
         self.finish: str | None = None  # "stop" (EOS or a stop string) or "length"
         self._decoding = model.decoding()
+        self._stops = _Stops(stop) if stop else None
 
     def add(self, token: int, model: Model) -> str:
         """Take one token; return the text that is now final and not yet sent."""
@@ -187,19 +191,15 @@ class _Completion:
         piece = self._decoding(token)
         if not piece:
             return ""
-        searched = len(self.text)
+        at = len(self.text)
         self.text += piece
-        if not self.stop:  # (every step of most rows)
+        if self._stops is None:  # (every step of most rows)
             self.sent = self.text
             return piece
-        cuts = [at for at in (self.text.find(s, max(0, searched - len(s) + 1)) for s in self.stop) if at >= 0]
-        if cuts:
-            return self.end("stop", self.text[: min(cuts)])
-        hold = max(
-            (n for s in self.stop for n in range(1, len(s)) if self.text.endswith(s[:n])),
-            default=0,
-        )
-        return self._take(self.text[: len(self.text) - hold])
+        cut = self._stops.scan(piece, at)
+        if cut is not None:
+            return self.end("stop", self.text[:cut])
+        return self._take(self.text[: len(self.text) - self._stops.held])
 
     def end(self, reason: str, text: str) -> str:
         """Finish with `text` as the whole completion; return what is left to send."""
@@ -233,6 +233,53 @@ def sample(logits: torch.Tensor, p: GenerateParams, generator: torch.Generator) 
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     probs = logits.softmax(dim=-1).cpu()
     return torch.multinomial(probs, 1, generator=generator).squeeze(1).to(logits.device)
+
+
+class _Stops:
+    """A row's stop strings against its text, a character at a time (Knuth-Morris-Pratt): where one
+    first ends in it, and how much of the text's end could begin one. A piece costs its length times
+    the number of stop strings, whatever their lengths: a check from each position, as `str.find`
+    and `endswith` for every prefix did, cost a stop string's length squared, every token."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [(stop, _fallbacks(stop)) for stop in stops]
+        self.matched = [0] * len(stops)  # of each stop string, the first characters the text ends with
+
+    def scan(self, piece: str, at: int) -> int | None:
+        """Read `piece`, which is the text from `at` on: where in the text the first stop string it
+        completes begins, or None."""
+        first: int | None = None
+        for j, (stop, fallbacks) in enumerate(self.stops):
+            k = self.matched[j]
+            for i, char in enumerate(piece, at):
+                while k and stop[k] != char:
+                    k = fallbacks[k - 1]
+                if stop[k] == char:
+                    k += 1
+                    if k == len(stop):
+                        first = min(i + 1 - k, first if first is not None else i + 1 - k)
+                        break
+            self.matched[j] = k
+        return first
+
+    @property
+    def held(self) -> int:
+        """The most of the text's end that begins a stop string: not final until the next piece."""
+        return max(self.matched)
+
+
+@functools.lru_cache(maxsize=256)
+def _fallbacks(stop: str) -> list[int]:
+    """For each prefix of `stop`, the longest shorter prefix that also ends it (shared by a job's rows)."""
+    fallbacks = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fallbacks[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fallbacks[i] = k
+    return fallbacks
 
 
 class _Member:
