@@ -193,19 +193,19 @@ def test_one_bad_input_fails_only_its_own_job(llama: Model) -> None:
 # -- generation: continuous batching ------------------------------------------------
 
 
-@pytest.mark.parametrize("decoder", ["rust", "whole"])
+@pytest.mark.parametrize("decoder", ["rust", "python"])
 def test_generated_text_grows_as_decoding_every_token_gives_it_and_stops_where_it_shows_a_stop(
     llama: Model, decoder: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A row's text a token at a time (the tokenizer's incremental decoder, or, for a tokenizer without
-    one, each step decoding every token): at each step, what decoding all its tokens gives; it stops at
+    one, the same in Python): at each step, what decoding all its tokens gives; it stops at
     the first step where that text holds a stop string, cut where the first one begins, and its partials
     add up to the completion.
     Byte tokens that split characters, or are no UTF-8 at all, included."""
     from gateway.models.base import RUST_DECODER
     from gateway.tools.generate import _Completion
 
-    if decoder == "whole":
+    if decoder == "python":
         monkeypatch.setitem(llama.memo, RUST_DECODER, None)
     rng = random.Random(7)
     texts = ["héllo wörld ✓ 日本語 🙂 ok", "ab\n\ncd END x", "aaab ababac abab"]

@@ -102,19 +102,39 @@ def _decoder(tokenizer: Any) -> Any:
     return functools.partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-class _WholeDecoding:
-    """`Model.decoding` for a tokenizer without a Rust decoder: each step decodes every token so far
-    (a completion's length a token), and gives what the text gained."""
+class _WindowedDecoding:
+    """`Model.decoding` for a tokenizer without a Rust decoder, DecodeStream's way in Python: a token
+    decodes the window from the last piece's first token, less what that window gave before it (so
+    that a tokenizer that reads a token differently at the start of a text, as SentencePiece drops its
+    leading space, reads the new one in context). Where a window's text does not begin with what it
+    gave before (a tokenizer whose text for a token depends on tokens far before it), every token is
+    decoded from then on."""
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode, self.ids, self.text = decode, [], ""
+        self.decode = decode
+        self.ids: list[int] = []
+        self.text = ""  # what it gave so far
+        self.start = self.read = 0  # the window's first token, and its first token not yet given
+        self.whole = False
 
     def __call__(self, token: int) -> str | None:
         self.ids.append(token)
-        text = self.decode(self.ids)
-        if text.endswith("\ufffd") or len(text) <= len(self.text) or not text.startswith(self.text):
-            return None  # an incomplete character waits; a text that changed what it gave is settled at its end
-        piece, self.text = text[len(self.text) :], text
+        if not self.whole:
+            before = self.decode(self.ids[self.start : self.read])
+            now = self.decode(self.ids[self.start :])
+            if now.startswith(before):
+                piece = self._give(now[len(before) :])
+                if piece is not None:
+                    self.start, self.read = self.read, len(self.ids)
+                return piece
+            self.whole = True
+        whole = self.decode(self.ids)
+        return self._give(whole[len(self.text) :]) if whole.startswith(self.text) else None
+
+    def _give(self, piece: str) -> str | None:
+        if not piece or piece.endswith("\ufffd"):
+            return None  # nothing yet, or an incomplete character: the next token says
+        self.text += piece
         return piece
 
 
@@ -264,12 +284,12 @@ class Model:
         """An incremental decoder of one text (`decode` of its tokens so far, a piece a token): each token
         in turn gives what the text gained, or None while the text ends in an incomplete character. A
         fast tokenizer's own (`tokenizers`' DecodeStream: a short window a token, in Rust), else
-        `_WholeDecoding`."""
+        `_WindowedDecoding`."""
         backend = self.memo.get(RUST_DECODER, False)
         if backend is False:
             backend = self.memo[RUST_DECODER] = _rust_decoder(self.tokenizer)
         if backend is None:
-            return _WholeDecoding(self.decode)
+            return _WindowedDecoding(self.decode)
         from tokenizers.decoders import DecodeStream
 
         return functools.partial(DecodeStream(skip_special_tokens=True).step, backend)
