@@ -9,6 +9,7 @@ gateway with concurrent clients.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import random
 import threading
 import time
@@ -193,6 +194,21 @@ def test_one_bad_input_fails_only_its_own_job(llama: Model) -> None:
 # -- generation: continuous batching ------------------------------------------------
 
 
+def _rows_text(model: Model, ids: list[int], stops: list[str]) -> tuple[str, str | None, str]:
+    """A `generate` row fed `ids`: its text, its finish, and what its partials sent (its end at the
+    last of `ids` if nothing ended it before)."""
+    from gateway.tools.generate import _Completion
+
+    row, sent = _Completion(stops, model), ""
+    for token in ids:
+        sent += row.add(token, model)
+        if row.finish:
+            break
+    else:
+        sent += row.end("length", model.decode(row.tokens))
+    return row.text, row.finish, sent
+
+
 @pytest.mark.parametrize("decoder", ["rust", "python"])
 def test_generated_text_grows_as_decoding_every_token_gives_it_and_stops_where_it_shows_a_stop(
     llama: Model, decoder: str, monkeypatch: pytest.MonkeyPatch
@@ -203,7 +219,6 @@ def test_generated_text_grows_as_decoding_every_token_gives_it_and_stops_where_i
     add up to the completion.
     Byte tokens that split characters, or are no UTF-8 at all, included."""
     from gateway.models.base import RUST_DECODER
-    from gateway.tools.generate import _Completion
 
     if decoder == "python":
         monkeypatch.setitem(llama.memo, RUST_DECODER, None)
@@ -218,21 +233,86 @@ def test_generated_text_grows_as_decoding_every_token_gives_it_and_stops_where_i
             ids = [i for i in (rng.randrange(3, 259) for _ in range(rng.randint(1, 30))) if i not in eos]
         # (Stop strings that overlap themselves: a partial match falls back to a shorter one.)
         stops = rng.choice([[], ["\n\n"], ["END", "ö"], ["日"], ["o w"], ["abac", "aab"], ["baba", "ab a"]])
-        row, sent = _Completion(stops, llama), ""
-        for token in ids:
-            sent += row.add(token, llama)
-            if row.finish:
-                break
-        else:
-            sent += row.end("length", llama.decode(row.tokens))
+        text, finish, sent = _rows_text(llama, ids, stops)
         expected = (llama.decode(ids), "length")
         for k in range(1, len(ids) + 1):  # decoding every token at every step
-            text = llama.decode(ids[:k])
-            cuts = [at for at in (text.find(s) for s in stops) if at >= 0]
+            whole = llama.decode(ids[:k])
+            cuts = [at for at in (whole.find(s) for s in stops) if at >= 0]
             if cuts:
-                expected = (text[: min(cuts)], "stop")
+                expected = (whole[: min(cuts)], "stop")
                 break
-        assert (row.text, row.finish) == expected and sent == row.text, (ids, stops)
+        assert (text, finish) == expected and sent == text, (ids, stops)
+
+
+@pytest.mark.parametrize("decoder", ["rust", "python"])
+def test_a_token_that_changes_the_text_before_it_ends_nothing_but_what_is_sent(
+    llama: Model, decoder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ByteFallback tokenizer (Llama 2's, Mistral's): bytes that turn out to be no UTF-8 each decode
+    as U+FFFD, so `€` already sent becomes `���` and a fourth (tokenizers' DecodeStream refuses such a
+    token). The row goes on, decoding every token from there: its completion is the decode of all its
+    tokens, and its partials what began the text when they were sent (all of it that did not change)."""
+    from gateway.models.base import RUST_DECODER
+    from tests.support.tiny_models import byte_fallback_tokenizer
+
+    model = dataclasses.replace(llama, tokenizer=byte_fallback_tokenizer(), memo={}, eos_token_ids=frozenset({1}))
+    if decoder == "python":
+        model.memo[RUST_DECODER] = None
+    ids = model.tokenizer.convert_tokens_to_ids(["▁a", "<0xE2>", "<0x82>", "<0xAC>", "<0x87>", "▁b", "ab"])
+    assert model.decode(ids[:4]) == "a€" and model.decode(ids) == "a���� bab"
+    assert _rows_text(model, ids, []) == ("a���� bab", "length", "a€")
+    rng = random.Random(5)
+    for _ in range(300):
+        ids = [rng.choice([*range(2, 258), 258, 259, 260, 261, 262, 263, 264]) for _ in range(rng.randint(1, 12))]
+        text, finish, sent = _rows_text(model, ids, [])
+        assert (text, finish) == (model.decode(ids), "length"), ids
+        # What was sent began the text when it was sent; it begins the completion unless a later byte changed it.
+        changed = any(not model.decode(ids[: k + 1]).startswith(model.decode(ids[:k]).rstrip("\ufffd")) for k in range(len(ids)))
+        assert text.startswith(sent) or (changed and any(model.decode(ids[:k]).startswith(sent) for k in range(len(ids)))), ids
+
+
+def test_a_stop_string_its_last_token_leaves_before_an_incomplete_character_still_ends_the_row(llama: Model) -> None:
+    """A byte-level BPE token of a space and the first byte of `é`: the text it completes with `User: `
+    waits for the next byte to be read. The row ends there all the same: at its length's end (or
+    EOS), cut where the stop string begins."""
+    from tokenizers import Tokenizer, decoders, models as tokenizer_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["ĠÃ"] = len(vocab)  # " " and 0xC3
+    vocab["</s>"] = len(vocab)
+    bpe = Tokenizer(tokenizer_models.BPE(vocab=vocab, merges=[("Ġ", "Ã")]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>")
+    model = dataclasses.replace(llama, tokenizer=tokenizer, memo={}, eos_token_ids=frozenset({vocab["</s>"]}))
+    ids = tokenizer.encode("Hi User: é", add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(ids[-2:]) == ["ĠÃ", "©"] and model.decode(ids[:-1]) == "Hi User: \ufffd"
+    assert _rows_text(model, ids[:-1], ["User: "]) == ("Hi ", "stop", "Hi ")  # its length's end
+    assert _rows_text(model, [*ids[:-1], vocab["</s>"]], ["User: "]) == ("Hi ", "stop", "Hi ")  # EOS
+    assert _rows_text(model, ids, ["User: "]) == ("Hi ", "stop", "Hi ")
+
+
+def test_a_row_that_fails_ends_its_own_job_and_not_the_others_in_its_batch(llama: Model) -> None:
+    """A row whose text cannot be taken (here its third token raises) ends its job with that error
+    between two steps; the other jobs of the continuous batch go on to what each gives alone."""
+    good = GenerateParams(prompts=["Hello", "a b"], max_tokens=8)
+    bad = GenerateParams(prompts=["Hi"], max_tokens=8)
+    batch = Generation(llama)
+    batch.add(good, Recorder("good"))
+    batch.add(bad, Recorder("bad"))
+    row = batch.joining[-1].rows[0]
+    taken = row.add
+
+    def add(token: int, model: Model) -> str:
+        if len(row.tokens) == 2:
+            raise ValueError("this row cannot be read")
+        return taken(token, model)
+
+    row.add = add  # type: ignore[method-assign]
+    outcomes = run_together(llama, batch, [])
+    assert isinstance(outcomes["bad"], ValueError) and str(outcomes["bad"]) == "this row cannot be read"
+    assert as_plain(outcomes["good"]) == as_plain(_alone(llama, good)[0])
 
 
 def _generate_jobs() -> list[GenerateParams]:

@@ -117,7 +117,7 @@ def test_tools_tool_describes_its_params(gateway):
     # An Optional's description sits in its non-null alternative; lengths of the list and of its items.
     assert params["stop"] == [
         "stop = null",
-        "list (at most 16 items) of string (at least 1 character), or null",
+        "list (at most 16 items) of string (1 to 512 characters), or null",
         "Strings that end a completion (not included).",
     ]
     prompts = props["prompts"]["anyOf"][0]

@@ -102,40 +102,71 @@ def _decoder(tokenizer: Any) -> Any:
     return functools.partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-class _WindowedDecoding:
-    """`Model.decoding` for a tokenizer without a Rust decoder, DecodeStream's way in Python: a token
-    decodes the window from the last piece's first token, less what that window gave before it (so
-    that a tokenizer that reads a token differently at the start of a text, as SentencePiece drops its
-    leading space, reads the new one in context). Where a window's text does not begin with what it
-    gave before (a tokenizer whose text for a token depends on tokens far before it), every token is
-    decoded from then on."""
+# A text decoded a window a token in Python is checked against the decode of all its tokens after this
+# many more: a tokenizer whose text for a token depends on tokens far before it is then decoded whole.
+SETTLE_TOKENS = 32
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode = decode
+
+class _Decoding:
+    """`Model.decoding`'s decoder of one text, a piece a token.
+
+    A fast tokenizer's own `DecodeStream` (`stream`: a short window a token, in
+    Rust); for any other tokenizer, the same in Python: a token decodes the
+    window from the last piece's first token, less what that window gave before
+    it (a tokenizer that reads a token differently at the start of a text, as
+    SentencePiece drops its leading space, reads the new one in context), and
+    every `SETTLE_TOKENS` tokens the text is checked against the decode of them
+    all. Where a token changes text already given (DecodeStream refuses it:
+    bytes of a ByteFallback tokenizer that turn out to be no UTF-8 all read as
+    U+FFFD), or a check fails, every token is decoded from then on; the text
+    already given stands, and the completion's end says the rest.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stream: Callable[[int], str | None] | None) -> None:
+        self.decode, self.stream = decode, stream
         self.ids: list[int] = []
         self.text = ""  # what it gave so far
-        self.start = self.read = 0  # the window's first token, and its first token not yet given
+        self.start = self.read = self.checked = 0  # (in Python) the window's first token; the first not given yet; the last check
         self.whole = False
 
     def __call__(self, token: int) -> str | None:
         self.ids.append(token)
         if not self.whole:
-            before = self.decode(self.ids[self.start : self.read])
-            now = self.decode(self.ids[self.start :])
-            if now.startswith(before):
-                piece = self._give(now[len(before) :])
-                if piece is not None:
-                    self.start, self.read = self.read, len(self.ids)
-                return piece
-            self.whole = True
+            try:
+                return self._give(self.stream(token) if self.stream is not None else self._window())
+            except _Misread:
+                self.whole = True
+            except Exception:  # noqa: BLE001 (DecodeStream's refusal of a token that changes what it gave)
+                if self.stream is None:
+                    raise
+                self.whole = True
         whole = self.decode(self.ids)
         return self._give(whole[len(self.text) :]) if whole.startswith(self.text) else None
 
-    def _give(self, piece: str) -> str | None:
+    def _window(self) -> str:
+        before = self.decode(self.ids[self.start : self.read])
+        now = self.decode(self.ids[self.start :])
+        if not now.startswith(before):
+            raise _Misread
+        piece = now[len(before) :]
+        if not piece or piece.endswith("\ufffd"):
+            return ""
+        self.start, self.read = self.read, len(self.ids)
+        if len(self.ids) - self.checked >= SETTLE_TOKENS:
+            self.checked = len(self.ids)
+            if self.decode(self.ids) != self.text + piece:
+                raise _Misread
+        return piece
+
+    def _give(self, piece: str | None) -> str | None:
         if not piece or piece.endswith("\ufffd"):
             return None  # nothing yet, or an incomplete character: the next token says
         self.text += piece
         return piece
+
+
+class _Misread(Exception):
+    """A window's text that is not the decode of all the tokens."""
 
 
 # Letters tokenized at once, at most, of a long protein or DNA sequence (`Model._tokenize`).
@@ -282,17 +313,16 @@ class Model:
 
     def decoding(self) -> Callable[[int], str | None]:
         """An incremental decoder of one text (`decode` of its tokens so far, a piece a token): each token
-        in turn gives what the text gained, or None while the text ends in an incomplete character. A
-        fast tokenizer's own (`tokenizers`' DecodeStream: a short window a token, in Rust), else
-        `_WindowedDecoding`."""
+        in turn gives what the text gained, or None while the text ends in an incomplete character
+        (`_Decoding`)."""
         backend = self.memo.get(RUST_DECODER, False)
         if backend is False:
             backend = self.memo[RUST_DECODER] = _rust_decoder(self.tokenizer)
         if backend is None:
-            return _WindowedDecoding(self.decode)
+            return _Decoding(self.decode, None)
         from tokenizers.decoders import DecodeStream
 
-        return functools.partial(DecodeStream(skip_special_tokens=True).step, backend)
+        return _Decoding(self.decode, functools.partial(DecodeStream(skip_special_tokens=True).step, backend))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)

@@ -202,7 +202,12 @@ class _Completion:
         return self._take(self.text[: len(self.text) - self._stops.held])
 
     def end(self, reason: str, text: str) -> str:
-        """Finish with `text` as the whole completion; return what is left to send."""
+        """Finish with `text` as the whole completion; return what is left to send. Its characters not
+        read yet (the last token left one incomplete) may still hold a stop string: it ends there."""
+        if self._stops is not None and len(text) > len(self.text) and text.startswith(self.text):
+            cut = self._stops.scan(text[len(self.text) :], len(self.text))
+            if cut is not None:
+                reason, text = "stop", text[:cut]
         self.finish, self.text = reason, text
         return self._take(text)
 
@@ -293,11 +298,12 @@ class _Member:
         # A generator per job: its samples do not depend on who else is in the batch.
         self.generator = torch.Generator().manual_seed(seed)
         self.steps = 0
+        self.failure: Exception | None = None  # what a step of its own raised: it alone ends with it
         ctx.count(tokens_in=sum(len(ids) for ids in self.encoded))
 
     @property
     def done(self) -> bool:
-        return self.steps >= self.params.max_tokens or all(row.finish is not None for row in self.rows)
+        return self.failure is not None or self.steps >= self.params.max_tokens or all(row.finish is not None for row in self.rows)
 
     @property
     def context(self) -> list[list[int]]:
@@ -335,7 +341,9 @@ class _Member:
         self.ctx.count(tokens_out=taken)
         self.ctx.progress(self.steps, self.params.max_tokens, "tokens")
 
-    def result(self, model: Model) -> GenerateResult:
+    def result(self, model: Model) -> GenerateResult | Exception:
+        if self.failure is not None:
+            return self.failure
         for index, row in enumerate(self.rows):
             if row.finish is None:
                 tail = row.end("length", model.decode(row.tokens))
@@ -459,7 +467,10 @@ class Generation:
         ids, start = tokens.tolist(), 0
         for member in members:
             end = start + len(member.rows)
-            member.take(ids[start:end], self.model)
+            try:
+                member.take(ids[start:end], self.model)
+            except Exception as exc:  # noqa: BLE001 (its own job ends with it, not the batch's others)
+                member.failure = exc
             start = end
         return tokens
 

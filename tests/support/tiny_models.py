@@ -63,6 +63,17 @@ def byte_tokenizer(chat: bool = True) -> tuple[PreTrainedTokenizerFast, dict[str
     return tokenizer, vocab
 
 
+def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style tokenizer (Llama 2, Mistral): `▁` for a space, a few pieces, and a
+    `<0xNN>` token for every byte of the rest (ByteFallback), then <s> </s> (ids 0 and 1): bytes that
+    turn out to be no UTF-8 decode as U+FFFD each, so a token may change text decoded before it."""
+    pieces = ["<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "a", "b", "▁a", "▁b", "ab", "▁ab"]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
 def _tiny_config(
     family: str, vocab: dict[str, int], layers: int, init: float | None, hidden: int = 32, context: int = TINY_CONTEXT
 ) -> tuple[Any, type]:
