@@ -698,3 +698,17 @@ def test_params_nesting_deeper_than_the_cap_is_a_400_not_a_crash(srv):
         assert f"nests {depth + 1} levels deep" in r.json()["error"]["message"]  # the object around it is one more
     ok = '{"prompt": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[", "top_k": 2}'
     assert httpx.post(f"{srv.url}/predict/run", content=ok).status_code == 200
+
+
+def test_every_answer_of_an_inference_server_is_one_of_the_protocols_refusals() -> None:
+    """An inference server's non-2xx answer (backends/server_requests.py) becomes the protocol's error:
+    a refusal of the params as the server's, 429 as `overloaded`, anything else (its 5xx, a 404 of a
+    path it lacks) as 503 `backend_unavailable`, retryable; never an error in building the error."""
+    from backends.server_requests import refusal
+
+    for status in (400, 401, 403, 404, 405, 408, 413, 422, 429, 500, 502, 503, 504):
+        error = refusal(status, b'{"error": {"message": "no"}}', "the inference server")
+        expected = {400: "invalid_params", 413: "invalid_params", 422: "invalid_params", 429: "overloaded"}.get(status, "backend_unavailable")
+        assert error.code.value == expected and error.status == (422 if expected == "invalid_params" else 503)
+        assert error.message.startswith("the inference server") and error.message.endswith("no")
+        assert error.retryable == (expected != "invalid_params")
