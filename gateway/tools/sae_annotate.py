@@ -333,9 +333,10 @@ def _annotate_passes(
             raise_if_all_cancelled(ctxs)
             batch = [row for row in batch if not ctxs[_job(row)].cancelled]
             ids = [_ids(streams, row) for row in batch]
-            for row, read in zip(batch, ids):
+            residuals = _residuals(model, layer, ids) if batch else []
+            for row, read in zip(batch, ids):  # once read: a pass that failed counts nothing
                 ctxs[_job(row)].count(tokens_in=len(read))  # a window each time it runs (mode top: twice)
-            for row, x in zip(batch, _residuals(model, layer, ids) if batch else ()):
+            for row, x in zip(batch, residuals):
                 if isinstance(row[0], tuple):  # a window
                     streams[row[0]].add(row[1], x)
                     progress.advance(row[0][0])
