@@ -15,9 +15,9 @@ short prompt once the server is up, and granted or recorded, in words, as missin
   position, with the same log-probability (to rounding) and rank 1: the numbers are
   causal next-token log-probabilities, aligned as the tools read them;
 - `priority`: a request's `priority` is read (one that is not a number is refused) and
-  taken (vLLM with `--scheduling-policy priority`; with `fcfs` it refuses any but 0): a
-  job's class of users is then sent as its request's priority. A server that ignores the
-  field, or refuses it, is sent none.
+  taken (vLLM: it orders its queue by it under `--scheduling-policy priority`, and by
+  arrival under `fcfs`): a job's class of users is then sent as its request's priority.
+  A server that ignores the field, or refuses it, is sent none.
 
 A tool needs a set of these (backends/server_requests.py: each `Work.needs`); one whose
 needs are not all shown is not offered, and says which check failed.
@@ -85,16 +85,24 @@ async def _streamed(server: Server) -> tuple[str, list[int] | None]:
 
 
 async def _priority(server: Server) -> tuple[str | None, None]:
-    """Whether the server reads a request's `priority` and takes one (see the module's doc)."""
+    """Whether the server reads a request's `priority` (see the module's doc). A refusal is a reason
+    it is not sent one, never the server's trouble: only `overloaded` says to ask again."""
     body = {"model": server.upstream, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
     try:
         await server.post("/completions", {**body, "priority": "first"})
     except ApiError as exc:
-        if exc.code != Code.INVALID_PARAMS:
+        if exc.code == Code.OVERLOADED:
             raise
+        if exc.code != Code.INVALID_PARAMS:
+            return f"a priority that is not a number was answered {exc.status}: {exc.message}", None
     else:
         return "a priority that is not a number was taken: the server does not read the field", None
-    await server.post("/completions", {**body, "priority": -1})  # its refusal is the reason
+    try:
+        await server.post("/completions", {**body, "priority": -1})
+    except ApiError as exc:
+        if exc.code == Code.OVERLOADED:
+            raise
+        return f"a priority of -1 was refused: {exc.message}", None
     return None, None
 
 

@@ -355,13 +355,6 @@ def test_lm_eval_through_the_gateway_scores_as_on_the_vllm_server_itself(vllm_ga
     assert through["acc"] == own["acc"]
 
 
-def test_the_server_the_gateway_starts_schedules_by_the_priority_a_jobs_class_gives_its_request(vllm_gateway: ServeProcess) -> None:
-    """A request with a priority other than 0 is refused by a vLLM server that does not schedule by
-    priority: this one takes it (the gateway started it so; its jobs' requests carry their class's)."""
-    answer = direct(vllm_gateway, "/completions", {"prompt": "Hello", "max_tokens": 2, "priority": -10})
-    assert answer["choices"][0]["text"] is not None
-
-
 def test_a_jobs_class_is_its_requests_priority_on_a_server_shown_to_take_one_and_on_no_other(
     front: Front, plain_server: Front, tmp_path: Path
 ) -> None:
