@@ -421,7 +421,7 @@ class EngineBackend(Routing):
             self._spreads.pop(job.id, None)
             spread.drop()
             return False
-        job.on_end.append(lambda ended: self._spreads.pop(ended.id, None))
+        job.when_ended(lambda ended: self._spreads.pop(ended.id, None))
         spread.arm()
         return True
 

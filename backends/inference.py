@@ -435,7 +435,7 @@ class ServerLink:
             end_span(span, error.code, error.message)
             raise error
         if span.is_recording():
-            job.on_end.append(lambda _: span.end())
+            job.when_ended(lambda _: span.end())
         return response
 
     def _begin(self, job: Job, work: Work, response: httpx.Response) -> None:

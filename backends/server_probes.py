@@ -84,26 +84,28 @@ async def _streamed(server: Server) -> tuple[str, list[int] | None]:
     return text, (ids if every and ids else None)
 
 
+async def _refusal(server: Server, body: dict[str, Any]) -> ApiError | None:
+    """The server's refusal of a completion of `body` (None: taken); `overloaded` is raised: ask again."""
+    try:
+        await server.post("/completions", body)
+    except ApiError as exc:
+        if exc.code == Code.OVERLOADED:
+            raise
+        return exc
+    return None
+
+
 async def _priority(server: Server) -> tuple[str | None, None]:
     """Whether the server reads a request's `priority` (see the module's doc). A refusal is a reason
     it is not sent one, never the server's trouble: only `overloaded` says to ask again."""
     body = {"model": server.upstream, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
-    try:
-        await server.post("/completions", {**body, "priority": "first"})
-    except ApiError as exc:
-        if exc.code == Code.OVERLOADED:
-            raise
-        if exc.code != Code.INVALID_PARAMS:
-            return f"a priority that is not a number was answered {exc.status}: {exc.message}", None
-    else:
+    refused = await _refusal(server, {**body, "priority": "first"})
+    if refused is None:
         return "a priority that is not a number was taken: the server does not read the field", None
-    try:
-        await server.post("/completions", {**body, "priority": -1})
-    except ApiError as exc:
-        if exc.code == Code.OVERLOADED:
-            raise
-        return f"a priority of -1 was refused: {exc.message}", None
-    return None, None
+    if refused.code != Code.INVALID_PARAMS:
+        return f"a priority that is not a number was answered {refused.status}: {refused.message}", None
+    refused = await _refusal(server, {**body, "priority": -1})
+    return (None if refused is None else f"a priority of -1 was refused: {refused.message}"), None
 
 
 async def prove(server: Server) -> tuple[set[str], dict[str, str]]:

@@ -479,7 +479,7 @@ class Worker:
             loop = asyncio.get_running_loop()
             self._timers[job] = (loop.call_later(max(0.0, limit - job.ran_s), self._expire, job, limit), loop.time())
             if self._stop_timer not in job.on_end:
-                job.on_end.append(self._stop_timer)
+                job.when_ended(self._stop_timer)
         return True
 
     def _stop_timer(self, job: Job) -> float:

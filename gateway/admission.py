@@ -326,13 +326,13 @@ class Admission:
                 await self.store.release(scoped, job.id)
             end_span(job.span, *_refusal(exc))
             raise
-        job.on_end.append(lambda _: release())
+        job.when_ended(lambda _: release())
         if (meter := self.meter) is not None:
             user_class = applicant.principal.user_class if applicant.principal is not None else None
-            job.on_end.append(lambda ended: meter.settle(ended, user_class))
+            job.when_ended(lambda ended: meter.settle(ended, user_class))
         if room is not None:  # after the settling: the tokens its quota held count as used from then
             given_back = room
-            job.on_end.append(lambda _: given_back())
+            job.when_ended(lambda _: given_back())
         job.idempotency_key, job.request_digest = scoped, digest
         if going_on is not None:  # bound before, by the replica that first admitted it
             job.idempotency_key, job.request_digest = going_on.key, going_on.digest

@@ -133,7 +133,7 @@ def of(ctx: Any) -> Checkpoint | None:
 
 def removed_with(job: Any, folder: str) -> None:
     """Remove `folder` (a checkpoint, on a thread) when `job` ends, unless another gateway process goes on with it."""
-    job.on_end.append(
+    job.when_ended(
         lambda job: None if job.handed_off else asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, folder, True)
     )
 

@@ -112,7 +112,7 @@ class Job:
         self.request_digest = ""  # what the key was bound with (params.digest)
         # Its price (gateway/cost.py), where the backend that admitted it knows it: batches are cut by it.
         self.cost: Any = None
-        # Called once with the job when its terminal event is appended (e.g. to free a per-token slot).
+        # Called once with the job when its terminal event is appended (e.g. to free a per-token slot): `when_ended`.
         self.on_end: list[Callable[[Job], None]] = []
         self.on_start: list[Callable[[Job], None]] = []  # called once, as it first runs
         # Its log; once it has ended, its events before the terminal one may be moved out of memory (`keep_log`).
@@ -164,10 +164,7 @@ class Job:
             self.finished = now()
             self._drop_pending_progress()
             for callback in self.on_end:
-                try:
-                    callback(self)
-                except Exception:  # one bookkeeping bug must not keep the others from running
-                    log.exception("an end-of-job callback failed for job %s", self.id)
+                self._ended_with(callback)
         for listener in self.listeners:
             try:
                 listener(event)
@@ -272,6 +269,21 @@ class Job:
     @property
     def done(self) -> bool:
         return self.terminal is not None
+
+    def when_ended(self, callback: Callable[[Job], None]) -> None:
+        """Call `callback` with the job once its terminal event is appended, or now if it has been: a
+        job can end before the call that queued it returns (an engine's frames may come with its
+        answer to the submit, backends/remote.py), and what it held must be given back all the same."""
+        if self.terminal is not None:
+            self._ended_with(callback)
+        else:
+            self.on_end.append(callback)
+
+    def _ended_with(self, callback: Callable[[Job], None]) -> None:
+        try:
+            callback(self)
+        except Exception:  # one bookkeeping bug must not keep the others from running
+            log.exception("an end-of-job callback failed for job %s", self.id)
 
     def keep_result(self, kept: Kept) -> None:
         """Its result now lies in `kept` (the spool): the log and the terminal event refer to it there."""

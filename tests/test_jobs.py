@@ -339,3 +339,46 @@ def test_the_python_client_downloads_a_result_and_resumes_a_dropped_download(gw,
         ("GET", f"/jobs/{job_id}/result", None),
         ("GET", f"/jobs/{job_id}/result", "bytes=12-"),
     ]
+
+
+async def test_a_job_that_ends_before_its_submit_returns_gives_back_what_it_held(tiny_model_path: Any, tmp_path: Any) -> None:
+    """An engine's frames may come with its answer to the submit (backends/remote.py applies them as
+    the submit returns), so a short job can have ended before admission goes on. What it held is
+    given back all the same: its room for results (else the result store fills with promises and
+    refuses every job), its token's slot (else the token can run no job again), and its use is settled."""
+    import asyncio
+
+    from backends.local import LocalBackend
+    from gateway.admission import Admission, Applicant
+    from gateway.config import Settings
+    from gateway.jobs import Job
+    from gateway.plumbing.spool import ResultSpool
+    from gateway.server.auth import Limits, Principal
+    from gateway.server.metering import Meter
+    from gateway.tools import collect, load_module
+    from tests.support import result_tools
+
+    class EndedOnReturn(LocalBackend):
+        async def submit(self, job: Job) -> None:
+            await super().submit(job)
+            for _ in range(3000):
+                if job.done:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError("the job did not end")
+
+    backend = EndedOnReturn(collect(load_module(result_tools.__name__)), Settings(model=[str(tiny_model_path)], device="cpu"))
+    room, limits, meter = ResultSpool(str(tmp_path), 1 << 20), Limits(), Meter()
+    admission = Admission(backend, Settings().limits(), quota=limits, room=room, meter=meter)
+    principal = Principal("lab", "x" * 16, max_concurrent=1, user_class="lab")
+    await backend.start()
+    try:
+        await backend.wait_ready()
+        for _ in range(2):  # the second is refused (429) if the first kept its slot
+            job = await admission.admit(backend.tool("sized"), result_tools.SizedParams(size=1000), Applicant.of(principal, "lab"))
+            assert job.done and job.terminal is not None and job.terminal.type == "data"
+            assert room.held == 0 and not limits.running
+        assert [(row.tenant, row.usage.jobs) for row in await meter.rows()] == [("lab", 2)]
+    finally:
+        await backend.stop()
+        room.close()

@@ -149,7 +149,7 @@ class _Decoding:
         if not now.startswith(before):
             raise _Misread
         piece = now[len(before) :]
-        if not piece or piece.endswith("\ufffd"):
+        if _unfinished(piece):
             return ""
         self.start, self.read = self.read, len(self.ids)
         if len(self.ids) - self.checked >= SETTLE_TOKENS:
@@ -159,10 +159,15 @@ class _Decoding:
         return piece
 
     def _give(self, piece: str | None) -> str | None:
-        if not piece or piece.endswith("\ufffd"):
-            return None  # nothing yet, or an incomplete character: the next token says
+        if piece is None or _unfinished(piece):
+            return None
         self.text += piece
         return piece
+
+
+def _unfinished(piece: str) -> bool:
+    """Nothing yet, or an incomplete character: the next token says."""
+    return not piece or piece.endswith("\ufffd")
 
 
 class _Misread(Exception):

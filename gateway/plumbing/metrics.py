@@ -11,7 +11,7 @@ Shaped this way for three reasons:
   observation per batched forward step; a continuous `generate` batch makes one
   per token). Nothing in the backends has to call in, and nothing can drift.
 - What only happens in passing is counted where it happens, through hooks kept
-  small: a job's end (`Job.on_end`, added to by `track`: outcome, queue wait and run
+  small: a job's end (`Job.when_ended`, added to by `track`: outcome, queue wait and run
   time, all observed then so that a job counts once in each, with the same
   labels), a client's stream (`stream_opened`/`stream_closed`, `sent`), and a
   client cut for being too slow (`client_timeout`: gateway/plumbing/slowclients.py for
@@ -107,7 +107,7 @@ class Metrics:
 
     def track(self, job: Job) -> None:
         """Count `job`'s outcome and times when it ends."""
-        job.on_end.append(self._ended)
+        job.when_ended(self._ended)
 
     def _ended(self, job: Job) -> None:
         terminal = job.terminal

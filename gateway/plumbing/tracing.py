@@ -220,7 +220,7 @@ def on_device(job: Any, ctx: Any, device: str) -> None:
         return
     queued(job)
     run = ctx.span = child(job.span, "run", **{"streamgate.device": device})
-    job.on_end.append(lambda _: run.end())
+    job.when_ended(lambda _: run.end())
 
 
 def step(ctx: Any, began: int, size: int, index: int, **attributes: Any) -> None:

@@ -98,7 +98,7 @@ class Tasks:
         """The `CreateTaskResult` of an admitted job, which the task now holds (see the module docstring)."""
         if not job.done:
             self.store.attach(job)
-            job.on_end.append(self.store.detach)
+            job.when_ended(self.store.detach)
         return {"resultType": "task", **self._task(job.snapshot(kept=[]))}
 
     async def _get(self, ctx: ServerRequestContext[Any], params: TaskParams) -> dict[str, Any]:

@@ -289,7 +289,7 @@ class Webhooks:
         if held is not None:
             raise ApiError(Code.RATE_LIMITED, f"this gateway has {held.total} completion webhooks not yet delivered: try again later", retry_after=FULL_RETRY_S)
         # The message is made as the terminal event is appended, while its result is still in memory.
-        job.on_end.append(lambda ended: self._on_end(ended, url))
+        job.when_ended(lambda ended: self._on_end(ended, url))
 
     def _on_end(self, job: Job, url: str) -> None:
         if job.handed_off:  # it goes on in another replica, which delivers its end
