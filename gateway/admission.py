@@ -112,6 +112,10 @@ class Callbacks(Protocol):
 
     async def waiting(self, job: Job, url: str) -> None: ...
 
+    async def withdraw(self, job: Job, url: str) -> None: ...
+
+    def armed(self, job: Job, url: str) -> None: ...
+
 
 class Binding(NamedTuple):
     """What an idempotency key is bound to: the job it started, and a digest of the request that started it."""
@@ -297,7 +301,7 @@ class Admission:
         if self.metrics is not None:
             self.metrics.track(job)
         release = lambda: None  # noqa: E731
-        room = None
+        room, webhooks = None, None
         try:
             release = await self._quotas(applicant, job)
             job.cost = await self.backend.admit(tool, params, self.limits)
@@ -306,6 +310,8 @@ class Admission:
                 room = await self._priced(job, applicant, most_result)
             if callback is not None and self.webhooks is not None:
                 await self.webhooks.waiting(job, callback)
+                # A job going on here kept its delivery from its first admission, refused here or not.
+                webhooks = self.webhooks if going_on is None else None
             if admission.get_span_context().is_valid:
                 # From here the job is its own trace's: it outlives the request, and another process
                 # continues it from this span (the time it waits queued is measured from its start).
@@ -322,17 +328,13 @@ class Admission:
             release()
             if room is not None:
                 room()
+            if webhooks is not None and callback is not None:
+                await webhooks.withdraw(job, callback)
             if scoped is not None and self.store is not None:
                 await self.store.release(scoped, job.id)
             end_span(job.span, *_refusal(exc))
             raise
-        job.when_ended(lambda _: release())
-        if (meter := self.meter) is not None:
-            user_class = applicant.principal.user_class if applicant.principal is not None else None
-            job.when_ended(lambda ended: meter.settle(ended, user_class))
-        if room is not None:  # after the settling: the tokens its quota held count as used from then
-            given_back = room
-            job.when_ended(lambda _: given_back())
+        self._until_end(job, applicant, release, room, callback)
         job.idempotency_key, job.request_digest = scoped, digest
         if going_on is not None:  # bound before, by the replica that first admitted it
             job.idempotency_key, job.request_digest = going_on.key, going_on.digest
@@ -340,6 +342,19 @@ class Admission:
             await self.store.add(job)
         return job
 
+    def _until_end(
+        self, job: Job, applicant: Applicant, release: Callable[[], None], room: Callable[[], None] | None, callback: str | None
+    ) -> None:
+        """What the admitted job holds is given back as it ends (at once if it has: an engine's frames
+        may come with its answer to the submit), its use settled, and its end delivered."""
+        job.when_ended(lambda _: release())
+        if (meter := self.meter) is not None:
+            user_class = applicant.principal.user_class if applicant.principal is not None else None
+            job.when_ended(lambda ended: meter.settle(ended, user_class))
+        if room is not None:  # after the settling: the tokens its quota held count as used from then
+            job.when_ended(lambda _: room())
+        if callback is not None and self.webhooks is not None:  # admitted: a refused run's end is no one's
+            self.webhooks.armed(job, callback)
 
     async def _quotas(self, applicant: Applicant, job: Job) -> Callable[[], None]:
         """The token's place within its limits (429; what gives it back), and its class's quotas on

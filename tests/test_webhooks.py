@@ -427,3 +427,67 @@ async def test_an_mcp_task_is_told_to_the_callback_its_request_names(serve: Any,
         refused = await client.call_tool("held", {"gate": str(gate)})
         assert isinstance(refused, types.CallToolResult) and refused.is_error
         assert refused.content[0].text.startswith("forbidden:")
+
+
+async def test_a_run_refused_after_its_delivery_was_kept_leaves_none_behind(tiny_model_path: Path) -> None:
+    """The delivery is kept (and counted against the tenant's cap) before the job is queued; a run the
+    queue then refuses (429 queue_full) takes it out again, so refusals never use up the tenant's
+    webhooks. A job going on in another replica counts the delivery it kept from its first admission
+    once, whatever the caps."""
+    from backends.local import LocalBackend
+    from gateway.admission import Admission, Applicant
+    from gateway.config import Settings
+    from gateway.errors import ApiError
+    from gateway.server.webhooks import Delivery, Webhooks
+    from gateway.tools import collect, load_module
+    from tests.support import script_tools
+
+    tools = collect(load_module(script_tools.__name__))
+    settings = Settings(model=[str(tiny_model_path)], device="cpu", queue_size=1)
+    backend = LocalBackend(tools, settings)
+    hooks = Webhooks(SECRET, ["127.0.0.1"], per_tenant=3)
+    admission = Admission(backend, settings.limits(), webhooks=hooks)
+    waits = script_tools.ScriptParams(script=[script_tools.AwaitDisconnectStep()])
+    url, applicant = "http://127.0.0.1:9/hook", Applicant("lab")
+    await backend.start()
+    try:
+        await backend.wait_ready()
+        running = await admission.admit(tools["script"], waits, applicant, callback=url)
+        for _ in range(3000):  # its worker takes it: the queue's one place is free again
+            if running.started is not None:
+                break
+            await asyncio.sleep(0.01)
+        queued = await admission.admit(tools["script"], waits, applicant, callback=url)
+        for _ in range(3):
+            with pytest.raises(ApiError) as refused:
+                await admission.admit(tools["script"], waits, applicant, callback=url)
+            assert refused.value.code.value == "queue_full", refused.value.message  # never the webhooks' cap
+        assert await hooks.outbox.held("lab") == (2, 2, 0)
+        # The running job's delivery, kept again as it goes on elsewhere: counted once, not refused.
+        assert await hooks.outbox.open(Delivery(running.id, url, tenant="lab"), 2, 10) is None
+        assert await hooks.outbox.held("lab") == (2, 2, 0)
+        for job in (running, queued):
+            backend.cancel(job)
+    finally:
+        await backend.stop()
+
+
+def test_a_redis_outbox_takes_out_a_refused_runs_delivery_and_counts_a_job_going_on_once(redis_server: RedisServer) -> None:  # noqa: F811
+    from gateway.server.redis_store.outbox import RedisOutbox
+    from gateway.server.webhooks import Delivery
+
+    async def check() -> None:
+        outbox = RedisOutbox(redis_server.url, retention=60, prefix="outbox-drop:")
+        try:
+            for job_id in ("a", "b"):
+                assert await outbox.open(Delivery(job_id, "http://x", tenant="t"), per_tenant=2, most=10) is None
+            assert await outbox.open(Delivery("c", "http://x", tenant="t"), per_tenant=2, most=10) == (2, 2, 0)
+            assert await outbox.open(Delivery("a", "http://x", tenant="t"), per_tenant=2, most=10) is None  # its own
+            await outbox.drop(Delivery("b", "http://x", tenant="t"))
+            assert await outbox.held("t") == (1, 1, 0) and await outbox.get("b") is None
+            assert await outbox.waiting(10) == ["a"]
+            assert await outbox.open(Delivery("c", "http://x", tenant="t"), per_tenant=2, most=10) is None
+        finally:
+            await outbox.close()
+
+    asyncio.run(check())

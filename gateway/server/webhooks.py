@@ -24,7 +24,8 @@ POSTed there, signed the Standard Webhooks way, once the job ends.
   is back, so a terminal event is delivered at least once. `GET /jobs/{id}` shows the delivery
   (`callback`: its state, tries, the receiver's last status and error).
 - **Bounded.** A tenant has at most `--webhooks-per-tenant` deliveries open (its jobs' that run, and
-  those whose tries go on), a gateway at most `MAX_OPEN`; a run past either is refused with 429. The
+  those whose tries go on), a gateway at most `MAX_OPEN`; a run past either is refused with 429, and
+  a run refused for any other reason leaves no delivery behind. The
   results carried inline by the pending deliveries are at most `INLINE_HELD` bytes together: past
   that, a message carries the result's size instead (the receiver fetches it). An ended delivery
   keeps no message, and at most `MAX_ENDED` are kept in memory.
@@ -115,6 +116,9 @@ class Outbox(Protocol):
 
     async def held(self, tenant: str) -> OutboxHeld: ...
 
+    async def drop(self, delivery: Delivery) -> None:
+        """Take out `delivery`, which waited for a job that was refused: it counts no more."""
+
     async def claim(self, now: float, lease: float, most: int) -> list[Delivery]: ...
 
     async def get(self, job_id: str) -> Delivery | None: ...
@@ -171,14 +175,20 @@ class MemoryOutbox:
             self._inline += sign * delivery.inline
 
     async def open(self, delivery: Delivery, per_tenant: int, most: int) -> OutboxHeld | None:
-        held = OutboxHeld(len(self._open.get(delivery.tenant, ())), self._opened, self._inline)
-        if held.tenant >= per_tenant or held.total >= most:
+        mine = self._open.get(delivery.tenant, ())
+        held = OutboxHeld(len(mine), self._opened, self._inline)
+        if delivery.job_id not in mine and (held.tenant >= per_tenant or held.total >= most):
             return held
         await self.put(delivery)  # no wait in between: nothing else is put meanwhile
         return None
 
     async def held(self, tenant: str) -> OutboxHeld:
         return OutboxHeld(len(self._open.get(tenant, ())), self._opened, self._inline)
+
+    async def drop(self, delivery: Delivery) -> None:
+        kept = self.deliveries.pop(delivery.job_id, None)
+        if kept is not None:
+            self._count(kept, -1)
 
     async def claim(self, now: float, lease: float, most: int) -> list[Delivery]:
         claimed: list[Delivery] = []
@@ -288,7 +298,17 @@ class Webhooks:
             )
         if held is not None:
             raise ApiError(Code.RATE_LIMITED, f"this gateway has {held.total} completion webhooks not yet delivered: try again later", retry_after=FULL_RETRY_S)
-        # The message is made as the terminal event is appended, while its result is still in memory.
+
+    async def withdraw(self, job: Job, url: str) -> None:
+        """The run `waiting` kept the delivery of was refused after all: it is no delivery to count."""
+        try:
+            await self.outbox.drop(Delivery(job.id, url, tenant=job.tenant))
+        except Exception as exc:  # the outbox is unreachable: counted until its key expires
+            log.error("job %s: its refused run's webhook could not be taken out: %s", job.id, exc, extra={"job_id": job.id})
+
+    def armed(self, job: Job, url: str) -> None:
+        """`job`, admitted, has its end delivered: the message is made as the terminal event is
+        appended (or now, if it has been), while its result is still in memory."""
         job.when_ended(lambda ended: self._on_end(ended, url))
 
     def _on_end(self, job: Job, url: str) -> None:

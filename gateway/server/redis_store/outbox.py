@@ -61,9 +61,25 @@ end
 OPEN = """
 for _, key in ipairs({KEYS[4], KEYS[5]}) do redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[10]) end
 local mine, all = redis.call('ZCARD', KEYS[5]), redis.call('ZCARD', KEYS[4])
-if mine >= tonumber(ARGV[8]) or all >= tonumber(ARGV[9]) then return {0, mine, all} end
+local counted = redis.call('ZSCORE', KEYS[5], ARGV[4])  -- its job's, open already (a job taken over)
+if not counted and (mine >= tonumber(ARGV[8]) or all >= tonumber(ARGV[9])) then return {0, mine, all} end
 """ + PUT + """
 return {1, mine, all}
+"""
+
+# A delivery taken out whole (its run was refused). KEYS as PUT's; ARGV: job id.
+DROP = """
+local id = ARGV[1]
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], id)
+redis.call('SREM', KEYS[3], id)
+redis.call('ZREM', KEYS[4], id)
+redis.call('ZREM', KEYS[5], id)
+local old = tonumber(redis.call('HGET', KEYS[6], id) or '0')
+if old > 0 then
+  redis.call('HDEL', KEYS[6], id)
+  redis.call('INCRBY', KEYS[7], -old)
+end
 """
 
 
@@ -82,6 +98,7 @@ class RedisOutbox:
         self.claim_script: Any = self.redis.register_script(CLAIM)
         self.put_script: Any = self.redis.register_script(PUT)
         self.open_script: Any = self.redis.register_script(OPEN)
+        self.drop_script: Any = self.redis.register_script(DROP)
 
     def _key(self, job_id: str) -> str:
         return f"{self.prefix}webhook:{job_id}"
@@ -105,6 +122,10 @@ class RedisOutbox:
         keys, args = self._put(delivery)
         put, mine, everyone = await self.open_script(keys=keys, args=[*args, per_tenant, most, _gone_ms()])
         return None if put else OutboxHeld(mine, everyone, 0)
+
+    async def drop(self, delivery: Delivery) -> None:
+        keys, _ = self._put(delivery)
+        await self.drop_script(keys=keys, args=[delivery.job_id])
 
     @_answering
     async def held(self, tenant: str) -> OutboxHeld:
