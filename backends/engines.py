@@ -41,7 +41,7 @@ from backends.frames import failure
 from backends.remote import UNIX, ExecutorLink, RemoteJob
 from backends.routing import Link, Routing, Unreachable
 from backends.engine_processes import Engine, VllmEngine, engine_devices, engine_settings
-from backends.spreading import Spread, split
+from backends.spreading import Spread, merged_cost, split
 from gateway import checkpoints
 from gateway.config import Settings
 from gateway import params as params_mod
@@ -198,11 +198,16 @@ class EngineLink(ExecutorLink):
         self.healthy = False
         self.problem = reason
         self.abandoned.clear()  # a new engine has none of them
+        # A job whose submit is unanswered is its submitter's (`_closed` fails it): admission tries
+        # another engine or refuses the run, `_requeue` waits again. Kept here too, it would run twice.
+        unanswered = {job_id for job_id, answer in self.answers.items() if not answer.done()}
         self._closed()
         keep = self.ready_since_start  # an engine that never got ready is in a crash loop: nothing waits on it
         going_on: list[Job] = []  # running ones that go on from their checkpoints, first: they started first
         for remote in list(self.jobs.values()):
             job = remote.job
+            if job.id in unanswered:
+                continue
             if keep and (job.started is None or self.resumable(job)):
                 self.jobs.pop(job.id, None)
                 if job.started is None:
@@ -414,13 +419,15 @@ class EngineBackend(Routing):
             self._spreads.pop(job.id, None)
             spread.drop()
             raise
-        # Each part was priced alone; merged, their results are one, which --max-result-bytes bounds.
-        merged = sum(part.cost.result for part in spread.parts if part.cost is not None)
-        if any(isinstance(outcome, BaseException) for outcome in outcomes) or merged > self.max_result_bytes:
+        # Each part was priced alone; merged, their results are one, which --max-result-bytes bounds,
+        # and their price the job's, which admission holds (the result's room, a class's quotas).
+        merged = merged_cost(spread.parts)
+        if any(isinstance(outcome, BaseException) for outcome in outcomes) or (merged is not None and merged.result > self.max_result_bytes):
             # Whole, the job meets the refusal (or the acceptance: as files) it would have met unspread.
             self._spreads.pop(job.id, None)
             spread.drop()
             return False
+        job.cost = merged
         job.when_ended(lambda ended: self._spreads.pop(ended.id, None))
         spread.arm()
         return True

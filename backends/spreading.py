@@ -46,6 +46,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.cost import Cost
 from gateway.jobs import Job
 from gateway.plumbing import tracing
 from gateway.protocol import Code, Status
@@ -160,6 +161,21 @@ class Part(Job):
             super().fail(code, message)
             self.spread.job.usage.add(self.usage)
             self.spread.failed(code, message)
+
+
+def merged_cost(parts: Sequence[Job]) -> Cost | None:
+    """A spread job's price from its parts' (each priced by its engine), for its admission to hold as
+    any job's: results, files, journals and counted tokens add up; a part's memory and widest pass
+    are on its own engine's device, so the most of them."""
+    costs = [part.cost for part in parts if part.cost is not None]
+    if not costs:
+        return None
+    widest = max(costs, key=lambda cost: cost.memory)
+    return Cost(
+        memory=widest.memory, result=sum(c.result for c in costs), memory_field=widest.memory_field,
+        result_field=costs[0].result_field, tokens=max(c.tokens for c in costs), counted=sum(c.most_counted for c in costs),
+        files=sum(c.files for c in costs), journal=sum(c.journal for c in costs),
+    )
 
 
 class Spread:

@@ -495,6 +495,9 @@ class Worker:
         from what its batch `kept` (its client is told it waits, where, and why)."""
         self.running.discard(job)
         job.ran_s += self._stop_timer(job)
+        if job.cancel_requested.is_set():  # cancelled (or past its time) as it was taken out: it ends here
+            job.fail(Code.CANCELLED, "the job was cancelled")
+            return
         job.kept = kept
         job.preemptions += 1
         self.queue.put_back(job, PREEMPTED)

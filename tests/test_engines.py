@@ -299,6 +299,29 @@ def test_a_killed_engine_ends_its_running_jobs_once_runs_its_queued_ones_anew_an
     assert run_stream(url, "nap", {"seconds": 0, "tag": "again", "model": "a"}).terminal["data"] == {"tag": "again", "batch": 1}
 
 
+def test_a_run_whose_submit_its_engine_never_answered_is_refused_once_and_never_run_later(gateway: ServeProcess) -> None:
+    """The engine stops (SIGSTOP) with a run's submit unanswered, then dies: the run is refused (503,
+    retryable: no job was made), and its job is not also kept for the next engine, where it would run
+    with no one to answer to (or twice, with another engine to try)."""
+    import concurrent.futures
+
+    url = gateway.url
+    pid = engines(gateway)["b"]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            answer = pool.submit(httpx.post, f"{url}/nap/run", json={"seconds": 0, "tag": "unanswered", "model": "b"}, timeout=60)
+            wait_until(lambda: engines(gateway)["b"]["jobs"] == 1, 30, "the submit to be sent")
+        finally:
+            os.kill(pid, signal.SIGKILL)
+        refused = answer.result()
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready", refused.text
+    assert engines(gateway)["b"]["waiting"] == 0
+    wait_until(lambda: engines(gateway)["b"]["state"] == "ready", timeout=120, what="b's new engine")
+    assert run_stream(url, "nap", {"seconds": 0, "tag": "after", "model": "b"}).terminal["data"] == {"tag": "after", "batch": 1}
+    assert engines(gateway)["b"]["jobs"] == 0
+
+
 def test_a_job_cancelled_while_its_engine_restarts_ends_cancelled(gateway: ServeProcess) -> None:
     url = gateway.url
     blocker = follow(url, "nap", {"seconds": 60, "tag": "blocker", "model": "b"})
@@ -628,10 +651,13 @@ def test_a_cut_job_cancelled_ends_once_and_stops_every_part(two_copies: ServePro
     job = follow(url, "lengths", {"texts": ["slow"] * 40, "trace": str(trace)})
     # The follower's own thread records the stream's events: its first may come after the engines run.
     wait_until(lambda: job.events and all(e["running"] == 1 for e in copies(two_copies)), timeout=60, what="a part running on each engine")
+    # Its parts' price is the job's: its result's room is held while it runs, as any job's.
+    assert value(scrape(url), "streamgate_result_spool_promised_bytes") > 0
     job_id = job.events[0]["id"].split(":")[0]
     assert httpx.delete(f"{url}/jobs/{job_id}", timeout=10).json()["cancelled"] is True
     assert job.ended()["data"]["error"]["code"] == "cancelled"
     wait_until(lambda: all(e["running"] == 0 and e["jobs"] == 0 for e in copies(two_copies)), timeout=60, what="both parts to stop")
+    assert value(scrape(url), "streamgate_result_spool_promised_bytes") == 0
     ran = trace.read_text().split() if trace.exists() else []
     assert len(ran) < 10, ran  # the parts stopped before their last chunks
 

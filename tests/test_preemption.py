@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -48,19 +50,28 @@ async def test_a_job_put_back_goes_first_in_its_class_told_why_and_is_never_refu
 
 
 class Holder:
-    """Holds the device's thread in the model's `at`-th forward pass (and each of `then`'s) until
-    let go (`go`, then `release` for the last)."""
+    """Holds the device's thread in the model's `at`-th forward pass (and each of `then`'s), or in the
+    first pass once `hold_when`'s condition holds, until let go (`go`, then `release` for the last)."""
 
     def __init__(self, module: torch.nn.Module, at: int, *then: int) -> None:
         self.calls, self.points = 0, [at, *then]
+        self.when: Callable[[], bool] | None = None
         self.reached = threading.Event()
         self.go = threading.Event()
         self.handle = module.register_forward_pre_hook(self._hook)
 
+    def hold_when(self, condition: Callable[[], bool]) -> None:
+        """Hold the first pass (from the device's thread's next one) at which `condition()` is true."""
+        self.when = condition
+
     def _hook(self, *_: Any) -> None:
         self.calls += 1
-        if self.points and self.calls == self.points[0]:
+        due = bool(self.points) and self.calls == self.points[0]
+        if due:
             self.points.pop(0)
+        elif self.when is not None and self.when():
+            self.when, due = None, True
+        if due:
             self.go.clear()
             self.reached.set()
             assert self.go.wait(60), "the test did not let the step go on"
@@ -128,6 +139,33 @@ def test_a_preempted_generation_completes_as_it_would_have_alone(serve: Any, tmp
     assert sum(len(ids) for ids in streamed.values()) == alone["usage"]["completion_tokens"]
 
 
+def test_a_member_cancelled_as_it_is_preempted_ends_cancelled_and_is_not_queued_again(serve: Any, tmp_path: Path) -> None:
+    """The student's member is asked to leave for the lab's job, and its client cancels it before the
+    step under way ends: taken out, it ends cancelled there, not queued again behind the lab's job
+    (where it would hold a place, and its client wait, until a worker reached it)."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(CLASSES)
+    server = serve(tokens_file=str(tokens), max_decoding_jobs=1, class_min_share=0, detach_grace=30)
+    worker = server.backend.workers[0]
+    jobs = track_jobs(server)
+    holder = Holder(worker.model.module, at=6)
+    try:
+        student = Follower(server.url, "generate", {"prompts": ["the cat sat on"], "max_tokens": 40}, bearer(STUDENT))
+        assert holder.reached.wait(60), "the student's job did not reach its fifth step"
+        lab = Follower(server.url, "generate", {"prompts": ["hello"], "max_tokens": 4}, bearer(LAB))
+        wait_until(lambda: any(run.evict for run in worker._runs), 30, "the lab's job to preempt the student's")
+        (student_job,) = [j for j in jobs.values() if j.tenant == "student"]
+        cancelled = httpx.delete(f"{server.url}/jobs/{student_job.id}", headers=bearer(STUDENT), timeout=10)
+        assert cancelled.status_code == 200 and cancelled.json()["cancelled"] is True
+    finally:
+        holder.release()
+    assert student.done()[-1]["data"]["error"]["code"] == "cancelled"
+    assert completed(lab)["usage"]["completion_tokens"] == 4
+    (lab_job,) = [j for j in jobs.values() if j.tenant == "lab"]
+    assert not any(f["status"] == "QUEUED" and f.get("message") == PREEMPTED for f in statuses(student_job))
+    assert student_job.finished is not None and lab_job.finished is not None and student_job.finished < lab_job.finished
+
+
 def test_no_member_is_preempted_for_a_job_of_its_own_class(serve: Any, tmp_path: Path) -> None:
     other_student = "student2-token-0123456789abc"
     tokens = tmp_path / "tokens.toml"
@@ -168,10 +206,18 @@ def test_the_lower_class_keeps_its_minimum_share_of_the_places(serve: Any, tmp_p
         assert holder.reached.wait(60), "the two students did not decode together"
         lab = Follower(server.url, "generate", {"prompts": ["hello"], "max_tokens": 30}, bearer(LAB))
         wait_until(lambda: any(run.evict for run in worker._runs), 30, "the lab's job to preempt a student's")
+        # Held again as the lab's job is in the batch: its second comes while it runs (not once it has
+        # ended and the preempted student is back, which the second would preempt again).
+        (lab_id,) = [j.id for j in jobs.values() if j.tenant == "lab"]
+        holder.hold_when(lambda: any(ctx.job_id == lab_id for run in list(worker._runs) for ctx in run.live))
         holder.step_on()
+        assert holder.reached.wait(60), "the lab's job did not join the batch"
         wait_until(lambda: sum(j.tenant == "lab" and j.started is not None for j in jobs.values()) == 1, 30, "the lab's job to start")
         again = Follower(server.url, "generate", {"prompts": ["hello again"], "max_tokens": 4}, bearer(LAB))
-        wait_until(lambda: sum(j.tenant == "lab" for j in jobs.values()) == 2, 30, "the lab's second job")
+        # Queued behind nothing but the preempted student's: the batch is full, and the other student is its class's share.
+        wait_until(lambda: sum(j.tenant == "lab" for j in jobs.values()) == 2 and len(server.backend.queue) == 2, 30,
+                   "the lab's second job to queue")
+        assert not any(run.evict for run in worker._runs)
     finally:
         holder.release()
     for follower in (first, second, lab, again):

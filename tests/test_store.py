@@ -9,6 +9,7 @@ lapsed attachments and silent owners play out in a fraction of a second.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -190,6 +191,19 @@ async def test_a_job_nobody_attached_to_is_not_cancelled(store_kind: str, replic
     job = await a.add()
     await asyncio.sleep(0.5)
     assert a.cancelled == [] and not job.done
+
+
+async def test_the_memory_store_counts_no_follower_of_a_job_it_forgot(replicas: Any) -> None:
+    """A stream that outlives its job's retention (a slow download of a big result) detaches after
+    the job is forgotten: nothing is left counted for it."""
+    a = await replicas("memory", retention=0.0)
+    job = await a.add()
+    a.store.attach(job)
+    job.succeed({"text": "hi"})
+    a.store._forget_expired(time.time() + 1)
+    assert await a.store.get(job.id) is None
+    a.store.detach(job)
+    assert a.store._attached == {}
 
 
 async def test_retention(store_kind: str, replicas: Any) -> None:
@@ -434,6 +448,24 @@ async def test_a_follower_elsewhere_holds_the_job_past_the_grace(replicas: Any) 
     assert a.cancelled == [], "cancelled although a client on the other replica follows it"
     b.store.detach(view)
     await eventually(lambda: a.cancelled == [job.id], timeout=5, what="the cancel after the follower left")
+
+
+async def test_a_job_taken_over_by_the_replica_its_clients_follow_it_on_is_let_go_when_they_leave(replicas: Any) -> None:
+    """B's client follows A's job; A stops and B takes the job over (its `add` of the job going on
+    there). The client is B's own follower now: once it leaves, the job is cancelled after the grace,
+    as any of B's, and B no longer heartbeats an attachment of itself as another replica's follower."""
+    a, b = await replicas("redis", detach_grace=0.2), await replicas("redis", detach_grace=0.2)
+    job = await a.add()
+    view = await b.store.get(job.id)
+    b.store.attach(view)
+    attached = b.store.keys.attached(job.id)
+    crash(a.store)
+    going_on = Job("echo", {"text": "hi"}, job_id=job.id, after=len(job.events))
+    await b.store.add(going_on)
+    b.store.detach(view)
+    await eventually(lambda: b.cancelled == [job.id], timeout=5, what="the cancel once its client left")
+    await asyncio.sleep(3 * HEARTBEAT)  # heartbeats that would attach it again
+    assert await b.store._redis.zscore(attached, b.store.replica_id) is None
 
 
 async def test_a_crashed_follower_does_not_pin_the_job(replicas: Any) -> None:

@@ -345,8 +345,11 @@ class MemoryStore(JobStore):
 
     def detach(self, job: JobHandle) -> None:
         left = self._attached.get(job.id, 1) - 1
-        self._attached[job.id] = left
-        if left > 0 or job.done or not isinstance(job, Job):
+        if left > 0:
+            self._attached[job.id] = left
+            return
+        self._attached.pop(job.id, None)  # none left (a stream may outlive its job's retention: never 0 kept)
+        if job.done or not isinstance(job, Job):
             return
         if self.detach_grace <= 0:
             self._cancel(job)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import msgspec
 import torch
 
+from gateway.cost import Cost
 from gateway.tools import Cancelled, Context, Model, tool
 from gateway.tools import embed as embed_tool
 from gateway.tools import logprobs as logprobs_tool
@@ -99,7 +100,12 @@ _lengths = Chunked(
 )
 
 
-@tool(batch=_lengths.batch, spread=_lengths)
+def _lengths_cost(model: Model, params: LengthsParams) -> Cost:
+    """Priced as a tool's: a spread job's parts' prices are the job's."""
+    return Cost(memory=1024 * len(params.texts), result=64 + 24 * len(params.texts), memory_field="texts", result_field="texts")
+
+
+@tool(batch=_lengths.batch, spread=_lengths, cost=_lengths_cost)
 def lengths(model: Model, params: LengthsParams, ctx: Context) -> Lengths:
     """Each text's length and the process that measured it: a job cut over a model's engines."""
     return _lengths.many(model, [params], [ctx])[0]

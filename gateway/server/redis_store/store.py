@@ -293,7 +293,12 @@ class RedisStore(Writing, Reading, Replicas, Leases, JobStore):
 
     async def add(self, job: Job) -> None:
         if job.taken_over:  # (`_take_over`): its hash is there, and names this replica its owner
-            self._owned[job.id] = Owned(job, ever_attached=self._followed.pop(job.id, False), taken=True)
+            followed = self._followed.pop(job.id, False) or self._attached.get(job.id, 0) > 0
+            self._owned[job.id] = Owned(job, ever_attached=followed, taken=True)
+            if (owner := self._views.pop(job.id, None)) is not None:
+                # Its clients here followed it as the old owner's: they count as this replica's own now,
+                # not as another's (which the heartbeats would keep alive, and it never be let go).
+                self._ops.put_nowait(("detach", job.id, owner))
             self._restart_mirror(job)
             return
         key = job.idempotency_key
