@@ -87,6 +87,16 @@ class Holder:
         self.handle.remove()
 
 
+def classed(serve: Any, tmp_path: Path, tokens_toml: str = CLASSES, **settings: Any) -> tuple[Any, Any, dict[str, Job]]:
+    """A gateway with the lab and students classes (a member at a time unless `settings` say), its
+    worker and the jobs it admits."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(tokens_toml)
+    settings = {"max_decoding_jobs": 1, "class_min_share": 0, **settings}
+    server = serve(tokens_file=str(tokens), detach_grace=30, **settings)
+    return server, server.backend.workers[0], track_jobs(server)
+
+
 def completed(follower: Follower) -> dict[str, Any]:
     events = follower.done()
     assert events[-1]["event"] == "data", events[-1]
@@ -102,13 +112,9 @@ def completed(follower: Follower) -> dict[str, Any]:
     ids=["greedy", "sampled-with-seed"],
 )
 def test_a_preempted_generation_completes_as_it_would_have_alone(serve: Any, tmp_path: Path, params: dict[str, Any]) -> None:
-    tokens = tmp_path / "tokens.toml"
-    tokens.write_text(CLASSES)
-    # One member at a time: the lab's job finds the batch full.
-    server = serve(tokens_file=str(tokens), max_decoding_jobs=1, class_min_share=0, detach_grace=30)
-    worker = server.backend.workers[0]
+    server, worker, jobs = classed(serve, tmp_path)  # one member at a time: the lab's job finds the batch full
     alone = completed(Follower(server.url, "generate", params, bearer(STUDENT)))
-    jobs = track_jobs(server)
+    jobs.clear()
     holder = Holder(worker.model.module, at=6)  # its prefill, and four decoding steps, then held in the fifth
     try:
         student = Follower(server.url, "generate", params, bearer(STUDENT))
@@ -143,11 +149,7 @@ def test_a_member_cancelled_as_it_is_preempted_ends_cancelled_and_is_not_queued_
     """The student's member is asked to leave for the lab's job, and its client cancels it before the
     step under way ends: taken out, it ends cancelled there, not queued again behind the lab's job
     (where it would hold a place, and its client wait, until a worker reached it)."""
-    tokens = tmp_path / "tokens.toml"
-    tokens.write_text(CLASSES)
-    server = serve(tokens_file=str(tokens), max_decoding_jobs=1, class_min_share=0, detach_grace=30)
-    worker = server.backend.workers[0]
-    jobs = track_jobs(server)
+    server, worker, jobs = classed(serve, tmp_path)
     holder = Holder(worker.model.module, at=6)
     try:
         student = Follower(server.url, "generate", {"prompts": ["the cat sat on"], "max_tokens": 40}, bearer(STUDENT))
@@ -168,11 +170,7 @@ def test_a_member_cancelled_as_it_is_preempted_ends_cancelled_and_is_not_queued_
 
 def test_no_member_is_preempted_for_a_job_of_its_own_class(serve: Any, tmp_path: Path) -> None:
     other_student = "student2-token-0123456789abc"
-    tokens = tmp_path / "tokens.toml"
-    tokens.write_text(CLASSES + f'[tokens.student2]\ntoken = "{other_student}"\n')
-    server = serve(tokens_file=str(tokens), max_decoding_jobs=1, class_min_share=0, detach_grace=30)
-    worker = server.backend.workers[0]
-    jobs = track_jobs(server)
+    server, worker, jobs = classed(serve, tmp_path, CLASSES + f'[tokens.student2]\ntoken = "{other_student}"\n')
     holder = Holder(worker.model.module, at=3)
     try:
         first = Follower(server.url, "generate", {"prompts": ["the cat"], "max_tokens": 8}, bearer(STUDENT))
@@ -189,11 +187,7 @@ def test_no_member_is_preempted_for_a_job_of_its_own_class(serve: Any, tmp_path:
 def test_the_lower_class_keeps_its_minimum_share_of_the_places(serve: Any, tmp_path: Path) -> None:
     """Two students decoding in a batch of two, --class-min-share 0.5: the lab's first job preempts
     one of them (the one started last), its second none (the other is the students' share)."""
-    tokens = tmp_path / "tokens.toml"
-    tokens.write_text(CLASSES)
-    server = serve(tokens_file=str(tokens), max_decoding_jobs=2, class_min_share=0.5, detach_grace=30, batch_wait_ms=0)
-    worker = server.backend.workers[0]
-    jobs = track_jobs(server)
+    server, worker, jobs = classed(serve, tmp_path, max_decoding_jobs=2, class_min_share=0.5, batch_wait_ms=0)
     params = {"prompts": ["the cat sat on"], "max_tokens": 40}
     holder = Holder(worker.model.module, 1, 4)  # the first student's prefill; then a step with both decoding
     try:
