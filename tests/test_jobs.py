@@ -48,6 +48,21 @@ def gated(model: Model, params: GatedParams, ctx: Context) -> GatedResult:
     return GatedResult(parts)
 
 
+ENTERED: dict[str, threading.Event] = {}
+
+
+def _checked_at_the_gate(model: Model, params: GatedParams) -> None:
+    """A check (run at admission) that waits for the gate: a request held while it is admitted."""
+    ENTERED.setdefault(params.gate, threading.Event()).set()
+    assert GATES[params.gate].wait(30), "the test did not open the gate"
+
+
+@tool(check=_checked_at_the_gate)
+def admitted_at_the_gate(model: Model, params: GatedParams, ctx: Context) -> GatedResult:
+    """`gated`'s result, once its admission (its check) has waited for the gate."""
+    return GatedResult([f"part {i}" for i in range(params.parts)])
+
+
 def new_gate() -> str:
     name = uuid.uuid4().hex
     GATES[name] = threading.Event()
@@ -57,7 +72,7 @@ def new_gate() -> str:
 @pytest.fixture
 def gw(serve):
     """A gateway whose jobs outlive their connections (detach grace 30 s)."""
-    return serve(tools=[gated], detach_grace=30)
+    return serve(tools=[gated, admitted_at_the_gate], detach_grace=30)
 
 
 @contextlib.contextmanager
@@ -173,6 +188,25 @@ def test_the_same_idempotency_key_attaches_to_the_same_job(gw):
     s = run_stream(gw.url, "gated", {"gate": other}, headers={"Idempotency-Key": uuid.uuid4().hex})
     assert s.headers["x-job-id"] != job_id
     GATES[gate].set()
+
+
+def test_the_same_idempotency_key_while_its_first_request_is_admitted_is_told_to_come_again(gw):
+    """A client's retry that comes while its first request is still being admitted (its price checked):
+    429 with Retry-After, never 404 (a client would give up while the job runs on); then it attaches."""
+    import concurrent.futures
+
+    gate, key = new_gate(), uuid.uuid4().hex
+    ENTERED[gate] = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(run_stream, gw.url, "admitted_at_the_gate", {"gate": gate}, headers={"Idempotency-Key": key})
+        assert ENTERED[gate].wait(30), "the first request was not admitted"
+        again = httpx.post(f"{gw.url}/admitted_at_the_gate/run", json={"gate": gate}, headers={"Idempotency-Key": key}, timeout=30)
+        GATES[gate].set()
+        done = first.result(60)
+    assert again.status_code == 429 and again.headers["retry-after"] == "1", again.text
+    assert again.json()["error"]["retryable"] is True
+    attached = run_stream(gw.url, "admitted_at_the_gate", {"gate": gate}, headers={"Idempotency-Key": key})
+    assert attached.headers["x-job-id"] == done.headers["x-job-id"] and attached.terminal == done.terminal
 
 
 def test_an_idempotency_key_sent_with_another_request_is_refused(gw):

@@ -58,6 +58,18 @@ def test_get_form_maps_query_keys_onto_params(server):
     assert as_json.terminal["data"] == post.terminal["data"]
 
 
+def test_a_head_of_a_run_url_starts_no_job(server):
+    """Starlette answers HEAD on every GET route, and a run's GET starts a job: a HEAD (a link
+    checker's, a proxy's) is refused, never a job that no one follows and nothing would cancel."""
+    def ids() -> set[str]:
+        return {job["job_id"] for job in httpx.get(f"{server.url}/jobs", timeout=10).json()["jobs"]}
+
+    before = ids()
+    head = httpx.head(f"{server.url}/generate/run", params=[("prompts", "ab"), ("max_tokens", "3")], timeout=10)
+    assert head.status_code == 405 and "x-job-id" not in head.headers
+    assert ids() == before
+
+
 def test_same_seed_same_completions_different_seed_differs(server):
     params = {"prompts": ["x", "y"], "max_tokens": 16, "temperature": 1.5, "seed": 7}
     a = run_stream(server.url, "generate", params).terminal["data"]

@@ -228,6 +228,10 @@ class Gateway:
 
     async def run(self, request: Request) -> Response:
         """`POST` (and `GET`) `/{tool}/run`: a new job's stream, or a job's again (`Last-Event-ID`, `Idempotency-Key`)."""
+        if request.method == "HEAD":
+            # Starlette answers HEAD on a GET route. A run's GET starts a job; a HEAD (a link checker's, a
+            # proxy's) must not: nothing would follow that job, and so nothing would ever cancel it.
+            raise ApiError(Code.METHOD_NOT_ALLOWED, f"HEAD {request.url.path} would start a job: use GET or POST")
         caller = await self.caller(request)
         name = request.path_params["tool"]
         with self.streams.slot(caller.tenant) as slot:
@@ -256,6 +260,11 @@ class Gateway:
             )
             if isinstance(admitted, Attached):
                 # The same request again (a client replaying its POST): attach to the job it started.
+                if await self.store.get(admitted.job_id) is None:  # bound, and its first request still being admitted
+                    raise ApiError(
+                        Code.RATE_LIMITED, "the request first sent with this Idempotency-Key is still being admitted: send it again",
+                        retry_after=1,
+                    )
                 after = resumed[1] if resumed is not None and resumed[0] == admitted.job_id else 0
                 return self._resume(await self._job(admitted.job_id, caller.principal, to_follow=True), slot, after)
             return self.follow(await self.store.followed(admitted), slot)
