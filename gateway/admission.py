@@ -301,7 +301,7 @@ class Admission:
         if self.metrics is not None:
             self.metrics.track(job)
         release = lambda: None  # noqa: E731
-        room, webhooks = None, None
+        room, withdraw = None, False
         try:
             release = await self._quotas(applicant, job)
             job.cost = await self.backend.admit(tool, params, self.limits)
@@ -311,7 +311,7 @@ class Admission:
             if callback is not None and self.webhooks is not None:
                 await self.webhooks.waiting(job, callback)
                 # A job going on here kept its delivery from its first admission, refused here or not.
-                webhooks = self.webhooks if going_on is None else None
+                withdraw = going_on is None
             if admission.get_span_context().is_valid:
                 # From here the job is its own trace's: it outlives the request, and another process
                 # continues it from this span (the time it waits queued is measured from its start).
@@ -328,8 +328,8 @@ class Admission:
             release()
             if room is not None:
                 room()
-            if webhooks is not None and callback is not None:
-                await webhooks.withdraw(job, callback)
+            if withdraw and self.webhooks is not None and callback is not None:
+                await self.webhooks.withdraw(job, callback)
             if scoped is not None and self.store is not None:
                 await self.store.release(scoped, job.id)
             end_span(job.span, *_refusal(exc))

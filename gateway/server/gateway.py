@@ -260,17 +260,18 @@ class Gateway:
             )
             if isinstance(admitted, Attached):
                 # The same request again (a client replaying its POST): attach to the job it started.
-                if await self.store.get(admitted.job_id) is None:  # bound, and its first request still being admitted
-                    raise ApiError(
-                        Code.RATE_LIMITED, "the request first sent with this Idempotency-Key is still being admitted: send it again",
-                        retry_after=1,
-                    )
+                job = await self._job(admitted.job_id, caller.principal, to_follow=True, admitting=True)
                 after = resumed[1] if resumed is not None and resumed[0] == admitted.job_id else 0
-                return self._resume(await self._job(admitted.job_id, caller.principal, to_follow=True), slot, after)
+                return self._resume(job, slot, after)
             return self.follow(await self.store.followed(admitted), slot)
 
-    async def _job(self, job_id: str, principal: Principal | None, *, to_follow: bool = False) -> JobHandle:
+    async def _job(self, job_id: str, principal: Principal | None, *, to_follow: bool = False, admitting: bool = False) -> JobHandle:
+        """`admitting`: the job an Idempotency-Key is bound to, which may still be being admitted (not yet stored)."""
         job = await self.store.get(job_id, to_follow=to_follow)
+        if job is None and admitting:
+            raise ApiError(
+                Code.RATE_LIMITED, "the request first sent with this Idempotency-Key is still being admitted: send it again", retry_after=1
+            )
         # Another token's job is answered as an unknown one: its existence is not the caller's to learn.
         if job is None or not self.auth.sees(principal, job.snapshot(kept=[]).owner):
             raise ApiError(Code.NOT_FOUND, f"no job {job_id} (unknown, or finished more than {self.settings.retention:g} s ago)")
