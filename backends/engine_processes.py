@@ -65,6 +65,9 @@ class Supervised(Protocol):
     problem: str
     ready_since_start: bool
 
+    @property
+    def ready(self) -> bool: ...
+
     def lost(self, reason: str) -> None:
         """The engine's process ended (`reason` says how): its jobs end, or wait for the next one."""
         ...
@@ -85,6 +88,14 @@ class Engine:
     pid: int | None = None
     last_exit: str | None = None
     process: asyncio.subprocess.Process | None = None
+
+    @property
+    def shown_state(self) -> str:
+        """The state as a reader of `/readyz` should take it: a process still up whose link is down is not
+        "running" to anyone (it is loading its model, or dying and not yet reaped)."""
+        if self.state == "running" and not self.link.ready:
+            return "starting" if not self.link.ready_since_start else "not answering"
+        return self.state
 
     async def _launch(self) -> asyncio.subprocess.Process:
         assert self.socket is not None and self.settings is not None

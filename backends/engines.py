@@ -452,7 +452,7 @@ class EngineBackend(Routing):
     @property
     def not_ready_reason(self) -> str:
         problems = [
-            f"the engine of model {e.name} on {e.device} is {e.state}" + (f" (it {e.last_exit})" if e.last_exit else "")
+            f"the engine of model {e.name} on {e.device} is {e.shown_state}" + (f" (it {e.last_exit})" if e.last_exit else "")
             + ("; it is not started again: fix its settings and restart the gateway" if e.state == "given up" else "")
             for e in self.engines
             if not e.link.ready
