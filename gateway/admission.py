@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+import anyio
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -286,18 +287,9 @@ class Admission:
         job = _new_job(tool, params, applicant, job_id, may_go_on, going_on)
         digest, scoped = "", None
         if key is not None:
-            assert self.store is not None, "an idempotency key needs a store to bind it in"
             digest, scoped = await params_mod.digest_of(tool.name, params), f"{applicant.owner or ''}:{key}"
-            if (bound := await self.store.reserve(scoped, job.id, digest)) is not None:
-                # A key bound before requests were recorded with it (an older replica) has no digest: it attaches.
-                if bound.request and bound.request != digest:
-                    # A key names one request: the same key on another body is a client's bug, never a new job.
-                    raise ApiError(
-                        Code.IDEMPOTENCY_KEY_REUSED,
-                        f"Idempotency-Key {key!r} was first sent with another request "
-                        "(tool or params); use a new key for a new request",
-                    )
-                return Attached(bound.job_id)
+            if (attached := await self._bound(scoped, key, job, digest)) is not None:
+                return attached
         if self.metrics is not None:
             self.metrics.track(job)
         release = lambda: None  # noqa: E731
@@ -328,33 +320,60 @@ class Admission:
             release()
             if room is not None:
                 room()
-            if withdraw and self.webhooks is not None and callback is not None:
-                await self.webhooks.withdraw(job, callback)
-            if scoped is not None and self.store is not None:
-                await self.store.release(scoped, job.id)
+            await self._withdrawn(job, scoped, callback if withdraw else None)
             end_span(job.span, *_refusal(exc))
             raise
-        self._until_end(job, applicant, release, room, callback)
+        self._until_end(job, applicant, release, room)
         job.idempotency_key, job.request_digest = scoped, digest
         if going_on is not None:  # bound before, by the replica that first admitted it
             job.idempotency_key, job.request_digest = going_on.key, going_on.digest
         if self.store is not None:
-            await self.store.add(job)
+            try:
+                await self.store.add(job)
+            except BaseException:
+                # Queued, and now found by no one (no stream, no cancel, no key): it must not run on.
+                # What it holds is given back as it ends.
+                self.backend.cancel(job)
+                await self._withdrawn(job, scoped, callback if withdraw else None)
+                raise
+        if callback is not None and self.webhooks is not None:  # admitted: a refused run's end is no one's
+            self.webhooks.armed(job, callback)
         return job
 
-    def _until_end(
-        self, job: Job, applicant: Applicant, release: Callable[[], None], room: Callable[[], None] | None, callback: str | None
-    ) -> None:
+    async def _bound(self, scoped: str, key: str, job: Job, digest: str) -> Attached | None:
+        """`key` (scoped to its token) bound to `job` (None), or the job it names already if it names
+        this request (409 if another)."""
+        assert self.store is not None, "an idempotency key needs a store to bind it in"
+        if (bound := await self.store.reserve(scoped, job.id, digest)) is None:
+            return None
+        # A key bound before requests were recorded with it (an older replica) has no digest: it attaches.
+        if bound.request and bound.request != digest:
+            # A key names one request: the same key on another body is a client's bug, never a new job.
+            raise ApiError(
+                Code.IDEMPOTENCY_KEY_REUSED,
+                f"Idempotency-Key {key!r} was first sent with another request (tool or params); use a new key for a new request",
+            )
+        return Attached(bound.job_id)
+
+    async def _withdrawn(self, job: Job, scoped: str | None, callback: str | None) -> None:
+        """A refused run's key and webhook delivery are taken back. Shielded: a request cancelled (its
+        client gone, an MCP call's scope) stays cancelled under anyio, which would cancel these too and
+        leave the key bound and the delivery counted."""
+        with anyio.CancelScope(shield=True):
+            if callback is not None and self.webhooks is not None:
+                await self.webhooks.withdraw(job, callback)
+            if scoped is not None and self.store is not None:
+                await self.store.release(scoped, job.id)
+
+    def _until_end(self, job: Job, applicant: Applicant, release: Callable[[], None], room: Callable[[], None] | None) -> None:
         """What the admitted job holds is given back as it ends (at once if it has: an engine's frames
-        may come with its answer to the submit), its use settled, and its end delivered."""
+        may come with its answer to the submit), and its use settled."""
         job.when_ended(lambda _: release())
         if (meter := self.meter) is not None:
             user_class = applicant.principal.user_class if applicant.principal is not None else None
             job.when_ended(lambda ended: meter.settle(ended, user_class))
         if room is not None:  # after the settling: the tokens its quota held count as used from then
             job.when_ended(lambda _: room())
-        if callback is not None and self.webhooks is not None:  # admitted: a refused run's end is no one's
-            self.webhooks.armed(job, callback)
 
     async def _quotas(self, applicant: Applicant, job: Job) -> Callable[[], None]:
         """The token's place within its limits (429; what gives it back), and its class's quotas on

@@ -416,3 +416,68 @@ async def test_a_job_that_ends_before_its_submit_returns_gives_back_what_it_held
     finally:
         await backend.stop()
         room.close()
+
+
+async def test_a_job_its_store_does_not_take_is_cancelled_and_gives_back_its_key_delivery_and_place(tiny_model_path: Any) -> None:
+    """A job is queued before its store records it. Should the store fail then (a 503), or the request be
+    cancelled there (its client gone, an MCP call's scope cancelled, which anyio keeps cancelling), the
+    job is found by no one: it is cancelled, its token's place given back as it ends, and its key and its
+    webhook delivery taken back even under the cancelled scope."""
+    import asyncio
+
+    import anyio
+
+    from backends.local import LocalBackend
+    from gateway.admission import Admission, Applicant
+    from gateway.config import Settings
+    from gateway.errors import ApiError
+    from gateway.jobs import Job
+    from gateway.protocol import Code
+    from gateway.server.auth import Limits, Principal
+    from gateway.server.store import MemoryStore
+    from gateway.server.webhooks import Webhooks
+    from gateway.tools import collect, load_module
+    from tests.support import script_tools
+
+    class Unrecording(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__(lambda job: None)
+            self.refused: list[Job] = []
+            self.hang = False
+
+        async def add(self, job: Job) -> None:
+            self.refused.append(job)
+            if self.hang:
+                await asyncio.Event().wait()
+            raise ApiError(Code.STORE_UNAVAILABLE, "the store did not answer", retry_after=5)
+
+        async def release(self, key: str, job_id: str) -> None:
+            await asyncio.sleep(0)  # a round trip, as Redis's is: where a still-cancelled scope strikes
+            await super().release(key, job_id)
+
+    tools = collect(load_module(script_tools.__name__))
+    backend = LocalBackend(tools, Settings(model=[str(tiny_model_path)], device="cpu"))
+    store, limits, hooks = Unrecording(), Limits(), Webhooks("whsec_" + "A" * 32, ["127.0.0.1"], per_tenant=3)
+    admission = Admission(backend, Settings().limits(), store=store, quota=limits, webhooks=hooks)
+    applicant = Applicant.of(Principal("lab", "x" * 16, max_concurrent=1), "lab")
+    waits = script_tools.ScriptParams(script=[script_tools.AwaitDisconnectStep()])
+    await backend.start()
+    try:
+        await backend.wait_ready()
+        with pytest.raises(ApiError) as refused:
+            await admission.admit_once(tools["script"], waits, applicant, "k", callback="http://127.0.0.1:9/hook")
+        assert refused.value.status == 503
+        store.hang = True
+        with anyio.move_on_after(0.5) as scope:
+            await admission.admit_once(tools["script"], waits, applicant, "k", callback="http://127.0.0.1:9/hook")
+        assert scope.cancelled_caught
+        for job in store.refused:
+            for _ in range(3000):
+                if job.done:
+                    break
+                await asyncio.sleep(0.01)
+            assert job.terminal is not None and msgspec.json.decode(job.terminal.data)["error"]["code"] == "cancelled"
+        assert len(store.refused) == 2 and not limits.running and await hooks.outbox.held("lab") == (0, 0, 0)
+        assert store.keys == {} and await store.reserve("lab:k", "another", "") is None
+    finally:
+        await backend.stop()

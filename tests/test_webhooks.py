@@ -491,3 +491,33 @@ def test_a_redis_outbox_takes_out_a_refused_runs_delivery_and_counts_a_job_going
             await outbox.close()
 
     asyncio.run(check())
+
+
+def test_a_delivery_whose_outbox_answer_is_lost_is_taken_out_again(redis_server: RedisServer) -> None:  # noqa: F811
+    """Redis may keep a delivery and its answer be lost (stalled past the timeout, a reset): the run is
+    a 503, and the delivery it kept must not count against the tenant's cap for the week it is kept."""
+    from gateway.errors import ApiError
+    from gateway.jobs import Job
+    from gateway.server.redis_store.outbox import RedisOutbox
+    from gateway.server.webhooks import Webhooks
+
+    async def check() -> None:
+        outbox = RedisOutbox(redis_server.url, retention=60, prefix="outbox-lost:")
+        kept = outbox.open_script
+
+        async def kept_then_lost(**kwargs: Any) -> Any:
+            await kept(**kwargs)
+            raise TimeoutError("its answer never came")
+
+        outbox.open_script = kept_then_lost
+        hooks = Webhooks(SECRET, ["127.0.0.1"], per_tenant=2, outbox=outbox)
+        try:
+            for i in range(3):
+                with pytest.raises(ApiError) as refused:
+                    await hooks.waiting(Job("t", None, job_id=f"j{i}", tenant="lab"), "http://127.0.0.1:9/hook")
+                assert refused.value.status == 503
+            assert await outbox.held("lab") == (0, 0, 0) and await outbox.get("j0") is None
+        finally:
+            await outbox.close()
+
+    asyncio.run(check())

@@ -47,6 +47,7 @@ import urllib.parse
 from collections.abc import Iterable
 from typing import Any, NamedTuple, Protocol
 
+import anyio
 import httpx
 import msgspec
 from standardwebhooks import Webhook
@@ -290,7 +291,12 @@ class Webhooks:
         """`job` has a callback: kept (shown on `GET /jobs/{id}`), and delivered once the job ends;
         429 while its tenant, or the gateway, has as many deliveries open as it may."""
         # Checked and put in one step: replicas admitting at once never overshoot the caps together.
-        held = await self.outbox.open(Delivery(job.id, url, tenant=job.tenant), self.per_tenant, MAX_OPEN)
+        try:
+            held = await self.outbox.open(Delivery(job.id, url, tenant=job.tenant), self.per_tenant, MAX_OPEN)
+        except BaseException:  # the step may have landed and its answer been lost (a stalled Redis, a reset)
+            with anyio.CancelScope(shield=True):
+                await self.withdraw(job, url)
+            raise
         if held is not None and held.tenant >= self.per_tenant:
             raise ApiError(
                 Code.RATE_LIMITED, f"{held.tenant} completion webhooks of yours are not yet delivered (--webhooks-per-tenant): "
