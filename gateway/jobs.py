@@ -15,11 +15,8 @@ always lands after them.
 
 from __future__ import annotations
 
-import array
 import asyncio
-import bisect
 import contextlib
-import itertools
 import logging
 import os
 import re
@@ -52,6 +49,7 @@ from gateway.protocol import (
     now,
 )
 from gateway.checkpoints import Checkpoint
+from gateway.eventlog import KeptLog, LiveLog
 from gateway.encoding import to_json
 from gateway.tools.base import Cancelled
 from gateway.tools.files import MAX_FILES
@@ -59,7 +57,6 @@ from gateway.tools.files import MAX_FILES
 log = logging.getLogger("streamgate.jobs")
 
 PROGRESS_INTERVAL_S = 0.1  # RUNNING frames are coalesced to at most ~10/s per job
-PIECE = 256 * 1024  # of a kept log read at once by a follower, as the spool's own pieces
 
 
 class Job:
@@ -115,8 +112,8 @@ class Job:
         # Called once with the job when its terminal event is appended (e.g. to free a per-token slot): `when_ended`.
         self.on_end: list[Callable[[Job], None]] = []
         self.on_start: list[Callable[[Job], None]] = []  # called once, as it first runs
-        # Its log; once it has ended, its events before the terminal one may be moved out of memory (`keep_log`).
-        self.events: list[Event] | KeptLog = []
+        # Its log, packed; once it has ended, its events before the terminal one may be moved out of memory (`keep_log`).
+        self.events: LiveLog | KeptLog = LiveLog(self.id, self.base)
         self.terminal: Event | None = None
         # Read by worker threads between steps, hence a threading.Event.
         self.cancel_requested = threading.Event()
@@ -156,7 +153,7 @@ class Job:
     def _append(self, type: EventType, data: bytes) -> Event | None:
         if self.terminal is not None:
             return None
-        assert isinstance(self.events, list)  # a kept log is a finished job's
+        assert isinstance(self.events, LiveLog)  # a kept log is a finished job's
         event = Event(self.id, self.base + len(self.events) + 1, type, data)
         self.events.append(event)
         if event.terminal:
@@ -188,8 +185,7 @@ class Job:
 
     def going_on(self) -> None:
         """Its run is to go on from its checkpoint: drop the partials the next run sends again."""
-        sent = sum(1 for e in self.events if e.type is EventType.PARTIAL) if isinstance(self.events, list) else 0
-        self.skip_partials = self.partials_earlier + sent
+        self.skip_partials = self.partials_earlier + self.events.count(EventType.PARTIAL)
 
     def set_status(self, status: Status, **fields: Any) -> None:
         """Move to `status` and send a status frame (QUEUED again when the position moves)."""
@@ -288,15 +284,14 @@ class Job:
     def keep_result(self, kept: Kept) -> None:
         """Its result now lies in `kept` (the spool): the log and the terminal event refer to it there."""
         terminal = self.terminal
-        at = terminal.seq - self.base - 1 if terminal is not None else -1
-        assert terminal is not None and isinstance(self.events, list) and self.events[at] is terminal
-        self.terminal = self.events[at] = terminal.spooled(kept)
+        assert terminal is not None and self.events.terminal is terminal
+        self.terminal = self.events.terminal = terminal.spooled(kept)
 
-    def keep_log(self, kept: Kept, before: list[Event]) -> None:
-        """Its events before the terminal one (`before`, written into `kept` as `KeptLog.record` made
-        them) now lie there: its log holds its terminal event and an index of 9 bytes an event."""
-        assert self.terminal is not None and isinstance(self.events, list) and self.events[:-1] == before
-        self.events = KeptLog(self.id, kept, before, self.terminal, self.base)
+    def keep_log(self, kept: Kept) -> None:
+        """Its events before the terminal one (`events.data`) now lie in `kept`: its log holds its
+        terminal event and an index of 9 bytes an event."""
+        assert self.terminal is not None and isinstance(self.events, LiveLog)
+        self.events = self.events.kept_in(kept)
 
     @property
     def state(self) -> str:
@@ -319,7 +314,7 @@ class Job:
             finished=self.finished,
             position=self.position if self.status is Status.QUEUED and terminal is None else None,
             progress=self.last_progress,
-            last_event_id=self.events[-1].id if self.events else None,
+            last_event_id=f"{self.id}:{self.last_seq}" if len(self.events) else None,
             terminal=terminal_event(terminal, kept) if terminal else None,
             owner=self.owner,
         )
@@ -327,12 +322,12 @@ class Job:
     # -- following ------------------------------------------------------------
 
     async def wait_events(self, after: int, timeout: float | None = None) -> list[Event]:
-        """Events with seq > `after`, waiting up to `timeout` for one; [] on timeout. From a kept
-        log, as many as a piece holds (at least one): the follower asks again for the rest."""
+        """Events with seq > `after`, waiting up to `timeout` for one; [] on timeout. As many as a
+        piece holds (at least one): the follower asks again for the rest."""
         if isinstance(self.events, KeptLog):
             return await self.events.after(after)
-        after = max(0, after - self.base)  # (a job that went on here has only its newer events in this log)
-        if len(self.events) <= after and self.terminal is None:
+        # (a job that went on here has only its newer events in this log)
+        if len(self.events) <= after - self.base and self.terminal is None:
             # A bare future and a timer: no Event per appended event, no task per wait
             # (asyncio.wait_for makes one), for the many followers a gateway holds.
             waiter = self._loop.create_future()
@@ -348,75 +343,10 @@ class Job:
                         self._waiters.remove(waiter)
             if waiter.result() is _TIMED_OUT:
                 return []
-        return self.events[after:]
+        return self.events.after(after)
 
 
 _TIMED_OUT = object()
-
-_KINDS = list(EventType)
-
-
-class KeptLog:
-    """A finished job's log with its events before the terminal one kept outside memory (the result
-    spool, gateway/plumbing/spool.py): their data back to back in one record, and per event its
-    type and where its data ends. A log of thousands of partials costs 9 bytes an event here,
-    where each had cost its data and about a hundred bytes more. It reads as the list it replaces
-    (`len`, an index, a slice: blocking reads, for the few that need them); followers read it a
-    piece at a time, on a thread (`after`)."""
-
-    __slots__ = ("job_id", "kept", "kinds", "ends", "terminal", "base")
-
-    def __init__(self, job_id: str, kept: Kept, before: list[Event], terminal: Event, base: int = 0) -> None:
-        self.job_id = job_id
-        self.base = base  # the seq before its first event (`Job.base`)
-        self.kept = kept
-        self.kinds = bytes(_KINDS.index(event.type) for event in before)
-        self.ends = array.array("Q", itertools.accumulate(len(event.raw) for event in before))
-        self.terminal = terminal
-
-    @staticmethod
-    def record(before: list[Event]) -> bytes:
-        """What a log's record holds: its events' data back to back."""
-        return b"".join([event.raw for event in before])
-
-    def __len__(self) -> int:
-        return len(self.kinds) + 1
-
-    def __getitem__(self, index: int | slice) -> Any:
-        if isinstance(index, slice):
-            start, stop, step = index.indices(len(self))
-            assert step == 1, "a kept log is read forwards"
-            return self._read(start, stop)
-        events = self._read(*slice(index, index + 1 if index != -1 else None).indices(len(self))[:2])
-        if not events:
-            raise IndexError(index)
-        return events[0]
-
-    async def after(self, after: int, piece: int = PIECE) -> list[Event]:
-        """Events with seq > `after`: those whose data fits in `piece` bytes (at least one), read on a thread."""
-        start, n = max(0, after - self.base), len(self.kinds)
-        if start >= n:
-            return [self.terminal] if start < n + 1 else []
-        base = self.ends[start - 1] if start else 0
-        stop = bisect.bisect_right(self.ends, base + piece, lo=start + 1)
-        return await asyncio.to_thread(self._read, start, stop if stop < n else n + 1)
-
-    def _read(self, start: int, stop: int) -> list[Event]:
-        """Events at indices `start`..`stop - 1` of the log (the terminal one's is its last)."""
-        n = len(self.kinds)
-        kept_stop = min(stop, n)
-        events = []
-        if start < kept_stop:
-            base = self.ends[start - 1] if start else 0
-            data = self.kept.read_at(base, self.ends[kept_stop - 1] - base)
-            at = base
-            for i in range(start, kept_stop):
-                events.append(Event(self.job_id, self.base + i + 1, _KINDS[self.kinds[i]], data[at - base : self.ends[i] - base]))
-                at = self.ends[i]
-        if stop > n >= start:
-            events.append(self.terminal)
-        return events
-
 
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 

@@ -481,3 +481,35 @@ async def test_a_job_its_store_does_not_take_is_cancelled_and_gives_back_its_key
         assert store.keys == {} and await store.reserve("lab:k", "another", "") is None
     finally:
         await backend.stop()
+
+
+async def test_a_running_jobs_log_costs_its_data_and_a_few_bytes_an_event() -> None:
+    """A job's log is held while it runs, for followers that read slowly or not at all (and their
+    resumes): packed, an event costs its data and a few bytes, where an object per event cost about a
+    hundred more (a generation's token events several times their data). It reads back as written,
+    and a follower far behind takes it a piece at a time."""
+    import tracemalloc
+
+    from gateway.eventlog import PIECE
+    from gateway.jobs import Job
+    from gateway.protocol import EventType
+
+    job = Job("t", None)
+    payload = {"i": 0, "text": "y" * 200}
+    each = len(msgspec.json.encode(payload))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(20_000):
+            job.partial(payload)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    data = 20_000 * each
+    assert held < data * 1.2 + 20_000 * 16, (held, data)
+    partials = job.events[1:]
+    assert len(partials) == 20_000 and [e.seq for e in partials[:3]] == [2, 3, 4]
+    assert all(e.type is EventType.PARTIAL and msgspec.json.decode(e.data) == payload for e in partials)
+    piece = await job.wait_events(0)
+    assert piece == list(job.events[: len(piece)]) and sum(e.size for e in piece) <= PIECE < sum(e.size for e in piece) + each
+    assert await job.wait_events(20_000) == [job.events[-1]]

@@ -23,7 +23,8 @@ import httpx
 import pytest
 
 from gateway.errors import ApiError
-from gateway.jobs import Job, KeptLog
+from gateway.eventlog import KeptLog
+from gateway.jobs import Job
 from gateway.plumbing.spool import PIECE, SEGMENT_BYTES, ResultSpool
 from gateway.protocol import Code
 from gateway.server.store import FinishedResults

@@ -33,7 +33,8 @@ from typing import Any, Protocol
 
 from gateway.admission import Admission, Binding
 from gateway.errors import ParamError
-from gateway.jobs import Job, KeptLog
+from gateway.eventlog import KEPT_EVENT, KeptLog, LiveLog
+from gateway.jobs import Job
 from gateway.plumbing.spool import SPOOL_FROM, ResultSpool
 from gateway.protocol import Event, EventType, JobList, JobSnapshot, Kept
 
@@ -42,10 +43,9 @@ log = logging.getLogger("streamgate.store")
 SWEEP_INTERVAL_S = 1.0
 # --result-memory-bytes' default: the finished jobs' logs this store holds in memory before every result goes to the spool.
 DEFAULT_MEMORY_BUDGET = 64 << 20
-# What an event costs in memory besides its data (the Event, its bytes object, the log's slot), and
-# what one costs once its log is kept (gateway/jobs.py `KeptLog`): counted against the budget too.
+# What the terminal event costs in memory besides its data (the Event and its bytes object); the
+# others are packed (gateway/eventlog.py, `KEPT_EVENT` each): counted against the budget too.
 EVENT_OVERHEAD = 100
-KEPT_EVENT = 9
 
 # `GET /jobs?state=`: a status (in lower case), or a group of them.
 STATE_GROUPS = {"active": ("RECEIVED", "QUEUED", "DISPATCHED", "RUNNING"), "finished": ("SUCCEEDED", "FAILED")}
@@ -171,14 +171,13 @@ class FinishedResults:
         self._kept[job.id] = job
         if job.files:
             self._keep_files(job)
-        terminal = job.terminal
-        assert terminal is not None and isinstance(job.events, list)
-        before = job.events[:-1]
-        log_size = sum(event.size for event in before) + EVENT_OVERHEAD * len(before)
+        terminal, events = job.terminal, job.events
+        assert terminal is not None and isinstance(events, LiveLog)
+        log_size = events.data_size + KEPT_EVENT * len(events.kinds)
         size = log_size + terminal.size + EVENT_OVERHEAD
         over = self.in_memory + size > self.memory_budget
         result_out = terminal.type is EventType.DATA and terminal.kept is None and (terminal.size >= SPOOL_FROM or over)
-        log_out = bool(before) and (log_size >= SPOOL_FROM or over)
+        log_out = bool(events.kinds) and (log_size >= SPOOL_FROM or over)
         if self.spool is not None and (result_out or log_out):
             task = asyncio.get_running_loop().create_task(self._spool(job, size, result_out, log_out))
             self._spooling.add(task)
@@ -227,18 +226,18 @@ class FinishedResults:
     async def _spool(self, job: Job, size: int, result_out: bool, log_out: bool) -> None:
         """Move the result (`result_out`) and the events before it (`log_out`) to the spool; what the
         spool cannot take (a full or failing disk) stays in memory, counted: never dropped."""
-        assert self.spool is not None and job.terminal is not None and isinstance(job.events, list)
-        terminal, before = job.terminal, job.events[:-1]
+        assert self.spool is not None and job.terminal is not None and isinstance(job.events, LiveLog)
+        terminal, events = job.terminal, job.events
         if result_out:
             kept = await self._keep(job, "result", terminal.raw)
             if kept is not None:
                 job.keep_result(kept)
                 size -= terminal.size
         if log_out:
-            kept = await self._keep(job, "events", KeptLog.record(before))
+            kept = await self._keep(job, "events", memoryview(events.data))
             if kept is not None:
-                job.keep_log(kept, before)
-                size -= sum(event.size for event in before) + (EVENT_OVERHEAD - KEPT_EVENT) * len(before)
+                job.keep_log(kept)
+                size -= events.data_size
         if self._kept.get(job.id) is job:
             self._count(job, size)
 
