@@ -200,7 +200,8 @@ class EngineLink(ExecutorLink):
         self.abandoned.clear()  # a new engine has none of them
         # A job whose submit is unanswered is its submitter's (`_closed` fails it): admission tries
         # another engine or refuses the run, `_requeue` waits again. Kept here too, it would run twice.
-        unanswered = {job_id for job_id, answer in self.answers.items() if not answer.done()}
+        # So is one whose answer the socket's closing failed already, its submitter not yet woken.
+        unanswered = {job_id for job_id, answer in self.answers.items() if not answer.done() or _failed(answer)}
         self._closed()
         keep = self.ready_since_start  # an engine that never got ready is in a crash loop: nothing waits on it
         going_on: list[Job] = []  # running ones that go on from their checkpoints, first: they started first
@@ -513,3 +514,7 @@ class EngineBackend(Routing):
                 if self._outside() else {}
             ),
         }
+
+
+def _failed(answer: asyncio.Future[None]) -> bool:
+    return answer.cancelled() or answer.exception() is not None
