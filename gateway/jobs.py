@@ -327,7 +327,7 @@ class Job:
         if isinstance(self.events, KeptLog):
             return await self.events.after(after)
         # (a job that went on here has only its newer events in this log)
-        if len(self.events) <= after - self.base and self.terminal is None:
+        if len(self.events) <= max(0, after - self.base) and self.terminal is None:
             # A bare future and a timer: no Event per appended event, no task per wait
             # (asyncio.wait_for makes one), for the many followers a gateway holds.
             waiter = self._loop.create_future()
